@@ -1,0 +1,303 @@
+"""LoGRA-AdamW: AdamW whose state lives in low-rank gradient sketches.
+
+Math (design note §1)
+---------------------
+For each sketched 2-D weight ``W ∈ R^{m×n}`` with gradient ``G`` and orthonormal right
+basis ``Q ∈ R^{n×r}`` (see :mod:`loggra_megatron.optim.projection`)::
+
+    S  = G Q                                  # [m, r] sketch
+    M ← β1 M + (1 − β1) S                     # [m, r]
+    V ← β2 V + (1 − β2) S ∘ S                 # [m, r]
+    U  = M̂ / (√V̂ + ε)                         # bias-corrected, [m, r]
+    W ← W − lr·(λ W + α U Qᵀ)                 # decoupled weight decay λ, scale α
+         − lr·ρ·γ·(G − S Qᵀ)                  # optional residual, γ = α‖U‖/‖S‖ (Fira-like)
+
+Every ``update_interval`` steps ``Q`` is recomputed from the current gradient, aligned
+to the old basis and the moments are transported (``projection.transport_moments``).
+With ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``.
+
+1-D parameters, matrices with ``min(m, n) < min_dim`` and param groups with
+``sketch=False`` (embeddings, output layer) take the dense AdamW update.
+
+State per sketched matrix: ``exp_avg`` and ``exp_avg_sq`` ``[m, r]`` and ``basis``
+``[n, r]`` in fp32 (``2·m·r + n·r`` floats) plus three int64 scalars (``step``,
+``basis_seed``, ``nonfinite_skips``). State is tensors only, so it shards and
+checkpoints like Adam's; the Gaussian test matrices are re-derived from
+``(basis_seed, refresh index)``, so no RNG state is needed to resume bitwise.
+
+Sharding/communication: none here (single process); the distributed version is
+:mod:`loggra_megatron.optim.distributed`.
+
+References: GaLore (Zhao et al., ICML 2024), Flora (Hao et al., ICML 2024),
+LDAdam (Robert et al., ICLR 2025), Fira (Chen et al., 2024), Halko et al. (SIAM Rev. 2011).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+
+import torch
+
+from loggra_megatron.optim.projection import (
+    PROJECTIONS,
+    align_basis,
+    gaussian_test_matrix,
+    random_basis,
+    range_finder_basis,
+    svd_basis,
+    transport_moments,
+)
+
+_SEED_STRIDE = 1_000_003
+
+
+def is_sketched(param: torch.Tensor, group: dict) -> bool:
+    """Whether ``param`` takes the low-rank update under ``group``'s settings."""
+    return (
+        group["sketch"]
+        and param.dim() == 2
+        and (group["projection"] == "identity" or min(param.shape) >= group["min_dim"])
+    )
+
+
+def sketch_rank(shape: tuple[int, int], group: dict) -> int:
+    """Effective rank r for a sketched ``[m, n]`` weight (identity: n; else clamped)."""
+    m, n = shape
+    if group["projection"] == "identity":
+        return n
+    return min(group["rank"], m, n)
+
+
+class LoGRAAdamW(torch.optim.Optimizer):
+    """AdamW with Adam's moments kept in low-rank gradient sketches.
+
+    Args:
+        params: parameters or param groups. Groups may override every keyword below,
+            e.g. ``{"params": embeddings, "sketch": False}``.
+        lr: learning rate (≥ 0).
+        betas: ``(β1, β2)``, each in [0, 1).
+        eps: term added to √V̂ (≥ 0).
+        weight_decay: decoupled weight decay λ (≥ 0).
+        rank: sketch rank r (> 0). Clamped to ``min(m, n)`` with one warning.
+        update_interval: steps between basis refreshes (> 0).
+        projection: ``"range_finder"`` | ``"svd"`` | ``"random"`` | ``"identity"``.
+        oversample: extra range-finder probe vectors p (≥ 0).
+        power_iters: range-finder power iterations q (≥ 0).
+        scale: α, multiplies the low-rank update (> 0).
+        residual_scale: ρ, weight of the stateless norm-matched residual (≥ 0; 0 = off).
+        min_dim: matrices with a side shorter than this are updated densely (≥ 1).
+        sketch: if False, every param of the group is updated densely.
+        seed: base seed of the range finder's Gaussian test matrices.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        rank: int = 128,
+        update_interval: int = 200,
+        projection: str = "range_finder",
+        oversample: int = 8,
+        power_iters: int = 1,
+        scale: float = 1.0,
+        residual_scale: float = 0.0,
+        min_dim: int = 64,
+        sketch: bool = True,
+        seed: int = 0,
+    ):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
+            update_interval=update_interval, projection=projection, oversample=oversample,
+            power_iters=power_iters, scale=scale, residual_scale=residual_scale,
+            min_dim=min_dim, sketch=sketch, seed=seed,
+        )  # fmt: skip
+        self._num_params_seen = 0
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ validation
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _validate_group(group)
+        clamped = []
+        for p in group["params"]:
+            p._loggra_index = self._num_params_seen  # stable id for the basis seed
+            self._num_params_seen += 1
+            if (
+                is_sketched(p, group)
+                and group["projection"] != "identity"
+                and sketch_rank(tuple(p.shape), group) < group["rank"]
+            ):
+                clamped.append(tuple(p.shape))
+        if clamped:
+            warnings.warn(
+                f"LoGRAAdamW: rank={group['rank']} exceeds min(m, n) of {len(clamped)} "
+                f"matrices (e.g. {clamped[0]}); their rank is clamped to min(m, n).",
+                stacklevel=4,  # the caller of LoGRAAdamW(...)
+            )
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.int64)
+        state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64)
+        f32 = dict(device=p.device, dtype=torch.float32)
+        if is_sketched(p, group):
+            m, n = p.shape
+            r = sketch_rank((m, n), group)
+            state["exp_avg"] = torch.zeros(m, r, **f32)
+            state["exp_avg_sq"] = torch.zeros(m, r, **f32)
+            state["basis"] = (
+                torch.eye(n, **f32)
+                if group["projection"] == "identity"
+                else torch.zeros(n, r, **f32)
+            )
+            state["basis_seed"] = torch.tensor(
+                group["seed"] * _SEED_STRIDE + p._loggra_index, dtype=torch.int64
+            )
+        else:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Like ``torch.optim.Optimizer.load_state_dict`` but keeps saved dtypes exactly
+        (torch would cast the fp32 sketches and int64 seeds to the param dtype)."""
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        id_to_param = dict(zip(saved_ids, params, strict=True))
+        for pid, saved in state_dict["state"].items():
+            p = id_to_param[pid]
+            self.state[p] = {
+                k: v.to(p.device if v.dim() else "cpu", copy=True) for k, v in saved.items()
+            }
+
+    @property
+    def num_nonfinite_skips(self) -> int:
+        """How many (param, step) updates were skipped for non-finite gradients."""
+        return sum(int(s["nonfinite_skips"]) for s in self.state.values())
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p] if p in self.state else self._init_state(p, group)
+                master = p if p.dtype == torch.float32 else p.float()
+                grad = p.grad.float()
+                if "basis" in state:
+                    applied = self._sketched_update(master, grad, state, group)
+                else:
+                    applied = self._dense_update(master, grad, state, group)
+                if not applied:
+                    state["nonfinite_skips"] += 1
+                elif master is not p:
+                    p.copy_(master)
+        return loss
+
+    def _dense_update(self, p, grad, state, group) -> bool:
+        if not torch.isfinite(grad).all():
+            return False
+        state["step"] += 1
+        self._adam_moments_and_decay(p, grad, state, group)
+        step = int(state["step"])
+        beta1, beta2 = group["betas"]
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+        return True
+
+    def _sketched_update(self, p, grad, state, group) -> bool:
+        basis = state["basis"]  # [n, r]
+        step = int(state["step"]) + 1
+        refresh = group["projection"] != "identity" and (step - 1) % group["update_interval"] == 0
+        if refresh:
+            if not torch.isfinite(grad).all():
+                return False
+            self._refresh_basis(grad, state, group, first=step == 1)
+        sketch = grad @ basis  # [m, r]
+        if not refresh and not torch.isfinite(sketch).all():
+            return False  # a non-finite entry of G makes its whole sketch row non-finite
+        state["step"] += 1
+        self._adam_moments_and_decay(p, sketch, state, group)
+        beta1, beta2 = group["betas"]
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        update = state["exp_avg"] / denom  # [m, r], Û·(1 − β1^t)
+        step_size = group["lr"] / (1 - beta1**step)
+        p.addmm_(update, basis.t(), alpha=-step_size * group["scale"])
+        if group["residual_scale"] > 0:  # lr·ρ·γ with γ = α‖Û‖/‖S‖ (norm-matched)
+            gain = float(update.norm() / sketch.norm().clamp_min(1e-30))
+            coef = step_size * group["scale"] * group["residual_scale"] * gain
+            p.add_(grad, alpha=-coef).addmm_(sketch, basis.t(), alpha=coef)
+        return True
+
+    @staticmethod
+    def _adam_moments_and_decay(p, g, state, group) -> None:
+        beta1, beta2 = group["betas"]
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        state["exp_avg"].lerp_(g, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+    @staticmethod
+    def _refresh_basis(grad, state, group, first: bool) -> None:
+        basis = state["basis"]
+        (m, n), r = grad.shape, basis.shape[1]
+        refresh_index = int(state["step"]) // group["update_interval"]
+        seed = int(state["basis_seed"]) * _SEED_STRIDE + refresh_index
+        if group["projection"] == "svd":
+            q_raw = svd_basis(grad, r)
+        elif group["projection"] == "random":
+            q_raw = random_basis(n, r, seed, grad.device)
+        else:
+            k = min(r + group["oversample"], n)
+            omega = gaussian_test_matrix(m, k, seed, grad.device, torch.float32)
+            q_raw = range_finder_basis(grad, r, group["oversample"], group["power_iters"], omega)
+        if first:
+            basis.copy_(q_raw)
+            return
+        q_new = align_basis(q_raw, basis)
+        transport_moments(state["exp_avg"], state["exp_avg_sq"], basis, q_new)
+        basis.copy_(q_new)
+
+
+def _validate_group(group: dict) -> None:
+    def bad(name: str, why: str):
+        raise ValueError(f"LoGRAAdamW: invalid {name}={group[name]!r}: {why}")
+
+    for name in ("lr", "eps", "weight_decay", "residual_scale"):
+        if not group[name] >= 0:
+            bad(name, "must be >= 0")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        bad("betas", "each beta must be in [0, 1)")
+    for name in ("rank", "update_interval", "min_dim"):
+        if isinstance(group[name], bool) or not isinstance(group[name], int) or group[name] <= 0:
+            bad(name, "must be a positive integer")
+    for name in ("oversample", "power_iters"):
+        if not isinstance(group[name], int) or group[name] < 0:
+            bad(name, "must be a non-negative integer")
+    if group["projection"] not in PROJECTIONS:
+        bad("projection", f"choose one of {', '.join(PROJECTIONS)}")
+    if not group["scale"] > 0:
+        bad("scale", "must be > 0")
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Exact bytes held in ``optimizer.state`` (every tensor, every param)."""
+    return sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )

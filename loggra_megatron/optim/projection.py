@@ -1,0 +1,134 @@
+"""Bases for low-rank gradient sketches, and moment transport between bases.
+
+Math
+----
+For a weight ``W ∈ R^{m×n}`` (row-major, TP-local) with gradient ``G``, LoGRA keeps an
+orthonormal right basis ``Q ∈ R^{n×r}`` and sketches the gradient as ``S = G Q ∈ R^{m×r}``.
+
+* ``range_finder`` (default; Halko, Martinsson & Tropp 2011, Alg. 4.4 + 5.1):
+  ``Y = Gᵀ Ω`` with a seeded Gaussian ``Ω ∈ R^{m×k}``, ``k = r + p`` (p = oversampling),
+  ``q`` power iterations ``Y ← Gᵀ (G orth(Y))``, then a Rayleigh–Ritz step on the small
+  problem: ``Q_y = orth(Y)``, ``B = G Q_y``, ``C = Bᵀ B`` (k×k), ``C = E Λ Eᵀ``,
+  ``Q = Q_y E[:, :r]`` (top-r eigenvectors). Cost ``O(m·n·k·(2q + 2))`` flops plus
+  ``O(n·k²)``, versus ``O(m·n·min(m, n))`` for the full SVD GaLore uses.
+* ``svd`` (GaLore, Zhao et al. 2024): top-r right singular vectors from a full SVD of G.
+  A baseline for measurement only.
+* ``random`` (Flora, Hao et al. 2024): ``Q = orth(N(0, 1)^{n×r})``, independent of G.
+* ``identity``: ``Q = I_n`` (r = n); the exactness anchor (LoGRA-AdamW == AdamW).
+
+Basis alignment and moment transport
+------------------------------------
+Any rotation of a basis spans the same subspace, but Adam's diagonal preconditioner is
+not rotation invariant, so a refresh that lands on the *same* subspace in a different
+rotation would perturb the trajectory. We therefore align every new basis to the old one
+(orthogonal Procrustes): ``A = Q_rawᵀ Q_old = U Σ Wᵀ``, ``Q_new = Q_raw U Wᵀ``. When the
+span is unchanged, ``Q_new = Q_old`` (to round-off) and the refresh is a no-op.
+
+Moments are then transported into the new basis with ``R = Q_oldᵀ Q_new`` (r×r):
+
+* first moment, exactly: ``M ← M R`` (the old moment ``M Q_oldᵀ`` in weight space,
+  re-expressed in the new coordinates; its component outside the new span is dropped);
+* second moment, ``V ← V (R ∘ R)``: the new coordinate ``s'_j = Σ_k s_k R_kj`` has
+  ``E[s'_j²] = Σ_k R_kj² E[s_k²] + cross terms``; the cross terms are dropped, which is
+  Adam's own diagonal (independent-coordinates) assumption. This is the
+  projection-aware rule of LDAdam (Robert et al. 2024) without its error feedback.
+  It keeps ``V ≥ 0``, is exact for permutations, and is the identity for ``R = I``.
+  Directions new to the subspace start with small M and V (like a fresh Adam state).
+
+Distributed use
+---------------
+Every reduction over the rows of ``G`` (``Gᵀ Ω``, ``Gᵀ (G Y)``, ``Bᵀ B``) goes through an
+optional ``all_reduce`` callable (sum, in place). With row-sharded gradients (data
+parallel slices, see ``loggra_megatron.optim.distributed``) each rank passes its own
+rows, the matching rows of ``Ω``, and a DP all-reduce; every rank then computes the same
+``Q``. The message sizes are ``n·k`` floats per power iteration plus one and ``k²``
+float64 once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PROJECTIONS = ("range_finder", "svd", "random", "identity")
+
+AllReduce = Callable[[torch.Tensor], None]
+
+
+def gaussian_test_matrix(
+    rows: int, cols: int, seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The seeded Gaussian ``Ω ∈ R^{rows×cols}``; identical for equal (seed, device type)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype)
+
+
+def _orth(y: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(y, mode="reduced").Q
+
+
+def range_finder_basis(
+    grad_rows: torch.Tensor,
+    rank: int,
+    oversample: int,
+    power_iters: int,
+    omega_rows: torch.Tensor,
+    all_reduce: AllReduce | None = None,
+) -> torch.Tensor:
+    """Randomized range finder for the top-``rank`` right singular subspace of G.
+
+    Args:
+        grad_rows: ``[m_local, n]`` rows of G held by this rank (all rows when local).
+        rank: r, number of basis vectors returned.
+        oversample: p; ``k = min(r + p, n)`` probe vectors are used.
+        power_iters: q, power (subspace) iterations.
+        omega_rows: ``[m_local, k]`` rows of Ω matching ``grad_rows``.
+        all_reduce: in-place sum over the ranks that hold the other rows of G.
+
+    Returns:
+        ``Q`` ``[n, rank]`` with orthonormal columns, identical on all ranks.
+    """
+    g = grad_rows.float()
+    y = g.t() @ omega_rows  # [n, k]
+    if all_reduce is not None:
+        all_reduce(y)
+    for _ in range(power_iters):
+        y = g.t() @ (g @ _orth(y))  # [n, k]
+        if all_reduce is not None:
+            all_reduce(y)
+    q_y = _orth(y)  # [n, k]
+    b = (g @ q_y).double()  # [m_local, k]
+    c = b.t() @ b  # [k, k], Σ over rows
+    if all_reduce is not None:
+        all_reduce(c)
+    _, eigvecs = torch.linalg.eigh(c)  # ascending eigenvalues
+    top = eigvecs.flip(-1)[:, :rank].to(q_y.dtype)
+    return q_y @ top
+
+
+def svd_basis(grad: torch.Tensor, rank: int) -> torch.Tensor:
+    """GaLore-style basis: top-``rank`` right singular vectors of the full G ``[m, n]``."""
+    _, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
+    return vh[:rank].t().contiguous()
+
+
+def random_basis(n: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Flora-style basis: orthonormalised seeded Gaussian ``[n, rank]``."""
+    return _orth(gaussian_test_matrix(n, rank, seed, device, torch.float32))
+
+
+def align_basis(q_raw: torch.Tensor, q_old: torch.Tensor) -> torch.Tensor:
+    """Rotate ``q_raw`` within its span to be closest to ``q_old`` (orthogonal Procrustes)."""
+    u, _, vh = torch.linalg.svd(q_raw.t() @ q_old)
+    return q_raw @ (u @ vh)
+
+
+def transport_moments(
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, q_old: torch.Tensor, q_new: torch.Tensor
+) -> None:
+    """Move sketch-space moments ``[m, r]`` from basis ``q_old`` to ``q_new`` in place."""
+    r = q_old.t() @ q_new  # [r, r]
+    exp_avg.copy_(exp_avg @ r)
+    exp_avg_sq.copy_(exp_avg_sq @ (r * r))
