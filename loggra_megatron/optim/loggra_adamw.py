@@ -210,51 +210,46 @@ class LoGRAAdamW(torch.optim.Optimizer):
     def _dense_update(self, p, grad, state, group) -> bool:
         if not torch.isfinite(grad).all():
             return False
-        state["step"] += 1
-        self._adam_moments_and_decay(p, grad, state, group)
-        step = int(state["step"])
-        beta1, beta2 = group["betas"]
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+        direction, step_size = self._adam_direction(p, grad, state, group)
+        p.add_(direction, alpha=-step_size)
         return True
 
     def _sketched_update(self, p, grad, state, group) -> bool:
         basis = state["basis"]  # [n, r]
-        step = int(state["step"]) + 1
-        refresh = group["projection"] != "identity" and (step - 1) % group["update_interval"] == 0
+        refresh = needs_refresh(int(state["step"]), group)
         if refresh:
             if not torch.isfinite(grad).all():
                 return False
-            self._refresh_basis(grad, state, group, first=step == 1)
+            self._refresh_basis(grad, state, group, first=int(state["step"]) == 0)
         sketch = grad @ basis  # [m, r]
         if not refresh and not torch.isfinite(sketch).all():
             return False  # a non-finite entry of G makes its whole sketch row non-finite
-        state["step"] += 1
-        self._adam_moments_and_decay(p, sketch, state, group)
-        beta1, beta2 = group["betas"]
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        update = state["exp_avg"] / denom  # [m, r], Û·(1 − β1^t)
-        step_size = group["lr"] / (1 - beta1**step)
-        p.addmm_(update, basis.t(), alpha=-step_size * group["scale"])
+        direction, step_size = self._adam_direction(p, sketch, state, group)  # [m, r]
+        p.addmm_(direction, basis.t(), alpha=-step_size * group["scale"])
         if group["residual_scale"] > 0:  # lr·ρ·γ with γ = α‖Û‖/‖S‖ (norm-matched)
-            gain = float(update.norm() / sketch.norm().clamp_min(1e-30))
+            gain = float(direction.norm() / sketch.norm().clamp_min(1e-30))
             coef = step_size * group["scale"] * group["residual_scale"] * gain
             p.add_(grad, alpha=-coef).addmm_(sketch, basis.t(), alpha=coef)
         return True
 
     @staticmethod
-    def _adam_moments_and_decay(p, g, state, group) -> None:
+    def _adam_direction(p, g, state, group) -> tuple[torch.Tensor, float]:
+        """Advance the step, decay ``p``, update the moments with ``g`` (a gradient or a
+        sketch) and return ``(M / (√V̂ + ε), lr / (1 − β1^t))``, as torch's AdamW does."""
         beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = int(state["step"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        return state["exp_avg"] / denom, group["lr"] / (1 - beta1**step)
 
     @staticmethod
     def _refresh_basis(grad, state, group, first: bool) -> None:
         basis = state["basis"]
         (m, n), r = grad.shape, basis.shape[1]
-        refresh_index = int(state["step"]) // group["update_interval"]
-        seed = int(state["basis_seed"]) * _SEED_STRIDE + refresh_index
+        seed = refresh_seed(int(state["basis_seed"]), int(state["step"]), group)
         if group["projection"] == "svd":
             q_raw = svd_basis(grad, r)
         elif group["projection"] == "random":
@@ -263,12 +258,28 @@ class LoGRAAdamW(torch.optim.Optimizer):
             k = min(r + group["oversample"], n)
             omega = gaussian_test_matrix(m, k, seed, grad.device, torch.float32)
             q_raw = range_finder_basis(grad, r, group["oversample"], group["power_iters"], omega)
-        if first:
-            basis.copy_(q_raw)
-            return
-        q_new = align_basis(q_raw, basis)
-        transport_moments(state["exp_avg"], state["exp_avg_sq"], basis, q_new)
-        basis.copy_(q_new)
+        install_basis(q_raw, state, first)
+
+
+def needs_refresh(steps_done: int, group: dict) -> bool:
+    """Whether the basis is recomputed before step ``steps_done + 1``."""
+    return group["projection"] != "identity" and steps_done % group["update_interval"] == 0
+
+
+def refresh_seed(basis_seed: int, steps_done: int, group: dict) -> int:
+    """Seed of the Gaussian test matrix of one refresh: a function of state only."""
+    return basis_seed * _SEED_STRIDE + steps_done // group["update_interval"]
+
+
+def install_basis(q_raw: torch.Tensor, state: dict, first: bool) -> None:
+    """Make ``q_raw`` the basis: align it to the old one and transport the moments."""
+    basis = state["basis"]
+    if first:
+        basis.copy_(q_raw)
+        return
+    q_new = align_basis(q_raw, basis)
+    transport_moments(state["exp_avg"], state["exp_avg_sq"], basis, q_new)
+    basis.copy_(q_new)
 
 
 def _validate_group(group: dict) -> None:

@@ -1,0 +1,353 @@
+"""LoGRA-AdamW on data-parallel shards: the inner optimizer of Megatron's DistributedOptimizer.
+
+Megatron-Core's ``DistributedOptimizer`` (ZeRO-1) hands its inner optimizer 1-D fp32
+slices ``[start, end)`` of each flattened, TP-local weight ``W ∈ R^{m×n}``; the slices
+partition the weight across the data-parallel (DP) ranks without respecting rows. A
+slice is at most a partial head row, a run of whole rows (the *body*) and a partial tail
+row. With a right basis ``Q ∈ R^{n×r}`` shared by the DP ranks, row i of ``S = G Q``
+depends only on row i of ``G``, so:
+
+* **Per step (sketch).** Each rank sketches its body rows locally (``G_body Q``) and the
+  partial rows as partial sums (``g_i[c0:c1] Q[c0:c1]``). The partial sketches of the
+  *split rows* (rows touched by two or more DP ranks; at most one per DP shard boundary)
+  are summed with one coalesced DP all-reduce of ``Σ_split r`` floats, so every rank
+  holds the exact sketch of every row it touches. Adam then runs on the ``[rows, r]``
+  sketch (a split row's moments live, identically, on each rank that touches it) and the
+  update ``U Qᵀ`` is applied to the rank's own columns of each row. No TP communication.
+* **Per refresh (basis).** The split rows' gradients are first summed over DP (one
+  all-reduce of ``Σ_split n`` floats) and each split row is *owned* by the rank that
+  holds its first element, so the owned rows partition the weight. The range finder
+  (:func:`~loggra_megatron.optim.projection.range_finder_basis`) then all-reduces its
+  row sums: ``n·k`` floats (``k = r + p``) per power iteration plus one, and ``k²``
+  float64, per weight. Ranks that hold no row of a weight contribute zeros, so all ranks
+  issue the same collectives and compute the same ``Q``.
+* **TP.** Column-parallel weights (rows split over TP: ``linear_qkv``, ``linear_fc1``)
+  reduce the range finder over TP × DP, so ``Q`` is the basis of the whole matrix and
+  the trajectory is TP-invariant. Row-parallel weights (columns split over TP:
+  ``linear_proj``, ``linear_fc2``) take their basis along the split dimension, so each
+  TP rank keeps its own basis of its column block (a block-diagonal basis of rank
+  ``tp·r`` on the full matrix): no TP communication, but not TP-invariant.
+* **PP.** Each stage's optimizer only sees its own layers; nothing crosses stages.
+* **Non-finite gradients** skip the whole step on every rank (one scalar all-reduce over
+  the optimizer's grad-stats group), as Megatron does for fp16 overflow, so collectives
+  and step counters never diverge.
+
+With ``projection="identity"`` (``Q = I``) the update equals dense AdamW element by
+element, which is how the integration is tested against Megatron's own Adam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.optim.loggra_adamw import (
+    LoGRAAdamW,
+    install_basis,
+    needs_refresh,
+    refresh_seed,
+)
+from loggra_megatron.optim.projection import (
+    gaussian_test_matrix,
+    random_basis,
+    range_finder_basis,
+)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Where one sketched weight's optimizer shards live; identical on its DP ranks."""
+
+    shape: tuple[int, int]
+    """TP-local ``[m, n]`` of the model weight."""
+    rank: int
+    """Sketch rank r of this weight (already clamped)."""
+    seed: int
+    """Basis seed; equal on every DP and TP rank that shares the weight."""
+    dp_ranges: tuple[tuple[int, int], ...]
+    """Flat ``[start, end)`` of the weight held by each DP rank (``start == end``: none)."""
+    row_offset: int = 0
+    """Global row of local row 0 (``tp_rank·m`` for column-parallel weights)."""
+    global_rows: int = 0
+    """Rows of the Gaussian test matrix Ω (``tp·m`` column-parallel, else m); 0 means m."""
+    reduce_over_tp: bool = False
+    """Column-parallel: the basis is computed from the rows of all TP shards."""
+
+    @property
+    def omega_rows(self) -> int:
+        return self.global_rows or self.shape[0]
+
+    def touched_rows(self, dp_rank: int) -> tuple[int, int]:
+        start, end = self.dp_ranges[dp_rank]
+        n = self.shape[1]
+        return (start // n, -(-end // n)) if end > start else (0, 0)
+
+    def owned_rows(self, dp_rank: int) -> tuple[int, int]:
+        """Rows whose first element this rank holds (the owned rows partition W)."""
+        start, end = self.dp_ranges[dp_rank]
+        n = self.shape[1]
+        return (-(-start // n), -(-end // n)) if end > start else (0, 0)
+
+    def split_rows(self) -> list[int]:
+        """Rows touched by two or more DP ranks, ascending."""
+        n = self.shape[1]
+        return sorted({s // n for s, e in self.dp_ranges if e > s and s % n})
+
+
+@dataclass
+class _Pieces:
+    """A DP slice of a flattened ``[m, n]`` weight, cut at row boundaries."""
+
+    body_rows: tuple[int, int]  # local rows [lo, hi) held whole
+    body: torch.Tensor  # [hi - lo, n] view into the slice
+    partial: list[tuple[int, int, int, torch.Tensor]]  # (row, c0, c1, values view)
+
+
+def _cut_rows(flat: torch.Tensor, start: int, end: int, n: int) -> _Pieces:
+    partial, pos = [], start
+    if start % n:
+        hi = min(end, (start // n + 1) * n)
+        partial.append((start // n, start % n, start % n + hi - start, flat[: hi - start]))
+        pos = hi
+    full_end = max(pos, end // n * n)
+    body = flat[pos - start : full_end - start].view(-1, n)
+    if end > full_end:
+        partial.append((full_end // n, 0, end - full_end, flat[full_end - start :]))
+    return _Pieces((pos // n, full_end // n), body, partial)
+
+
+def _all_reduce_fn(group):
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return lambda t: dist.all_reduce(t, group=group)
+
+
+class ShardedLoGRAAdamW(LoGRAAdamW):
+    """LoGRA-AdamW over 1-D shards of 2-D weights, with DP/TP collectives.
+
+    Args:
+        params: param groups of shard params (Megatron's fp32 main-param shards).
+        all_layouts: every sketched weight of this optimizer in a canonical order that is
+            the same on all ranks of ``dp_group`` (and of ``tp_dp_group``), including the
+            weights this rank holds no slice of.
+        held: ``{index into all_layouts: shard param}`` for the sketched shards held here.
+        dp_rank: this rank's index in ``dp_group`` (its slice is ``dp_ranges[dp_rank]``).
+        dp_group: data-parallel group the slices are spread over (None: one rank).
+        tp_dp_group: TP × DP group for column-parallel weights (None: no TP).
+        consensus_group: group over which a non-finite gradient anywhere skips the step.
+        **defaults: LoGRAAdamW hyper-parameters.
+    """
+
+    def __init__(
+        self,
+        params,
+        all_layouts: list[WeightLayout],
+        held: dict[int, torch.Tensor],
+        dp_rank: int = 0,
+        dp_group=None,
+        tp_dp_group=None,
+        consensus_group=None,
+        **defaults,
+    ):
+        self._all_layouts = all_layouts
+        self._held = held
+        self._index_of = {p: w for w, p in held.items()}
+        self._dp_rank = dp_rank
+        self._dp_reduce = _all_reduce_fn(dp_group)
+        self._tp_dp_reduce = _all_reduce_fn(tp_dp_group)
+        self._consensus_group = consensus_group
+        self.num_steps = 0
+        super().__init__(params, **defaults)
+        group = self.param_groups[0]
+        if group["projection"] == "svd":
+            raise ValueError(
+                "loggra_projection='svd' needs each full gradient on one rank; use "
+                "'range_finder' or 'random' with Megatron optimizers"
+            )
+        if any(g["residual_scale"] > 0 for g in self.param_groups):
+            raise ValueError("loggra residual_scale > 0 is not supported with Megatron optimizers")
+        self._settings = {k: group[k] for k in ("projection", "update_interval", "oversample")}
+        self._settings["power_iters"] = group["power_iters"]
+        offset, self._edge_slots = 0, {}
+        for w, lay in enumerate(all_layouts):
+            for row in lay.split_rows():
+                self._edge_slots[(w, row)] = offset
+                offset += lay.rank
+        self._edge_numel = offset
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, p, group):
+        if p not in self._index_of:
+            return super()._init_state(p, group)
+        layout = self._all_layouts[self._index_of[p]]
+        lo, hi = layout.touched_rows(self._dp_rank)
+        f32 = dict(device=p.device, dtype=torch.float32)
+        n, r = layout.shape[1], layout.rank
+        self.state[p] = state = {
+            "step": torch.tensor(self.num_steps, dtype=torch.int64),
+            "nonfinite_skips": torch.zeros((), dtype=torch.int64),
+            "exp_avg": torch.zeros(hi - lo, r, **f32),
+            "exp_avg_sq": torch.zeros(hi - lo, r, **f32),
+            "basis": torch.eye(n, **f32)
+            if group["projection"] == "identity"
+            else torch.zeros(n, r, **f32),
+            "basis_seed": torch.tensor(layout.seed, dtype=torch.int64),
+        }
+        return state
+
+    def layout_of(self, p: torch.Tensor) -> WeightLayout | None:
+        """The layout of a sketched shard held here (None for densely updated params)."""
+        w = self._index_of.get(p)
+        return None if w is None else self._all_layouts[w]
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "ShardedLoGRAAdamW does not take a closure"
+        held = [
+            (p, g, self.state[p] if p in self.state else self._init_state(p, g))
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if self._any_nonfinite([p.grad for p, _, _ in held]):
+            for _, _, state in held:
+                state["nonfinite_skips"] += 1
+            return None
+        if needs_refresh(self.num_steps, self._settings):
+            self._refresh_all()
+        sketches = self._exact_sketches()
+        for p, group, state in held:
+            w = self._index_of.get(p)
+            if w is None:
+                direction, step_size = self._adam_direction(p, p.grad.float(), state, group)
+                p.add_(direction, alpha=-step_size)
+            else:
+                self._apply_sketched(p, group, state, self._all_layouts[w], sketches[w])
+        self.num_steps += 1
+        return None
+
+    def _any_nonfinite(self, grads) -> bool:
+        bad = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                bad += 1
+        group = self._consensus_group
+        if group is not None and dist.get_world_size(group) > 1:
+            device = grads[0].device if grads else "cpu"
+            bad = bad.to(device)
+            dist.all_reduce(bad, group=group)
+        return bool(bad > 0)
+
+    def _exact_sketches(self) -> dict[int, torch.Tensor]:
+        """``{weight index: S [touched rows, r]}``, split rows summed over DP."""
+        sketches, edge = {}, None
+        if self._edge_numel and self._dp_reduce is not None:
+            device = next(iter(self._held.values())).device if self._held else "cpu"
+            edge = torch.zeros(self._edge_numel, device=device)
+        for w, layout in enumerate(self._all_layouts):
+            p = self._held.get(w)
+            if p is None:
+                continue
+            basis = self.state[p]["basis"]
+            lo, _ = layout.touched_rows(self._dp_rank)
+            start, end = layout.dp_ranges[self._dp_rank]
+            pieces = _cut_rows(p.grad.float().view(-1), start, end, layout.shape[1])
+            s = torch.empty(self.state[p]["exp_avg"].shape, device=basis.device)
+            s[pieces.body_rows[0] - lo : pieces.body_rows[1] - lo] = pieces.body @ basis
+            for row, c0, c1, values in pieces.partial:
+                s[row - lo] = values @ basis[c0:c1]
+                if edge is not None:
+                    slot = self._edge_slots[(w, row)]
+                    edge[slot : slot + layout.rank] = s[row - lo]
+            sketches[w] = s
+        if edge is not None:
+            self._dp_reduce(edge)
+            for w, layout in enumerate(self._all_layouts):
+                p = self._held.get(w)
+                if p is None:
+                    continue
+                lo, _ = layout.touched_rows(self._dp_rank)
+                start, end = layout.dp_ranges[self._dp_rank]
+                for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
+                    slot = self._edge_slots[(w, row)]
+                    sketches[w][row - lo] = edge[slot : slot + layout.rank]
+        return sketches
+
+    def _apply_sketched(self, p, group, state, layout, sketch) -> None:
+        basis = state["basis"]
+        direction, step_size = self._adam_direction(p, sketch, state, group)  # [rows, r]
+        alpha = -step_size * group["scale"]
+        lo, _ = layout.touched_rows(self._dp_rank)
+        start, end = layout.dp_ranges[self._dp_rank]
+        pieces = _cut_rows(p.view(-1), start, end, layout.shape[1])
+        b0, b1 = pieces.body_rows
+        pieces.body.addmm_(direction[b0 - lo : b1 - lo], basis.t(), alpha=alpha)
+        for row, c0, c1, values in pieces.partial:
+            values.add_(direction[row - lo] @ basis[c0:c1].t(), alpha=alpha)
+
+    # ------------------------------------------------------------------ refresh
+    def _refresh_all(self) -> None:
+        """Recompute every basis; collective over DP (and TP for column-parallel)."""
+        settings = self._settings
+        random = settings["projection"] == "random"
+        full_split_rows = {} if random else self._gather_split_rows()
+        for w, layout in enumerate(self._all_layouts):
+            p = self._held.get(w)
+            state = self.state[p] if p is not None else None
+            seed = refresh_seed(layout.seed, self.num_steps, settings)
+            n, r = layout.shape[1], layout.rank
+            if random:
+                if p is not None:
+                    install_basis(random_basis(n, r, seed, p.device), state, self.num_steps == 0)
+                continue
+            k = min(r + settings["oversample"], n)
+            rows, omega = self._owned_rows(w, layout, p, full_split_rows, k, seed)
+            reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
+            q_raw = range_finder_basis(
+                rows, r, settings["oversample"], settings["power_iters"], omega, reduce
+            )
+            if p is not None:
+                install_basis(q_raw, state, self.num_steps == 0)
+
+    def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Full gradient rows of every split row, summed over DP (one all-reduce)."""
+        offsets, total = {}, 0
+        for w, layout in enumerate(self._all_layouts):
+            for row in layout.split_rows():
+                offsets[(w, row)] = total
+                total += layout.shape[1]
+        if not total:
+            return {}
+        device = next(iter(self._held.values())).device if self._held else "cpu"
+        buf = torch.zeros(total, device=device)
+        for w, layout in enumerate(self._all_layouts):
+            p = self._held.get(w)
+            if p is None:
+                continue
+            start, end = layout.dp_ranges[self._dp_rank]
+            for row, c0, c1, values in _cut_rows(
+                p.grad.view(-1), start, end, layout.shape[1]
+            ).partial:
+                o = offsets[(w, row)]
+                buf[o + c0 : o + c1] = values
+        if self._dp_reduce is not None:
+            self._dp_reduce(buf)
+        return {key: buf[o : o + self._all_layouts[key[0]].shape[1]] for key, o in offsets.items()}
+
+    def _owned_rows(self, w, layout, p, full_split_rows, k, seed):
+        """This rank's owned gradient rows ``[rows, n]`` and the matching rows of Ω."""
+        n = layout.shape[1]
+        device = p.device if p is not None else "cpu"
+        if p is None:
+            return torch.zeros(0, n, device=device), torch.zeros(0, k, device=device)
+        lo, hi = layout.owned_rows(self._dp_rank)
+        start, end = layout.dp_ranges[self._dp_rank]
+        pieces = _cut_rows(p.grad.float().view(-1), start, end, n)
+        rows = pieces.body
+        if hi > pieces.body_rows[1]:  # the tail row is split and owned here
+            rows = torch.cat([rows, full_split_rows[(w, hi - 1)].view(1, n)])
+        omega = gaussian_test_matrix(layout.omega_rows, k, seed, device, torch.float32)
+        return rows, omega[layout.row_offset + lo : layout.row_offset + hi]
