@@ -45,9 +45,11 @@ import torch.distributed as dist
 
 from loggra_megatron.optim.loggra_adamw import (
     LoGRAAdamW,
+    dense_state,
     install_basis,
     needs_refresh,
     refresh_seed,
+    validate_group,
 )
 from loggra_megatron.optim.projection import (
     gaussian_test_matrix,
@@ -74,10 +76,23 @@ class WeightLayout:
     """Rows of the Gaussian test matrix Ω (``tp·m`` column-parallel, else m); 0 means m."""
     reduce_over_tp: bool = False
     """Column-parallel: the basis is computed from the rows of all TP shards."""
+    glu_halves: bool = False
+    """Column-parallel gated FC1 (SwiGLU): each TP shard is ``[gate part; up part]``, so
+    local row j maps to global row ``t·m/2 + j`` (gate) or ``M/2 + t·m/2 + j − m/2`` (up)."""
 
     @property
     def omega_rows(self) -> int:
         return self.global_rows or self.shape[0]
+
+    def global_row_index(self, lo: int, hi: int) -> torch.Tensor:
+        """Global (TP=1) row of each local row in ``[lo, hi)``: the rows of Ω to use."""
+        rows = torch.arange(lo, hi)
+        if not self.glu_halves:
+            return rows + self.row_offset
+        half, global_half = self.shape[0] // 2, self.omega_rows // 2
+        shard = self.row_offset // self.shape[0]
+        gate = rows < half
+        return torch.where(gate, shard * half + rows, global_half + shard * half + rows - half)
 
     def touched_rows(self, dp_rank: int) -> tuple[int, int]:
         start, end = self.dp_ranges[dp_rank]
@@ -159,6 +174,9 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._tp_dp_reduce = _all_reduce_fn(tp_dp_group)
         self._consensus_group = consensus_group
         self.num_steps = 0
+        """Optimizer steps taken (skipped steps excluded); drives the refresh schedule."""
+        self.num_skipped_steps = 0
+        """Steps skipped because a gradient was non-finite on some rank."""
         super().__init__(params, **defaults)
         group = self.param_groups[0]
         if group["projection"] == "svd":
@@ -177,10 +195,23 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 offset += lay.rank
         self._edge_numel = offset
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Register a group of shard params. Megatron's fp32 shards are views into its
+        flat buffers (non-leaf tensors), which ``torch.optim.Optimizer.add_param_group``
+        rejects, so groups are registered the way Megatron's DistributedOptimizer does."""
+        group = dict(param_group)
+        group["params"] = list(group["params"])
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        validate_group(group)
+        self.param_groups.append(group)
+
     # ------------------------------------------------------------------ state
     def _init_state(self, p, group):
         if p not in self._index_of:
-            return super()._init_state(p, group)
+            self.state[p] = state = dense_state(p)
+            state["step"].fill_(self.num_steps)
+            return state
         layout = self._all_layouts[self._index_of[p]]
         lo, hi = layout.touched_rows(self._dp_rank)
         f32 = dict(device=p.device, dtype=torch.float32)
@@ -196,6 +227,15 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             "basis_seed": torch.tensor(layout.seed, dtype=torch.int64),
         }
         return state
+
+    def init_state_of(self, p: torch.Tensor) -> dict:
+        """Allocate (zero) state for ``p`` now, e.g. to load a checkpoint into."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        return self._init_state(p, group)
+
+    @property
+    def num_nonfinite_skips(self) -> int:
+        return self.num_skipped_steps
 
     def layout_of(self, p: torch.Tensor) -> WeightLayout | None:
         """The layout of a sketched shard held here (None for densely updated params)."""
@@ -215,6 +255,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         if self._any_nonfinite([p.grad for p, _, _ in held]):
             for _, _, state in held:
                 state["nonfinite_skips"] += 1
+            self.num_skipped_steps += 1
             return None
         if needs_refresh(self.num_steps, self._settings):
             self._refresh_all()
@@ -350,4 +391,4 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         if hi > pieces.body_rows[1]:  # the tail row is split and owned here
             rows = torch.cat([rows, full_split_rows[(w, hi - 1)].view(1, n)])
         omega = gaussian_test_matrix(layout.omega_rows, k, seed, device, torch.float32)
-        return rows, omega[layout.row_offset + lo : layout.row_offset + hi]
+        return rows, omega[layout.global_row_index(lo, hi).to(device)]

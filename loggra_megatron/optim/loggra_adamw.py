@@ -123,7 +123,7 @@ class LoGRAAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _validate_group(group)
+        validate_group(group)
         clamped = []
         for p in group["params"]:
             p._loggra_index = self._num_params_seen  # stable id for the basis seed
@@ -143,27 +143,24 @@ class LoGRAAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
-        state = self.state[p]
-        state["step"] = torch.zeros((), dtype=torch.int64)
-        state["nonfinite_skips"] = torch.zeros((), dtype=torch.int64)
+        if not is_sketched(p, group):
+            self.state[p] = dense_state(p)
+            return self.state[p]
+        m, n = p.shape
+        r = sketch_rank((m, n), group)
         f32 = dict(device=p.device, dtype=torch.float32)
-        if is_sketched(p, group):
-            m, n = p.shape
-            r = sketch_rank((m, n), group)
-            state["exp_avg"] = torch.zeros(m, r, **f32)
-            state["exp_avg_sq"] = torch.zeros(m, r, **f32)
-            state["basis"] = (
-                torch.eye(n, **f32)
-                if group["projection"] == "identity"
-                else torch.zeros(n, r, **f32)
-            )
-            state["basis_seed"] = torch.tensor(
+        identity = group["projection"] == "identity"
+        self.state[p] = {
+            "step": torch.zeros((), dtype=torch.int64),
+            "nonfinite_skips": torch.zeros((), dtype=torch.int64),
+            "exp_avg": torch.zeros(m, r, **f32),
+            "exp_avg_sq": torch.zeros(m, r, **f32),
+            "basis": torch.eye(n, **f32) if identity else torch.zeros(n, r, **f32),
+            "basis_seed": torch.tensor(
                 group["seed"] * _SEED_STRIDE + p._loggra_index, dtype=torch.int64
-            )
-        else:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+            ),
+        }
+        return self.state[p]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Like ``torch.optim.Optimizer.load_state_dict`` but keeps saved dtypes exactly
@@ -261,6 +258,16 @@ class LoGRAAdamW(torch.optim.Optimizer):
         install_basis(q_raw, state, first)
 
 
+def dense_state(p: torch.Tensor) -> dict:
+    """Fresh AdamW state of a densely updated param (moments in the param's dtype)."""
+    return {
+        "step": torch.zeros((), dtype=torch.int64),
+        "nonfinite_skips": torch.zeros((), dtype=torch.int64),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+
+
 def needs_refresh(steps_done: int, group: dict) -> bool:
     """Whether the basis is recomputed before step ``steps_done + 1``."""
     return group["projection"] != "identity" and steps_done % group["update_interval"] == 0
@@ -282,7 +289,9 @@ def install_basis(q_raw: torch.Tensor, state: dict, first: bool) -> None:
     basis.copy_(q_new)
 
 
-def _validate_group(group: dict) -> None:
+def validate_group(group: dict) -> None:
+    """Raise ``ValueError`` naming the first invalid hyper-parameter of ``group``."""
+
     def bad(name: str, why: str):
         raise ValueError(f"LoGRAAdamW: invalid {name}={group[name]!r}: {why}")
 
@@ -304,8 +313,16 @@ def _validate_group(group: dict) -> None:
         bad("scale", "must be > 0")
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Exact bytes held in ``optimizer.state`` (every tensor, every param)."""
+def state_bytes(optimizer) -> int:
+    """Exact bytes of optimizer state on this rank: every tensor in ``optimizer.state``.
+
+    Accepts a torch optimizer or a Megatron-Core optimizer (``ChainedOptimizer`` and
+    leaf wrappers are unwrapped; their fp32 main params are not optimizer state)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return sum(state_bytes(o) for o in optimizer.chained_optimizers)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        return 0 if inner is None else state_bytes(inner)
     return sum(
         t.numel() * t.element_size()
         for s in optimizer.state.values()

@@ -1,0 +1,200 @@
+"""``dist_checkpointing`` of LoGRA state inside Megatron-Core optimizers.
+
+Megatron's own optimizer formats assume Adam's state has the shape of the param; LoGRA's
+sketches do not, so the ``LoGRA*`` leaf optimizers (which :func:`get_loggra_optimizer`
+re-classes Megatron's leaves to) override ``sharded_state_dict`` / ``load_state_dict``.
+
+Format (``torch_dist``), one entry per model param this rank holds a slice of, under
+``optimizer.loggra.pp{P}.tp{T}.{chunk}.{param name}``:
+
+* ``fp32_param`` and, for densely updated params, ``exp_avg`` / ``exp_avg_sq``: the
+  flattened ``[m·n]`` tensor, each DP rank writing its ``[start, end)`` slice;
+* sketched weights: ``exp_avg`` / ``exp_avg_sq`` as the flattened ``[m·r]`` sketch, each
+  DP rank writing the rows it *owns* (rows whose first element it holds, a partition)
+  and reading every row it touches; ``basis`` ``[n·r]`` written by the lowest DP rank
+  holding the weight.
+
+Because every DP slice is a flat range of a DP-independent global tensor, a checkpoint
+loads at any DP size. The sketches are per TP shard (row-parallel weights have one basis
+per TP rank) and keys carry the TP/PP rank, so loading at a different TP or PP size is
+refused by :meth:`LoGRACheckpointMixin.check_compatible` with a clear error, before any
+tensor is read. Loaded tensors land in fresh buffers and are copied into the live state
+only after the whole load succeeded.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+)
+
+FORMAT_VERSION = 1
+
+
+def _flat_sharded(key, data, global_numel, offset, main_replica, fresh):
+    data = torch.empty_like(data) if fresh else data
+    return ShardedTensor(
+        key=key,
+        data=data,
+        dtype=data.dtype,
+        local_shape=(data.numel(),),
+        global_shape=(global_numel,),
+        global_offset=(offset,),
+        axis_fragmentations=None,  # uneven DP slices; validated by torch DCP
+        replica_id=0 if main_replica else 1,
+    )
+
+
+class LoGRACheckpointMixin(MegatronOptimizer):
+    """Checkpointing of a Megatron leaf optimizer whose inner optimizer is LoGRA's.
+
+    It derives from ``MegatronOptimizer`` and adds no slots so that the ``LoGRA*`` classes
+    have the instance layout of the Megatron leaf they re-class."""
+
+    __slots__ = ()
+
+    def _loggra_meta(self) -> dict:
+        inner = self.optimizer
+        return {
+            "format": FORMAT_VERSION,
+            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "projection": inner.param_groups[0]["projection"],
+            "num_steps": inner.num_steps,
+            "num_skipped_steps": inner.num_skipped_steps,
+        }
+
+    def check_compatible(self, saved_meta: dict) -> None:
+        """Raise ``ValueError`` if a checkpoint with ``saved_meta`` cannot be loaded here."""
+        mine = self._loggra_meta()
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "projection"):
+            if saved_meta.get(name) != mine[name]:
+                raise ValueError(
+                    f"LoGRA optimizer checkpoint has {name}={saved_meta.get(name)!r} but this "
+                    f"run has {mine[name]!r}. LoGRA sketch state is kept per TP shard and "
+                    "pipeline stage: resume with the same --tensor-model-parallel-size, "
+                    "--pipeline-model-parallel-size and --loggra-projection (any data-parallel "
+                    "size works), or load the model weights only (--no-load-optim)."
+                )
+
+    def _prefix(self) -> str:
+        pp = parallel_state.get_pipeline_model_parallel_rank()
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        return f"optimizer.loggra.pp{pp}.tp{tp}"
+
+    def _main_replica(self, layout) -> bool:
+        """Whether this rank writes the DP-replicated tensors (fp32 params when replicated
+        over DP, bases) of a weight: the lowest DP rank that holds a slice of it."""
+        if not isinstance(self, DistributedOptimizer):
+            return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        if layout is None:
+            return True  # DP slices are disjoint
+        dp_rank = self.data_parallel_group.rank()
+        return dp_rank == min(r for r, (s, e) in enumerate(layout.dp_ranges) if e > s)
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        """``{"loggra": meta, "grad_scaler"?: ..., "param_state": {key: {name: ShardedTensor}}}``.
+
+        With ``is_loading`` the tensors are fresh buffers for ``dist_checkpointing.load``.
+        """
+        inner = self.optimizer
+        state_dict = {"loggra": self._loggra_meta()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        prefix, param_state = self._prefix(), {}
+        for key, model_param, main, (start, _) in self.loggra_params:
+            layout = inner.layout_of(main)
+            state = inner.state[main] if main in inner.state else inner.init_state_of(main)
+            replica = self._main_replica(layout)
+            dp_replica = replica if layout is None else True
+            numel = model_param.numel()
+            entry = {"fp32_param": _flat_sharded(
+                f"{prefix}.{key}.fp32_param", main.detach().view(-1), numel, start, dp_replica, is_loading
+            )}  # fmt: skip
+            if layout is None:
+                for name in ("exp_avg", "exp_avg_sq"):
+                    entry[name] = _flat_sharded(
+                        f"{prefix}.{key}.{name}", state[name].view(-1), numel, start, dp_replica,
+                        is_loading,
+                    )  # fmt: skip
+            else:
+                entry.update(self._sketch_entries(f"{prefix}.{key}", layout, state, is_loading))
+            param_state[key] = entry
+        state_dict["param_state"] = param_state
+        return state_dict
+
+    def _sketch_entries(self, key, layout, state, is_loading) -> dict:
+        dp_rank = self.data_parallel_group.rank() if isinstance(self, DistributedOptimizer) else 0
+        (m, n), r = layout.shape, layout.rank
+        t_lo, t_hi = layout.touched_rows(dp_rank)
+        lo, hi = (t_lo, t_hi) if is_loading else layout.owned_rows(dp_rank)
+        entries = {}
+        if hi > lo:
+            for name in ("exp_avg", "exp_avg_sq"):
+                rows = state[name][lo - t_lo : hi - t_lo].reshape(-1)
+                entries[name] = _flat_sharded(
+                    f"{key}.{name}", rows, m * r, lo * r, True, is_loading
+                )  # fmt: skip
+        entries["basis"] = _flat_sharded(
+            f"{key}.basis", state["basis"].view(-1), n * r, 0, self._main_replica(layout), is_loading
+        )  # fmt: skip
+        return entries
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict) -> None:
+        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        self.check_compatible(state_dict["loggra"])
+        inner = self.optimizer
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        inner.num_steps = state_dict["loggra"]["num_steps"]
+        inner.num_skipped_steps = state_dict["loggra"]["num_skipped_steps"]
+        for key, _, main, _ in self.loggra_params:
+            saved = state_dict["param_state"][key]
+            state = inner.state[main] if main in inner.state else inner.init_state_of(main)
+            main.view(-1).copy_(saved["fp32_param"])
+            for name in ("exp_avg", "exp_avg_sq", "basis"):
+                if name in saved:
+                    state[name].view(-1).copy_(saved[name])
+            state["step"].fill_(inner.num_steps)
+            state["nonfinite_skips"].fill_(inner.num_skipped_steps)
+        # fp32 model params alias their main params; 16-bit model params come from the
+        # model checkpoint, so nothing is copied back to the model here.
+
+
+class LoGRADistributedOptimizer(LoGRACheckpointMixin, DistributedOptimizer):
+    """Megatron's ``DistributedOptimizer`` with LoGRA as its inner optimizer."""
+
+    __slots__ = ()
+
+
+class LoGRAFloat16Optimizer(LoGRACheckpointMixin, Float16OptimizerWithFloat16Params):
+    """Megatron's ``Float16OptimizerWithFloat16Params`` with LoGRA as its inner optimizer."""
+
+    __slots__ = ()
+
+
+class LoGRAFP32Optimizer(LoGRACheckpointMixin, FP32Optimizer):
+    """Megatron's ``FP32Optimizer`` with LoGRA as its inner optimizer."""
+
+    __slots__ = ()
+
+
+_CLASSES = {
+    DistributedOptimizer: LoGRADistributedOptimizer,
+    Float16OptimizerWithFloat16Params: LoGRAFloat16Optimizer,
+    FP32Optimizer: LoGRAFP32Optimizer,
+}
+
+
+def loggra_class_for(cls: type) -> type:
+    """The ``LoGRA*`` subclass for a Megatron leaf optimizer class."""
+    if cls not in _CLASSES:
+        raise TypeError(f"LoGRA cannot wrap Megatron optimizer class {cls.__name__}")
+    return _CLASSES[cls]

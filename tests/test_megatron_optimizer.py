@@ -1,0 +1,239 @@
+"""LoGRA inside Megatron-Core's optimizers, with a real GPTModel on CPU/gloo ranks.
+
+hidden=40 (rows of 40 and 80 floats) makes the DistributedOptimizer's DP shard boundary
+fall in the middle of a row, which is the hard case for exact DP sharding.
+"""
+
+import pytest
+import torch
+
+from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
+
+HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
+TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    model = tiny_gpt_model(
+        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    ddp_kw = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
+    ddp = wrap_ddp(model, use_distributed_optimizer=use_dist, **(ddp_kw if overlap else {}))
+    base = dict(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+        adam_eps=1e-8, use_distributed_optimizer=use_dist, clip_grad=1.0,
+    )  # fmt: skip
+    if kind == "dense":
+        return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
+    loggra = {"loggra_min_dim": 1, "loggra_rank": 4, "loggra_oversample": 2, **loggra}
+    return ddp, get_loggra_optimizer(LoGRAOptimizerConfig(**base, **loggra), [ddp])
+
+
+def _local_batch(tokens):
+    """This DP rank's rows of the global batch, and its number of microbatches."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    local = tokens[rank::dp]
+    return local, local.shape[0]
+
+
+def _params(ddp):
+    if ddp.ddp_config.overlap_param_gather:  # the last step's all-gather is still pending
+        ddp.start_param_sync(force_sync=True)
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _train(
+    rank, kind, steps, use_dist=True, overlap=False, tokens=TOKENS, save=None, load=None, **loggra
+):
+    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
+    from loggra_megatron.optim import state_bytes
+
+    ddp, opt = _build(kind, use_dist, overlap, **loggra)
+    if load is not None:
+        load_checkpoint(load, [ddp], opt)
+    batch, micro = _local_batch(tokens[:2])
+    losses = []
+    for step in range(steps):
+        loss, (ok, _, _) = train_step(ddp, opt, batch, num_microbatches=micro)
+        assert ok
+        losses.append(loss)
+        if save is not None and step + 1 == save[1]:
+            save_checkpoint(save[0], step + 1, [ddp], opt, common={"step": step + 1})
+    inner = opt.optimizer
+    layout_of = getattr(inner, "layout_of", lambda p: None)
+    layouts = [layout_of(p) for g in inner.param_groups for p in g["params"]]
+    return {
+        "params": _params(ddp),
+        "losses": losses,
+        "state_bytes": state_bytes(opt),
+        "layouts": [lay for lay in layouts if lay is not None],
+        "all_layouts": getattr(inner, "_all_layouts", []),
+        "dp_rank": getattr(inner, "_dp_rank", 0),
+    }
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+def test_identity_loggra_equals_megatron_dense_adam_distributed_optimizer():
+    dense = run_distributed(_train, 2, "dense", 5)
+    loggra = run_distributed(_train, 2, "loggra", 5, loggra_projection="identity")
+    assert loggra[0]["layouts"] or loggra[1]["layouts"]  # matrices took the sketch path
+    for r in range(2):
+        assert _max_rel_diff(loggra[r]["params"], dense[r]["params"]) <= 1e-5
+    assert dense[0]["losses"][-1] < dense[0]["losses"][0]
+
+
+def test_dp2_equals_dp1_with_range_finder_across_refreshes():
+    # overlap_grad_reduce/overlap_param_gather with 1000-element buckets: one bucket per
+    # weight, each split across the 2 DP ranks in its middle, mid-row for linear_qkv.
+    kw = dict(loggra_update_interval=2)  # refreshes before steps 1, 3 and 5
+    dp1 = run_distributed(_train, 1, "loggra", 5, **kw)[0]
+    dp2 = run_distributed(_train, 2, "loggra", 5, overlap=True, **kw)
+    split = [lay for lay in dp2[0]["all_layouts"] if lay.split_rows()]
+    assert split, "no DP shard boundary fell mid-row; the test lost its hard case"
+    assert any(lay.rank < lay.shape[1] for lay in dp2[0]["all_layouts"])
+    for r in range(2):
+        assert _max_rel_diff(dp2[r]["params"], dp1["params"]) <= 1e-4
+    assert dp1["losses"][-1] < dp1["losses"][0]
+
+
+def _expected_state_bytes(result) -> int:
+    """2·rows·r + n·r fp32 per sketched slice + 3 int64, dense: 2 fp32 per element + 2 int64."""
+    sketched = 0
+    for lay in result["layouts"]:
+        lo, hi = lay.touched_rows(result["dp_rank"])
+        sketched += 4 * (2 * (hi - lo) * lay.rank + lay.shape[1] * lay.rank) + 3 * 8
+    return sketched
+
+
+def test_state_is_a_strict_dp_shard_and_matches_the_formula():
+    dp1 = run_distributed(_train, 1, "loggra", 1)[0]
+    dp2 = run_distributed(_train, 2, "loggra", 1)
+    for res in [dp1, *dp2]:
+        dense_numel = sum(
+            p.numel()
+            for n, p in res["params"].items()
+            if "embedding" in n or "output" in n or p.dim() == 1
+        )
+        assert res["state_bytes"] > _expected_state_bytes(res)
+        # the remainder is dense Adam state for this rank's slice of dense params only
+        dense_bytes = res["state_bytes"] - _expected_state_bytes(res)
+        assert dense_bytes < 8 * dense_numel + 16 * 64
+    total2 = sum(r["state_bytes"] for r in dp2)
+    assert 0.4 * dp1["state_bytes"] < dp2[0]["state_bytes"] < 0.6 * dp1["state_bytes"]
+    assert total2 < 1.05 * dp1["state_bytes"]  # only split rows and shared bases duplicate
+
+
+def _one_step_update(rank, tp_rank_layout=False):
+    """Params before and after one LoGRA step (TP-gathered by the caller)."""
+    from megatron.core import parallel_state
+
+    ddp, opt = _build("loggra", True, loggra_rank=3, loggra_oversample=2)
+    before = _params(ddp)
+    batch, micro = _local_batch(TOKENS[:2])
+    train_step(ddp, opt, batch, num_microbatches=micro)
+    after = _params(ddp)
+    return {
+        "delta": {k: after[k] - before[k] for k in after},
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+    }
+
+
+def _gather_tp(results, name):
+    """Full (TP=1 layout) tensor from TP shards; SwiGLU fc1 shards are [gate; up] halves."""
+    shards = [r["delta"][name] for r in sorted(results, key=lambda r: r["tp_rank"])]
+    if name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    dim = 1 if ("linear_proj" in name or "linear_fc2" in name) else 0
+    return torch.cat(shards, dim=dim)
+
+
+def test_tp_invariance_claim_column_parallel_yes_row_parallel_no():
+    tp1 = run_distributed(_one_step_update, 1)[0]
+    tp2 = run_distributed(_one_step_update, 2, tp=2)
+    for layer in (0, 1):
+        prefix = f"decoder.layers.{layer}"
+        for name in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+            full = f"{prefix}.{name}"
+            ref = tp1["delta"][full]
+            assert ((_gather_tp(tp2, full) - ref).norm() / ref.norm()).item() < 1e-4, full
+        for name in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+            full = f"{prefix}.{name}"
+            ref = tp1["delta"][full]
+            assert ((_gather_tp(tp2, full) - ref).norm() / ref.norm()).item() > 1e-2, full
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_tp2_and_pp2_train_with_loggra(tp, pp):
+    results = run_distributed(_train, 2, "loggra", 8, tokens=TOKENS, tp=tp, pp=pp)
+    losses = [r["losses"] for r in results if r["losses"][0] is not None]
+    assert losses and losses[0][-1] < 0.9 * losses[0][0]
+    for r in results:  # each rank's sketches cover exactly its TP-local / stage-local weights
+        local = {tuple(p.shape) for p in r["params"].values() if p.dim() == 2}
+        assert r["layouts"] and all(lay.shape in local for lay in r["layouts"])
+        assert r["state_bytes"] > 0
+    if tp == 2:  # TP ranks hold different shards
+        a, b = (r["params"]["decoder.layers.0.mlp.linear_fc1.weight"] for r in results)
+        assert a.shape == b.shape and not torch.equal(a, b)
+    else:  # PP stages hold different layers
+        assert all(len(r["layouts"]) == 4 for r in results)  # 1 layer x (qkv, proj, fc1, fc2)
+
+
+def test_replicated_megatron_optimizer_trains_and_matches_distributed():
+    rep = run_distributed(_train, 2, "loggra", 4, use_dist=False, loggra_update_interval=2)
+    dist_ = run_distributed(_train, 2, "loggra", 4, loggra_update_interval=2)
+    assert _max_rel_diff(rep[0]["params"], dist_[0]["params"]) <= 1e-4
+    assert rep[0]["losses"][-1] < rep[0]["losses"][0]
+
+
+def test_checkpoint_resume_equals_uninterrupted_and_reshards_over_dp(tmp_path):
+    kw = dict(loggra_update_interval=2)
+    full = run_distributed(_train, 2, "loggra", 6, **kw)
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 2, "loggra", 3, save=(ckpt, 3), **kw)
+    resumed = run_distributed(_train, 2, "loggra", 3, load=ckpt, **kw)
+    for r in range(2):
+        for k, v in full[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][k], v), k
+    resharded = run_distributed(_train, 1, "loggra", 3, load=ckpt, **kw)[0]
+    assert _max_rel_diff(resharded["params"], full[0]["params"]) <= 1e-4
+
+
+def _load_refused(rank, ckpt):
+    from loggra_megatron.checkpointing import load_checkpoint
+
+    ddp, opt = _build("loggra", True)
+    before = _params(ddp)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1.*this run has 2"):
+        load_checkpoint(ckpt, [ddp], opt)
+    after = _params(ddp)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    return True
+
+
+def test_checkpoint_with_different_tp_is_refused_before_anything_changes(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 2, "loggra", 1, save=(ckpt, 1))
+    assert run_distributed(_load_refused, 2, ckpt, tp=2) == [True, True]
+
+
+def test_config_rejects_bad_loggra_fields():
+    from loggra_megatron.optim import LoGRAOptimizerConfig
+
+    with pytest.raises(ValueError, match="rank=0"):
+        LoGRAOptimizerConfig(loggra_rank=0)
+    with pytest.raises(ValueError, match="loggra_projection='svd'"):
+        LoGRAOptimizerConfig(loggra_projection="svd")
+    with pytest.raises(ValueError, match="update_interval=-1"):
+        LoGRAOptimizerConfig(loggra_update_interval=-1)
