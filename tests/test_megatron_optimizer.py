@@ -237,3 +237,112 @@ def test_config_rejects_bad_loggra_fields():
         LoGRAOptimizerConfig(loggra_projection="svd")
     with pytest.raises(ValueError, match="update_interval=-1"):
         LoGRAOptimizerConfig(loggra_update_interval=-1)
+
+
+def _bf16_identity_vs_dense(rank, kind):
+    """bf16 params, fp32 main params in the DistributedOptimizer: state after one step
+    (later steps amplify bf16 rounding flips) and the losses of four."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    model = tiny_gpt_model(
+        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
+        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+    )  # fmt: skip
+    model.bfloat16()
+    ddp = wrap_ddp(model)
+    base = dict(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
+    if kind == "dense":
+        opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
+    else:
+        config = LoGRAOptimizerConfig(**base, loggra_min_dim=1, loggra_projection="identity")
+        opt = get_loggra_optimizer(config, [ddp])
+    batch, micro = _local_batch(TOKENS[:2])
+    mains = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    losses = [train_step(ddp, opt, batch, num_microbatches=micro)[0]]
+    first = {"params": _params(ddp), "mains": [p.detach().clone() for p in mains]}
+    losses += [train_step(ddp, opt, batch, num_microbatches=micro)[0] for _ in range(3)]
+    return {
+        **first,
+        "losses": losses,
+        "model_dtypes": {p.dtype for p in ddp.module.parameters()},
+        "main_dtypes": {p.dtype for p in mains},
+    }
+
+
+def test_bf16_params_with_fp32_main_params_match_dense_adam():
+    dense = run_distributed(_bf16_identity_vs_dense, 2, "dense")
+    loggra = run_distributed(_bf16_identity_vs_dense, 2, "loggra")
+    for r in range(2):
+        assert loggra[r]["model_dtypes"] == {torch.bfloat16}
+        assert loggra[r]["main_dtypes"] == {torch.float32}
+        for a, b in zip(loggra[r]["mains"], dense[r]["mains"], strict=True):  # fp32 masters
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for k, v in dense[r]["params"].items():  # a master's last bit may flip bf16 rounding
+            torch.testing.assert_close(loggra[r]["params"][k], v, atol=1e-4, rtol=2**-7)
+    assert loggra[0]["losses"][-1] < loggra[0]["losses"][0]
+
+
+def _nan_on_one_rank_skips_everywhere(rank):
+    from megatron.core import parallel_state
+
+    ddp, opt = _build("loggra", True)
+    batch, micro = _local_batch(TOKENS[:2])
+    train_step(ddp, opt, batch, num_microbatches=micro)
+    before = _params(ddp)
+    inner_before = {
+        id(p): {k: v.clone() for k, v in opt.optimizer.state[p].items()}
+        for p in opt.optimizer.state
+    }
+    if parallel_state.get_data_parallel_rank() == 0:  # poison one gradient element on rank 0
+        original = opt.optimizer.step
+
+        def poisoned_step():
+            p = opt.optimizer.param_groups[0]["params"][0]
+            p.grad.view(-1)[0] = float("nan")
+            return original()
+
+        opt.optimizer.step = poisoned_step
+    train_step(ddp, opt, batch, num_microbatches=micro)
+    after = _params(ddp)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    state_unchanged = all(
+        torch.equal(v, inner_before[id(p)][k])
+        for p in opt.optimizer.state
+        for k, v in opt.optimizer.state[p].items()
+        if k != "nonfinite_skips"
+    )
+    return unchanged, state_unchanged, opt.optimizer.num_skipped_steps
+
+
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks():
+    results = run_distributed(_nan_on_one_rank_skips_everywhere, 2)
+    assert results == [(True, True, 1), (True, True, 1)]
+
+
+def _scheduled(rank):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp, opt = _build("loggra", True)
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
+        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
+        wd_incr_style="constant",
+    )  # fmt: skip
+    batch, micro = _local_batch(TOKENS[:2])
+    before = _params(ddp)
+    train_step(ddp, opt, batch, num_microbatches=micro)  # lr = init_lr = 0: no change
+    unchanged = all(torch.equal(before[k], v) for k, v in _params(ddp).items())
+    sched.step(1)
+    lrs = {g["lr"] for g in opt.optimizer.param_groups}
+    train_step(ddp, opt, batch, num_microbatches=micro)
+    changed = any(not torch.equal(before[k], v) for k, v in _params(ddp).items())
+    return unchanged, lrs, changed
+
+
+def test_megatron_lr_scheduler_drives_loggra():
+    for unchanged, lrs, changed in run_distributed(_scheduled, 2):
+        assert unchanged and changed
+        assert len(lrs) == 1 and lrs.pop() == pytest.approx(5e-3)  # warm-up step 1 of 2
