@@ -252,14 +252,19 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             for p in g["params"]
             if p.grad is not None
         ]
-        if self._any_nonfinite([p.grad for p, _, _ in held]):
-            for _, _, state in held:
-                state["nonfinite_skips"] += 1
-            self.num_skipped_steps += 1
-            return None
         if needs_refresh(self.num_steps, self._settings):
+            if self._any_nonfinite([p.grad for p, _, _ in held]):
+                return self._skip(held)
             self._refresh_all()
-        sketches = self._exact_sketches()
+            sketches, edge = self._local_sketches()
+        else:
+            sketches, edge = self._local_sketches()
+            # A non-finite entry of G makes its whole sketch row non-finite, so checking
+            # the sketches (r/n of the gradient) and the dense gradients is exact.
+            dense = [p.grad for p, _, _ in held if p not in self._index_of]
+            if self._any_nonfinite([*dense, *sketches.values()]):
+                return self._skip(held)
+        self._sum_split_rows(sketches, edge)
         for p, group, state in held:
             w = self._index_of.get(p)
             if w is None:
@@ -270,20 +275,27 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self.num_steps += 1
         return None
 
-    def _any_nonfinite(self, grads) -> bool:
+    def _skip(self, held) -> None:
+        for _, _, state in held:
+            state["nonfinite_skips"] += 1
+        self.num_skipped_steps += 1
+
+    def _any_nonfinite(self, tensors) -> bool:
+        """Whether any rank of the consensus group holds a non-finite value."""
         bad = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            if not torch.isfinite(g).all():
+        for t in tensors:
+            if not torch.isfinite(t).all():
                 bad += 1
         group = self._consensus_group
         if group is not None and dist.get_world_size(group) > 1:
-            device = grads[0].device if grads else "cpu"
+            device = tensors[0].device if tensors else "cpu"
             bad = bad.to(device)
             dist.all_reduce(bad, group=group)
         return bool(bad > 0)
 
-    def _exact_sketches(self) -> dict[int, torch.Tensor]:
-        """``{weight index: S [touched rows, r]}``, split rows summed over DP."""
+    def _local_sketches(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """``{weight index: S [touched rows, r]}`` with partial sums on split rows, and the
+        edge buffer holding those partial rows (None without DP)."""
         sketches, edge = {}, None
         if self._edge_numel and self._dp_reduce is not None:
             device = next(iter(self._held.values())).device if self._held else "cpu"
@@ -304,18 +316,22 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                     slot = self._edge_slots[(w, row)]
                     edge[slot : slot + layout.rank] = s[row - lo]
             sketches[w] = s
-        if edge is not None:
-            self._dp_reduce(edge)
-            for w, layout in enumerate(self._all_layouts):
-                p = self._held.get(w)
-                if p is None:
-                    continue
-                lo, _ = layout.touched_rows(self._dp_rank)
-                start, end = layout.dp_ranges[self._dp_rank]
-                for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
-                    slot = self._edge_slots[(w, row)]
-                    sketches[w][row - lo] = edge[slot : slot + layout.rank]
-        return sketches
+        return sketches, edge
+
+    def _sum_split_rows(self, sketches, edge) -> None:
+        """Complete the split rows' sketches with one DP all-reduce of the edge buffer."""
+        if edge is None:
+            return
+        self._dp_reduce(edge)
+        for w, layout in enumerate(self._all_layouts):
+            p = self._held.get(w)
+            if p is None:
+                continue
+            lo, _ = layout.touched_rows(self._dp_rank)
+            start, end = layout.dp_ranges[self._dp_rank]
+            for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
+                slot = self._edge_slots[(w, row)]
+                sketches[w][row - lo] = edge[slot : slot + layout.rank]
 
     def _apply_sketched(self, p, group, state, layout, sketch) -> None:
         basis = state["basis"]
