@@ -1,0 +1,395 @@
+"""Tiny multi-process test harness for running real Megatron-Core on CPU (gloo).
+
+* :func:`run_distributed` runs ``fn(rank, *args, **kwargs)`` in ``world_size`` worker
+  processes, each with :func:`~loggra_megatron.cpu.enable_cpu_megatron`, a gloo process group
+  on 127.0.0.1 (free port), Megatron's model-parallel groups (``tp``, ``pp``; DP is the rest)
+  and Megatron's RNG seeded (``model_parallel_cuda_manual_seed``). It returns the per-rank
+  results (anything ``torch.save`` can write) in rank order, and raises in the parent with
+  every failing rank's traceback (``RuntimeError``) or on a hang (``TimeoutError``).
+  Workers are forked from a *forkserver* that imported torch and Megatron once (the first call
+  costs ~5 s, later ones ~0.3 s); the caller's environment and cwd are replayed in each worker.
+  ``start_method="spawn"`` is the slow, fully fresh alternative.
+* :func:`tiny_gpt_config` / :func:`tiny_gpt_model` build a small Llama-style Megatron-Core
+  ``GPTModel`` (local spec: RMSNorm, SwiGLU, RoPE, optional GQA, untied embeddings, fp32,
+  no dropout) for this rank's pipeline stage; :func:`wrap_ddp` wraps it in Megatron's
+  ``DistributedDataParallel`` the way Megatron's training loop does.
+* :func:`train_step` runs one step over microbatches with Megatron's
+  ``get_forward_backward_func`` (1F1B when PP > 1) plus an optimizer step.
+
+Functions passed to :func:`run_distributed` must be importable by name (module level in an
+importable module, e.g. a pytest test module); results travel back through files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loggra_megatron.cpu import enable_cpu_megatron
+
+__all__ = [
+    "free_port",
+    "run_distributed",
+    "tiny_gpt_config",
+    "tiny_gpt_model",
+    "train_step",
+    "wrap_ddp",
+]
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Imported once by the forkserver; workers fork from it instead of re-importing (slow).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.models.gpt",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "loggra_megatron.cpu",
+]
+
+
+def _mp_context(start_method: str):
+    if start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # only takes effect before the server starts
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _exit_when_orphaned(ppid: int) -> None:
+    while os.getppid() == ppid:  # the forkserver dies with the caller; spawn's parent is it
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _kill_tree(p) -> None:
+    """SIGKILL worker ``p`` and its process group (the worker made itself a group leader)."""
+    if p.is_alive():
+        p.kill()
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def _worker(
+    rank, world_size, port, tp, pp, seed, timeout, fn, args, kwargs, out_dir, status_q, env, cwd
+):
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)  # own process group, so run_distributed can clean up after us
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    # A forkserver child inherits the server's environment and cwd, not the caller's.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    error = None
+    try:
+        from megatron.core import parallel_state, tensor_parallel
+
+        enable_cpu_megatron()
+        torch.distributed.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        result = fn(rank, *args, **kwargs)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        error = traceback.format_exc()
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+    status_q.put((rank, error))
+
+
+def _collect(procs, status_q, timeout: float) -> tuple[set[int], dict[int, str]]:
+    """Wait for every rank's (rank, error) report; notice ranks that die without one. After
+    the first failure the others get a few seconds to report before the caller kills them."""
+    done: set[int] = set()
+    errors: dict[int, str] = {}
+    deadline, grace = time.monotonic() + timeout, float("inf")
+
+    def record(rank: int, err: str | None) -> None:
+        nonlocal grace
+        done.add(rank)
+        if err is not None:
+            errors[rank] = err
+            grace = min(grace, time.monotonic() + 5.0)
+
+    while len(done) < len(procs) and time.monotonic() < min(deadline, grace):
+        try:
+            record(*status_q.get(timeout=0.2))
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+        if dead:
+            with contextlib.suppress(queue.Empty):  # a report written before exiting is queued
+                while True:
+                    record(*status_q.get(timeout=0.5))
+            for r in dead:  # segfault, os._exit, OOM kill, ...
+                if r not in done:
+                    record(r, f"process exited with code {procs[r].exitcode} without reporting")
+    return done, errors
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    seed: int = 1234,
+    timeout: float = 300.0,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` CPU/gloo ranks; return the results.
+
+    ``tp``/``pp`` are the tensor/pipeline model-parallel sizes (DP = world_size / (tp * pp)).
+    Raises ``RuntimeError`` with the workers' tracebacks if any rank fails, and
+    ``TimeoutError`` (after killing the workers) if they do not finish within ``timeout`` s.
+    ``start_method`` is ``"forkserver"`` (default: workers fork from a server that imported
+    torch and Megatron once, saving ~5-10 s per call) or ``"spawn"``.
+    """
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp * pp}")
+    ctx = _mp_context(start_method)
+    status_q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="loggra_dist_") as out_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    tp,
+                    pp,
+                    seed,
+                    timeout,
+                    fn,
+                    args,
+                    kwargs,
+                    out_dir,
+                    status_q,
+                    dict(os.environ),
+                    os.getcwd(),
+                ),
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            done, errors = _collect(procs, status_q, timeout)
+        finally:
+            for r, p in enumerate(procs):
+                if r not in done:  # hung (e.g. in a collective with a failed peer) or timed out
+                    _kill_tree(p)
+            for p in procs:
+                p.join(timeout=10.0)
+                _kill_tree(p)  # stragglers, and helpers a worker left behind (checkpoint writers)
+                p.join()
+        missing = sorted(set(range(world_size)) - done)
+        if errors:
+            msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            if missing:
+                msg += f"\n(ranks {missing} were still running and were killed)"
+            raise RuntimeError(f"run_distributed: {len(errors)} rank(s) failed:\n{msg}")
+        if missing:
+            raise TimeoutError(f"run_distributed: ranks {missing} did not finish in {timeout} s")
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]
+
+
+def tiny_gpt_config(
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    heads: int = 4,
+    query_groups: int | None = None,
+    ffn_hidden_size: int | None = None,
+    **overrides: Any,
+):
+    """A Llama-style fp32 ``TransformerConfig`` for the current parallel state."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    tp = pp = 1
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+    fields = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=query_groups,
+        ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def tiny_gpt_model(
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    heads: int = 4,
+    vocab: int = 64,
+    seq: int = 16,
+    query_groups: int | None = None,
+    share_embeddings: bool = False,
+    bf16: bool = False,
+    **config_overrides: Any,
+):
+    """A tiny Megatron-Core ``GPTModel`` (local spec, RoPE) for this rank's pipeline stage.
+
+    ``bf16=True`` makes bf16 parameters wrapped in Megatron's ``Float16Module`` (pair it with
+    ``OptimizerConfig(bf16=True)``: the distributed optimizer then keeps fp32 main params).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    if bf16:
+        dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+        config_overrides = {**dtype, **config_overrides}
+    config = tiny_gpt_config(num_layers, hidden_size, heads, query_groups, **config_overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type="rope",
+    )
+    return Float16Module(config, model) if bf16 else model
+
+
+def wrap_ddp(model, use_distributed_optimizer: bool = True, **ddp_overrides: Any):
+    """Wrap ``model`` in Megatron's ``DistributedDataParallel`` and hook it into its config
+    (``finalize_model_grads_func``, ``no_sync_func``) as Megatron's training loop does."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    fields = dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    fields.update(ddp_overrides)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**fields), model)
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _gpt_forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    losses = model(tokens, pos, None, labels=labels)  # [b, s] per-token loss
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return losses, loss_func
+
+
+def train_step(
+    model, optimizer, tokens: torch.Tensor, num_microbatches: int = 1, forward_only: bool = False
+):
+    """One step on ``tokens`` ([batch, seq + 1] ints, split into ``num_microbatches``).
+
+    Uses Megatron's ``get_forward_backward_func`` (1F1B for PP > 1). Returns
+    ``(mean_loss, (update_successful, grad_norm, num_zeros))``; ``mean_loss`` is None on
+    non-last pipeline stages, the optimizer tuple is None when ``forward_only``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch, seq = tokens.shape[0], tokens.shape[1] - 1
+    assert batch % num_microbatches == 0
+    mbs = batch // num_microbatches
+    micro = [(tokens[i : i + mbs, :-1], tokens[i : i + mbs, 1:]) for i in range(0, batch, mbs)]
+    if not forward_only:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=_gpt_forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=seq,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+    loss = torch.stack([d["lm loss"] for d in out]).mean().item() if out else None
+    return loss, None if forward_only else optimizer.step()
