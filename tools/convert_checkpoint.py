@@ -1,0 +1,202 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""Convert Llama / Qwen2 / Qwen3 checkpoints between Hugging Face and Megatron-Core.
+
+HF -> Megatron (a ``torch_dist`` dist checkpoint in the Megatron-LM ``release`` layout, plus
+``loggra_model_args.json``)::
+
+    python tools/convert_checkpoint.py --direction hf-to-megatron \\
+        --load /models/Qwen2.5-7B --save /ckpt/qwen2.5-7b-mcore
+
+Megatron -> HF (``config.json`` + ``model.safetensors`` or sharded files with an index)::
+
+    python tools/convert_checkpoint.py --direction megatron-to-hf \\
+        --load /ckpt/qwen2.5-7b-mcore --save /models/qwen2.5-7b-rl
+
+Conversion runs on CPU with the gloo backend (Megatron-Core's CUDA assumptions are redirected
+by :func:`loggra_megatron.cpu.enable_cpu_megatron`; no GPU is touched, even if present). For a
+model that does not fit one process, shard it: run under ``torchrun --nproc-per-node TP*PP``
+with ``--tensor-model-parallel-size TP --pipeline-model-parallel-size PP``; every rank then
+holds and converts only its shard. The dist checkpoint itself is parallelism-agnostic: it
+loads at any TP/PP the architecture allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+import time
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 5GB, 500MB, 2GiB)")
+    unit = m.group(2).upper()
+    base = 1024 if m.group(3) and m.group(3).lower() == "ib" else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(unit or " "))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
+    p.add_argument("--load", required=True, help="source checkpoint directory")
+    p.add_argument("--save", required=True, help="destination directory (must be empty or new)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--params-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="hf-to-megatron: dtype of the Megatron parameters (default: the HF config's dtype)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="hf-to-megatron: pad the vocabulary to a multiple of this times TP",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        default=_parse_size("5GB"),
+        help="megatron-to-hf: largest safetensors file (default 5GB)",
+    )
+    p.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="Megatron layer spec used to build the model (checkpoints are interchangeable)",
+    )
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(tp: int, pp: int) -> bool:
+    """gloo process group (torchrun's env or a single local process) + Megatron groups.
+
+    Reuses an existing setup with the same TP/PP (``main`` called from a program that already
+    initialised Megatron on CPU). Returns True if this call created the process group.
+    """
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    from loggra_megatron.cpu import enable_cpu_megatron
+
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tp, pp):
+            raise ValueError(
+                f"Megatron is already initialised with (TP, PP) = {have}, not {(tp, pp)}"
+            )
+        return False
+    if "RANK" not in os.environ:  # plain `python tools/convert_checkpoint.py`
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    enable_cpu_megatron(force=True)  # conversion is CPU-only by design
+    torch.distributed.init_process_group("gloo")
+    world = torch.distributed.get_world_size()
+    if world != tp * pp:
+        raise ValueError(
+            f"world size {world} must equal tensor-model-parallel-size * "
+            f"pipeline-model-parallel-size = {tp} * {pp}; launch with torchrun --nproc-per-node {tp * pp}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return True
+
+
+def _check_destination(path: str, direction: str) -> None:
+    if os.path.isdir(path) and os.listdir(path):
+        raise FileExistsError(
+            f"--save {path} exists and is not empty; refusing to overwrite ({direction})"
+        )
+
+
+def _preflight(opts) -> None:
+    """Cheap checks before Megatron is imported or any process group exists."""
+    from loggra_megatron.convert.checkpoint import read_model_args, resolve_checkpoint_dir
+    from loggra_megatron.model import GPTModelArgs
+
+    if opts.tensor_model_parallel_size < 1 or opts.pipeline_model_parallel_size < 1:
+        raise ValueError("parallel sizes must be >= 1")
+    if opts.direction == "hf-to-megatron":
+        GPTModelArgs.from_hf_config(opts.load)  # refuses unsupported architectures
+    else:
+        resolve_checkpoint_dir(opts.load)
+        read_model_args(opts.load)
+    _check_destination(opts.save, opts.direction)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    t0 = time.perf_counter()
+    try:
+        _preflight(opts)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    import torch
+    from megatron.core import parallel_state
+
+    from loggra_megatron.convert import convert_hf_to_megatron, convert_megatron_to_hf
+
+    if torch.distributed.is_initialized():  # reused group: no rank writes before all checked
+        torch.distributed.barrier()
+    owns_group = False
+    try:
+        owns_group = _init_distributed(tp, pp)
+        rank = torch.distributed.get_rank()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+        def log(msg: str) -> None:
+            if tp_rank == 0:
+                print(f"[pp {pp_rank}] {msg}" if pp > 1 else msg, flush=True)
+
+        if rank == 0:
+            print(f"{opts.direction}: {opts.load} -> {opts.save} (TP={tp}, PP={pp})", flush=True)
+        use_te = opts.transformer_impl == "transformer_engine"
+        if opts.direction == "hf-to-megatron":
+            overrides = {"make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by}
+            if opts.params_dtype is not None:
+                overrides["params_dtype"] = opts.params_dtype
+            args = convert_hf_to_megatron(opts.load, opts.save, use_te=use_te, log=log, **overrides)
+        else:
+            args = convert_megatron_to_hf(
+                opts.load, opts.save, max_shard_bytes=opts.max_shard_size, use_te=use_te, log=log
+            )
+        if rank == 0:
+            print(
+                f"done: {args.num_layers} layers, hidden {args.hidden_size}, "
+                f"{time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+        return 0
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if owns_group:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
