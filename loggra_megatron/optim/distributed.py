@@ -45,10 +45,11 @@ import torch.distributed as dist
 
 from loggra_megatron.optim.loggra_adamw import (
     LoGRAAdamW,
+    adam_moments,
     dense_state,
-    install_basis,
     needs_refresh,
     refresh_seed,
+    refreshed_state,
     validate_group,
 )
 from loggra_megatron.optim.projection import (
@@ -188,12 +189,9 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             raise ValueError("loggra residual_scale > 0 is not supported with Megatron optimizers")
         self._settings = {k: group[k] for k in ("projection", "update_interval", "oversample")}
         self._settings["power_iters"] = group["power_iters"]
-        offset, self._edge_slots = 0, {}
-        for w, lay in enumerate(all_layouts):
-            for row in lay.split_rows():
-                self._edge_slots[(w, row)] = offset
-                offset += lay.rank
-        self._edge_numel = offset
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._device = next(iter(self._group_of), torch.zeros(())).device
+        """Where collective buffers live (also on ranks that hold no slice of a weight)."""
 
     def add_param_group(self, param_group: dict) -> None:
         """Register a group of shard params. Megatron's fp32 shards are views into its
@@ -246,128 +244,156 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "ShardedLoGRAAdamW does not take a closure"
+        self._run(commit=True)
+
+    @torch.no_grad()
+    def write_candidate(self, write, scale: float = 1.0) -> bool:
+        """Compute this step's update without changing any parameter or state.
+
+        Calls ``write(param, θ + scale·Δθ)`` once per param with a gradient (a transient
+        tensor of the param's shape; sketched updates are applied from their factors).
+        Collective like :meth:`step`. Returns False if the step would be skipped.
+        """
+        return self._run(commit=False, write=write, scale=scale)
+
+    def _run(self, commit: bool, write=None, scale: float = 1.0) -> bool:
+        """One step (``commit``) or one candidate, weight by weight in canonical order so
+        that every rank issues the same collectives and transients stay per weight."""
         held = [
             (p, g, self.state[p] if p in self.state else self._init_state(p, g))
             for g in self.param_groups
             for p in g["params"]
             if p.grad is not None
         ]
-        if needs_refresh(self.num_steps, self._settings):
-            if self._any_nonfinite([p.grad for p, _, _ in held]):
-                return self._skip(held)
-            self._refresh_all()
-            sketches, edge = self._local_sketches()
-        else:
-            sketches, edge = self._local_sketches()
-            # A non-finite entry of G makes its whole sketch row non-finite, so checking
-            # the sketches (r/n of the gradient) and the dense gradients is exact.
-            dense = [p.grad for p, _, _ in held if p not in self._index_of]
-            if self._any_nonfinite([*dense, *sketches.values()]):
-                return self._skip(held)
-        self._sum_split_rows(sketches, edge)
-        for p, group, state in held:
-            w = self._index_of.get(p)
-            if w is None:
-                direction, step_size = self._adam_direction(p, p.grad.float(), state, group)
-                p.add_(direction, alpha=-step_size)
+        if self._any_nonfinite([p.grad for p, _, _ in held]):
+            if commit:
+                for _, _, state in held:
+                    state["nonfinite_skips"] += 1
+                self.num_skipped_steps += 1
+            return False
+        refresh = needs_refresh(self.num_steps, self._settings)
+        random = self._settings["projection"] == "random"
+        full_split_rows = self._gather_split_rows() if refresh and not random else {}
+        step = self.num_steps + 1
+        for w, layout in enumerate(self._all_layouts):
+            p = self._held.get(w)
+            state = self.state[p] if p is not None else None
+            basis_and_moments = None
+            if refresh:
+                basis_and_moments = self._refreshed(w, layout, p, state, full_split_rows)
+            elif p is not None:
+                basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
+            sketch = self._exact_sketch(w, layout, p, basis_and_moments)
+            if p is None:
+                continue
+            basis, exp_avg, exp_avg_sq = basis_and_moments
+            if commit and refresh:
+                keys = ("basis", "exp_avg", "exp_avg_sq")
+                for key, value in zip(keys, basis_and_moments, strict=True):
+                    state[key].copy_(value)
+                basis, exp_avg, exp_avg_sq = state["basis"], state["exp_avg"], state["exp_avg_sq"]
+            group = self._group_of[p]
+            _, _, direction, step_size = adam_moments(
+                exp_avg, exp_avg_sq, sketch, step, group, inplace=commit
+            )
+            target = p if commit else p.detach().clone()
+            target.mul_(1 - scale * group["lr"] * group["weight_decay"])
+            self._add_low_rank(
+                target, layout, direction, basis, -scale * step_size * group["scale"]
+            )
+            if commit:
+                state["step"] += 1
             else:
-                self._apply_sketched(p, group, state, self._all_layouts[w], sketches[w])
-        self.num_steps += 1
-        return None
+                write(p, target)
+        for p, group, state in held:
+            if p in self._index_of:
+                continue
+            grad = p.grad.float()
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            _, _, direction, step_size = adam_moments(
+                exp_avg, exp_avg_sq, grad, step, group, inplace=commit
+            )
+            target = p if commit else p.detach().clone()
+            target.mul_(1 - scale * group["lr"] * group["weight_decay"])
+            target.add_(direction, alpha=-scale * step_size)
+            if commit:
+                state["step"] += 1
+            else:
+                write(p, target)
+        if commit:
+            self.num_steps += 1
+        return True
 
-    def _skip(self, held) -> None:
-        for _, _, state in held:
-            state["nonfinite_skips"] += 1
-        self.num_skipped_steps += 1
-
-    def _any_nonfinite(self, tensors) -> bool:
-        """Whether any rank of the consensus group holds a non-finite value."""
-        bad = torch.zeros((), dtype=torch.float32)
-        for t in tensors:
-            if not torch.isfinite(t).all():
-                bad += 1
+    def _any_nonfinite(self, grads) -> bool:
+        """Whether any rank of the consensus group holds a non-finite gradient: one fused
+        norm per gradient (a non-finite entry makes its norm non-finite) and one scalar
+        all-reduce."""
+        bad = torch.zeros(())
+        if grads:
+            norms = torch._foreach_norm([g.float() for g in grads])
+            bad = (~torch.isfinite(torch.stack(norms))).sum().float()
         group = self._consensus_group
         if group is not None and dist.get_world_size(group) > 1:
-            device = tensors[0].device if tensors else "cpu"
-            bad = bad.to(device)
+            bad = bad.to(self._device)
             dist.all_reduce(bad, group=group)
         return bool(bad > 0)
 
-    def _local_sketches(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
-        """``{weight index: S [touched rows, r]}`` with partial sums on split rows, and the
-        edge buffer holding those partial rows (None without DP)."""
-        sketches, edge = {}, None
-        if self._edge_numel and self._dp_reduce is not None:
-            device = next(iter(self._held.values())).device if self._held else "cpu"
-            edge = torch.zeros(self._edge_numel, device=device)
-        for w, layout in enumerate(self._all_layouts):
-            p = self._held.get(w)
-            if p is None:
-                continue
-            basis = self.state[p]["basis"]
-            lo, _ = layout.touched_rows(self._dp_rank)
+    def _exact_sketch(self, w, layout, p, basis_and_moments) -> torch.Tensor | None:
+        """``S [touched rows, r]`` of weight ``w`` on this rank; split rows are summed over
+        DP (an all-reduce of ``[split rows, r]`` that every DP rank joins)."""
+        split = layout.split_rows() if self._dp_reduce is not None else []
+        lo = layout.touched_rows(self._dp_rank)[0]
+        edge = torch.zeros(len(split), layout.rank, device=self._device) if split else None
+        s = None
+        if p is not None:
+            basis = basis_and_moments[0]
             start, end = layout.dp_ranges[self._dp_rank]
             pieces = _cut_rows(p.grad.float().view(-1), start, end, layout.shape[1])
-            s = torch.empty(self.state[p]["exp_avg"].shape, device=basis.device)
+            s = torch.empty(basis_and_moments[1].shape, device=basis.device)
             s[pieces.body_rows[0] - lo : pieces.body_rows[1] - lo] = pieces.body @ basis
             for row, c0, c1, values in pieces.partial:
                 s[row - lo] = values @ basis[c0:c1]
-                if edge is not None:
-                    slot = self._edge_slots[(w, row)]
-                    edge[slot : slot + layout.rank] = s[row - lo]
-            sketches[w] = s
-        return sketches, edge
+            if edge is not None:
+                for row, *_ in pieces.partial:
+                    edge[split.index(row)] = s[row - lo]
+        if edge is not None:
+            self._dp_reduce(edge)
+            if s is not None:
+                start, end = layout.dp_ranges[self._dp_rank]
+                for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
+                    s[row - lo] = edge[split.index(row)]
+        return s
 
-    def _sum_split_rows(self, sketches, edge) -> None:
-        """Complete the split rows' sketches with one DP all-reduce of the edge buffer."""
-        if edge is None:
-            return
-        self._dp_reduce(edge)
-        for w, layout in enumerate(self._all_layouts):
-            p = self._held.get(w)
-            if p is None:
-                continue
-            lo, _ = layout.touched_rows(self._dp_rank)
-            start, end = layout.dp_ranges[self._dp_rank]
-            for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
-                slot = self._edge_slots[(w, row)]
-                sketches[w][row - lo] = edge[slot : slot + layout.rank]
-
-    def _apply_sketched(self, p, group, state, layout, sketch) -> None:
-        basis = state["basis"]
-        direction, step_size = self._adam_direction(p, sketch, state, group)  # [rows, r]
-        alpha = -step_size * group["scale"]
-        lo, _ = layout.touched_rows(self._dp_rank)
+    def _add_low_rank(self, target, layout, direction, basis, alpha) -> None:
+        """``target += alpha · (direction Qᵀ)`` restricted to this rank's slice."""
+        lo = layout.touched_rows(self._dp_rank)[0]
         start, end = layout.dp_ranges[self._dp_rank]
-        pieces = _cut_rows(p.view(-1), start, end, layout.shape[1])
+        pieces = _cut_rows(target.view(-1), start, end, layout.shape[1])
         b0, b1 = pieces.body_rows
         pieces.body.addmm_(direction[b0 - lo : b1 - lo], basis.t(), alpha=alpha)
         for row, c0, c1, values in pieces.partial:
             values.add_(direction[row - lo] @ basis[c0:c1].t(), alpha=alpha)
 
     # ------------------------------------------------------------------ refresh
-    def _refresh_all(self) -> None:
-        """Recompute every basis; collective over DP (and TP for column-parallel)."""
+    def _refreshed(self, w, layout, p, state, full_split_rows):
+        """``(basis, exp_avg, exp_avg_sq)`` of weight ``w`` after this step's basis refresh,
+        as new tensors (None where this rank holds no slice). Collective over DP (and TP
+        for column-parallel weights) unless the projection is random."""
         settings = self._settings
-        random = settings["projection"] == "random"
-        full_split_rows = {} if random else self._gather_split_rows()
-        for w, layout in enumerate(self._all_layouts):
-            p = self._held.get(w)
-            state = self.state[p] if p is not None else None
-            seed = refresh_seed(layout.seed, self.num_steps, settings)
-            n, r = layout.shape[1], layout.rank
-            if random:
-                if p is not None:
-                    install_basis(random_basis(n, r, seed, p.device), state, self.num_steps == 0)
-                continue
-            k = min(r + settings["oversample"], n)
-            rows, omega = self._owned_rows(w, layout, p, full_split_rows, k, seed)
-            reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
-            q_raw = range_finder_basis(
-                rows, r, settings["oversample"], settings["power_iters"], omega, reduce
-            )
-            if p is not None:
-                install_basis(q_raw, state, self.num_steps == 0)
+        first = self.num_steps == 0
+        seed = refresh_seed(layout.seed, self.num_steps, settings)
+        n, r = layout.shape[1], layout.rank
+        if settings["projection"] == "random":
+            if p is None:
+                return None
+            return refreshed_state(random_basis(n, r, seed, p.device), state, first)
+        k = min(r + settings["oversample"], n)
+        rows, omega = self._owned_rows(w, layout, p, full_split_rows, k, seed)
+        reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
+        q_raw = range_finder_basis(
+            rows, r, settings["oversample"], settings["power_iters"], omega, reduce
+        )
+        return None if p is None else refreshed_state(q_raw, state, first)
 
     def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:
         """Full gradient rows of every split row, summed over DP (one all-reduce)."""
@@ -378,8 +404,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 total += layout.shape[1]
         if not total:
             return {}
-        device = next(iter(self._held.values())).device if self._held else "cpu"
-        buf = torch.zeros(total, device=device)
+        buf = torch.zeros(total, device=self._device)
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
             if p is None:
@@ -397,7 +422,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
     def _owned_rows(self, w, layout, p, full_split_rows, k, seed):
         """This rank's owned gradient rows ``[rows, n]`` and the matching rows of Ω."""
         n = layout.shape[1]
-        device = p.device if p is not None else "cpu"
+        device = self._device
         if p is None:
             return torch.zeros(0, n, device=device), torch.zeros(0, k, device=device)
         lo, hi = layout.owned_rows(self._dp_rank)

@@ -233,14 +233,12 @@ class LoGRAAdamW(torch.optim.Optimizer):
     def _adam_direction(p, g, state, group) -> tuple[torch.Tensor, float]:
         """Advance the step, decay ``p``, update the moments with ``g`` (a gradient or a
         sketch) and return ``(M / (√V̂ + ε), lr / (1 − β1^t))``, as torch's AdamW does."""
-        beta1, beta2 = group["betas"]
         state["step"] += 1
-        step = int(state["step"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        state["exp_avg"].lerp_(g, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-        return state["exp_avg"] / denom, group["lr"] / (1 - beta1**step)
+        _, _, direction, step_size = adam_moments(
+            state["exp_avg"], state["exp_avg_sq"], g, int(state["step"]), group, inplace=True
+        )
+        return direction, step_size
 
     @staticmethod
     def _refresh_basis(grad, state, group, first: bool) -> None:
@@ -278,15 +276,42 @@ def refresh_seed(basis_seed: int, steps_done: int, group: dict) -> int:
     return basis_seed * _SEED_STRIDE + steps_done // group["update_interval"]
 
 
+def refreshed_state(q_raw: torch.Tensor, state: dict, first: bool):
+    """``(basis, exp_avg, exp_avg_sq)`` after installing ``q_raw``: aligned to the old basis
+    with the moments transported (new tensors; ``state`` is not changed)."""
+    if first:
+        return q_raw, state["exp_avg"], state["exp_avg_sq"]
+    q_new = align_basis(q_raw, state["basis"])
+    exp_avg, exp_avg_sq = transport_moments(
+        state["exp_avg"], state["exp_avg_sq"], state["basis"], q_new
+    )
+    return q_new, exp_avg, exp_avg_sq
+
+
 def install_basis(q_raw: torch.Tensor, state: dict, first: bool) -> None:
     """Make ``q_raw`` the basis: align it to the old one and transport the moments."""
-    basis = state["basis"]
-    if first:
-        basis.copy_(q_raw)
-        return
-    q_new = align_basis(q_raw, basis)
-    transport_moments(state["exp_avg"], state["exp_avg_sq"], basis, q_new)
-    basis.copy_(q_new)
+    for key, value in zip(
+        ("basis", "exp_avg", "exp_avg_sq"), refreshed_state(q_raw, state, first), strict=True
+    ):
+        state[key].copy_(value)
+
+
+def adam_moments(exp_avg, exp_avg_sq, g, step: int, group: dict, inplace: bool):
+    """Adam's moments updated with ``g`` (a gradient or a sketch) at 1-based ``step``, the
+    direction ``M / (√V̂ + ε)`` and the step size ``lr / (1 − β1^t)``, computed as torch's
+    AdamW does. In place for a step; on new tensors for a candidate that changes nothing.
+
+    Returns ``(exp_avg, exp_avg_sq, direction, step_size)``.
+    """
+    beta1, beta2 = group["betas"]
+    if inplace:
+        m = exp_avg.lerp_(g, 1 - beta1)
+        v = exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    else:
+        m = exp_avg.lerp(g, 1 - beta1)
+        v = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+    return m, v, m / denom, group["lr"] / (1 - beta1**step)
 
 
 def validate_group(group: dict) -> None:

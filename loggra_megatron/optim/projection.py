@@ -127,8 +127,7 @@ def align_basis(q_raw: torch.Tensor, q_old: torch.Tensor) -> torch.Tensor:
 
 def transport_moments(
     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, q_old: torch.Tensor, q_new: torch.Tensor
-) -> None:
-    """Move sketch-space moments ``[m, r]`` from basis ``q_old`` to ``q_new`` in place."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sketch-space moments ``[m, r]`` moved from basis ``q_old`` to ``q_new`` (new tensors)."""
     r = q_old.t() @ q_new  # [r, r]
-    exp_avg.copy_(exp_avg @ r)
-    exp_avg_sq.copy_(exp_avg_sq @ (r * r))
+    return exp_avg @ r, exp_avg_sq @ (r * r)

@@ -1,0 +1,289 @@
+"""GRPO / PPO-clip policy losses, the KL penalty to a reference model, and adaptive β.
+
+Advantages (one scalar per generation; ``G`` generations per prompt, rewards ``r_1..r_G``)::
+
+    GRPO     (Shao et al. 2024, DeepSeekMath §4.1):  A_i = (r_i − mean(r)) / (std(r) + eps)
+    Dr.GRPO  (Liu et al. 2025, "Understanding R1-Zero-Like Training"):  A_i = r_i − mean(r)
+
+``std`` is the *sample* standard deviation (Bessel, ``√(Σ(r−r̄)²/(G−1))``), as ``torch.std``
+and hence TRL's ``GRPOTrainer`` and verl's ``compute_grpo_outcome_advantage``. A group with
+identical rewards gets ``A = 0`` exactly (``0 / (0 + eps)``).
+
+Clipped surrogate per token (Schulman et al. 2017, PPO), with the asymmetric "clip-higher"
+range of DAPO (Yu et al. 2025, ``ε_low = 0.2, ε_high = 0.28``)::
+
+    ρ = exp(log π_θ − log π_old)                     # log-ratio clamped to ±20 before exp
+    ℓ = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)  =  max(−ρA, −clip(ρ)A)
+
+A token is *clipped* when the clipped branch is strictly the larger one, i.e. its gradient
+is zero (``ρ > 1+ε_high, A > 0`` or ``ρ < 1−ε_low, A < 0``); ``clip_fraction`` is their share.
+
+Aggregation of a per-token quantity ``x [B, T]`` with validity mask ``m [B, T]``
+(``n_b = Σ_t m_bt``; ``B`` counts sequences with ``n_b > 0``; ``L`` = ``max_len`` or ``T``)::
+
+    "token_mean"               (DAPO)      Σ_bt m x / N           N = Σ_bt m
+    "seq_mean_token_sum_norm"  (Dr.GRPO)   Σ_bt m x / (B · L)     L a constant (e.g. max gen length)
+    "seq_mean_token_mean"      (GRPO)      (1/B) Σ_b (Σ_t m x / n_b)
+
+Every aggregation is a *sum* of per-token (``token_mean``, ``…token_sum_norm``) or
+per-sequence (``seq_mean_token_mean``) terms over one denominator. Passing the global
+denominator (``num_tokens_global`` = N, or ``num_seqs_global`` = B, summed over all
+micro-batches and DP ranks) makes the micro-batch losses add up exactly to the full-batch
+loss; their gradients must then be *summed* (Megatron: ``calculate_per_token_loss``-style,
+no division by the number of micro-batches or DP size).
+
+KL to the frozen reference, per token at tokens sampled from the policy, with
+``δ = log π_ref − log π_θ`` (Schulman 2020, "Approximating KL divergence")::
+
+    k1 = −δ,   k2 = δ²/2,   k3 = e^δ − 1 − δ  (≥ 0; DeepSeekMath eq. 4)
+
+estimates ``KL(π_θ ‖ π_ref)`` and is aggregated exactly like the policy loss. (The tokens
+were sampled from π_old, not π_θ; like every surveyed stack we ignore that off-policyness.)
+
+Adaptive coefficient (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences" §2.2)::
+
+    e_t = clip((KL_t − KL_target) / KL_target, −0.2, 0.2),   β_{t+1} = β_t (1 + K_β e_t),
+    K_β = n_steps / horizon      (their code: n_steps = samples this step, horizon = 10 000)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loggra_megatron.kl import sampled_kl
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean")
+_MAX_LOG_RATIO = 20.0  # exp(20) ≈ 4.9e8: keeps ρ finite in fp32 for wildly stale tokens
+_MAX_KL_ERROR = 0.2  # Ziegler et al.: clip of the proportional error
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages; ``rewards [P*G]`` or ``[P, G]`` (prompt-major) → ``[P*G]``.
+
+    ``normalize_std=True``: GRPO, divide by the sample std plus ``eps``;
+    ``False``: Dr.GRPO, mean-centering only.
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be >= 2 (a group of one has no baseline), got {group_size}"
+        )
+    r = rewards.float()
+    if r.dim() == 2 and r.shape[1] != group_size:
+        raise ValueError(f"rewards of shape {tuple(r.shape)} do not have group_size={group_size}")
+    if r.dim() not in (1, 2) or r.numel() % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(r.shape)} do not split into groups of {group_size}"
+        )
+    r = r.reshape(-1, group_size)  # [P, G]
+    adv = r - r.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv = adv / (r.std(dim=1, correction=1, keepdim=True) + eps)
+    return adv.reshape(-1)  # [P*G]
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str = "token_mean",
+    num_tokens_global: int | float | torch.Tensor | None = None,
+    num_seqs_global: int | float | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token ``values [B, T]`` over the valid tokens ``mask [B, T]`` to a scalar.
+
+    Padded positions may hold anything (even NaN/inf): they are selected away, not
+    multiplied by zero. Denominators default to this micro-batch's own counts, floored
+    at 1 so that an all-padding micro-batch contributes 0.
+    """
+    m = mask.bool()
+    x = torch.where(m, values.float(), 0.0)  # [B, T]
+    if aggregation == "token_mean":
+        denom = m.sum().clamp(min=1) if num_tokens_global is None else num_tokens_global
+        return x.sum() / denom
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
+    n_seqs = m.any(dim=-1).sum().clamp(min=1) if num_seqs_global is None else num_seqs_global
+    if aggregation == "seq_mean_token_sum_norm":
+        return x.sum() / (n_seqs * (max_len if max_len is not None else m.shape[-1]))
+    per_seq = x.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)  # [B]; empty rows give 0
+    return per_seq.sum() / n_seqs
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Plain token mean over this micro-batch (for logged metrics), detached."""
+    m = mask.bool()
+    return (torch.where(m, values.detach().float(), 0.0).sum() / m.sum().clamp(min=1)).detach()
+
+
+def ppo_clip_per_token(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate; returns ``(loss [B, T], clipped [B, T] bool, ρ [B, T])``.
+
+    ``advantages`` is ``[B]`` (one per sequence, GRPO) or ``[B, T]`` (per token, e.g. GAE).
+    ``logp_old`` is treated as a constant. Masked tokens get log-ratio 0 (ρ = 1) before
+    the exp, so non-finite padding never reaches the values or the gradients.
+    """
+    log_ratio = logp.float() - logp_old.detach().float()  # [B, T]
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, 0.0)
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()  # [B, T]
+    adv = advantages.detach().float()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # [B, 1]
+    unclipped = -adv * ratio
+    clipped_branch = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = clipped_branch > unclipped  # the min picks the constant branch: zero gradient
+    return torch.where(clipped, clipped_branch, unclipped), clipped, ratio
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    aggregation: str = "token_mean",
+    num_tokens_global: int | float | torch.Tensor | None = None,
+    num_seqs_global: int | float | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip policy loss ``[B, T] → scalar`` plus detached metrics.
+
+    Metrics (token means over this micro-batch's valid tokens): ``clip_fraction``,
+    ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) at the rollout tokens), ``ratio_mean``.
+    """
+    per_token, clipped, ratio = ppo_clip_per_token(
+        logp, logp_old, advantages, mask, clip_low, clip_high
+    )
+    loss = aggregate(per_token, mask, aggregation, num_tokens_global, num_seqs_global, max_len)
+    m = mask.bool()
+    approx_kl = sampled_kl(
+        torch.where(m, logp_old.detach(), 0.0), torch.where(m, logp.detach(), 0.0), "k3"
+    )
+    metrics = {
+        "clip_fraction": _masked_mean(clipped.float(), m),
+        "approx_kl": _masked_mean(approx_kl, m),
+        "ratio_mean": _masked_mean(ratio, m),
+    }
+    return loss, metrics
+
+
+def kl_to_reference(
+    logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of ``KL(π_θ ‖ π_ref)`` ``[B, T]``, zero on padding.
+
+    Gradients flow into ``logp`` only; reduce with :func:`aggregate` (as :func:`grpo_loss`
+    does) to stay consistent with the policy loss.
+    """
+    m = mask.bool()
+    kl = sampled_kl(  # samples from p = π_θ, so logp_old=policy, logp_new=reference
+        torch.where(m, logp.float(), 0.0), torch.where(m, logp_ref.detach().float(), 0.0), estimator
+    )
+    return torch.where(m, kl, 0.0)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    logp_ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    aggregation: str = "token_mean",
+    num_tokens_global: int | float | torch.Tensor | None = None,
+    num_seqs_global: int | float | torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss = policy_loss + β · agg(KL(π_θ ‖ π_ref))`` with one aggregation for both terms.
+
+    Metrics (detached 0-dim tensors, stable keys): ``loss/policy``, ``loss/kl_ref`` (the
+    β-scaled term), ``loss/total``, ``kl/ref`` (unscaled per-token mean KL to the
+    reference; 0 without one), ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3
+    KL(π_old ‖ π_θ)). ``loss/*`` carry the global denominators (they sum over
+    micro-batches); the others are means over this micro-batch's valid tokens.
+    """
+    denoms = (aggregation, num_tokens_global, num_seqs_global, max_len)
+    pg_loss, pg_metrics = policy_loss(
+        logp, logp_old, advantages, mask, clip_low, clip_high, *denoms
+    )
+    if logp_ref is not None:
+        kl = kl_to_reference(logp, logp_ref, mask, kl_estimator)  # [B, T]
+        kl_loss = kl_coef * aggregate(kl, mask, *denoms)
+        kl_mean = _masked_mean(kl, mask)
+    elif kl_coef != 0.0:
+        raise ValueError("kl_coef != 0 needs logp_ref")
+    else:
+        kl_loss = pg_loss.new_zeros(())
+        kl_mean = pg_loss.new_zeros(())
+    total = pg_loss + kl_loss
+    metrics = {
+        "loss/policy": pg_loss.detach(),
+        "loss/kl_ref": kl_loss.detach(),
+        "loss/total": total.detach(),
+        "kl/ref": kl_mean,
+        "clip/fraction": pg_metrics["clip_fraction"],
+        "ratio/mean": pg_metrics["ratio_mean"],
+        "kl/old_new": pg_metrics["approx_kl"],
+    }
+    return total, metrics
+
+
+class AdaptiveKLCoefficient:
+    """β for the KL-to-reference penalty: adaptive (Ziegler et al. 2019) or fixed.
+
+    ``kl_target=None`` → fixed β. ``update(kl, n_steps)`` takes the measured KL (same
+    units as ``kl_target``, e.g. the ``kl/ref`` metric averaged over the step) and the
+    step's size in the units of ``horizon`` (Ziegler et al.: samples, horizon 10 000).
+    """
+
+    def __init__(self, init_coef: float, kl_target: float | None = None, horizon: float = 10_000.0):
+        if init_coef < 0:
+            raise ValueError(f"init_coef must be >= 0, got {init_coef}")
+        if kl_target is not None and kl_target <= 0:
+            raise ValueError(f"kl_target must be > 0 (or None for a fixed β), got {kl_target}")
+        if horizon <= 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        self.value = float(init_coef)
+        self.kl_target = None if kl_target is None else float(kl_target)
+        self.horizon = float(horizon)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.kl_target is not None
+
+    def update(self, kl: float | torch.Tensor, n_steps: float = 1) -> float:
+        """One controller step; returns the new β (unchanged in fixed mode)."""
+        if not self.adaptive:
+            return self.value
+        k_beta = float(n_steps) / self.horizon
+        if k_beta * _MAX_KL_ERROR >= 1.0:
+            raise ValueError(f"n_steps/horizon = {k_beta} would make β non-positive (max 5)")
+        kl = float(kl)
+        if not math.isfinite(kl):
+            raise ValueError(f"measured KL is not finite: {kl}")
+        error = min(max((kl - self.kl_target) / self.kl_target, -_MAX_KL_ERROR), _MAX_KL_ERROR)
+        self.value *= 1.0 + k_beta * error
+        return self.value
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"value": self.value, "kl_target": self.kl_target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        self.value = float(state["value"])
+        self.kl_target = None if state["kl_target"] is None else float(state["kl_target"])
+        self.horizon = float(state["horizon"])
