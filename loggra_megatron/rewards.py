@@ -1,0 +1,216 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""Verifiable rewards for RL, and loading user reward functions (``--reward-fn``).
+
+A reward function has the signature::
+
+    fn(prompt: str, completion: str, answer: str, metadata: dict) -> float
+
+``prompt`` is the raw question (not the templated text), ``completion`` the policy's
+generated text (without the prompt), ``answer`` and ``metadata`` come from the dataset.
+It must return a finite real number (``bool`` counts as 0/1).
+
+Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.data.prompts`):
+
+* :func:`exact_match_numeric`: 1.0 if the number after the first ``####`` equals the
+  reference answer (numerically, ``|x − y| ≤ atol + rtol·|y|``; ``1,000`` == ``1000``,
+  ``-5``, ``3.50`` == ``3.5``), else 0.0. No marker, no credit: a number elsewhere in
+  the text is not the answer.
+* :func:`format_reward`: 1.0 if the completion contains ``####`` followed by a number.
+* :func:`default_reward`: ``0.9·exact_match + 0.1·format`` ∈ {0, 0.1, 1}.
+
+:func:`load_reward_fn` takes a built-in name or ``"module:function"`` (the module may also
+be a path to a ``.py`` file). :func:`compute_rewards` applies a function to a batch and
+turns any failure (an exception, or a value that is not a finite real number) into a
+:class:`RewardFunctionError` naming the sample index and prompt, with the original
+traceback: a broken reward is never a silent zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from loggra_megatron.data.prompts import ANSWER_MARKER
+
+RewardFn = Callable[[str, str, str, dict], float]
+
+# -12  1,000  3.5  .5  -1,234.56 ; thousands groups must be exactly 3 digits
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?"
+_ANSWER_RE = re.compile(re.escape(ANSWER_MARKER) + r"[ \t]*\$?[ \t]*(" + _NUMBER + r")")
+_NUMBER_RE = re.compile(r"^" + _NUMBER + r"$")
+
+
+def parse_number(text: str) -> float | None:
+    """``"1,000"`` -> 1000.0, ``"-3.5"`` -> -3.5, ``" $12 "`` -> 12.0; None if ``text`` is not
+    a plain number."""
+    text = text.strip().removeprefix("$").strip()
+    if not text or not _NUMBER_RE.match(text) or not any(c.isdigit() for c in text):
+        return None
+    return float(text.replace(",", ""))
+
+
+def extract_answer(completion: str) -> str | None:
+    """The number after the first ``####`` marker that is followed by one, or None."""
+    for m in _ANSWER_RE.finditer(completion):
+        if any(c.isdigit() for c in m.group(1)):
+            return m.group(1)
+    return None
+
+
+def exact_match_numeric(
+    prompt: str,
+    completion: str,
+    answer: str,
+    metadata: dict,
+    *,
+    rtol: float = 1e-6,
+    atol: float = 1e-9,
+) -> float:
+    """1.0 if the completion's ``#### <number>`` equals ``answer`` numerically, else 0.0."""
+    predicted = extract_answer(completion)
+    if predicted is None:
+        return 0.0
+    expected = parse_number(str(answer))
+    if expected is None:
+        raise ValueError(f"reference answer {answer!r} is not a number")
+    return float(abs(parse_number(predicted) - expected) <= atol + rtol * abs(expected))
+
+
+def format_reward(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """1.0 if the completion gives a final answer as ``#### <number>``, else 0.0."""
+    return float(extract_answer(completion) is not None)
+
+
+def default_reward(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """``0.9·exact_match_numeric + 0.1·format_reward``."""
+    return 0.9 * exact_match_numeric(prompt, completion, answer, metadata) + 0.1 * format_reward(
+        prompt, completion, answer, metadata
+    )
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "default": default_reward,
+    "exact_match_numeric": exact_match_numeric,
+    "format": format_reward,
+}
+
+
+# ------------------------------------------------------------------------- loading
+
+
+class RewardSpecError(ValueError):
+    """A bad ``--reward-fn`` value."""
+
+
+def _import_module(module_name: str, spec: str):
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise RewardSpecError(f"--reward-fn {spec!r}: file {module_name!r} not found")
+        name = "_loggra_reward_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+        module_spec = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise RewardSpecError(
+                f"--reward-fn {spec!r}: module {module_name!r} not found "
+                f"(is it on PYTHONPATH? sys.path[0] = {sys.path[0]!r})"
+            ) from e
+        raise RewardSpecError(f"--reward-fn {spec!r}: importing {module_name!r} failed: {e}") from e
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve ``--reward-fn``: a built-in name (``default``, ``exact_match_numeric``,
+    ``format``) or ``"module:function"`` / ``"path/to/file.py:function"``."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise RewardSpecError(
+            f"--reward-fn {spec!r}: expected 'module:function' (e.g. 'my_rewards:score') "
+            f"or a built-in name {sorted(BUILTIN_REWARDS)}"
+        )
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise RewardSpecError(f"--reward-fn {spec!r}: both module and function must be given")
+    module = _import_module(module_name, spec)
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise RewardSpecError(
+                f"--reward-fn {spec!r}: module {module_name!r} has no attribute {attr!r}"
+            )
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise RewardSpecError(
+            f"--reward-fn {spec!r}: {attr!r} is a {type(fn).__name__}, not callable"
+        )
+    return fn
+
+
+# ----------------------------------------------------------------------- applying
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on one sample; carries ``index``, ``prompt`` and the
+    original ``traceback_text``."""
+
+    def __init__(self, fn_name: str, index: int, prompt: str, problem: str, traceback_text: str):
+        self.fn_name, self.index, self.prompt = fn_name, index, prompt
+        self.traceback_text = traceback_text
+        excerpt = prompt if len(prompt) <= 200 else prompt[:200] + "..."
+        message = f"reward function {fn_name} {problem} on sample {index} (prompt: {excerpt!r})"
+        if traceback_text:
+            message += f"\n\nOriginal traceback:\n{traceback_text}"
+        super().__init__(message)
+
+
+def _fn_name(fn) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{module}:{name}" if module else name
+
+
+def compute_rewards(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    answers: Sequence[str],
+    metadatas: Sequence[dict] | None = None,
+) -> list[float]:
+    """``[fn(prompts[i], completions[i], answers[i], metadatas[i]) for i]`` as floats; raises
+    :class:`RewardFunctionError` if ``fn`` raises or returns a non-finite / non-real value."""
+    n = len(prompts)
+    if metadatas is None:
+        metadatas = [{}] * n
+    lengths = {len(completions), len(answers), len(metadatas)}
+    if lengths != {n}:
+        raise ValueError(
+            f"compute_rewards: got {n} prompts, {len(completions)} completions, "
+            f"{len(answers)} answers and {len(metadatas)} metadatas"
+        )
+    rewards = []
+    for i in range(n):
+        try:
+            value = fn(prompts[i], completions[i], answers[i], metadatas[i])
+        except Exception as e:
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            raise RewardFunctionError(_fn_name(fn), i, prompts[i], "raised", tb) from e
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+            value = value.item()  # 0-d torch / numpy value
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise RewardFunctionError(
+                _fn_name(fn), i, prompts[i], f"returned {value!r} (need a finite float)", ""
+            )
+        rewards.append(float(value))
+    return rewards

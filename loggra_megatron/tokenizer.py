@@ -1,0 +1,168 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""A SentencePiece tokenizer (``--tokenizer-model``) and a trainer for small ones.
+
+:class:`SentencePieceTokenizer` wraps a ``.model`` file with the interface the RL stack
+uses (Megatron's tokenizer vocabulary): ``tokenize``, ``detokenize``, ``vocab_size``,
+``bos``, ``eos`` (= ``eod``), ``pad``. ``tokenize`` adds no BOS/EOS; ``detokenize`` drops
+control ids (BOS/EOS/PAD).
+
+:func:`train_tokenizer` trains a model from in-memory text with settings chosen so that a
+tiny model can learn arithmetic and the round trip is exact:
+
+* ``split_digits=True``: every digit is its own piece, so numbers are spelled digit by
+  digit (no ``"1234"`` pieces whose arithmetic the model would have to memorise);
+* identity normalization, no whitespace collapsing and no dummy prefix, so
+  ``detokenize(tokenize(x)) == x`` for any text made of known characters, and
+  ``detokenize(a_ids + b_ids) == a + b`` (prompt and completion concatenate cleanly);
+* ``"\\n"`` and the answer marker ``####`` are user-defined (atomic) pieces, and all
+  printable ASCII characters and tab are required pieces; other characters map to ``<unk>``
+  unless ``byte_fallback=True`` (which spends 256 ids on byte pieces);
+* ids ``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3;
+* single-threaded, unshuffled, all sentences: the same input gives the same model file.
+
+``tools/train_tokenizer.py`` is the command-line front end (``--builtin-tasks N`` trains
+on generated tasks, fully offline).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import string
+from collections.abc import Iterable, Sequence
+
+import sentencepiece as spm
+
+from loggra_megatron.data.prompts import ANSWER_MARKER
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+REQUIRED_CHARS = "".join(c for c in string.printable if not c.isspace()) + "\t"
+USER_DEFINED_SYMBOLS = ("\n", ANSWER_MARKER)
+
+
+class SentencePieceTokenizer:
+    """A trained SentencePiece model (``--tokenizer-model``)."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        model_path = os.fspath(model_path)
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(
+                f"--tokenizer-model {model_path!r}: no such file (train one with "
+                "`python tools/train_tokenizer.py --builtin-tasks 20000 --output-prefix PREFIX`)"
+            )
+        self.model_path = model_path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(
+                f"--tokenizer-model {model_path!r}: not a sentencepiece model ({e})"
+            ) from e
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        return self._sp.encode(text, out_type=int)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (a list, or a 1-D tensor / array); BOS/EOS/PAD decode to ''."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._sp.decode([int(i) for i in ids])
+
+    def pieces(self, text: str) -> list[str]:
+        """The pieces ``text`` is split into (for inspection; spaces show as ``▁``)."""
+        return self._sp.encode(text, out_type=str)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def bos(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def eod(self) -> int:
+        """End of document (Megatron's name for EOS)."""
+        return self.eos
+
+    @property
+    def pad(self) -> int:
+        """The ``<pad>`` id; models trained without one pad with EOS."""
+        pad = self._sp.pad_id()
+        return pad if pad >= 0 else self.eos
+
+    @property
+    def unk(self) -> int:
+        return self._sp.unk_id()
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    prefix: str | os.PathLike,
+    vocab_size: int,
+    *,
+    model_type: str = "bpe",
+    byte_fallback: bool = False,
+    user_defined_symbols: Sequence[str] = USER_DEFINED_SYMBOLS,
+    required_chars: str = REQUIRED_CHARS,
+    hard_vocab_limit: bool = False,
+    num_threads: int = 1,
+    max_sentence_length: int = 16384,
+) -> str:
+    """Train a SentencePiece model on ``texts``; write ``{prefix}.model`` and
+    ``{prefix}.vocab`` and return the ``.model`` path.
+
+    With ``hard_vocab_limit=False`` (default) a corpus too small for ``vocab_size`` yields
+    a smaller vocabulary instead of an error; read the actual size from
+    :attr:`SentencePieceTokenizer.vocab_size`.
+    """
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    prefix = os.fspath(prefix)
+    directory = os.path.dirname(prefix)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=model,
+        model_type=model_type,
+        vocab_size=vocab_size,
+        hard_vocab_limit=hard_vocab_limit,
+        split_digits=True,
+        byte_fallback=byte_fallback,
+        user_defined_symbols=list(user_defined_symbols),
+        required_chars=required_chars,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        max_sentence_length=max_sentence_length,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    model_path = prefix + ".model"
+    with open(model_path, "wb") as f:
+        f.write(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    with open(prefix + ".vocab", "w", encoding="utf-8") as f:
+        for i in range(sp.get_piece_size()):
+            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+    return model_path
