@@ -277,6 +277,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
+            if p is not None and p.grad is None:
+                p = None  # frozen this step: joins the collectives with zeros
             state = self.state[p] if p is not None else None
             basis_and_moments = None
             if refresh:

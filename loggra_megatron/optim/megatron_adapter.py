@@ -193,15 +193,38 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     )
 
 
+def main_params_of(leaf) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """``(main param, model param, start, end)`` for each main param of a Megatron leaf
+    optimizer: the main param holds ``model_param.view(-1)[start:end]`` in fp32 (for fp32
+    model params it *is* that view)."""
+    if isinstance(leaf, DistributedOptimizer):
+        groups = [
+            *zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups, strict=True),
+            *zip(leaf.model_fp32_groups, leaf.shard_fp32_groups, strict=True),
+        ]
+        out = []
+        for model_group, main_group in groups:
+            for model, main in zip(model_group, main_group, strict=True):
+                r = leaf._get_model_param_range_map(model)["param"]
+                out.append((main, model, r.start, r.end))
+        return out
+    if hasattr(leaf, "float16_groups"):  # Float16OptimizerWithFloat16Params
+        groups = [
+            *zip(leaf.float16_groups, leaf.fp32_from_float16_groups, strict=True),
+            *zip(leaf.fp32_from_fp32_groups, leaf.fp32_from_fp32_groups, strict=True),
+        ]
+    else:  # FP32Optimizer: the model params are the main params
+        groups = [(g["params"], g["params"]) for g in leaf.optimizer.param_groups]
+    return [
+        (main, model, 0, model.numel())
+        for model_group, main_group in groups
+        for model, main in zip(model_group, main_group, strict=True)
+    ]
+
+
 def _distributed_layouts(leaf, config, info, clamped):
     """(model, main-shard) pairs in Megatron's grad-buffer order, layouts of sketched ones."""
-    main_of = {}
-    for model_groups, shard_groups in (
-        (leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups),
-        (leaf.model_fp32_groups, leaf.shard_fp32_groups),
-    ):
-        for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
-            main_of.update(zip(model_group, shard_group, strict=True))
+    main_of = {model: (main, start, end) for main, model, start, end in main_params_of(leaf)}
     dp = leaf.data_parallel_group.size()
     dp_rank = leaf.data_parallel_group.rank()
     pairs, own_ranges, layouts = [], [], {}
@@ -214,10 +237,9 @@ def _distributed_layouts(leaf, config, info, clamped):
                 lo = max(start, bucket.offset + r * chunk)
                 hi = min(end, bucket.offset + (r + 1) * chunk)
                 ranges.append((lo - start, hi - start) if hi > lo else (0, 0))
-            main = main_of.get(p)
+            main, *megatron_range = main_of.get(p, (None, None, None))
             if main is not None:
-                megatron_range = leaf._get_model_param_range_map(p)["param"]
-                assert (megatron_range.start, megatron_range.end) == ranges[dp_rank], (
+                assert tuple(megatron_range) == ranges[dp_rank], (
                     "LoGRA's DP layout disagrees with Megatron's; unsupported megatron-core?"
                 )
             if info.sketched(p, config):
@@ -228,14 +250,7 @@ def _distributed_layouts(leaf, config, info, clamped):
 
 
 def _replicated_layouts(leaf, config, info, clamped):
-    if hasattr(leaf, "float16_groups"):  # Float16OptimizerWithFloat16Params
-        groups = [
-            *zip(leaf.float16_groups, leaf.fp32_from_float16_groups, strict=True),
-            *zip(leaf.fp32_from_fp32_groups, leaf.fp32_from_fp32_groups, strict=True),
-        ]
-    else:  # FP32Optimizer: the model params are the main params
-        groups = [(g["params"], g["params"]) for g in leaf.optimizer.param_groups]
-    pairs = [pair for model_g, main_g in groups for pair in zip(model_g, main_g, strict=True)]
+    pairs = [(model, main) for main, model, _, _ in main_params_of(leaf)]
     layouts = {
         w: _layout(p, [(0, p.numel())], config, info, clamped)
         for w, (p, _) in enumerate(pairs)

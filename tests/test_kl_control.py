@@ -1,0 +1,286 @@
+"""Predicted-KL step control with real Megatron GPT policies (bf16, CPU/gloo)."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loggra_megatron.kl import vocab_parallel_kl, vocab_parallel_log_probs
+from loggra_megatron.kl_control import KLControlConfig, PredictedKLController, ProbeOutput
+from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
+
+HIDDEN, HEADS, VOCAB, SEQ = 32, 4, 64, 8
+TOKENS = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+
+# ---------------------------------------------------------------- math, single process
+def test_full_vocab_kl_and_log_probs_match_torch():
+    gen = torch.Generator().manual_seed(0)
+    z_old, z_new = torch.randn(3, 5, 50, generator=gen), torch.randn(3, 5, 50, generator=gen)
+    exact = F.kl_div(
+        z_new.log_softmax(-1), z_old.log_softmax(-1), log_target=True, reduction="none"
+    )
+    torch.testing.assert_close(vocab_parallel_kl(z_old, z_new), exact.sum(-1), atol=1e-5, rtol=0)
+    targets = torch.randint(0, 50, (3, 5), generator=gen)
+    expected = z_old.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(vocab_parallel_log_probs(z_old, targets), expected)
+
+
+def _tp_kl(rank):
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(0)
+    z_old, z_new = torch.randn(3, 5, 64, generator=gen), torch.randn(3, 5, 64, generator=gen)
+    targets = torch.randint(0, 64, (3, 5), generator=gen)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    t = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    shard = slice(t * 64 // tp, (t + 1) * 64 // tp)
+    kl = vocab_parallel_kl(z_old[..., shard], z_new[..., shard], group)
+    logp = vocab_parallel_log_probs(z_old[..., shard], targets, shard.start, group)
+    return kl, logp, vocab_parallel_kl(z_old, z_new), vocab_parallel_log_probs(z_old, targets)
+
+
+def test_tp2_kl_equals_tp1_for_identical_logits():
+    for kl, logp, kl_full, logp_full in run_distributed(_tp_kl, 2, tp=2):
+        torch.testing.assert_close(kl, kl_full, atol=1e-6, rtol=0)
+        torch.testing.assert_close(logp, logp_full, atol=1e-6, rtol=0)
+
+
+def test_config_rejects_bad_flags():
+    with pytest.raises(ValueError, match="--kl-target"):
+        KLControlConfig(kl_target=-0.1)
+    with pytest.raises(ValueError, match="--kl-probe-fraction"):
+        KLControlConfig(kl_target=0.1, kl_probe_fraction=0.0)
+    with pytest.raises(ValueError, match="--kl-estimator"):
+        KLControlConfig(kl_target=0.1, kl_estimator="k4")
+    assert KLControlConfig(kl_probe_fraction=0.25).probe_split(8) == (slice(0, 2), slice(2, 4))
+
+
+# ---------------------------------------------------------------- controller, real models
+def _build(kind="loggra", lr=1e-2):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    model = tiny_gpt_model(
+        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
+        use_cpu_initialization=True, bf16=True,
+    )  # fmt: skip
+    ddp = wrap_ddp(model)
+    base = dict(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
+    if kind == "dense":
+        return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
+    config = LoGRAOptimizerConfig(**base, loggra_rank=4, loggra_min_dim=1, loggra_update_interval=2)
+    return ddp, get_loggra_optimizer(config, [ddp])
+
+
+def _forward_fn(ddp):
+    """Probe forward through Megatron's schedule (forward only, PP-aware)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward(tokens):
+        def step(data_iterator, model):
+            x = next(data_iterator)
+            pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
+            return model(x, pos, None), lambda out, non_loss_data=True: out
+
+        outs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([tokens[:, :-1]]), model=[ddp],
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0],
+            forward_only=True, collect_non_loss_data=True,
+        )  # fmt: skip
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return ProbeOutput(
+            outs[0].float(), tokens[:, 1:], torch.ones_like(tokens[:, 1:], dtype=torch.bool)
+        )
+
+    return forward
+
+
+def _backward(ddp, opt, tokens):
+    from loggra_megatron.testing import train_step
+
+    # train_step runs forward/backward and optimizer.step(); here we need the grads only
+    step = opt.step
+    opt.step = lambda: (True, None, None)
+    try:
+        train_step(ddp, opt, tokens)
+    finally:
+        opt.step = step
+
+
+def _controller(ddp, opt, **cfg):
+    from megatron.core import parallel_state as ps
+
+    config = KLControlConfig(**cfg)
+    return PredictedKLController(
+        config, opt, _forward_fn(ddp), ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
+    )  # fmt: skip
+
+
+def _local(tokens):
+    from megatron.core import parallel_state as ps
+
+    return tokens[ps.get_data_parallel_rank() :: ps.get_data_parallel_world_size()]
+
+
+def _params(ddp):
+    ddp.start_param_sync(force_sync=True)
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _controlled_vs_plain(rank, kind, steps=3, target=1e9):
+    """Same model and batches: plain optimizer.step() vs the controller far below target."""
+    out = {}
+    for mode in ("plain", "controlled"):
+        torch.manual_seed(0)
+        ddp, opt = _build(kind)
+        ctl = _controller(ddp, opt, kl_target=target, kl_probe_fraction=0.25)
+        batch = _local(TOKENS)
+        metrics = []
+        for _ in range(steps):
+            _backward(ddp, opt, batch)
+            if mode == "plain":
+                opt.step()
+            else:
+                probe, holdout = ctl.config.probe_split(batch.shape[0])
+                res = ctl.step(batch[probe], batch[holdout])
+                assert res.update_successful
+                metrics.append(res.metrics)
+        out[mode] = _params(ddp)
+        out["metrics"] = metrics
+    return out
+
+
+@pytest.mark.parametrize("kind", ["loggra", "dense"])
+def test_below_target_the_controller_is_an_exact_no_op(kind):
+    for r in run_distributed(_controlled_vs_plain, 2, kind):
+        for k, v in r["plain"].items():
+            assert torch.equal(r["controlled"][k], v), k
+        assert all(m["kl/step_scale"] == 1.0 and m["kl/predicted"] > 0 for m in r["metrics"])
+        assert all("kl/realized" in m and m["kl/realized"] > 0 for m in r["metrics"])
+
+
+def _predicted_vs_exact(rank):
+    """kl/predicted against KL computed directly from the logits at θ and at θ + Δθ."""
+    ddp, opt = _build("loggra")
+    ctl = _controller(ddp, opt, kl_target=1e9, kl_probe_fraction=0.5)
+    forward = _forward_fn(ddp)
+    batch = _local(TOKENS)
+    probe, _ = ctl.config.probe_split(batch.shape[0])
+    _backward(ddp, opt, batch)
+    before = forward(batch[probe])
+    res = ctl.step(batch[probe])
+    ddp.start_param_sync(force_sync=True)
+    after = forward(batch[probe])
+    exact = F.kl_div(
+        after.logits.log_softmax(-1), before.logits.log_softmax(-1), log_target=True,
+        reduction="none",
+    ).sum(-1)  # fmt: skip
+    from megatron.core import parallel_state as ps
+
+    totals = torch.stack([exact.sum(), torch.tensor(float(exact.numel()))])
+    torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
+    return res.metrics["kl/predicted"], float(totals[0] / totals[1])
+
+
+def test_predicted_kl_equals_exact_full_vocab_kl():
+    for predicted, exact in run_distributed(_predicted_vs_exact, 2):
+        assert exact > 0
+        assert abs(predicted - exact) <= 1e-4 * exact + 1e-7
+
+
+def _scaled_to_target(rank, estimator, pp):
+    ddp, opt = _build("loggra", lr=5e-2)
+    batch = _local(TOKENS)
+    ctl = _controller(ddp, opt, kl_target=1e9, kl_probe_fraction=0.5, kl_estimator=estimator)
+    probe, holdout = ctl.config.probe_split(batch.shape[0])
+    _backward(ddp, opt, batch)
+    opt.prepare_grads()
+    opt.clip_grad_norm(opt.config.clip_grad)
+    ref = ctl._reference(batch[probe])
+    raw = ctl._candidate_kl(batch[probe], ref, 1.0)[0]  # the full step's KL, nothing committed
+    ctl._restore_model_weights()
+    ctl.config.kl_target = raw / 10
+    res = ctl.step(batch[probe], batch[holdout])
+    return raw, res.metrics, ctl.config.kl_target
+
+
+@pytest.mark.parametrize(("estimator", "pp"), [("full", 1), ("k3", 1), ("full", 2)])
+def test_step_at_ten_times_target_is_scaled_down(estimator, pp):
+    results = run_distributed(_scaled_to_target, 2, estimator, pp, pp=pp)
+    etas = {r[1]["kl/step_scale"] for r in results}
+    assert len(etas) == 1  # every DP rank / pipeline stage applies the same η
+    for raw, metrics, target in results:
+        # the pre-measurement above clipped the gradients once more (a factor 1 - 1e-6)
+        assert raw > 0 and metrics["kl/predicted"] == pytest.approx(raw, rel=1e-3)
+        assert metrics["kl/step_scale"] < 0.5
+        assert metrics["kl/realized"] <= 1.5 * target
+
+
+def _nan_kl_skips(rank):
+    ddp, opt = _build("loggra")
+    batch = _local(TOKENS)
+    ctl = _controller(ddp, opt, kl_target=1e-3, kl_probe_fraction=0.25)
+    probe, holdout = ctl.config.probe_split(batch.shape[0])
+    _backward(ddp, opt, batch)
+    ctl.step(batch[probe], batch[holdout])  # one normal step, so the state is non-trivial
+    _backward(ddp, opt, batch)
+    before = _params(ddp)
+    inner = opt.optimizer
+    state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in inner.state.items()}
+    mains_before = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+    forward, calls = ctl.forward, []
+
+    def poisoned(tokens):
+        out = forward(tokens)
+        calls.append(1)
+        if len(calls) == 3 and out is not None:  # probe ref, holdout ref, then the candidate
+            out.logits[0, 0, 0] = float("nan")
+        return out
+
+    ctl.forward = poisoned
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("loggra_megatron.kl_control").addHandler(handler)
+    res = ctl.step(batch[probe], batch[holdout])
+    after = _params(ddp)
+    mains_after = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+    state_same = all(
+        torch.equal(v, state_before[id(p)][k]) for p, s in inner.state.items() for k, v in s.items()
+    )
+    return (
+        res.update_successful,
+        all(torch.equal(before[k], after[k]) for k in before),
+        all(torch.equal(a, b) for a, b in zip(mains_before, mains_after, strict=True)),
+        state_same,
+        [r.getMessage() for r in records],
+    )
+
+
+def test_nonfinite_kl_skips_the_update_and_leaves_everything_untouched():
+    for ok, weights_same, mains_same, state_same, logs in run_distributed(_nan_kl_skips, 2):
+        assert not ok and weights_same and mains_same and state_same
+        assert any("non-finite" in m and "skipping" in m for m in logs)
+
+
+def _fp32_refused(rank):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = tiny_gpt_model(num_layers=1, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
+    ddp = wrap_ddp(model)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True)
+    opt = get_megatron_optimizer(config, [ddp])
+    with pytest.raises(ValueError, match="--bf16"):
+        PredictedKLController(KLControlConfig(kl_target=0.1), opt, lambda b: None)
+    return True
+
+
+def test_fp32_models_are_refused_with_a_clear_error():
+    assert run_distributed(_fp32_refused, 1) == [True]
