@@ -1,0 +1,400 @@
+"""KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``, and log-prob recompute.
+
+Layout (right padding, Megatron's static-batch scheme)
+------------------------------------------------------
+Prompts are *right*-padded: sequence ``i`` occupies positions ``0 .. p_i - 1`` and its
+response follows at ``p_i, p_i + 1, ...``, so every token sits at its natural position and no
+attention mask or position shift is ever needed (causal attention never looks right).
+Megatron's ``StaticInferenceContext`` applies RoPE from one shared ``sequence_len_offset``
+for the whole batch, which is what makes this layout (and not left padding) the natural one.
+:func:`generate_rollout` drives the context exactly as Megatron's
+``TextGenerationController.generate_all_output_tokens_static_batch`` does:
+
+1. *prefill* positions ``[0, min_i p_i)`` in one forward (causal mask, KV cache filled);
+2. then one token per step: the forward of position ``t - 1`` (attending to the cache, no
+   mask) gives the next-token logits at ``t``; sequences whose prompt is longer than ``t``
+   keep their prompt token there (the sample is discarded), the others take the sample;
+   ``sequence_len_offset`` advances by the window length after every forward.
+
+A sequence stops after a stop token (``eos_id``) or ``max_new_tokens`` tokens; finished rows
+are fed ``pad_id`` until the whole batch is done (static batching). Results (:class:`Rollout`)
+use the shifted convention of a causal-LM loss: ``log_probs[:, t]`` and
+``response_mask[:, t]`` describe the *target* ``tokens[:, t + 1]``.
+
+Sampling and log-probs
+----------------------
+``temperature == 0`` is greedy (argmax, lowest id on ties); otherwise logits are divided by
+``temperature``, cut to the smallest top-p nucleus (at least one token kept) and sampled.
+The returned ``log_probs`` are ``log π(a)`` of the *untempered, unfiltered* policy
+(temperature 1) -- the quantity the GRPO ratio and the KL penalty need, and exactly what
+:func:`compute_log_probs` recomputes on the finished sequences.
+
+The sampling generator is seeded from ``(seed, step, data-parallel rank)`` (hashed), so DP
+ranks draw different samples while a rerun with the same arguments is bit-reproducible.
+
+Parallelism and communication
+-----------------------------
+* **TP.** In inference mode ``GPTModel`` always all-gathers the last-token logits over the TP
+  group (``runtime_gather_output=True`` is asserted), so every TP rank holds the same
+  ``[B, V]`` row. TP rank 0 samples and broadcasts the ``[B]`` token ids over the TP group, so
+  all TP ranks feed the same next token even if sampling kernels were non-deterministic.
+  The log-prob is computed *vocab-parallel* (each rank's own ``V/TP`` slice,
+  :func:`~loggra_megatron.kl.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
+  log-sum-exp, one for the target logit) -- the same arithmetic as :func:`compute_log_probs`.
+* **PP.** Each step runs stage by stage: a stage receives the ``[s, B, H]`` hidden states from
+  the previous stage, runs its layers with its own KV cache (one context per process; caches
+  are keyed by global layer number) and sends its output on (Megatron's
+  ``inference.communication_utils`` p2p helpers). The last stage samples and broadcasts the
+  ``[B]`` token ids over the PP group, so every stage knows the next input and which rows
+  are done (the loop ends on all ranks together). The ``[B, L - 1]`` log-probs are broadcast
+  once at the end: every rank of the model-parallel group returns the same :class:`Rollout`.
+* Per step: one TP broadcast and one PP broadcast of ``B`` ids, three ``[B]`` TP
+  all-reduces, plus Megatron's own TP collectives and one PP send/recv of ``[s, B, H]``.
+* Sequence parallelism is switched off for generation (Megatron's static batching does not
+  support it) and restored afterwards. Context parallelism is not supported.
+
+Every rank of a model replica (all TP and PP ranks) must call :func:`generate_rollout` /
+:func:`compute_log_probs` with the same prompts / tokens and arguments.
+
+:func:`compute_log_probs` runs a plain forward (no cache, no grad, eval mode) through
+Megatron's ``get_forward_backward_func(forward_only=True)`` -- i.e. the pipelined 1F1B
+schedule over micro-batches under PP -- with vocab-parallel logits (never gathered). Its
+result lives on the *last pipeline stage* only (``None`` elsewhere), where the loss is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.kl import vocab_parallel_log_probs
+
+__all__ = [
+    "Rollout",
+    "compute_log_probs",
+    "generate_rollout",
+    "sample_tokens",
+    "sampling_generator",
+]
+
+
+@dataclass
+class Rollout:
+    """A batch of generated sequences (``B`` rows, ``L`` = longest prompt + response).
+
+    ``tokens [B, L]`` int64: prompt, then response, then ``pad_id``.
+    ``log_probs [B, L - 1]`` float32: ``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` under the
+    temperature-1 policy where ``response_mask`` is set, 0 elsewhere.
+    ``response_mask [B, L - 1]`` bool: target ``tokens[:, t + 1]`` is a generated token.
+    ``token_mask [B, L]`` bool: ``tokens[:, t]`` is a prompt or generated token (not padding).
+    ``prompt_lengths``, ``response_lengths [B]`` int64 (a stop token counts as generated).
+    ``truncated [B]`` bool: stopped by ``max_new_tokens`` rather than by a stop token.
+    """
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    response_mask: torch.Tensor
+    token_mask: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    truncated: torch.Tensor
+
+
+def sampling_generator(seed: int, step: int, rank: int, device=None) -> torch.Generator:
+    """A generator seeded by a hash of ``(seed, step, rank)`` (stable across runs/platforms)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
+    gen = torch.Generator(device=device if device is not None else "cpu")
+    gen.manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits: manual_seed wants int64
+    return gen
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample one id per row of full-vocabulary ``logits [B, V]`` (``temperature=0``: greedy)."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the mass *before* it is below top_p: the top token always stays.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    return tp_group, pp_group, dist.get_world_size(tp_group), dist.get_world_size(pp_group)
+
+
+def _pack_prompts(
+    prompts, prompt_lengths, pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``[B, P]`` int64 prompts (``pad_id`` after each) and ``[B]`` lengths."""
+    if isinstance(prompts, torch.Tensor):
+        tokens = prompts.to(device="cpu", dtype=torch.long)
+        full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
+        lengths = full if prompt_lengths is None else torch.as_tensor(prompt_lengths).long().cpu()
+    else:
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        tokens = torch.zeros(len(prompts), max([0, *lengths.tolist()]), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1] or tokens.shape[0] == 0:
+        raise ValueError("need a non-empty [B, P] batch of prompts and [B] prompt lengths")
+    if int(lengths.min()) < 1 or int(lengths.max()) > tokens.shape[1]:
+        raise ValueError("prompt lengths must be in [1, P]")
+    tokens = tokens[:, : int(lengths.max())]
+    tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths.unsqueeze(1), pad_id)
+    return tokens.to(device), lengths.to(device)
+
+
+def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, hidden_dtype):
+    """Forward ``tokens [B, s]`` (positions ``offset ..``) through this pipeline stage.
+
+    Receives ``[s, B, H]`` hidden states from the previous stage and sends this stage's output
+    to the next one. Returns the (TP-gathered) logits of the last position ``[B, V]`` on the
+    last stage, ``None`` elsewhere. Advances ``context.sequence_len_offset`` by ``s``.
+    """
+    from megatron.core.inference.communication_utils import (
+        recv_from_prev_pipeline_rank_,
+        send_to_next_pipeline_rank,
+    )
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    batch, seq = tokens.shape
+    first = pp_group.rank() == 0
+    last = pp_group.rank() == pp_group.size() - 1
+    positions = torch.arange(offset, offset + seq, device=tokens.device).expand(batch, seq)
+    recv = None
+    if not first:
+        hidden = get_model_config(model).hidden_size
+        recv = torch.empty((seq, batch, hidden), dtype=hidden_dtype, device=tokens.device)
+        recv_from_prev_pipeline_rank_(recv, pp_group)
+    get_attr_wrapped_model(model, "set_input_tensor")(recv)
+    out = model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+    if not last:
+        send_to_next_pipeline_rank(out.to(hidden_dtype).contiguous(), pp_group)
+    if context is not None:
+        context.increment_sequence_len_offset(seq)
+    return out[:, -1, :].float() if last else None
+
+
+_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def _generation_mode(model) -> Iterator[None]:
+    """Eval mode and sequence parallelism off for the block; restores both exactly.
+
+    Like Megatron's ``set_model_to_sequence_parallel`` (which the static controller uses), but
+    it restores each module's own previous flag instead of setting them all back to True.
+    """
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
+
+    config = get_model_config(model)
+    saved = [(model, "training", model.training)]
+    if config.sequence_parallel:
+        modules = unwrap_model(model).modules()
+        saved += [(m, a, getattr(m, a)) for m in modules for a in _SP_ATTRS if hasattr(m, a)]
+        saved.append((config, "sequence_parallel", True))
+    model.eval()
+    try:
+        for owner, attr, _ in saved[1:]:
+            setattr(owner, attr, False)
+        yield
+    finally:
+        for owner, attr, value in reversed(saved[1:]):
+            setattr(owner, attr, value)
+        model.train(saved[0][2])
+        get_attr_wrapped_model(model, "set_input_tensor")(None)  # drop the last recv buffer
+
+
+@torch.no_grad()
+def generate_rollout(
+    model,
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    max_new_tokens: int,
+    prompt_lengths: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | Sequence[int] | None = None,
+    pad_id: int = 0,
+    seed: int = 0,
+    step: int = 0,
+    use_kv_cache: bool = True,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens after each prompt; see the module docstring.
+
+    ``model`` is this rank's ``GPTModel`` stage (optionally wrapped in DDP / Float16Module);
+    it is put in eval mode and restored. ``prompts`` is a list of token-id lists, or a
+    right-padded ``[B, P]`` tensor with ``prompt_lengths [B]`` (default: all ``P``).
+    ``eos_id``: stop token id(s). ``seed``/``step`` (with the DP rank) seed the sampler.
+    ``use_kv_cache=False`` recomputes the whole prefix every step (a reference for tests).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+    from megatron.core.utils import get_model_config
+
+    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError("need max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    config = get_model_config(model)
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("generate_rollout() does not support context parallelism")
+    device = next(model.parameters()).device
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
+    batch, max_prompt = buf.shape[0], int(lengths.max())
+    total = max_prompt + max_new_tokens
+    buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
+    stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
+
+    tp_group, pp_group, tp, pp = _groups()
+    tp_rank = dist.get_rank(tp_group)
+    last = pp_group.rank() == pp - 1
+    pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
+    hidden_dtype = (
+        torch.float32
+        if config.fp32_residual_connection
+        else config.pipeline_dtype or config.params_dtype
+    )
+    generator = None
+    if last and tp_rank == 0 and temperature > 0:
+        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device)
+
+    log_probs = torch.zeros(batch, total - 1, dtype=torch.float32, device=device)
+    response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)
+    gen_len = torch.zeros(batch, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+    context = StaticInferenceContext(batch, total) if use_kv_cache else None
+
+    with _generation_mode(model):
+        start, t = 0, int(lengths.min())
+        while t < total and max_new_tokens > 0 and not bool(done.all()):
+            lo = start if use_kv_cache else 0
+            logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
+            next_ids = torch.empty(batch, dtype=torch.long, device=device)
+            if last:
+                if tp_rank == 0:
+                    next_ids = sample_tokens(logits, temperature, top_p, generator)
+                if tp > 1:
+                    src = ps.get_tensor_model_parallel_src_rank()
+                    dist.broadcast(next_ids, src=src, group=tp_group)
+                shard = logits.shape[-1] // tp
+                local = logits[:, tp_rank * shard : (tp_rank + 1) * shard]
+                lp = vocab_parallel_log_probs(local, next_ids, tp_rank * shard, tp_group)
+            if pp > 1:
+                dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
+
+            active = (lengths <= t) & ~done  # rows whose token at t is a sample
+            buf[:, t] = torch.where(active, next_ids, buf[:, t])
+            response_mask[:, t - 1] = active
+            if last:
+                log_probs[:, t - 1] = torch.where(active, lp, 0.0)
+            gen_len += active.long()
+            hit_stop = active & torch.isin(next_ids, stop_ids)
+            stopped |= hit_stop
+            done |= hit_stop | (gen_len >= max_new_tokens)
+            if context is not None and bool((lengths <= t).all()):
+                context.enable_decode_mode()  # every prompt is fully in the cache
+            start, t = t, t + 1
+
+    if pp > 1:
+        dist.broadcast(log_probs, src=pp_last_rank, group=pp_group)
+    seq_len = lengths + gen_len
+    width = int(seq_len.max())
+    positions = torch.arange(width, device=device)
+    return Rollout(
+        tokens=buf[:, :width].contiguous(),
+        log_probs=log_probs[:, : width - 1].contiguous(),
+        response_mask=response_mask[:, : width - 1].contiguous(),
+        token_mask=positions.unsqueeze(0) < seq_len.unsqueeze(1),
+        prompt_lengths=lengths,
+        response_lengths=gen_len,
+        truncated=~stopped,
+    )
+
+
+def _log_prob_forward_step(vocab_size: int, data_iterator, model):
+    inputs, targets = next(data_iterator)
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    logits = model(inputs, positions, None)  # [b, s, V / TP] on the last stage
+    return logits, partial(_log_prob_func, vocab_size, targets)
+
+
+def _log_prob_func(vocab_size: int, targets, logits, non_loss_data: bool = False):
+    from megatron.core import parallel_state as ps
+
+    if logits.shape[-1] == vocab_size:  # parallel_output=False: logits are already whole
+        return vocab_parallel_log_probs(logits, targets)
+    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
+
+
+@torch.no_grad()
+def compute_log_probs(
+    model, tokens: torch.Tensor, *, micro_batch_size: int | None = None
+) -> torch.Tensor | None:
+    """``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` as ``[B, L - 1]`` float32.
+
+    A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` in micro-batches of
+    ``micro_batch_size`` (default: the whole batch) through Megatron's forward-only schedule.
+    Right padding is harmless (causal attention); mask the result with the rollout's
+    ``response_mask``. Returns the log-probs on the last pipeline stage, ``None`` on others.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    config = get_model_config(model)
+    device = next(model.parameters()).device
+    tokens = tokens.to(device=device, dtype=torch.long)
+    batch, length = tokens.shape
+    if length < 2:
+        raise ValueError("need sequences of length >= 2")
+    mbs = min(micro_batch_size or batch, batch)
+    num_micro = -(-batch // mbs)
+    seq = length - 1
+    if config.sequence_parallel:  # the sequence is split over TP ranks: pad to a multiple
+        seq = -(-seq // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
+    padded = tokens.new_zeros(num_micro * mbs, seq + 1)
+    padded[:batch, :length] = tokens
+    micro = [
+        (padded[i : i + mbs, :-1], padded[i : i + mbs, 1:]) for i in range(0, len(padded), mbs)
+    ]
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = get_forward_backward_func()(
+            forward_step_func=partial(_log_prob_forward_step, unwrap_model(model).vocab_size),
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=num_micro,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    finally:
+        model.train(was_training)
+    if not ps.is_pipeline_last_stage():
+        return None
+    return torch.cat(out, dim=0)[:batch, : length - 1].contiguous()

@@ -1,0 +1,230 @@
+"""KV-cached generation (``loggra_megatron.rollout``) on the real Megatron-Core, CPU/gloo.
+
+One worker run per parallel layout (TP=1 single process, TP=2, PP=2) generates every rollout
+the tests below inspect; the worker must stay at module level (pickled by reference).
+All three layouts use the same weights: ``use_cpu_initialization`` makes TP=1 and TP=2
+initialise identically, and the PP=2 stages load the TP=1 model's state dict.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loggra_megatron.rollout import (
+    compute_log_probs,
+    generate_rollout,
+    sample_tokens,
+    sampling_generator,
+)
+from loggra_megatron.testing import run_distributed, tiny_gpt_model
+
+VOCAB, MAX_SEQ, NEW, PAD = 64, 32, 6, 0
+PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14]]
+
+
+def _load_pp_stage(model, full_state: dict) -> None:
+    """Load this pipeline stage's slice of a PP=1 state dict (local layer i <- global layer)."""
+    from megatron.core import parallel_state as ps
+
+    per_stage = len(model.decoder.layers)
+    offset = ps.get_pipeline_model_parallel_rank() * per_stage
+    state = {}
+    for key in model.state_dict():
+        src = key
+        if key.startswith("decoder.layers."):
+            _, _, idx, rest = key.split(".", 3)
+            src = f"decoder.layers.{int(idx) + offset}.{rest}"
+        state[key] = full_state[src]
+    model.load_state_dict(state, strict=True)
+
+
+def _naive_greedy(model, prompt: list[int]) -> list[int]:
+    """One sequence, no batching, no cache: recompute the whole prefix for every token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW):
+            ids = torch.tensor([seq])
+            logits = model(ids, torch.arange(len(seq)).unsqueeze(0), None)
+            seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def _worker(rank: int, full_state: dict | None = None) -> dict:
+    model = tiny_gpt_model(
+        2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True, init_method_std=0.3
+    )
+    if full_state is not None:
+        _load_pp_stage(model, full_state)
+    gen = dict(max_new_tokens=NEW, pad_id=PAD)
+    out = {
+        "greedy": generate_rollout(model, PROMPTS, temperature=0.0, **gen),
+        "greedy_nocache": generate_rollout(
+            model, PROMPTS, temperature=0.0, use_kv_cache=False, **gen
+        ),
+        "sampled": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, step=3, **gen),
+        "sampled_again": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, step=3, **gen),
+        "sampled_next_step": generate_rollout(
+            model, PROMPTS, temperature=1.0, seed=7, step=4, **gen
+        ),
+        "top_p_tiny": generate_rollout(model, PROMPTS, temperature=1.0, top_p=1e-6, seed=7, **gen),
+    }
+    out["recomputed"] = compute_log_probs(model, out["sampled"].tokens, micro_batch_size=2)
+    out["recomputed_greedy"] = compute_log_probs(model, out["greedy"].tokens)
+    g = out["greedy"]
+    out["eos_id"] = eos = int(g.tokens[0, len(PROMPTS[0]) + 2])  # row 0's 3rd generated token
+    out["eos"] = generate_rollout(model, PROMPTS, temperature=0.0, eos_id=[eos, VOCAB + 1], **gen)
+    if torch.distributed.get_world_size() == 1:
+        model.eval()
+        out["naive"] = [_naive_greedy(model, p) for p in PROMPTS]
+        padded = torch.full((len(PROMPTS), 7), 99)  # a [B, P] tensor with junk past each prompt
+        for i, p in enumerate(PROMPTS):
+            padded[i, : len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in PROMPTS])
+        out["greedy_tensor"] = generate_rollout(
+            model, padded, prompt_lengths=lengths, temperature=0.0, eos_id=out["eos_id"], **gen
+        )
+        out["no_new"] = generate_rollout(model, padded, prompt_lengths=lengths, max_new_tokens=0)
+        out["state_dict"] = model.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return run_distributed(_worker, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return run_distributed(_worker, 2, tp=2)
+
+
+@pytest.fixture(scope="module")
+def pp2(tp1):
+    return run_distributed(_worker, 2, pp=2, full_state=tp1[0]["state_dict"])
+
+
+@pytest.fixture(params=["tp1", "tp2", "pp2"])
+def layout(request):
+    """(per-rank results, index of a last-pipeline-stage rank)."""
+    return request.getfixturevalue(request.param), (1 if request.param == "pp2" else 0)
+
+
+def _responses(rollout) -> list[list[int]]:
+    return [
+        rollout.tokens[i, p : p + n].tolist()
+        for i, (p, n) in enumerate(
+            zip(rollout.prompt_lengths, rollout.response_lengths, strict=True)
+        )
+    ]
+
+
+def _assert_same(a, b, atol: float = 0.0) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    for f in ("response_mask", "token_mask", "prompt_lengths", "response_lengths", "truncated"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- generation vs references
+
+
+def test_kv_cache_equals_uncached_greedy(layout):
+    results, _ = layout
+    for r in results:
+        _assert_same(r["greedy"], r["greedy_nocache"], atol=1e-5)
+
+
+def test_kv_cache_equals_naive_per_sequence_greedy(tp1):
+    r = tp1[0]
+    assert _responses(r["greedy"]) == r["naive"]
+    assert r["greedy"].response_lengths.tolist() == [NEW] * len(PROMPTS)
+
+
+def test_all_model_parallel_ranks_return_the_same_rollout(tp2, pp2):
+    for results in (tp2, pp2):
+        for key in ("greedy", "sampled", "eos", "top_p_tiny"):
+            _assert_same(results[0][key], results[1][key])
+
+
+def test_tp2_and_pp2_equal_tp1(tp1, tp2, pp2):
+    for results in (tp2, pp2):
+        for key in ("greedy", "sampled", "eos"):
+            _assert_same(results[0][key], tp1[0][key], atol=1e-5)
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+def test_sampled_log_probs_equal_recomputed(layout):
+    results, last = layout
+    for key in ("", "_greedy"):
+        rollout = results[last]["sampled" if not key else "greedy"]
+        recomputed = results[last]["recomputed" + key]
+        assert recomputed.shape == rollout.log_probs.shape
+        mask = rollout.response_mask
+        torch.testing.assert_close(rollout.log_probs[mask], recomputed[mask], atol=1e-5, rtol=0)
+        assert (rollout.log_probs[~mask] == 0).all()
+        assert (rollout.log_probs[mask] < 0).all()
+    if last:  # PP: only the last stage has the recomputed log-probs
+        assert results[0]["recomputed"] is None
+
+
+# ---------------------------------------------------------------- stopping, masks, sampling
+
+
+def test_eos_stops_each_sequence_and_masks(tp1):
+    r = tp1[0]
+    eos, out, greedy = r["eos_id"], r["eos"], _responses(r["greedy"])
+    expected = [resp[: resp.index(eos) + 1] if eos in resp else resp for resp in greedy]
+    assert _responses(out) == expected
+    assert len(expected[0]) <= 3  # row 0 stops early
+    lengths = [len(p) for p in PROMPTS]
+    assert out.prompt_lengths.tolist() == lengths
+    assert out.truncated.tolist() == [eos not in resp for resp in greedy]
+    width = max(p + len(e) for p, e in zip(lengths, expected, strict=True))
+    assert out.tokens.shape == (len(PROMPTS), width)
+    for i, (p, e) in enumerate(zip(lengths, expected, strict=True)):
+        n = p + len(e)
+        assert out.token_mask[i].tolist() == [True] * n + [False] * (width - n)
+        assert out.tokens[i, :p].tolist() == PROMPTS[i]
+        assert (out.tokens[i, n:] == PAD).all()
+        # response_mask[t] marks target tokens[t + 1]: positions p .. n - 1.
+        want = [False] * (p - 1) + [True] * len(e) + [False] * (width - n)
+        assert out.response_mask[i].tolist() == want
+
+
+def test_tensor_prompts_and_zero_new_tokens(tp1):
+    r = tp1[0]
+    _assert_same(r["greedy_tensor"], r["eos"])
+    no_new = r["no_new"]
+    assert no_new.tokens.shape == (len(PROMPTS), max(len(p) for p in PROMPTS))
+    assert no_new.tokens[:, :3].tolist() == [[5, 9, 17], [3, 4, 5], [60, 2, PAD], [11, 12, 13]]
+    assert not no_new.response_mask.any() and (no_new.response_lengths == 0).all()
+
+
+def test_temperature_sampling_is_reproducible_per_seed_and_step(tp1):
+    r = tp1[0]
+    _assert_same(r["sampled"], r["sampled_again"])
+    assert not torch.equal(r["sampled"].tokens, r["greedy"].tokens)
+    assert not torch.equal(r["sampled"].tokens, r["sampled_next_step"].tokens)
+
+
+def test_tiny_top_p_is_greedy(layout):
+    results, _ = layout
+    for res in results:
+        _assert_same(res["top_p_tiny"], res["greedy"], atol=1e-5)
+
+
+def test_sample_tokens_top_p_nucleus_and_generator():
+    logits = torch.tensor([[2.0, 1.5, 1.0, -1.0]]).log_softmax(-1).expand(4000, 4)
+    gen = sampling_generator(1, 2, 0)
+    # Probabilities ~ [.48, .29, .18, .04]: top_p = .6 keeps exactly the first two tokens.
+    ids = sample_tokens(logits, temperature=1.0, top_p=0.6, generator=gen)
+    assert set(ids.tolist()) == {0, 1}
+    assert abs((ids == 0).float().mean().item() - 0.48 / 0.77) < 0.05
+    assert torch.equal(sample_tokens(logits, temperature=0.0), torch.zeros(4000, dtype=torch.long))
+    a = sample_tokens(logits, generator=sampling_generator(1, 2, 0))
+    b = sample_tokens(logits, generator=sampling_generator(1, 2, 0))
+    c = sample_tokens(logits, generator=sampling_generator(1, 2, 1))  # another DP rank
+    assert torch.equal(a, b) and not torch.equal(a, c)
