@@ -115,6 +115,39 @@ ProbeForward = Callable[[Any], "ProbeOutput | None"]
 """Runs the (pipelined) forward of a batch; ``ProbeOutput`` on the last stage, else None."""
 
 
+def gpt_probe_forward(model) -> ProbeForward:
+    """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
+    forward-only schedule, so it works under PP.
+
+    The batch is ``(tokens [b, s+1], mask [b, s] or None)``: positions ``0..s-1`` are fed,
+    position t's logits score token ``t+1``, and ``mask`` selects the counted positions.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward(batch) -> ProbeOutput | None:
+        tokens, mask = batch
+        inputs = tokens[:, :-1]
+
+        def step(data_iterator, chunk):
+            x = next(data_iterator)
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
+            return chunk(x, pos, None), lambda out, non_loss_data=True: out
+
+        outs = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([inputs]), model=[model],
+            num_microbatches=1, seq_length=inputs.shape[1], micro_batch_size=inputs.shape[0],
+            forward_only=True, collect_non_loss_data=True,
+        )  # fmt: skip
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        targets = tokens[:, 1:]
+        mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
+        return ProbeOutput(outs[0], targets, mask)
+
+    return forward
+
+
 @dataclass
 class StepResult:
     update_successful: bool
@@ -165,13 +198,18 @@ class PredictedKLController:
         self._model_of = {main: (model, start, end) for main, model, start, end in self._targets}
 
     # ------------------------------------------------------------------ public
-    def step(self, probe_batch, holdout_batch=None) -> StepResult:
-        """Megatron's ``optimizer.step()`` with the update scaled to the KL target."""
+    def step(self, probe_batch, holdout_batch=None, reference: ProbeOutput | None = None):
+        """Megatron's ``optimizer.step()`` with the update scaled to the KL target.
+
+        ``reference`` may pass the probe batch's logits at the current weights if the
+        caller already has them (e.g. kept from the training forward), saving a forward.
+        Returns a :class:`StepResult`.
+        """
         cfg, leaf = self.config, self.leaf
         t_start = time.perf_counter()
         interval = cfg.kl_realized_interval
         realized_due = holdout_batch is not None and interval and self.num_steps % interval == 0
-        ref = self._reference(probe_batch)
+        ref = self._reference(probe_batch) if reference is None else self._as_reference(reference)
         ref_holdout = self._reference(holdout_batch) if realized_due else None
         ref_bytes = _bytes(ref) + _bytes(ref_holdout)
         t_control = time.perf_counter() - t_start
@@ -229,7 +267,9 @@ class PredictedKLController:
     @torch.no_grad()
     def _reference(self, batch):
         """What the KL needs from the current policy: logits (full) or token log-probs."""
-        out = self.forward(batch)
+        return self._as_reference(self.forward(batch))
+
+    def _as_reference(self, out: ProbeOutput | None):
         if out is None:
             return None
         if self.config.kl_estimator == "full":

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loggra_megatron.kl import vocab_parallel_kl, vocab_parallel_log_probs
-from loggra_megatron.kl_control import KLControlConfig, PredictedKLController, ProbeOutput
+from loggra_megatron.kl_control import KLControlConfig, PredictedKLController, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
 HIDDEN, HEADS, VOCAB, SEQ = 32, 4, 64, 8
@@ -77,28 +77,8 @@ def _build(kind="loggra", lr=1e-2):
 
 
 def _forward_fn(ddp):
-    """Probe forward through Megatron's schedule (forward only, PP-aware)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward(tokens):
-        def step(data_iterator, model):
-            x = next(data_iterator)
-            pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
-            return model(x, pos, None), lambda out, non_loss_data=True: out
-
-        outs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([tokens[:, :-1]]), model=[ddp],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=tokens.shape[0],
-            forward_only=True, collect_non_loss_data=True,
-        )  # fmt: skip
-        if not parallel_state.is_pipeline_last_stage():
-            return None
-        return ProbeOutput(
-            outs[0].float(), tokens[:, 1:], torch.ones_like(tokens[:, 1:], dtype=torch.bool)
-        )
-
-    return forward
+    forward = gpt_probe_forward(ddp)
+    return lambda tokens: forward((tokens, None))
 
 
 def _backward(ddp, opt, tokens):
@@ -175,7 +155,7 @@ def _predicted_vs_exact(rank):
     probe, _ = ctl.config.probe_split(batch.shape[0])
     _backward(ddp, opt, batch)
     before = forward(batch[probe])
-    res = ctl.step(batch[probe])
+    res = ctl.step(batch[probe], reference=before)  # the caller's logits at θ
     ddp.start_param_sync(force_sync=True)
     after = forward(batch[probe])
     exact = F.kl_div(
