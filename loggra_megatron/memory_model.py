@@ -1,0 +1,655 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""Per-GPU memory of one RL training step (policy + reference + rollout) under Megatron-Core.
+
+Pure arithmetic (no torch): ``estimate_rl_step_memory(model, parallel, step)`` returns a
+:class:`MemoryBreakdown` in bytes for the GPU of the most loaded pipeline stage.
+
+Notation: ``L`` layers, ``h`` hidden, ``f`` FFN width (each of gate/up with SwiGLU), ``a``
+query heads, ``g`` KV groups, ``d`` head dim, ``V`` vocabulary padded to a multiple of
+``128·t`` (Megatron's ``--make-vocab-size-divisible-by``), ``t/p/D`` the TP/PP/DP sizes,
+``s`` sequence length (prompt + response), ``b`` micro-batch size, ``B`` rollout batch.
+
+Parameters (:func:`stage_parameters`, the exact TP-local tensors of Megatron-Core's
+``GPTModel`` on a PP stage, names included; checked against the real model in the tests)::
+
+    per layer: linear_qkv [(a+2g)d/t, h], linear_proj [h, ad/t], linear_fc1 [(2)f/t, h],
+               linear_fc2 [h, f/t], 2 norms [h] (+ q/k norms [d], + QKV bias)
+    stage 0:   word embeddings [V/t, h];  last stage: final norm [h], output layer [V/t, h]
+               (also when tied and p > 1: Megatron keeps a trained copy on the last stage)
+
+Static terms (``N`` = parameters on this GPU; ZeRO-1 as Megatron's ``DistributedOptimizer``:
+each DP rank owns ``1/D`` of every tensor's elements, *even-split assumption*, exact for D=1)::
+
+    weights            2·N  (bf16; fp8 too: TE keeps bf16 params without --fp8-param-gather)
+    fp8 weight cache   2·N_linear under fp8: TE's cached FP8 copy of each GEMM weight plus
+                       its transpose (Hopper), kept across the micro-batches of a step
+    grads              4·N  (fp32 grad buffer, Megatron's default for bf16) or 2·N; not sharded
+    master params      4·⌈N/D⌉ fp32 (none when the params themselves are fp32)
+    optimizer, Adam    (e1+e2)·⌈N/D⌉ + 4 per tensor (e = 4 for fp32 moments, 2 for bf16 via
+                       --use-precision-aware-optimizer; 4 B = torch AdamW's fp32 ``step``)
+    optimizer, LoGRA   sketched [m, n] (transformer-layer linears with min(m, n) ≥ min_dim,
+                       r = min(rank, m, n)): 4·(2·rows·r + n·r) + 3·8, rows = m for D = 1,
+                       else min(m, ⌈m/D⌉ + 1) (its slice's rows; a split row counted once more)
+                       and the full basis [n, r] on every rank; other tensors 8·⌈numel/D⌉ + 2·8.
+                       This is ``loggra_megatron.optim.state_bytes`` of LoGRAAdamW exactly.
+    reference model    2·N bf16 (4·N for fp32), no grads, no optimizer, same TP/PP sharding
+    runtime overhead   a flat allowance (default 2 GiB): CUDA context, NCCL, cuBLAS/TE
+                       workspaces. Allocator fragmentation is *not* modelled.
+
+Transient terms. Rollout (KV-cached sampling with the policy), training (forward/backward)
+and predicted-KL control (probe forwards after the backward) are separate phases, so
+``total = static + max(rollout, training, kl control)``::
+
+    KV cache           B·s·L_stage·2·(g/t)·d·2          (bf16 K and V of every layer)
+    rollout logits     B·V/t·4·2                        (last position only, fp32 + softmax)
+    activations        see below
+    logits             b·s·V/t·4·2                      (fp32 logits + log-softmax, last stage)
+    KL probe logits    P·s·V/t·c, last stage, P probe sequences (:mod:`loggra_megatron.
+                       kl_control` forwards the whole probe at once; Float16Module returns
+                       fp32 logits). ``full`` estimator: c = 24 (reference and held-out
+                       reference logits kept, candidate logits, and the fp32 p_old, z_old − z_new
+                       and product of the unchunked ``vocab_parallel_kl``); k1/k2/k3: c = 8
+
+Activations, per layer and micro-batch, bf16, after Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", eq. sbh(34 + 5as/h) for GPT with
+dropout and materialised attention). Adapted to what this stack runs: flash/fused attention
+(no ``5as²b`` softmax/dropout terms; the fp32 log-sum-exp, 4sba, is kept), no dropout (no
+masks: 34 → 32 for GPT), GQA (K and V are ``gd`` wide) and SwiGLU (fc1 saves gate and up)::
+
+    A_layer = 2sb·4h/t'                      input-norm in, QKV in, pre-MLP-norm in, fc1 in
+            + [2sb(ad + 2gd) + 2sb·ad + 4sba  Q, K, V after RoPE, attention out (= proj in), LSE
+               + 2sb·2f + 2sb·f]/t            fc1 out (gate, up), SiLU·up (= fc2 in)
+              (+ 2sb(ad + gd)/t with QK-norm; GeLU MLP: 2sb·f + 2sb·f)
+
+with ``t' = t`` under sequence parallelism, else 1. For GPT (g = a, ad = h, f = 4h, GeLU)
+this is ``sbh(8 + 24/t) + 4sba/t``: the paper's ``sbh(10 + 24/t)`` minus its dropout mask.
+Full recompute (``--recompute-granularity full --recompute-method uniform``) stores each
+layer's input, ``2sbh/t'``, and re-materialises one layer at a time during backward. Selective
+recompute recomputes only core attention, which flash attention already does not store, so it
+equals no recompute here. With 1F1B the first stage holds ``p`` micro-batches in flight (stage
+``i``: ``p − i``, fewer if there are fewer micro-batches); the last stage also keeps its final-
+norm and output-layer inputs (``2·2sbh/t'``). Virtual pipeline stages are ignored. Under fp8
+the activations are still counted in bf16 (TE saves some GEMM inputs in FP8: an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "GiB",
+    "MemoryBreakdown",
+    "MemoryConfigError",
+    "ParallelConfig",
+    "ParamSpec",
+    "RLStepConfig",
+    "TransformerShape",
+    "activation_bytes",
+    "activation_bytes_per_layer",
+    "estimate_rl_step_memory",
+    "grad_bytes",
+    "is_sketched",
+    "kv_cache_bytes",
+    "logits_bytes",
+    "max_rollout_batch_size",
+    "master_param_bytes",
+    "num_parameters",
+    "optimizer_state_bytes",
+    "stage_parameters",
+    "weight_bytes",
+]
+
+GiB = 1024**3
+PRECISIONS = ("fp32", "bf16", "fp8")
+OPTIMIZERS = ("adam", "loggra")
+RECOMPUTE = ("none", "selective", "full")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+_ADAM_SCALAR_BYTES = 4  # torch.optim.AdamW: fp32 `step` per tensor
+_LOGGRA_SKETCHED_SCALAR_BYTES = 3 * 8  # step, nonfinite_skips, basis_seed (int64)
+_LOGGRA_DENSE_SCALAR_BYTES = 2 * 8  # step, nonfinite_skips (int64)
+
+
+class MemoryConfigError(ValueError):
+    """An invalid configuration value; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+            raise MemoryConfigError(
+                name, f"must be a {'non-negative' if allow_zero else 'positive'} int, got {v!r}"
+            )
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in choices:
+        raise MemoryConfigError(name, f"{getattr(obj, name)!r} is not one of {choices}")
+
+
+# ---------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class TransformerShape:
+    """The shapes of a Llama-style Megatron-Core GPT model (Megatron's names and defaults)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    """Width of each of gate and up with SwiGLU (HF ``intermediate_size``)."""
+    num_attention_heads: int
+    vocab_size: int
+    """True vocabulary; Megatron pads it (``make_vocab_size_divisible_by·t``)."""
+    num_query_groups: int | None = None
+    """KV heads (GQA); None: = num_attention_heads."""
+    kv_channels: int | None = None
+    """Head dim; None: hidden_size / num_attention_heads."""
+    untie_embeddings_and_output_weights: bool = False
+    swiglu: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        _positive(self, "vocab_size", "make_vocab_size_divisible_by")
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        _positive(self, "num_query_groups")
+        if self.num_attention_heads % self.num_query_groups:
+            raise MemoryConfigError(
+                "num_query_groups",
+                f"{self.num_query_groups} does not divide num_attention_heads "
+                f"({self.num_attention_heads})",
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise MemoryConfigError(
+                    "num_attention_heads",
+                    f"{self.num_attention_heads} does not divide hidden_size "
+                    f"({self.hidden_size}); give kv_channels",
+                )
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        _positive(self, "kv_channels")
+
+    @classmethod
+    def from_model_args(cls, args: Any) -> TransformerShape:
+        """From a :class:`loggra_megatron.model.GPTModelArgs` (or anything with its fields)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Megatron's embedding rows at TP size ``tp`` (same rule as ``model.pad_vocab_size``)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return _cdiv(self.vocab_size, multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallel sizes; world size = TP · PP · DP."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Accepted and ignored (interleaving raises stage-0 activations by (1 + (p−1)/(p·v)))."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "data_parallel_size",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+        )
+
+    def check(self, model: TransformerShape) -> None:
+        """Raise :class:`MemoryConfigError` if Megatron would refuse ``model`` at these sizes."""
+        t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(model, name) % t:
+                raise MemoryConfigError(
+                    "tensor_model_parallel_size",
+                    f"{t} does not divide {name} ({getattr(model, name)})",
+                )
+        if model.num_layers % p:
+            raise MemoryConfigError(
+                "pipeline_model_parallel_size",
+                f"{p} does not divide num_layers ({model.num_layers})",
+            )
+
+
+@dataclass(frozen=True)
+class RLStepConfig:
+    """One RL step: rollout with the policy, then a training step on micro-batches."""
+
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+    """Prompt + response tokens per sequence."""
+    precision: str = "bf16"
+    """``bf16``, ``fp8`` (TE on Hopper, bf16 params) or ``fp32``."""
+    main_grads_dtype: str = "fp32"
+    """Grad-buffer dtype for bf16/fp8 (Megatron-LM's default fp32 accumulate/reduce)."""
+    optimizer: str = "loggra"
+    loggra_rank: int = 128
+    loggra_min_dim: int = 64
+    exp_avg_dtype: str = "fp32"
+    """Dense Adam's first moment (bf16: Megatron's precision-aware optimizer). LoGRA: fp32."""
+    exp_avg_sq_dtype: str = "fp32"
+    reference_model: bool = True
+    recompute_granularity: str = "none"
+    rollout_batch_size: int = 0
+    """Sequences generated concurrently per model replica (KV cache); 0: rollouts elsewhere."""
+    num_microbatches: int | None = None
+    """Micro-batches per step; None: at least the PP size (1F1B steady state)."""
+    kl_probe_sequences: int = 0
+    """Predicted-KL control's probe sequences per model replica and step (0: control off)."""
+    kl_estimator: str = "full"
+    runtime_overhead_bytes: int = 2 * GiB
+
+    def __post_init__(self) -> None:
+        _positive(self, "micro_batch_size", "seq_length", "loggra_rank", "loggra_min_dim")
+        _positive(self, "rollout_batch_size", "runtime_overhead_bytes", allow_zero=True)
+        _positive(self, "kl_probe_sequences", allow_zero=True)
+        _choice(self, "kl_estimator", ("full", "k1", "k2", "k3"))
+        if self.num_microbatches is not None:
+            _positive(self, "num_microbatches")
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "optimizer", OPTIMIZERS)
+        _choice(self, "recompute_granularity", RECOMPUTE)
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            _choice(self, name, tuple(DTYPE_BYTES))
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else DTYPE_BYTES[self.main_grads_dtype]
+
+
+# ---------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamSpec:
+    """One TP-local parameter tensor of a pipeline stage."""
+
+    name: str
+    """Megatron-Core name (local layer spec; local layer index on the stage)."""
+    shape: tuple[int, ...]
+    kind: str
+    """``linear`` (transformer-layer GEMM weight), ``embedding``, ``output``, ``norm``, ``bias``."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _parameters(
+    model: TransformerShape,
+    tp: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    vocab_rows: int,
+    output_layer: bool,
+) -> list[ParamSpec]:
+    h, d = model.hidden_size, model.kv_channels
+    a, g = model.num_attention_heads, model.num_query_groups
+    qkv_rows = (a + 2 * g) * d // tp
+    fc1_rows = (2 if model.swiglu else 1) * model.ffn_hidden_size // tp
+    specs = []
+    if first:
+        specs.append(ParamSpec("embedding.word_embeddings.weight", (vocab_rows, h), "embedding"))
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        att = pre + "self_attention."
+        specs += [
+            ParamSpec(pre + "input_layernorm.weight", (h,), "norm"),
+            ParamSpec(att + "linear_qkv.weight", (qkv_rows, h), "linear"),
+            ParamSpec(att + "linear_proj.weight", (h, a * d // tp), "linear"),
+            ParamSpec(pre + "pre_mlp_layernorm.weight", (h,), "norm"),
+            ParamSpec(pre + "mlp.linear_fc1.weight", (fc1_rows, h), "linear"),
+            ParamSpec(pre + "mlp.linear_fc2.weight", (h, model.ffn_hidden_size // tp), "linear"),
+        ]
+        if model.add_qkv_bias:
+            specs.append(ParamSpec(att + "linear_qkv.bias", (qkv_rows,), "bias"))
+        if model.qk_layernorm:
+            specs.append(ParamSpec(att + "q_layernorm.weight", (d,), "norm"))
+            specs.append(ParamSpec(att + "k_layernorm.weight", (d,), "norm"))
+    if last:
+        specs.append(ParamSpec("decoder.final_layernorm.weight", (h,), "norm"))
+        if output_layer:
+            specs.append(ParamSpec("output_layer.weight", (vocab_rows, h), "output"))
+    return specs
+
+
+def stage_parameters(
+    model: TransformerShape, parallel: ParallelConfig, stage: int = 0
+) -> list[ParamSpec]:
+    """The parameters of one TP rank of PP stage ``stage`` (all TP ranks are alike)."""
+    parallel.check(model)
+    t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if not 0 <= stage < p:
+        raise MemoryConfigError("stage", f"{stage} is not in [0, {p})")
+    last = stage == p - 1
+    return _parameters(
+        model,
+        t,
+        model.num_layers // p,
+        first=stage == 0,
+        last=last,
+        vocab_rows=model.padded_vocab_size(t) // t,
+        output_layer=model.untie_embeddings_and_output_weights or p > 1,
+    )
+
+
+def num_parameters(model: TransformerShape) -> int:
+    """Parameters of the whole model (unpadded vocabulary, tied output layer counted once)."""
+    specs = _parameters(
+        model,
+        1,
+        model.num_layers,
+        True,
+        True,
+        model.vocab_size,
+        model.untie_embeddings_and_output_weights,
+    )
+    return sum(s.numel for s in specs)
+
+
+def weight_bytes(params: list[ParamSpec], bytes_per_param: int = 2) -> int:
+    """Model (or reference-model) weights: ``bytes_per_param`` per element."""
+    return bytes_per_param * sum(s.numel for s in params)
+
+
+def grad_bytes(params: list[ParamSpec], bytes_per_grad: int = 4) -> int:
+    """Megatron's grad buffer: one grad per element, not sharded by ZeRO-1."""
+    return bytes_per_grad * sum(s.numel for s in params)
+
+
+def master_param_bytes(params: list[ParamSpec], dp: int = 1) -> int:
+    """fp32 master params, each tensor's elements split over ``dp`` ranks."""
+    return 4 * sum(_cdiv(s.numel, dp) for s in params)
+
+
+def is_sketched(spec: ParamSpec, min_dim: int = 64) -> bool:
+    """LoGRA's default selection: transformer-layer 2-D weights with both sides ≥ min_dim."""
+    return spec.kind == "linear" and len(spec.shape) == 2 and min(spec.shape) >= min_dim
+
+
+def optimizer_state_bytes(
+    params: list[ParamSpec],
+    optimizer: str,
+    *,
+    rank: int = 128,
+    min_dim: int = 64,
+    dp: int = 1,
+    exp_avg_bytes: int = 4,
+    exp_avg_sq_bytes: int = 4,
+) -> int:
+    """Optimizer state on one DP rank (see the module docstring for the convention).
+
+    With ``dp=1`` this equals ``loggra_megatron.optim.state_bytes`` of a ``LoGRAAdamW``
+    (embeddings/output layer in ``sketch=False`` groups) or a ``torch.optim.AdamW`` over
+    fp32 tensors of these shapes, after their first step.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise MemoryConfigError("optimizer", f"{optimizer!r} is not one of {OPTIMIZERS}")
+    total = 0
+    for s in params:
+        if optimizer == "adam":
+            total += (exp_avg_bytes + exp_avg_sq_bytes) * _cdiv(s.numel, dp)
+            total += _ADAM_SCALAR_BYTES
+        elif is_sketched(s, min_dim):
+            m, n = s.shape
+            r = min(rank, m, n)
+            rows = m if dp == 1 else min(m, _cdiv(m, dp) + 1)
+            total += 4 * (2 * rows * r + n * r) + _LOGGRA_SKETCHED_SCALAR_BYTES
+        else:
+            total += 8 * _cdiv(s.numel, dp) + _LOGGRA_DENSE_SCALAR_BYTES
+    return total
+
+
+# ---------------------------------------------------------------------- activations etc.
+def _t_sp(parallel: ParallelConfig) -> int:
+    return parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+
+
+def activation_bytes_per_layer(
+    model: TransformerShape, parallel: ParallelConfig, micro_batch_size: int, seq_length: int
+) -> int:
+    """Saved activations of one transformer layer for one micro-batch (module docstring)."""
+    sb, t = seq_length * micro_batch_size, parallel.tensor_model_parallel_size
+    h, f, a, g, d = (
+        model.hidden_size,
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+    )
+    replicated = 2 * sb * 4 * h
+    split = 2 * sb * (a * d + 2 * g * d) + 2 * sb * a * d + 4 * sb * a
+    split += 2 * sb * (2 * f + f) if model.swiglu else 2 * sb * (f + f)
+    if model.qk_layernorm:
+        split += 2 * sb * (a * d + g * d)
+    return _cdiv(replicated, _t_sp(parallel)) + _cdiv(split, t)
+
+
+def activation_bytes(
+    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int = 0
+) -> int:
+    """Activations held at the peak of the backward pass on PP stage ``stage`` (1F1B)."""
+    p = parallel.pipeline_model_parallel_size
+    layers = model.num_layers // p
+    in_flight = p - stage
+    if step.num_microbatches is not None:
+        in_flight = min(in_flight, step.num_microbatches)
+    sb = step.micro_batch_size * step.seq_length
+    per_layer = activation_bytes_per_layer(model, parallel, step.micro_batch_size, step.seq_length)
+    layer_input = _cdiv(2 * sb * model.hidden_size, _t_sp(parallel))
+    if step.recompute_granularity == "full":
+        total = in_flight * layers * layer_input + per_layer
+    else:
+        total = in_flight * layers * per_layer
+    if stage == p - 1:  # final-norm input and output-layer input
+        total += 2 * layer_input
+    return total
+
+
+def logits_bytes(
+    model: TransformerShape, parallel: ParallelConfig, tokens: int, copies: int = 2
+) -> int:
+    """fp32 vocab-parallel logits of ``tokens`` positions, ``copies`` times (+ log-softmax)."""
+    t = parallel.tensor_model_parallel_size
+    return tokens * (model.padded_vocab_size(t) // t) * 4 * copies
+
+
+def kv_cache_bytes(
+    model: TransformerShape,
+    parallel: ParallelConfig,
+    batch: int,
+    seq_length: int,
+    bytes_per_value: int = 2,
+) -> int:
+    """K and V of every layer of one PP stage for ``batch`` sequences of ``seq_length``."""
+    t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    layers = model.num_layers // p
+    kv_heads = model.num_query_groups // t
+    return batch * seq_length * layers * 2 * kv_heads * model.kv_channels * bytes_per_value
+
+
+# ---------------------------------------------------------------------- the estimate
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per term on one GPU (the stage ``stage``); see the module docstring."""
+
+    stage: int
+    num_parameters: int
+    """Policy parameters on this GPU."""
+    weights: int
+    fp8_weight_cache: int
+    grads: int
+    master_params: int
+    optimizer_state: int
+    reference_model: int
+    runtime_overhead: int
+    kv_cache: int
+    rollout_logits: int
+    activations: int
+    logits: int
+    kl_probe_logits: int = 0
+
+    STATIC = (
+        "weights",
+        "fp8_weight_cache",
+        "grads",
+        "master_params",
+        "optimizer_state",
+        "reference_model",
+        "runtime_overhead",
+    )
+    ROLLOUT = ("kv_cache", "rollout_logits")
+    TRAINING = ("activations", "logits")
+    KL_CONTROL = ("kl_probe_logits",)
+
+    def terms(self) -> dict[str, int]:
+        """Every term, in display order."""
+        keys = (*self.STATIC, *self.ROLLOUT, *self.TRAINING, *self.KL_CONTROL)
+        return {k: getattr(self, k) for k in keys}
+
+    def phases(self) -> dict[str, int]:
+        """Transient bytes of each phase."""
+        return {
+            "rollout": self.rollout_bytes,
+            "training": self.training_bytes,
+            "kl control": self.kl_probe_logits,
+        }
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(getattr(self, k) for k in self.STATIC)
+
+    @property
+    def rollout_bytes(self) -> int:
+        return sum(getattr(self, k) for k in self.ROLLOUT)
+
+    @property
+    def training_bytes(self) -> int:
+        return sum(getattr(self, k) for k in self.TRAINING)
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases()
+        return max(phases, key=phases.get)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.static_bytes + max(self.phases().values())
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.total_bytes <= gpu_bytes
+
+
+def _stage_breakdown(
+    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int
+) -> MemoryBreakdown:
+    params = stage_parameters(model, parallel, stage)
+    dp = parallel.data_parallel_size
+    last = stage == parallel.pipeline_model_parallel_size - 1
+    linear = [s for s in params if s.kind == "linear"]
+    ref_bytes = 4 if step.precision == "fp32" else 2
+    return MemoryBreakdown(
+        stage=stage,
+        num_parameters=sum(s.numel for s in params),
+        weights=weight_bytes(params, step.param_bytes),
+        fp8_weight_cache=weight_bytes(linear, 2) if step.precision == "fp8" else 0,
+        grads=grad_bytes(params, step.grad_bytes),
+        master_params=0 if step.precision == "fp32" else master_param_bytes(params, dp),
+        optimizer_state=optimizer_state_bytes(
+            params,
+            step.optimizer,
+            rank=step.loggra_rank,
+            min_dim=step.loggra_min_dim,
+            dp=dp,
+            exp_avg_bytes=DTYPE_BYTES[step.exp_avg_dtype],
+            exp_avg_sq_bytes=DTYPE_BYTES[step.exp_avg_sq_dtype],
+        ),
+        reference_model=weight_bytes(params, ref_bytes) if step.reference_model else 0,
+        runtime_overhead=step.runtime_overhead_bytes,
+        kv_cache=kv_cache_bytes(
+            model, parallel, step.rollout_batch_size, step.seq_length, ref_bytes
+        ),
+        rollout_logits=logits_bytes(model, parallel, step.rollout_batch_size) if last else 0,
+        activations=activation_bytes(model, parallel, step, stage),
+        logits=(
+            logits_bytes(model, parallel, step.micro_batch_size * step.seq_length) if last else 0
+        ),
+        kl_probe_logits=(
+            logits_bytes(
+                model,
+                parallel,
+                step.kl_probe_sequences * step.seq_length,
+                copies=6 if step.kl_estimator == "full" else 2,
+            )
+            if last
+            else 0
+        ),
+    )
+
+
+def estimate_rl_step_memory(
+    model: TransformerShape,
+    parallel: ParallelConfig,
+    step: RLStepConfig,
+    stage: int | None = None,
+) -> MemoryBreakdown:
+    """Per-GPU memory of one RL step on PP stage ``stage`` (None: the most loaded stage)."""
+    parallel.check(model)
+    stages = range(parallel.pipeline_model_parallel_size) if stage is None else [stage]
+    return max(
+        (_stage_breakdown(model, parallel, step, s) for s in stages),
+        key=lambda b: b.total_bytes,
+    )
+
+
+def max_rollout_batch_size(
+    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, gpu_bytes: int
+) -> int | None:
+    """Most sequences the rollout can generate concurrently within ``gpu_bytes`` per GPU
+    (``step.rollout_batch_size`` ignored); None if the step does not fit even without rollout."""
+
+    def fits(batch: int) -> bool:
+        s = dataclasses.replace(step, rollout_batch_size=batch)
+        return estimate_rl_step_memory(model, parallel, s).fits(gpu_bytes)
+
+    if not fits(0):
+        return None
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,323 @@
+"""The per-GPU memory model against real objects, and its CLI.
+
+* Parameter names/shapes per TP rank and PP stage: the real Megatron-Core ``GPTModel``
+  (GQA, QKV bias, QK-norm, tied embeddings with PP=2) on CPU/gloo ranks.
+* Optimizer state: ``state_bytes`` of a real ``LoGRAAdamW`` and ``torch.optim.AdamW`` after
+  one step on those Megatron params (exact), and of LoGRA inside Megatron's
+  ``DistributedOptimizer`` at DP=2 (even-split ZeRO-1 model, within 10 %), together with
+  the real grad buffer, param buffer and fp32 master shards.
+* Closed forms: Korthikanti et al.'s GPT activation formula, Llama-3-8B's 128 KiB/token KV
+  cache, exact published parameter counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from loggra_megatron.memory_model import (
+    GiB,
+    MemoryConfigError,
+    ParallelConfig,
+    RLStepConfig,
+    TransformerShape,
+    activation_bytes,
+    activation_bytes_per_layer,
+    estimate_rl_step_memory,
+    grad_bytes,
+    kv_cache_bytes,
+    master_param_bytes,
+    max_rollout_batch_size,
+    num_parameters,
+    optimizer_state_bytes,
+    stage_parameters,
+    weight_bytes,
+)
+from loggra_megatron.optim import LoGRAAdamW, state_bytes
+from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(REPO, "tools", "estimate_memory.py")
+CONFIGS = os.path.join(REPO, "tools", "configs")
+
+# hidden 64, 4 heads / 2 groups of 16, ffn 96, vocab 200 (padded to 256 at TP=2).
+SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4)
+SMALL.update(num_query_groups=2, vocab_size=200)
+RANK, MIN_DIM = 56, 40  # at TP=2: linear_proj [64, 32] dense; linear_fc2 [64, 48] clamped to 48
+
+
+def _hf_shape(name: str) -> TransformerShape:
+    from loggra_megatron.model import GPTModelArgs
+
+    args = GPTModelArgs.from_hf_config(os.path.join(CONFIGS, f"{name}.json"))
+    return TransformerShape.from_model_args(args)
+
+
+def _step_optimizers(named_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, int]:
+    """state_bytes of LoGRAAdamW (embeddings/output layer dense) and AdamW after one step."""
+    out = {}
+    for kind in ("loggra", "adam"):
+        params = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named_params]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if kind == "adam":
+            opt = torch.optim.AdamW(params, lr=1e-3)
+        else:
+            dense = [
+                p
+                for (n, _), p in zip(named_params, params, strict=True)
+                if "embedding" in n or "output_layer" in n
+            ]
+            rest = [p for p in params if all(p is not q for q in dense)]
+            groups = [{"params": dense, "sketch": False}, {"params": rest}]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the intended rank clamp of linear_fc2
+                opt = LoGRAAdamW(groups, lr=1e-3, rank=RANK, min_dim=MIN_DIM)
+        opt.step()
+        out[kind] = state_bytes(opt)
+    return out
+
+
+def _megatron_stage(rank: int, tie: bool) -> dict:
+    from loggra_megatron.model import GPTModelArgs, build_gpt_model
+
+    args = GPTModelArgs(
+        **SMALL,
+        add_qkv_bias=True,
+        qk_layernorm=True,
+        untie_embeddings_and_output_weights=not tie,
+    )
+    model = build_gpt_model(args, use_cpu_initialization=True)
+    named = list(model.named_parameters())
+    return {"shapes": {n: tuple(p.shape) for n, p in named}, "state": _step_optimizers(named)}
+
+
+@pytest.mark.parametrize("tp,pp,tie", [(2, 1, False), (1, 2, True)])
+def test_parameters_and_optimizer_state_match_megatron_gptmodel(tp, pp, tie):
+    model = TransformerShape(
+        **SMALL,
+        add_qkv_bias=True,
+        qk_layernorm=True,
+        untie_embeddings_and_output_weights=not tie,
+    )
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    results = run_distributed(_megatron_stage, 2, tie, tp=tp, pp=pp)
+    for rank, res in enumerate(results):
+        specs = stage_parameters(model, parallel, stage=rank if pp > 1 else 0)
+        assert {s.name: s.shape for s in specs} == res["shapes"]
+        # Exact: same tensors, same rank clamping and min_dim rule, scalars included.
+        loggra = optimizer_state_bytes(specs, "loggra", rank=RANK, min_dim=MIN_DIM)
+        assert res["state"]["loggra"] == loggra
+        assert res["state"]["adam"] == optimizer_state_bytes(specs, "adam")
+    if pp == 2:  # tied embeddings: the last stage trains its own copy of the output layer
+        assert "output_layer.weight" in results[1]["shapes"]
+
+
+def test_optimizer_state_exact_for_plain_torch_modules():
+    model = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
+    specs = stage_parameters(model, ParallelConfig())
+    named = [(s.name, torch.nn.Parameter(torch.zeros(s.shape))) for s in specs]
+    got = _step_optimizers(named)
+    assert got["loggra"] == optimizer_state_bytes(specs, "loggra", rank=RANK, min_dim=MIN_DIM)
+    assert got["adam"] == optimizer_state_bytes(specs, "adam")
+    # weights and grads of a bf16 copy, one backward pass
+    lin = torch.nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
+    lin(torch.ones(3, 64, dtype=torch.bfloat16)).sum().backward()
+    spec = [dataclasses.replace(specs[1], shape=(96, 64))]
+    assert lin.weight.numel() * lin.weight.element_size() == weight_bytes(spec, 2)
+    assert lin.weight.grad.numel() * lin.weight.grad.element_size() == grad_bytes(spec, 2)
+
+
+def _zero1_rank(rank: int) -> dict:
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    model = tiny_gpt_model(
+        num_layers=2, hidden_size=40, heads=4, vocab=64, seq=8, bf16=True,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    ddp = wrap_ddp(model, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
+    config = LoGRAOptimizerConfig(
+        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
+        loggra_rank=8, loggra_min_dim=16,
+    )  # fmt: skip
+    opt = get_loggra_optimizer(config, [ddp])
+    tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(rank))
+    train_step(ddp, opt, tokens)
+    leaves = getattr(opt, "chained_optimizers", [opt])
+    shards = [p for o in leaves for g in o.shard_fp32_from_float16_groups for p in g]
+    return {
+        "grad_buffer": sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers),
+        "param_buffer": sum(b.param_data.numel() * 2 for b in ddp.buffers),
+        "master": sum(p.numel() * p.element_size() for p in shards),
+        "state": state_bytes(opt),
+    }
+
+
+def test_zero1_accounting_matches_megatron_distributed_optimizer_dp2():
+    model = TransformerShape(  # tiny_gpt_model: SwiGLU with ffn = 2·hidden, untied, no padding
+        num_layers=2, hidden_size=40, ffn_hidden_size=80, num_attention_heads=4, vocab_size=64,
+        untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=64,
+    )  # fmt: skip
+    specs = stage_parameters(model, ParallelConfig(data_parallel_size=2))
+    numel = sum(s.numel for s in specs)
+    res = run_distributed(_zero1_rank, 2)
+    padding = 2 * 64 * len(specs) + 2 * 128 * 10  # Megatron's param alignment, bucket padding
+    for r in res:  # replicated over DP: bf16 params, fp32 grads (grad_reduce_in_fp32)
+        assert 0 <= r["param_buffer"] - weight_bytes(specs, 2) <= padding
+        assert 0 <= r["grad_buffer"] - grad_bytes(specs, 4) <= 2 * padding
+        assert abs(r["master"] - master_param_bytes(specs, dp=2)) <= 0.02 * 4 * numel
+        est = optimizer_state_bytes(specs, "loggra", rank=8, min_dim=16, dp=2)
+        assert 0.9 * est <= r["state"] <= 1.1 * est
+    assert sum(r["master"] for r in res) == 4 * numel  # fp32 masters: an exact DP partition
+    assert sum(r["state"] for r in res) <= 2 * optimizer_state_bytes(
+        specs, "loggra", rank=8, min_dim=16, dp=2
+    )
+
+
+# ---------------------------------------------------------------------- closed forms
+def test_published_parameter_counts_and_kv_cache():
+    assert num_parameters(_hf_shape("llama-2-7b")) == 6_738_415_616
+    llama3 = _hf_shape("llama-3-8b")
+    assert num_parameters(llama3) == 8_030_261_248
+    assert num_parameters(_hf_shape("llama-style-27b")) == 26_983_142_400
+    # Llama-3-8B: 32 layers · 2 · 8 KV heads · 128 · 2 B = 128 KiB per token (bf16)
+    assert kv_cache_bytes(llama3, ParallelConfig(), 1, 1) == 128 * 1024
+    assert kv_cache_bytes(llama3, ParallelConfig(tensor_model_parallel_size=8), 4, 100) == (
+        4 * 100 * 16 * 1024
+    )
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activations_reduce_to_korthikanti_for_gpt(sp):
+    """GPT (MHA, GeLU 4h): sbh(10 + 24/t) [paper] − sbh dropout masks ×2 + 4sba/t (LSE)."""
+    s, b, h, a, t = 512, 2, 1024, 16, 4
+    gpt = TransformerShape(
+        num_layers=8, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=a,
+        vocab_size=1000, swiglu=False,
+    )  # fmt: skip
+    par = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=sp)
+    replicated = 8 * s * b * h // (t if sp else 1)
+    assert activation_bytes_per_layer(gpt, par, b, s) == replicated + (24 * s * b * h + 4 * s * b * a) // t  # fmt: skip
+    step = RLStepConfig(micro_batch_size=b, seq_length=s, recompute_granularity="full")
+    layer_in = 2 * s * b * h // (t if sp else 1)
+    per_layer = activation_bytes_per_layer(gpt, par, b, s)
+    assert activation_bytes(gpt, par, step) == 8 * layer_in + per_layer + 2 * layer_in
+    sel = dataclasses.replace(step, recompute_granularity="selective")
+    assert activation_bytes(gpt, par, sel) == 8 * per_layer + 2 * layer_in  # flash: no gain
+    pp = ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=4)
+    none = dataclasses.replace(step, recompute_granularity="none")
+    layer = activation_bytes_per_layer(gpt, pp, b, s)
+    assert activation_bytes(gpt, pp, none, stage=0) == 4 * 2 * layer  # 1F1B: p in flight
+    one = dataclasses.replace(none, num_microbatches=1)
+    assert activation_bytes(gpt, pp, one, stage=0) == 2 * layer
+
+
+def test_estimate_terms_and_phases():
+    model = _hf_shape("llama-style-27b")
+    par = ParallelConfig(tensor_model_parallel_size=8, sequence_parallel=True)
+    step = RLStepConfig(seq_length=8192, rollout_batch_size=64, optimizer="adam")
+    dense = estimate_rl_step_memory(model, par, step)
+    loggra = estimate_rl_step_memory(model, par, dataclasses.replace(step, optimizer="loggra"))
+    n = dense.num_parameters
+    h, f, qkv = 5120, 22016, (40 + 2 * 8) * 128
+    per_layer = (qkv * h + h * 40 * 128 + 2 * f * h + h * f) // 8 + 2 * h  # norms replicated
+    assert n == 64 * per_layer + h + 2 * 129024 // 8 * h  # padded vocab split over TP
+    assert (dense.weights, dense.grads, dense.master_params) == (2 * n, 4 * n, 4 * n)
+    assert dense.reference_model == 2 * n and dense.fp8_weight_cache == 0
+    assert dense.optimizer_state == 8 * n + 4 * (1 + 64 * 6 + 1 + 1)  # + fp32 step per tensor
+    assert loggra.optimizer_state < dense.optimizer_state / 8
+    assert dense.total_bytes == dense.static_bytes + max(dense.rollout_bytes, dense.training_bytes)
+    assert dense.kv_cache == 64 * 8192 * 64 * 2 * 1 * 128 * 2 == 16 * GiB
+    fp8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, precision="fp8"))
+    assert fp8.fp8_weight_cache == 2 * sum(
+        s.numel for s in stage_parameters(model, par) if s.kind == "linear"
+    )
+    gpu = 80 * GiB
+    cap = max_rollout_batch_size(model, par, step, gpu)
+    assert estimate_rl_step_memory(model, par, dataclasses.replace(step, rollout_batch_size=cap)).fits(gpu)  # fmt: skip
+    over = dataclasses.replace(step, rollout_batch_size=cap + 1)
+    assert not estimate_rl_step_memory(model, par, over).fits(gpu)
+
+
+def test_invalid_configurations_name_the_field():
+    llama3 = _hf_shape("llama-3-8b")
+    with pytest.raises(MemoryConfigError) as e:
+        estimate_rl_step_memory(
+            llama3, ParallelConfig(tensor_model_parallel_size=3), RLStepConfig()
+        )
+    assert e.value.field == "tensor_model_parallel_size"
+    with pytest.raises(MemoryConfigError, match="pipeline_model_parallel_size"):
+        stage_parameters(llama3, ParallelConfig(pipeline_model_parallel_size=5))
+    with pytest.raises(MemoryConfigError, match="hidden_size"):
+        TransformerShape(2, -4, 8, 2, 10)
+    with pytest.raises(MemoryConfigError, match="num_query_groups"):
+        TransformerShape(2, 64, 8, 4, 10, num_query_groups=3)
+    with pytest.raises(MemoryConfigError, match="precision"):
+        RLStepConfig(precision="fp16")
+
+
+# ---------------------------------------------------------------------- CLI
+def _cli_module():
+    spec = importlib.util.spec_from_file_location("estimate_memory_cli", CLI)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HEADLINE = [
+    "--hf-config", os.path.join(CONFIGS, "llama-style-27b.json"),
+    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--world-size", "8",
+    "--micro-batch-size", "1", "--seq-length", "8192", "--bf16", "--loggra-rank", "128",
+    "--rollout-batch-size", "64", "--gpu-memory-gb", "80",
+]  # fmt: skip
+
+
+def test_cli_prints_table_for_a_config_file_and_reproduces_docs(capsys):
+    cli = _cli_module()
+    assert cli.main(HEADLINE) == 0
+    out = capsys.readouterr().out
+    for text in ("dense Adam", "LoGRA r=128*", "optimizer state", "TOTAL per GPU", "fits 80 GiB"):
+        assert text in out
+    assert "% saved" in out and "NO (over by" in out and "yes (" in out
+    assert cli.main([*HEADLINE, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert not res["adam"]["fits"] and res["loggra"]["fits"]  # docs/memory.md's headline
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+        (["--hidden-size", "-4"], "--hidden-size"),
+        (["--world-size", "6", "--tensor-model-parallel-size", "4"], "--world-size"),
+        (["--num-query-groups", "3"], "--num-query-groups"),
+    ],
+)
+def test_cli_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    base = {"--num-layers": "4", "--hidden-size": "256", "--ffn-hidden-size": "512"}
+    base.update({"--num-attention-heads": "8", "--vocab-size": "1000"})
+    for k, v in zip(argv[::2], argv[1::2], strict=True):
+        base[k] = v
+    with pytest.raises(SystemExit) as e:
+        _cli_module().main([x for kv in base.items() for x in kv])
+    assert e.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, CLI, "--hf-config", str(tmp_path / "nope.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "argument --hf-config" in proc.stderr and "no such file" in proc.stderr
