@@ -46,11 +46,17 @@ def _model_key(i: int, model_chunks) -> str:
     return "model" if len(model_chunks) == 1 else f"model{i}"
 
 
-def _model_sharded_state_dict(model_chunks) -> dict:
-    return {
+def _model_sharded_state_dict(model_chunks, extra_models=None) -> dict:
+    """``{"model": ...}`` (``model0``, ``model1``… with virtual stages) plus one entry per
+    extra model (e.g. the frozen reference policy), keyed by its name."""
+    state = {
         _model_key(i, model_chunks): _unwrap(chunk).sharded_state_dict()
         for i, chunk in enumerate(model_chunks)
     }
+    for name, chunks in (extra_models or {}).items():
+        for i, chunk in enumerate(chunks):
+            state[f"{name}{i}"] = _unwrap(chunk).sharded_state_dict(prefix=f"{name}{i}.")
+    return state
 
 
 def _fresh_buffers(sharded_state_dict: dict) -> dict:
@@ -72,16 +78,20 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def latest_iteration(root: str) -> int | None:
-    """The iteration the tracker file points to, or None if there is no checkpoint."""
+    """The iteration the tracker file points to, or None if there is no trainer checkpoint."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return int(f.read().strip())
+        text = f.read().strip()
+    return int(text) if text.isdigit() else None  # "release": a converted model, no trainer state
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, common: dict) -> str:
-    """Save model, optimizer and ``common`` (picklable, e.g. RNG and data position)."""
+def save_checkpoint(
+    root: str, iteration: int, model_chunks, optimizer, common: dict, extra_models=None
+) -> str:
+    """Save model, optimizer (may be None), ``extra_models`` (``{name: chunks}``, e.g. the
+    reference policy) and ``common`` (picklable: step, data position, scheduler, ...)."""
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
     if _rank() == 0:
@@ -89,8 +99,11 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, common: 
         os.makedirs(tmp)
     _barrier()
     model_sd = _model_sharded_state_dict(model_chunks)
-    state = dict(model_sd)
-    state["optimizer"] = [leaf.sharded_state_dict(model_sd) for leaf in _leaf_optimizers(optimizer)]
+    state = _model_sharded_state_dict(model_chunks, extra_models)
+    if optimizer is not None:
+        state["optimizer"] = [
+            leaf.sharded_state_dict(model_sd) for leaf in _leaf_optimizers(optimizer)
+        ]
     state["common"] = common
     dist_checkpointing.save(state, tmp)
     _barrier()
@@ -110,8 +123,11 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, common: 
     return final
 
 
-def load_checkpoint(root: str, model_chunks, optimizer, iteration: int | None = None) -> dict:
-    """Load the checkpoint at ``iteration`` (default: latest) and return its ``common``."""
+def load_checkpoint(
+    root: str, model_chunks, optimizer, iteration: int | None = None, extra_models=None
+) -> dict:
+    """Load the checkpoint at ``iteration`` (default: latest) and return its ``common``.
+    ``optimizer=None`` loads the weights only; ``extra_models`` as in :func:`save_checkpoint`."""
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint under {root!r} (missing {TRACKER})")
@@ -119,6 +135,10 @@ def load_checkpoint(root: str, model_chunks, optimizer, iteration: int | None = 
     saved = dist_checkpointing.load_common_state_dict(path)
     leaves = _leaf_optimizers(optimizer) if optimizer is not None else []
     if optimizer is not None:
+        if "optimizer" not in saved:
+            raise ValueError(
+                f"checkpoint {path} has no optimizer state; load it with --no-load-optim"
+            )
         if len(saved["optimizer"]) != len(leaves):
             raise ValueError(
                 f"checkpoint {path} has {len(saved['optimizer'])} optimizer(s), this run "
@@ -128,7 +148,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, iteration: int | None = 
             if hasattr(leaf, "check_compatible"):
                 leaf.check_compatible(leaf_saved["loggra"])
     model_sd = _model_sharded_state_dict(model_chunks)
-    request = _fresh_buffers(_model_sharded_state_dict(model_chunks))
+    request = _fresh_buffers(_model_sharded_state_dict(model_chunks, extra_models))
     if optimizer is not None:
         request["optimizer"] = [
             leaf.sharded_state_dict(model_sd, is_loading=True) for leaf in leaves
@@ -136,6 +156,11 @@ def load_checkpoint(root: str, model_chunks, optimizer, iteration: int | None = 
     loaded = dist_checkpointing.load(request, path)
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[_model_key(i, model_chunks)])
+    for name, chunks in (extra_models or {}).items():
+        for i, chunk in enumerate(chunks):
+            prefix = f"{name}{i}."
+            sd = {k.removeprefix(prefix): v for k, v in loaded[f"{name}{i}"].items()}
+            _unwrap(chunk).load_state_dict(sd)
     if optimizer is not None:
         with torch.no_grad():
             for leaf, leaf_state in zip(leaves, loaded["optimizer"], strict=True):

@@ -40,6 +40,7 @@ __all__ = [
     "build_gpt_model",
     "pad_vocab_size",
     "transformer_config_from_args",
+    "wrap_ddp",
 ]
 
 #: Hugging Face ``architectures`` entries accepted by :meth:`GPTModelArgs.from_hf_config`,
@@ -578,3 +579,24 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+
+
+def wrap_ddp(model, use_distributed_optimizer: bool = True, **ddp_overrides: Any):
+    """Wrap ``model`` in Megatron's ``DistributedDataParallel`` and hook it into its config
+    (``finalize_model_grads_func``, ``no_sync_func``) as Megatron's training loop does."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    fields = dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    fields.update(ddp_overrides)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**fields), model)
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.no_sync_func = ddp.no_sync
+    return ddp

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from loggra_megatron.cpu import enable_cpu_megatron
+from loggra_megatron.model import wrap_ddp
 
 __all__ = [
     "free_port",
@@ -329,27 +330,6 @@ def tiny_gpt_model(
         position_embedding_type="rope",
     )
     return Float16Module(config, model) if bf16 else model
-
-
-def wrap_ddp(model, use_distributed_optimizer: bool = True, **ddp_overrides: Any):
-    """Wrap ``model`` in Megatron's ``DistributedDataParallel`` and hook it into its config
-    (``finalize_model_grads_func``, ``no_sync_func``) as Megatron's training loop does."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
-    fields = dict(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    fields.update(ddp_overrides)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**fields), model)
-    ddp.config.finalize_model_grads_func = finalize_model_grads
-    ddp.config.no_sync_func = ddp.no_sync
-    return ddp
 
 
 def _gpt_forward_step(data_iterator, model):

@@ -1,0 +1,317 @@
+"""Training metrics: JSONL file, W&B, TensorBoard and one progress line per step (rank 0).
+
+``MetricsLogger(output_dir, rank=...)`` is built on every rank; only rank 0 writes, the
+others get a no-op logger (no file, no W&B run, no output). Per ``log(step, metrics)``:
+
+* ``output_dir/metrics.jsonl`` gets one JSON object: ``step`` first, then the keys sorted.
+  JSON has no NaN/Inf, so a non-finite value is written as ``null``. The file is line
+  buffered, flushed and fsync-ed after every line, so a crash loses nothing already logged.
+* W&B (``run.log(metrics, step=step)``) and TensorBoard (``add_scalar``) get the values
+  as given (NaN included).
+* stdout gets one Megatron-like line with the keys that are present, e.g.
+  `` step    12/200 | reward 0.412 | kl/ref 0.0031 | kl/pred 0.02 η 0.71 | loss 0.153 |
+  5.2k tok/s | mem 3.1 GiB | ETA 0:04:12`` (ETA: mean ``time/step_s`` of the last 20 steps).
+
+W&B mode (:func:`resolve_wandb_mode`), first match wins; the network is never probed:
+
+1. ``wandb_project`` is None → ``"disabled"`` (wandb is not even imported);
+2. an explicit ``wandb_mode`` argument → that mode;
+3. the ``WANDB_MODE`` environment variable, if set → that mode;
+4. an API key is present (``WANDB_API_KEY``, or a ``netrc`` entry for the W&B host, i.e.
+   ``wandb login`` was run) → ``"online"``, otherwise ``"offline"``.
+
+A machine with a key but no network must set ``WANDB_MODE=offline`` (then
+``wandb sync output_dir/wandb/offline-run-*`` later); if an online ``wandb.init`` fails
+anyway, the logger falls back to offline with a warning. Runs live under ``output_dir/wandb``.
+
+Resume: the trainer calls ``truncate_after(k)`` when it resumes from a checkpoint taken
+after step ``k`` (``k = 0`` on a fresh start), dropping later lines, so the file of a
+resumed run equals that of an uninterrupted one. Keys and their meaning: ``METRIC_KEYS``
+(rendered in ``docs/metrics.md``).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import importlib.util
+import json
+import logging
+import math
+import netrc
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+ETA_WINDOW = 20
+
+METRIC_KEYS: dict[str, str] = {
+    "step": "optimizer step, 1-based (= Megatron iteration after the step); first JSONL key",
+    "loss/total": "policy loss + β·KL-to-reference loss (the loss that is back-propagated)",
+    "loss/policy": "PPO-clip / GRPO surrogate loss, aggregated as configured",
+    "loss/kl_ref": "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)",
+    "reward/mean": "mean reward over the rollout batch",
+    "reward/std": "standard deviation of the reward over the rollout batch",
+    "reward/accuracy": "fraction of responses judged correct by the verifier",
+    "kl/ref": "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model",
+    "kl/predicted": "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe",
+    "kl/predicted_committed": "predicted KL of the committed update η·Δθ (after backtracking)",
+    "kl/realized": "KL(π_θ ‖ π_θ') measured on held-out sequences after the step "
+    "(every kl_realized_interval steps)",
+    "kl/step_scale": "η, the scale applied to the update (1 = full step, 0 = skipped)",
+    "kl/backtracks": "number of times η was halved by the backtracking check",
+    "kl/coef": "β, the (adaptive) coefficient of the KL-to-reference loss",
+    "clip/fraction": "share of tokens whose PPO ratio was clipped (zero gradient)",
+    "ratio/mean": "token mean of the ratio π_θ / π_old",
+    "grad/norm": "global gradient L2 norm before clipping",
+    "optimizer/skipped_steps": "share of the step's optimizer updates that were skipped "
+    "(non-finite grads or KL; 0 = none)",
+    "memory/optimizer_state_bytes": "optimizer state bytes of rank 0 (exact, optim.state_bytes)",
+    "memory/peak_bytes": "peak allocated memory of rank 0 so far (CUDA max allocated; "
+    "peak RSS on CPU)",
+    "memory/kl_control_bytes": "extra memory of predicted-KL control (stored reference "
+    "+ candidate peak)",
+    "time/step_s": "wall time of the whole step (rollout + train + control), seconds",
+    "time/rollout_s": "wall time of rollout generation and rewards, seconds",
+    "time/train_s": "wall time of forward/backward and the optimizer step, seconds",
+    "time/kl_control_s": "wall time of predicted-KL control (probe forwards), seconds",
+    "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "
+    "second of step time",
+    "lr": "learning rate of the step (before the η scaling)",
+    "response/length_mean": "mean response length in tokens",
+}
+
+# (metric key, progress-line label), in the order of the progress line.
+_PROGRESS = (
+    ("reward/mean", "reward"),
+    ("kl/ref", "kl/ref"),
+    ("kl/predicted", "kl/pred"),
+    ("kl/step_scale", "η"),
+    ("loss/total", "loss"),
+)
+
+
+def _has_api_key(env: Mapping[str, str]) -> bool:
+    """Whether W&B credentials exist (env key or netrc entry); never touches the network."""
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def resolve_wandb_mode(
+    project: str | None,
+    mode: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """W&B mode by the rule of the module docstring (``env`` defaults to ``os.environ``)."""
+    env = os.environ if env is None else env
+    if project is None:
+        return "disabled"
+    if mode:
+        return mode
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    return "online" if _has_api_key(env) else "offline"
+
+
+def _number(key: str, value: Any) -> int | float | None:
+    """A Python number from an int/float/bool, numpy scalar or one-element tensor."""
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int | float):
+        return value
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _si(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{suffix}"
+    return f"{x:.0f}"
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Records of a ``metrics.jsonl`` (or of a directory holding one); ``null`` stays None.
+
+    A final line cut short by a crash is ignored; any other malformed line raises.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records
+
+
+class MetricsLogger:
+    """Per-step metrics to JSONL, W&B, TensorBoard and stdout on rank 0; no-op elsewhere."""
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        rank: int = 0,
+        total_steps: int | None = None,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        wandb_mode: str | None = None,
+        tensorboard_dir: str | os.PathLike | None = None,
+        config: dict | None = None,
+    ):
+        # Checked on every rank so that all ranks fail alike, not rank 0 alone.
+        if tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(
+                "--tensorboard-dir was given but the 'tensorboard' package is not installed: "
+                "`pip install tensorboard`, or drop --tensorboard-dir"
+            )
+        self.enabled = rank == 0
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / METRICS_FILE
+        self.total_steps = total_steps
+        self.wandb_mode = resolve_wandb_mode(wandb_project if self.enabled else None, wandb_mode)
+        self._step_times: collections.deque[float] = collections.deque(maxlen=ETA_WINDOW)
+        self._last_log_time: float | None = None
+        self._file = self._wandb_run = self._tb_writer = None
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        if self.wandb_mode != "disabled":
+            self._wandb_run = self._init_wandb(wandb_project, wandb_run_name, config)
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb_writer = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def _init_wandb(self, project: str, name: str | None, config: dict | None):
+        import wandb
+
+        kwargs = dict(project=project, name=name, dir=str(self.output_dir), config=config)
+        try:
+            return wandb.init(mode=self.wandb_mode, **kwargs)
+        except Exception as e:  # an online init that cannot reach the server
+            if self.wandb_mode != "online":
+                raise
+            logger.warning("wandb.init (online) failed (%s); logging W&B offline instead", e)
+            self.wandb_mode = "offline"
+            return wandb.init(mode="offline", **kwargs)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` of optimizer step ``step`` everywhere (rank 0 only)."""
+        if not self.enabled:
+            return
+        if "step" in metrics:
+            raise ValueError("'step' is given as log()'s argument, not as a metric")
+        values = {k: _number(k, v) for k, v in metrics.items()}
+        record: dict[str, Any] = {"step": int(step)}
+        for k in sorted(values):
+            v = values[k]
+            record[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+        numeric = {k: v for k, v in values.items() if v is not None}
+        if self._wandb_run is not None:
+            self._wandb_run.log(numeric, step=int(step))
+        if self._tb_writer is not None:
+            for k, v in numeric.items():
+                self._tb_writer.add_scalar(k, v, global_step=int(step))
+            self._tb_writer.flush()
+        print(self.progress_line(step, values), flush=True)
+
+    def progress_line(self, step: int, metrics: dict[str, Any]) -> str:
+        """The one-line summary of a step; updates the moving average behind the ETA."""
+        now = time.perf_counter()
+        step_s = metrics.get("time/step_s")
+        if step_s is None and self._last_log_time is not None:
+            step_s = now - self._last_log_time  # fallback: wall time between log() calls
+        self._last_log_time = now
+        if step_s is not None and math.isfinite(step_s):
+            self._step_times.append(float(step_s))
+
+        if self.total_steps is not None:
+            width = len(str(self.total_steps)) + 2
+            parts = [f" step {step:>{width}}/{self.total_steps}"]
+        else:
+            parts = [f" step {step:>6}"]
+        for key, label in _PROGRESS:
+            v = metrics.get(key)
+            if v is None:
+                continue
+            if key == "kl/step_scale" and metrics.get("kl/predicted") is not None:
+                parts[-1] += f" {label} {_fmt(v)}"  # η joins the kl/pred field
+            else:
+                parts.append(f"{label} {_fmt(v)}")
+        if metrics.get("throughput/tokens_per_s") is not None:
+            parts.append(f"{_si(metrics['throughput/tokens_per_s'])} tok/s")
+        if metrics.get("memory/peak_bytes") is not None:
+            parts.append(f"mem {metrics['memory/peak_bytes'] / 2**30:.1f} GiB")
+        if self.total_steps is not None and self._step_times:
+            mean = sum(self._step_times) / len(self._step_times)
+            left = max(self.total_steps - step, 0) * mean
+            parts.append(f"ETA {datetime.timedelta(seconds=round(left))}")
+        return " | ".join(parts)
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only the records of steps ``<= step`` (call at resume from step ``step``)."""
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError("truncate_after() on a closed MetricsLogger")
+        kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= step]
+        self._file.close()
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
+        self._step_times.clear()
+        self._last_log_time = None
+
+    def close(self) -> None:
+        """Finish the W&B run, close TensorBoard and the JSONL file; idempotent."""
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

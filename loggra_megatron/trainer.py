@@ -1,0 +1,577 @@
+"""The RL training loop behind ``pretrain_rl.py``: GRPO/PPO on a Megatron-Core policy.
+
+One RL step, on every rank of a DP × PP × TP grid:
+
+1. each DP rank takes ``prompts_per_step / DP`` prompts and samples ``num_generations``
+   completions per prompt with the policy's KV-cached generator (the same tokens on every
+   TP/PP rank of a model replica);
+2. rewards (``--reward-fn``) and group-normalised advantages are computed per DP rank
+   (each prompt's group lives on one rank);
+3. the sampling log-probs are the PPO "old" log-probs; the frozen reference model's
+   log-probs are recomputed when ``--kl-coef > 0``;
+4. ``ppo_epochs`` passes over the rollout in mini-batches of ``global_batch_size``
+   sequences run Megatron's forward/backward schedule (1F1B under PP) with the GRPO loss
+   normalised by the *global* mini-batch token count, then one optimizer step each,
+   through predicted-KL control when ``--kl-target`` is set;
+5. metrics go to ``metrics.jsonl`` (+ W&B / TensorBoard) from rank 0; checkpoints are
+   written every ``--save-interval`` steps, at the end and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import signal
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.arguments import RLConfig
+
+REDUCED_KEYS = (
+    "loss/total", "loss/policy", "loss/kl_ref", "kl/ref", "clip/fraction", "ratio/mean",
+    "reward/mean", "reward/std", "reward/accuracy", "response/length_mean",
+)  # fmt: skip
+
+
+def initialize_megatron(cfg: RLConfig) -> torch.device:
+    """Process groups (gloo on CPU, NCCL on GPU), Megatron's parallel state and RNG."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from loggra_megatron.cpu import enable_cpu_megatron
+
+    use_cuda = cfg.parallel.device == "cuda" or (
+        cfg.parallel.device == "auto" and torch.cuda.is_available()
+    )
+    if not use_cuda:
+        enable_cpu_megatron()
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+class RLTrainer:
+    """Builds the policy, reference, optimizer, data and logger; runs the RL loop."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.step = 0
+        self._stop = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> RLTrainer:
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from loggra_megatron.data.prompts import PromptDataset
+        from loggra_megatron.metrics import MetricsLogger
+        from loggra_megatron.rewards import load_reward_fn
+        from loggra_megatron.rl import AdaptiveKLCoefficient
+        from loggra_megatron.tokenizer import SentencePieceTokenizer
+
+        cfg = self.cfg
+        self.device = initialize_megatron(cfg)
+        self.rank = dist.get_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+        self.reward_fn = load_reward_fn(cfg.rl.reward_fn)
+        self.model_args = self._model_args()
+        self.policy = self._build_model(trainable=True)
+        self.reference = self._build_model(trainable=False) if cfg.rl.kl_coef > 0 else None
+        self.optimizer = self._build_optimizer()
+        t = cfg.training
+        decay_steps = max(1, self.optimizer_steps_per_rl_step * t.train_iters)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr,
+            min_lr=min(t.min_lr, t.lr), lr_warmup_steps=t.lr_warmup_iters,
+            lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )  # fmt: skip
+        self.kl_coef = AdaptiveKLCoefficient(
+            cfg.rl.kl_coef, kl_target=cfg.rl.kl_coef_target, horizon=cfg.rl.kl_coef_horizon
+        )
+        self.kl_controller = self._build_kl_controller()
+        self.dataset = (
+            PromptDataset.from_jsonl(cfg.data.data_path, seed=t.seed)
+            if cfg.data.data_path
+            else PromptDataset.builtin(cfg.data.task, cfg.data.num_tasks, t.seed)
+        )
+        resumed = self._load()
+        if not resumed and t.sft_iters:
+            self.supervised_warmup()
+        if self.reference is not None and not resumed:
+            self._copy_policy_to_reference()
+        out = cfg.logging.output_dir or cfg.checkpoint.save or os.path.join("outputs", "rl")
+        self.metrics = MetricsLogger(
+            out, rank=self.rank, total_steps=t.train_iters, wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.wandb_run_name, tensorboard_dir=cfg.logging.tensorboard_dir,
+            config=cfg.to_dict(),
+        )  # fmt: skip
+        if resumed:
+            self.metrics.truncate_after(self.step)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        rl = self.cfg.rl
+        batches = rl.prompts_per_step * rl.num_generations // self.cfg.training.global_batch_size
+        return batches * rl.ppo_epochs
+
+    def _model_args(self):
+        from loggra_megatron.convert.checkpoint import read_model_args
+        from loggra_megatron.model import GPTModelArgs
+
+        m, load = self.cfg.model, self.cfg.checkpoint.load
+        if load and os.path.isfile(os.path.join(load, "loggra_model_args.json")):
+            args = read_model_args(load)
+            if self.tokenizer.vocab_size > args.vocab_size:
+                raise ValueError(
+                    f"--tokenizer-model has {self.tokenizer.vocab_size} tokens but the model "
+                    f"in --load {load!r} has {args.vocab_size}"
+                )
+            args.params_dtype = "bfloat16" if m.bf16 else "float32"
+            return args
+        ffn = m.ffn_hidden_size or 64 * math.ceil(8 * m.hidden_size / 3 / 64)
+        return GPTModelArgs(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            vocab_size=self.tokenizer.vocab_size, max_position_embeddings=m.seq_length,
+            rotary_base=m.rotary_base, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+            params_dtype="bfloat16" if m.bf16 else "float32", init_method_std=m.init_method_std,
+            make_vocab_size_divisible_by=64,
+        )  # fmt: skip
+
+    def _use_te(self) -> bool:
+        impl = self.cfg.model.transformer_impl
+        if impl == "auto":
+            try:
+                import transformer_engine  # noqa: F401
+            except ImportError:
+                return False
+            return self.device.type == "cuda"
+        return impl == "transformer_engine"
+
+    def _build_model(self, trainable: bool):
+        from megatron.core.transformer.module import Float16Module
+
+        from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
+        from loggra_megatron.model import build_gpt_model, wrap_ddp
+
+        m = self.cfg.model
+        overrides = dict(use_cpu_initialization=self.device.type == "cpu")
+        if m.fp8_format:
+            overrides.update(fp8=m.fp8_format, fp8_recipe=m.fp8_recipe)
+        model = build_gpt_model(self.model_args, use_te=self._use_te(), **overrides)
+        load = self.cfg.checkpoint.load
+        if load and os.path.isfile(os.path.join(load, "loggra_model_args.json")):
+            load_megatron_checkpoint(model, load)  # a converted (HF) model
+        if m.bf16:
+            model = Float16Module(model.config, model)
+        if not trainable:
+            model.eval().requires_grad_(False)
+            return model
+        ddp = self.cfg.training
+        return wrap_ddp(
+            model, use_distributed_optimizer=ddp.use_distributed_optimizer,
+            overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
+        )  # fmt: skip
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+        t = self.cfg.training
+        base = dict(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=self.cfg.model.bf16,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+            overlap_param_gather_with_optimizer_step=False,
+        )  # fmt: skip
+        if t.optimizer == "adam":
+            return get_megatron_optimizer(OptimizerConfig(**base), [self.policy])
+        lg = self.cfg.loggra
+        config = LoGRAOptimizerConfig(
+            **base, loggra_rank=lg.loggra_rank, loggra_update_interval=lg.loggra_update_interval,
+            loggra_projection=lg.loggra_projection, loggra_oversample=lg.loggra_oversample,
+            loggra_power_iters=lg.loggra_power_iters, loggra_min_dim=lg.loggra_min_dim,
+            loggra_seed=t.seed,
+        )  # fmt: skip
+        return get_loggra_optimizer(config, [self.policy])
+
+    def _build_kl_controller(self):
+        from megatron.core import parallel_state as ps
+
+        from loggra_megatron.kl_control import PredictedKLController, gpt_probe_forward
+
+        if not self.cfg.kl_control.enabled:
+            return None
+        return PredictedKLController(
+            self.cfg.kl_control, self.optimizer, gpt_probe_forward(self.policy),
+            ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+            ps.get_pipeline_model_parallel_group(),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> None:
+        from loggra_megatron.checkpointing import save_checkpoint  # noqa: F401  (import early)
+
+        cfg = self.cfg
+        while self.step < cfg.training.train_iters and not self._stop:
+            metrics = self.rl_step()
+            self.step += 1
+            self.metrics.log(self.step, metrics)
+            interval = cfg.checkpoint.save_interval
+            if cfg.checkpoint.save and interval and self.step % interval == 0:
+                self.save()
+        if cfg.checkpoint.save:
+            self.save()
+        self.metrics.close()
+
+    def rl_step(self) -> dict[str, float]:
+        from loggra_megatron.data.prompts import format_prompt
+        from loggra_megatron.rewards import compute_rewards, exact_match_numeric
+        from loggra_megatron.rl import group_advantages
+        from loggra_megatron.rollout import compute_log_probs, generate_rollout
+
+        cfg, rl, tok = self.cfg, self.cfg.rl, self.tokenizer
+        t0 = time.perf_counter()
+        examples = self._next_prompts()
+        prompts = [[tok.bos, *tok.tokenize(format_prompt(e["prompt"]))] for e in examples]
+        repeated = [p for p in prompts for _ in range(rl.num_generations)]
+        rollout = generate_rollout(
+            self.policy, repeated, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+            top_p=rl.top_p, eos_id=tok.eos, pad_id=tok.pad, seed=cfg.training.seed, step=self.step,
+        )  # fmt: skip
+        completions = [
+            tok.detokenize(row[int(p) : int(p) + int(n)].tolist())
+            for row, p, n in zip(
+                rollout.tokens, rollout.prompt_lengths, rollout.response_lengths, strict=True
+            )
+        ]
+        group = [e for e in examples for _ in range(rl.num_generations)]
+        args = ([e["prompt"] for e in group], completions, [e["answer"] for e in group])
+        rewards = torch.tensor(
+            compute_rewards(self.reward_fn, *args, [e["metadata"] for e in group])
+        )
+        correct = compute_rewards(exact_match_numeric, *args, [e["metadata"] for e in group])
+        advantages = group_advantages(
+            rewards, rl.num_generations, normalize_std=not rl.no_advantage_std_normalization
+        )
+        ref_logp = None
+        if self.reference is not None:
+            ref_logp = compute_log_probs(self.reference, rollout.tokens)
+        t_rollout = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        train_metrics = self._ppo_updates(rollout, advantages, ref_logp)
+        t_train = time.perf_counter() - t1
+        local = {
+            **train_metrics,
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/accuracy": sum(correct) / len(correct),
+            "response/length_mean": rollout.response_lengths.float().mean().item(),
+        }
+        metrics = self._reduce_metrics(local)
+        if self.kl_coef.adaptive:
+            self.kl_coef.update(metrics["kl/ref"], n_steps=rl.prompts_per_step * rl.num_generations)
+        step_time = time.perf_counter() - t0
+        tokens = rollout.token_mask.sum().to(torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(tokens, group=self._dp_group())
+        metrics.update(self._memory_metrics())
+        metrics.update({
+            "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
+            "time/step_s": step_time, "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "throughput/tokens_per_s": float(tokens) / step_time,
+        })  # fmt: skip
+        return metrics
+
+    # ------------------------------------------------------------------ updates
+    def _next_prompts(self) -> list[dict]:
+        """This DP rank's prompts of the next RL step (resumable via the dataset state)."""
+        if not hasattr(self, "_batches"):
+            self._batches = self.dataset.batches(
+                self.cfg.rl.prompts_per_step, dp_rank=self.dp_rank, dp_size=self.dp
+            )
+        return next(self._batches)
+
+    def _dp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    def _global_counts(self, mask: torch.Tensor, num_seqs: int) -> tuple[float, float]:
+        counts = torch.tensor([float(mask.sum()), float(num_seqs)], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(counts, group=self._dp_group())
+        return float(counts[0]), float(counts[1])
+
+    def _run_schedule(self, micro: list[dict], loss_fn, seq_length: int) -> list[dict]:
+        """Forward + backward over ``micro`` batches with Megatron's schedule (1F1B for PP).
+        ``loss_fn(batch, logits) -> (loss, metrics)`` returns this micro-batch's share of the
+        global mini-batch loss; the schedule divides by the micro-batch count and DDP
+        averages over DP, so the loss is multiplied back by both."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        scale = len(micro) * self.dp
+
+        def loss_func(batch, logits):
+            loss, metrics = loss_fn(batch, logits)
+            return loss * scale, {k: v.detach().float() for k, v in metrics.items()}
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            x = batch["tokens"][:, :-1]
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
+            return model(x, pos, None), partial(loss_func, batch)
+
+        self.policy.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.policy],
+            num_microbatches=len(micro), seq_length=seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size, forward_only=False,
+        )  # fmt: skip
+
+    def _log_probs(self, logits, targets):
+        from megatron.core import parallel_state as ps
+
+        from loggra_megatron.kl import vocab_parallel_log_probs
+
+        start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+        return vocab_parallel_log_probs(
+            logits, targets, start, ps.get_tensor_model_parallel_group()
+        )
+
+    def _ppo_updates(self, rollout, advantages, ref_logp) -> dict[str, float]:
+        from loggra_megatron.rl import grpo_loss
+
+        rl, t = self.cfg.rl, self.cfg.training
+        dev = self.device
+        data = {
+            "tokens": rollout.tokens.to(dev), "mask": rollout.response_mask.to(dev),
+            "old": rollout.log_probs.to(dev), "adv": advantages.to(dev),
+        }  # fmt: skip
+        if ref_logp is not None:
+            data["ref"] = ref_logp.to(dev)
+        per_step, mbs = t.global_batch_size // self.dp, t.micro_batch_size
+        sums, n = {}, 0
+        for _ in range(rl.ppo_epochs):
+            for start in range(0, len(data["tokens"]), per_step):
+                mini = {k: v[start : start + per_step] for k, v in data.items()}
+                n_tok, n_seq = self._global_counts(mini["mask"], per_step)
+
+                def loss_fn(b, logits, n_tok=n_tok, n_seq=n_seq):
+                    logp = self._log_probs(logits, b["tokens"][:, 1:])
+                    return grpo_loss(
+                        logp, b["old"], b["adv"], b["mask"], logp_ref=b.get("ref"),
+                        kl_coef=self.kl_coef.value, kl_estimator=rl.kl_ref_estimator,
+                        clip_low=rl.clip_low, clip_high=rl.clip_high,
+                        aggregation=rl.loss_aggregation, num_tokens_global=n_tok,
+                        num_seqs_global=n_seq, max_len=rl.max_new_tokens,
+                    )  # fmt: skip
+
+                micro = [
+                    {k: v[i : i + mbs] for k, v in mini.items()} for i in range(0, per_step, mbs)
+                ]
+                outs = self._run_schedule(micro, loss_fn, mini["tokens"].shape[1] - 1)
+                step_metrics = self._optimizer_step(mini)
+                for key, value in _combine_micro_metrics(outs, self.dp).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                for key, value in step_metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                n += 1
+        return {k: v / n for k, v in sums.items()}
+
+    def _optimizer_step(self, mini: dict) -> dict[str, float]:
+        if self.kl_controller is None:
+            ok, grad_norm, _ = self.optimizer.step()
+            metrics = {}
+        else:
+            probe, holdout = self.kl_controller.config.probe_split(len(mini["tokens"]))
+            result = self.kl_controller.step(
+                (mini["tokens"][probe], mini["mask"][probe]),
+                (mini["tokens"][holdout], mini["mask"][holdout]) if holdout.stop > holdout.start else None,
+            )  # fmt: skip
+            ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
+        if ok:
+            self.scheduler.step(1)
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        metrics["optimizer/skipped_steps"] = 0.0 if ok else 1.0
+        if grad_norm is not None:
+            metrics["grad/norm"] = float(grad_norm)
+        return metrics
+
+    def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
+        """Means over DP of the per-rank metrics; the loss terms live on the last PP stage
+        and are summed over PP (other stages contribute zeros)."""
+        from megatron.core import parallel_state as ps
+
+        keys = set(REDUCED_KEYS) | set(local)
+        pp_group = ps.get_pipeline_model_parallel_group()
+        if dist.get_world_size(pp_group) > 1:  # the loss keys exist on the last stage only
+            gathered = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(gathered, sorted(keys), group=pp_group)
+            keys = set().union(*gathered)
+        keys = sorted(keys)
+        values = torch.tensor([float(local.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        present = torch.tensor([float(k in local) for k in keys], dtype=torch.float64)
+        stacked = torch.stack([values, present])
+        for group in (pp_group, self._dp_group()):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(stacked, group=group)
+        return {
+            k: float(stacked[0, i] / stacked[1, i]) for i, k in enumerate(keys) if stacked[1, i] > 0
+        }
+
+    def _memory_metrics(self) -> dict[str, float]:
+        from loggra_megatron.optim import state_bytes
+
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+        else:  # CPU: the process's peak resident set size (KiB on Linux)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {
+            "memory/optimizer_state_bytes": float(state_bytes(self.optimizer)),
+            "memory/peak_bytes": float(peak),
+        }
+
+    # ------------------------------------------------------------------ warm-up
+    def supervised_warmup(self) -> None:
+        """``--sft-iters`` steps of next-token training on the tasks' reference solutions
+        (prompt tokens masked out), so that a model trained from scratch can earn rewards."""
+        from loggra_megatron.data.prompts import format_completion, format_prompt
+
+        t, tok = self.cfg.training, self.tokenizer
+        lr = t.sft_lr if t.sft_lr is not None else t.lr
+        per_step, mbs = t.global_batch_size // self.dp, t.micro_batch_size
+        batches = self.dataset.batches(t.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp)
+        width = self.cfg.model.seq_length
+        for it in range(t.sft_iters):
+            examples = next(batches)
+            tokens = torch.full((per_step, width + 1), tok.pad, dtype=torch.long)
+            mask = torch.zeros(per_step, width, dtype=torch.bool)
+            for i, e in enumerate(examples):
+                prompt = [tok.bos, *tok.tokenize(format_prompt(e["prompt"]))]
+                answer = tok.tokenize(format_completion(e["answer"], e["metadata"].get("solution")))
+                ids = (prompt + answer + [tok.eos])[: width + 1]
+                tokens[i, : len(ids)] = torch.tensor(ids)
+                mask[i, len(prompt) - 1 : len(ids) - 1] = True
+            tokens, mask = tokens.to(self.device), mask.to(self.device)
+            n_tok, _ = self._global_counts(mask, per_step)
+
+            def loss_fn(b, logits, n_tok=n_tok):
+                nll = -self._log_probs(logits, b["tokens"][:, 1:]) * b["mask"]
+                loss = nll.sum() / n_tok
+                return loss, {"loss/sft": loss}
+
+            micro = [
+                {"tokens": tokens[i : i + mbs], "mask": mask[i : i + mbs]}
+                for i in range(0, per_step, mbs)
+            ]
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            outs = self._run_schedule(micro, loss_fn, width)
+            self.optimizer.step()
+            loss = _combine_micro_metrics(outs, self.dp).get("loss/sft")
+            if self.rank == 0 and loss is not None and (it + 1) % 10 == 0:
+                print(f" sft {it + 1:5d}/{t.sft_iters} | loss {loss:.4f}", flush=True)
+        self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
+        self.scheduler.step(0)  # restore the RL learning rate
+
+    def _copy_policy_to_reference(self) -> None:
+        with torch.no_grad():
+            policy = dict(self.policy.module.named_parameters())
+            for name, p in self.reference.named_parameters():
+                p.copy_(policy[name])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _common_state(self) -> dict:
+        state = {
+            "step": self.step,
+            "data": self.dataset.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_coef": self.kl_coef.state_dict(),
+            "model_args": self.model_args.to_dict(),
+        }
+        if self.kl_controller is not None:
+            state["kl_controller"] = {
+                "num_steps": self.kl_controller.num_steps,
+                "num_skipped_steps": self.kl_controller.num_skipped_steps,
+            }
+        return state
+
+    def save(self) -> None:
+        from loggra_megatron.checkpointing import save_checkpoint
+
+        root = self.cfg.checkpoint.save
+        models = {"reference": [self.reference]} if self.reference is not None else None
+        save_checkpoint(
+            root, self.step, [self.policy], self.optimizer, self._common_state(), models
+        )
+        if self.rank == 0:
+            self.model_args.save_json(os.path.join(root, "loggra_model_args.json"))
+            print(f" saved checkpoint {root} at step {self.step}", flush=True)
+
+    def _load(self) -> bool:
+        """Resume from ``--load`` if it is a checkpoint of this trainer; returns whether."""
+        from loggra_megatron.checkpointing import latest_iteration, load_checkpoint
+
+        load = self.cfg.checkpoint.load
+        if not load or latest_iteration(load) is None:
+            return False
+        optimizer = None if self.cfg.checkpoint.no_load_optim else self.optimizer
+        models = {"reference": [self.reference]} if self.reference is not None else None
+        common = load_checkpoint(load, [self.policy], optimizer, extra_models=models)
+        if optimizer is None:
+            return False
+        self.step = common["step"]
+        self.dataset.load_state_dict(common["data"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        self.kl_coef.load_state_dict(common["kl_coef"])
+        if self.kl_controller is not None and "kl_controller" in common:
+            self.kl_controller.num_steps = common["kl_controller"]["num_steps"]
+            self.kl_controller.num_skipped_steps = common["kl_controller"]["num_skipped_steps"]
+        if self.rank == 0:
+            print(f" resumed from {load} at step {self.step}", flush=True)
+        return True
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.rank == 0:
+            print(" SIGTERM: finishing this step, saving and exiting", flush=True)
+        self._stop = True
+
+
+def _combine_micro_metrics(outs: list[dict], dp: int) -> dict[str, float]:
+    """Per-micro-batch metrics of one mini-batch: the ``loss/*`` terms are this rank's
+    shares of the global loss (summed, then × DP so that the DP mean is the global sum);
+    the others are averaged."""
+    if not outs:
+        return {}
+    combined = {}
+    for key in outs[0]:
+        values = [float(o[key]) for o in outs]
+        combined[key] = sum(values) * dp if key.startswith("loss/") else sum(values) / len(values)
+    return combined
