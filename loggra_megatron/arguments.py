@@ -17,6 +17,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+import torch
+
 from loggra_megatron.kl_control import KLControlConfig
 
 
@@ -306,10 +308,27 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RLConfig(**sections, world_size=world_size)
+    _adopt_checkpoint_architecture(cfg)
     problem = validate(cfg)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def _adopt_checkpoint_architecture(cfg: RLConfig) -> None:
+    """With ``--load`` of a converted model, its architecture replaces the model flags, so
+    that the checks below (heads vs TP, layers vs PP, rank vs hidden) see the real model."""
+    load = cfg.checkpoint.load
+    path = os.path.join(load, "loggra_model_args.json") if load else None
+    if not path or not os.path.isfile(path):
+        return
+    from loggra_megatron.model import GPTModelArgs
+
+    args, m = GPTModelArgs.load_json(path), cfg.model
+    m.num_layers, m.hidden_size = args.num_layers, args.hidden_size
+    m.ffn_hidden_size, m.num_attention_heads = args.ffn_hidden_size, args.num_attention_heads
+    m.num_query_groups, m.rotary_base = args.num_query_groups, args.rotary_base
+    m.untie_embeddings_and_output_weights = args.untie_embeddings_and_output_weights
 
 
 def validate(cfg: RLConfig) -> str | None:
@@ -334,8 +353,8 @@ def validate(cfg: RLConfig) -> str | None:
         (m.transformer_impl not in ("auto", "local", "transformer_engine"), "--transformer-impl",
          "choose auto, local or transformer_engine"),
         (m.fp8_format not in (None, "hybrid", "e4m3"), "--fp8-format", "choose hybrid or e4m3"),
-        (m.fp8_format is not None and p.device == "cpu", "--fp8-format",
-         "FP8 needs a Hopper GPU with Transformer Engine; drop it for --device cpu"),
+        (m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()),
+         "--fp8-format", "FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"),
         (m.fp8_format is not None and not m.bf16, "--fp8-format", "FP8 training needs --bf16"),
         (t.micro_batch_size < 1, "--micro-batch-size", "must be >= 1"),
         (t.global_batch_size % (t.micro_batch_size * max(cfg.data_parallel_size, 1)) != 0,
@@ -349,6 +368,9 @@ def validate(cfg: RLConfig) -> str | None:
         (rl.num_generations < 2, "--num-generations", "GRPO needs at least 2 completions per prompt"),
         (t.optimizer not in ("adam", "loggra"), "--optimizer", "choose adam or loggra"),
         (t.optimizer == "loggra" and cfg.loggra.loggra_rank < 1, "--loggra-rank", "must be >= 1"),
+        (t.optimizer == "loggra" and cfg.loggra.loggra_rank > m.hidden_size // tp, "--loggra-rank",
+         f"{cfg.loggra.loggra_rank} exceeds the smallest sketched weight side (--hidden-size / "
+         f"TP = {m.hidden_size // tp}); use at most that (hidden/8 is typical)"),
         (t.lr < 0, "--lr", "must be >= 0"),
         (t.train_iters < 0, "--train-iters", "must be >= 0"),
         (t.lr_decay_style not in ("constant", "linear", "cosine"), "--lr-decay-style",

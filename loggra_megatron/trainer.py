@@ -250,7 +250,11 @@ class RLTrainer:
 
     def rl_step(self) -> dict[str, float]:
         from loggra_megatron.data.prompts import format_prompt
-        from loggra_megatron.rewards import compute_rewards, exact_match_numeric
+        from loggra_megatron.rewards import (
+            RewardFunctionError,
+            compute_rewards,
+            exact_match_numeric,
+        )
         from loggra_megatron.rl import group_advantages
         from loggra_megatron.rollout import compute_log_probs, generate_rollout
 
@@ -263,17 +267,26 @@ class RLTrainer:
             self.policy, repeated, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
             top_p=rl.top_p, eos_id=tok.eos, pad_id=tok.pad, seed=cfg.training.seed, step=self.step,
         )  # fmt: skip
+        # Ids of padded vocabulary rows (TP / divisibility padding) have no piece: as
+        # Megatron-LM's text generation does, they decode as unknown tokens.
+        responses = rollout.tokens.masked_fill(rollout.tokens >= tok.vocab_size, tok.unk)
         completions = [
             tok.detokenize(row[int(p) : int(p) + int(n)].tolist())
             for row, p, n in zip(
-                rollout.tokens, rollout.prompt_lengths, rollout.response_lengths, strict=True
+                responses, rollout.prompt_lengths, rollout.response_lengths, strict=True
             )
         ]
         group = [e for e in examples for _ in range(rl.num_generations)]
         args = ([e["prompt"] for e in group], completions, [e["answer"] for e in group])
-        rewards = torch.tensor(
-            compute_rewards(self.reward_fn, *args, [e["metadata"] for e in group])
-        )
+        try:
+            rewards = compute_rewards(self.reward_fn, *args, [e["metadata"] for e in group])
+        except RewardFunctionError as e:
+            raise RewardFunctionError(
+                e.fn_name, e.index, e.prompt,
+                f"raised at RL step {self.step + 1} (dataset prompt index "
+                f"{group[e.index]['index']})", e.traceback_text,
+            ) from None  # fmt: skip
+        rewards = torch.tensor(rewards)
         correct = compute_rewards(exact_match_numeric, *args, [e["metadata"] for e in group])
         advantages = group_advantages(
             rewards, rl.num_generations, normalize_std=not rl.no_advantage_std_normalization

@@ -1,0 +1,16 @@
+"""Reward functions for the pretrain_rl tests (loaded with --reward-fn tests/reward_fns.py:NAME)."""
+
+
+def digit_count(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """A dense reward an untrained policy already varies on: the share of digits."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def fails_on_fourth_sample(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    if fails_on_fourth_sample.calls == 3:
+        raise ZeroDivisionError("deliberate failure in a user reward function")
+    fails_on_fourth_sample.calls += 1
+    return 0.0
+
+
+fails_on_fourth_sample.calls = 0

@@ -1,0 +1,179 @@
+"""`torchrun pretrain_rl.py`: flag validation and end-to-end GRPO runs on 2 CPU processes."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loggra_megatron.arguments import parse_args
+from loggra_megatron.metrics import METRIC_KEYS, read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REWARD = os.path.join(ROOT, "tests", "reward_fns.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--builtin-tasks",
+         "3000", "--vocab-size", "192", "--output-prefix", str(prefix)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return f"{prefix}.model"
+
+
+def _tiny(tokenizer, **overrides) -> list[str]:
+    flags = {
+        "tokenizer-model": tokenizer, "num-layers": 2, "hidden-size": 64,
+        "num-attention-heads": 4, "seq-length": 64, "max-new-tokens": 12,
+        "prompts-per-step": 4, "num-generations": 4, "global-batch-size": 8,
+        "micro-batch-size": 2, "train-iters": 2, "lr": 3e-3, "loggra-rank": 8,
+        "loggra-min-dim": 16, "reward-fn": f"{REWARD}:digit_count", "seed": 7,
+    }  # fmt: skip
+    flags.update(overrides)
+    argv = []
+    for key, value in flags.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not None and value is not False:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def _torchrun(argv, nproc=2, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--standalone", os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+# ---------------------------------------------------------------- rejected configurations
+@pytest.mark.parametrize(
+    ("overrides", "world", "flag"),
+    [
+        ({"tensor-model-parallel-size": 3}, 3, "--num-attention-heads"),
+        ({"tensor-model-parallel-size": 2}, 3, "--tensor-model-parallel-size"),
+        ({"global-batch-size": 6}, 2, "--global-batch-size"),
+        ({"prompts-per-step": 3}, 2, "--prompts-per-step"),
+        ({"fp8-format": "hybrid", "bf16": True, "device": "cpu"}, 1, "--fp8-format"),
+        ({"tokenizer-model": "/nonexistent/tok.model"}, 1, "--tokenizer-model"),
+        ({"data-path": "/nonexistent/prompts.jsonl"}, 1, "--data-path"),
+        ({"loggra-rank": 65}, 1, "--loggra-rank"),
+        ({"num-layers": 3, "pipeline-model-parallel-size": 2}, 2, "--num-layers"),
+        ({"kl-target": 0.01}, 1, "--kl-target"),  # needs --bf16
+        ({"kl-target": -1.0, "bf16": True}, 1, "--kl-target"),
+        ({"max-new-tokens": 64}, 1, "--max-new-tokens"),
+        ({"num-generations": 1}, 1, "--num-generations"),
+        ({"optimizer": "sgd"}, 1, "--optimizer"),
+    ],
+)
+def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(_tiny(tokenizer, **overrides), world_size=world)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("hidden-size: 128\nnum_attention_heads: 8\nlr: 0.5\n")
+    cfg = parse_args([*_tiny(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
+                      "--config", str(config), "--lr", "0.25"])  # fmt: skip
+    assert (cfg.model.hidden_size, cfg.model.num_attention_heads) == (128, 8)
+    assert cfg.training.lr == 0.25
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit):
+        parse_args([*_tiny(tokenizer), "--config", str(bad)])
+
+
+# ---------------------------------------------------------------- end to end
+def _check_metrics(out_dir, steps):
+    rows = read_metrics(out_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert set(row) <= set(METRIC_KEYS) | {"kl/old_new"}, set(row) - set(METRIC_KEYS)
+        for key in ("loss/total", "reward/mean", "memory/optimizer_state_bytes", "time/step_s"):
+            assert row[key] is not None and math.isfinite(row[key]), key
+    return rows
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"tensor-model-parallel-size": 2},
+        {"pipeline-model-parallel-size": 2},
+        {},  # DP=2
+    ],
+    ids=["tp2", "pp2", "dp2"],
+)
+def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
+    out = tmp_path / "run"
+    _torchrun(_tiny(tokenizer, **parallel, **{"output-dir": out, "bf16": True,
+                                               "kl-target": 0.05, "kl-coef": 0.01}))  # fmt: skip
+    rows = _check_metrics(out, 2)
+    assert any(r["grad/norm"] > 0 for r in rows)  # the digit reward gives a real signal
+    assert all(0 < r["kl/step_scale"] <= 1 for r in rows)
+    assert all(r["kl/realized"] is not None for r in rows)
+
+
+def test_resume_equals_uninterrupted(tokenizer, tmp_path):
+    common = {"train-iters": 4, "bf16": True, "kl-coef": 0.01, "kl-target": 0.05,
+              "loggra-update-interval": 3}  # fmt: skip
+    full = tmp_path / "full"
+    _torchrun(_tiny(tokenizer, **common, save=full))
+    part = tmp_path / "part"
+    _torchrun(_tiny(tokenizer, **{**common, "train-iters": 2}, save=part))
+    _torchrun(_tiny(tokenizer, **common, save=part, load=part))
+    volatile = ("time/", "throughput/", "memory/peak")
+    for a, b in zip(read_metrics(full), read_metrics(part), strict=True):
+        for key in a:
+            if not key.startswith(volatile):
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenizer, tmp_path):
+    proc = _torchrun(
+        _tiny(
+            tokenizer,
+            **{"reward-fn": f"{REWARD}:fails_on_fourth_sample", "output-dir": tmp_path / "r"},
+        ),  # fmt: skip
+        nproc=1,
+        check=False,
+    )
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "sample 3" in log and "dataset prompt index" in log
+    assert "ZeroDivisionError" in log and "deliberate failure" in log
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    assert not metrics.exists() or read_metrics(metrics) == []  # no silent zero-reward step
+
+
+def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
+    """The 8-GPU launch script's flags are valid (FP8 is refused here only for lack of a GPU)."""
+    with open(os.path.join(ROOT, "examples", "h100_8gpu", "train_27b_loggra.sh")) as f:
+        script = f.read()
+    body = script.split("pretrain_rl.py", 1)[1].split('"$@"')[0]
+    from loggra_megatron.model import GPTModelArgs
+
+    GPTModelArgs.from_hf_config(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
+                                ).save_json(tmp_path / "loggra_model_args.json")  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    paths = {'"$CKPT"': tmp_path, '"$TOKENIZER"': tokenizer, '"$DATA"': data, '"$OUT"': tmp_path}
+    argv = [str(paths.get(a, a)) for a in body.replace("\\\n", " ").split()]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=8)
+    assert "--fp8-format" in capsys.readouterr().err
+    i = argv.index("--fp8-format")
+    cfg = parse_args(argv[:i] + argv[i + 4 :], world_size=8)  # drop --fp8-format/--fp8-recipe
+    assert cfg.parallel.tensor_model_parallel_size == 8 and cfg.kl_control.kl_target == 0.01
+    assert cfg.model.num_attention_heads == 40  # the converted model's, not the flag default
