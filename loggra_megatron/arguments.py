@@ -106,8 +106,8 @@ class TrainingArguments:
 
 @dataclass
 class LoGRAArguments:
-    loggra_rank: int = 128
-    """Sketch rank per weight matrix."""
+    loggra_rank: int | None = None
+    """Sketch rank per weight matrix (default: --hidden-size / 8)."""
     loggra_update_interval: int = 200
     """Optimizer steps between basis refreshes."""
     loggra_projection: str = "range_finder"
@@ -164,6 +164,10 @@ class DataArguments:
     """Built-in verifiable tasks: arithmetic | word_problems | mixed."""
     num_tasks: int = 10000
     """Built-in tasks generated."""
+    task_digits: int = 2
+    """Digits per operand of the built-in arithmetic tasks."""
+    task_operators: str = "+-*"
+    """Operators of the built-in arithmetic tasks (a subset of +-*)."""
 
 
 @dataclass
@@ -259,8 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             kind = _base_type(hints[f.name])
             default = f.default
-            if kind is bool:
-                group.add_argument(flag, dest=f.name, action="store_true", help=docs.get(f.name))
+            if kind is bool:  # --flag (and --no-flag when the default is on)
+                action = argparse.BooleanOptionalAction if default else "store_true"
+                group.add_argument(
+                    flag, dest=f.name, action=action, default=None, help=docs.get(f.name)
+                )
             else:
                 group.add_argument(
                     flag, dest=f.name, type=kind, default=None,
@@ -298,9 +305,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         kwargs = {}
         for f in dataclasses.fields(cls):
             value = getattr(ns, f.name)
-            if value is None or value is False:
-                value = defaults.get(f.name, value if value is not None else f.default)
-            kwargs[f.name] = value
+            kwargs[f.name] = defaults.get(f.name, f.default) if value is None else value
         try:
             sections[section] = cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -309,6 +314,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RLConfig(**sections, world_size=world_size)
     _adopt_checkpoint_architecture(cfg)
+    if cfg.loggra.loggra_rank is None:
+        cfg.loggra.loggra_rank = max(1, cfg.model.hidden_size // 8)
     problem = validate(cfg)
     if problem:
         parser.error(problem)
@@ -394,6 +401,9 @@ def validate(cfg: RLConfig) -> str | None:
          f"no such file {cfg.data.data_path!r}"),
         (cfg.data.task not in ("arithmetic", "word_problems", "mixed"), "--task",
          "choose arithmetic, word_problems or mixed"),
+        (cfg.data.task_digits < 1, "--task-digits", "must be >= 1"),
+        (not cfg.data.task_operators or set(cfg.data.task_operators) - set("+-*"),
+         "--task-operators", "use a non-empty subset of +-*"),
         (cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load), "--load",
          f"no such directory {cfg.checkpoint.load!r}"),
         (cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1,

@@ -112,7 +112,9 @@ class RLTrainer:
         self.dataset = (
             PromptDataset.from_jsonl(cfg.data.data_path, seed=t.seed)
             if cfg.data.data_path
-            else PromptDataset.builtin(cfg.data.task, cfg.data.num_tasks, t.seed)
+            else PromptDataset.builtin(
+                cfg.data.task, cfg.data.num_tasks, t.seed, **self._task_knobs()
+            )
         )
         resumed = self._load()
         if not resumed and t.sft_iters:
@@ -129,6 +131,12 @@ class RLTrainer:
             self.metrics.truncate_after(self.step)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
+
+    def _task_knobs(self) -> dict:
+        d = self.cfg.data
+        if d.task != "arithmetic":
+            return {}
+        return {"num_digits": d.task_digits, "operators": d.task_operators}
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
@@ -234,9 +242,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
-        from loggra_megatron.checkpointing import save_checkpoint  # noqa: F401  (import early)
-
         cfg = self.cfg
+        saved_at = None
         while self.step < cfg.training.train_iters and not self._stop:
             metrics = self.rl_step()
             self.step += 1
@@ -244,7 +251,8 @@ class RLTrainer:
             interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and interval and self.step % interval == 0:
                 self.save()
-        if cfg.checkpoint.save:
+                saved_at = self.step
+        if cfg.checkpoint.save and saved_at != self.step:
             self.save()
         self.metrics.close()
 

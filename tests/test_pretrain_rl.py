@@ -177,3 +177,45 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
     cfg = parse_args(argv[:i] + argv[i + 4 :], world_size=8)  # drop --fp8-format/--fp8-recipe
     assert cfg.parallel.tensor_model_parallel_size == 8 and cfg.kl_control.kl_target == 0.01
     assert cfg.model.num_attention_heads == 40  # the converted model's, not the flag default
+
+
+def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path):
+    """HF Qwen2 (made here, no download) -> tools/convert_checkpoint.py -> pretrain_rl --load."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--direction",
+         "hf-to-megatron", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")],
+        check=True, capture_output=True, cwd=ROOT,
+    )  # fmt: skip
+    out = tmp_path / "run"
+    flags = {"load": tmp_path / "ckpt", "output-dir": out, "train-iters": 1, "bf16": True,
+             "num-layers": None, "hidden-size": None, "num-attention-heads": None}  # fmt: skip
+    _torchrun(_tiny(tokenizer, **flags), nproc=1)
+    (row,) = _check_metrics(out, 1)
+    assert row["grad/norm"] > 0
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tokenizer, tmp_path):
+    save = tmp_path / "ckpt"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"),
+           *_tiny(tokenizer, **{"train-iters": 1000, "save": save})]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    for line in proc.stdout:  # wait for the first step, then ask the job to stop
+        if line.startswith(" step"):
+            proc.terminate()
+            break
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and "saved checkpoint" in out
+    steps = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= steps < 1000 and len(read_metrics(save)) == steps

@@ -105,8 +105,9 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         """
         inner = self.optimizer
         state_dict = {"loggra": self._loggra_meta()}
-        if self.grad_scaler is not None:
-            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        grad_scaler = getattr(self, "grad_scaler", None)  # FP32Optimizer has none
+        if grad_scaler is not None:
+            state_dict["grad_scaler"] = grad_scaler.state_dict()
         prefix, param_state = self._prefix(), {}
         for key, model_param, main, (start, _) in self.loggra_params:
             layout = inner.layout_of(main)
@@ -151,8 +152,9 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
         self.check_compatible(state_dict["loggra"])
         inner = self.optimizer
-        if self.grad_scaler is not None and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        grad_scaler = getattr(self, "grad_scaler", None)
+        if grad_scaler is not None and "grad_scaler" in state_dict:
+            grad_scaler.load_state_dict(state_dict["grad_scaler"])
         inner.num_steps = state_dict["loggra"]["num_steps"]
         inner.num_skipped_steps = state_dict["loggra"]["num_skipped_steps"]
         for key, _, main, _ in self.loggra_params:
