@@ -9,7 +9,7 @@
   Workers are forked from a *forkserver* that imported torch and Megatron once (the first call
   costs ~5 s, later ones ~0.3 s); the caller's environment and cwd are replayed in each worker.
   ``start_method="spawn"`` is the slow, fully fresh alternative.
-* :func:`tiny_gpt_config` / :func:`tiny_gpt_model` build a small Llama-style Megatron-Core
+* :func:`tiny_gpt_model` builds a small Llama-style Megatron-Core
   ``GPTModel`` (local spec: RMSNorm, SwiGLU, RoPE, optional GQA, untied embeddings, fp32,
   no dropout) for this rank's pipeline stage; :func:`wrap_ddp` wraps it in Megatron's
   ``DistributedDataParallel`` the way Megatron's training loop does.
@@ -44,7 +44,6 @@ from loggra_megatron.model import wrap_ddp
 __all__ = [
     "free_port",
     "run_distributed",
-    "tiny_gpt_config",
     "tiny_gpt_model",
     "train_step",
     "wrap_ddp",
@@ -250,50 +249,6 @@ def run_distributed(
         ]
 
 
-def tiny_gpt_config(
-    num_layers: int = 2,
-    hidden_size: int = 32,
-    heads: int = 4,
-    query_groups: int | None = None,
-    ffn_hidden_size: int | None = None,
-    **overrides: Any,
-):
-    """A Llama-style fp32 ``TransformerConfig`` for the current parallel state."""
-    import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-
-    tp = pp = 1
-    if parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-    fields = dict(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=heads,
-        num_query_groups=query_groups,
-        ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
 def tiny_gpt_model(
     num_layers: int = 2,
     hidden_size: int = 32,
@@ -303,33 +258,35 @@ def tiny_gpt_model(
     query_groups: int | None = None,
     share_embeddings: bool = False,
     bf16: bool = False,
+    ffn_hidden_size: int | None = None,
     **config_overrides: Any,
 ):
-    """A tiny Megatron-Core ``GPTModel`` (local spec, RoPE) for this rank's pipeline stage.
+    """A tiny Llama-style Megatron-Core ``GPTModel`` for this rank's pipeline stage, built by
+    :func:`loggra_megatron.model.build_gpt_model` (local spec, RMSNorm, SwiGLU with FFN
+    ``2·hidden`` by default, RoPE, no dropout, unpadded vocabulary).
 
     ``bf16=True`` makes bf16 parameters wrapped in Megatron's ``Float16Module`` (pair it with
     ``OptimizerConfig(bf16=True)``: the distributed optimizer then keeps fp32 main params).
+    ``config_overrides`` are ``TransformerConfig`` fields (e.g. ``use_cpu_initialization``).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    if bf16:
-        dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-        config_overrides = {**dtype, **config_overrides}
-    config = tiny_gpt_config(num_layers, hidden_size, heads, query_groups, **config_overrides)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    from loggra_megatron.model import GPTModelArgs, build_gpt_model
+
+    args = GPTModelArgs(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=query_groups,
         vocab_size=vocab,
-        max_sequence_length=seq,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=share_embeddings,
-        position_embedding_type="rope",
+        make_vocab_size_divisible_by=1,
+        max_position_embeddings=seq,
+        untie_embeddings_and_output_weights=not share_embeddings,
+        params_dtype="bfloat16" if bf16 else "float32",
     )
-    return Float16Module(config, model) if bf16 else model
+    model = build_gpt_model(args, **config_overrides)
+    return Float16Module(model.config, model) if bf16 else model
 
 
 def _gpt_forward_step(data_iterator, model):

@@ -18,9 +18,9 @@ torchrun --nproc-per-node 2 pretrain_rl.py \
     --tokenizer-model "$OUT/tokenizer.model" --task arithmetic --num-tasks 20000 \
     --task-digits 1 --task-operators +- \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --bf16 \
-    --sft-iters 600 --sft-lr 3e-3 \
+    --sft-iters 200 --sft-lr 3e-3 \
     --train-iters 60 --prompts-per-step 16 --num-generations 8 --max-new-tokens 16 \
-    --global-batch-size 64 --micro-batch-size 32 --lr 5e-4 --lr-warmup-iters 5 \
+    --global-batch-size 64 --micro-batch-size 32 --lr 1e-4 --lr-warmup-iters 5 \
     --optimizer loggra --loggra-rank 16 --loggra-min-dim 32 --loggra-update-interval 50 \
     --kl-target 0.02 --kl-coef 0.01 --kl-ref-estimator k3 \
     --save "$OUT" --save-interval 30 "$@"
