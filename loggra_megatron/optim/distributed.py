@@ -10,8 +10,10 @@ depends only on row i of ``G``, so:
 * **Per step (sketch).** Each rank sketches its body rows locally (``G_body Q``) and the
   partial rows as partial sums (``g_i[c0:c1] Q[c0:c1]``). The partial sketches of the
   *split rows* (rows touched by two or more DP ranks; at most one per DP shard boundary)
-  are summed with one coalesced DP all-reduce of ``Σ_split r`` floats, so every rank
-  holds the exact sketch of every row it touches. Adam then runs on the ``[rows, r]``
+  are summed with a DP all-reduce of ``[split rows, r]`` floats for each weight that has
+  any (weights are processed one at a time so that transients stay one weight's worth),
+  so every rank holds the exact sketch of every row it touches. Adam then runs on the
+  ``[rows, r]``
   sketch (a split row's moments live, identically, on each rank that touches it) and the
   update ``U Qᵀ`` is applied to the rank's own columns of each row. No TP communication.
 * **Per refresh (basis).** The split rows' gradients are first summed over DP (one
