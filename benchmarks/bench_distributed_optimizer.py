@@ -17,7 +17,6 @@ parameters, their share in Llama-2-7B; their share sets a floor under the state 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -90,18 +89,13 @@ def run(args, kind: str) -> dict:
 
 def main() -> None:
     args = parse_args()
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
-    from loggra_megatron.cpu import enable_cpu_megatron
+    from loggra_megatron.trainer import initialize_megatron
 
-    if not torch.cuda.is_available():
-        enable_cpu_megatron()
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    initialize_megatron(
+        tensor_model_parallel_size=args.tp
+    )  # CPU mode + gloo without a GPU, NCCL with one
     results = {kind: run(args, kind) for kind in ("dense", "loggra")}
     rows = [results[k] for k in ("dense", "loggra")]
     all_rows = [None] * dist.get_world_size()

@@ -18,7 +18,6 @@ random-token batch; DP = world size.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -81,16 +80,11 @@ def controller(ddp, opt, **cfg):
 
 def main() -> None:
     args = parse_args()
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
-    from loggra_megatron.cpu import enable_cpu_megatron
+    from loggra_megatron.trainer import initialize_megatron
 
-    if not torch.cuda.is_available():
-        enable_cpu_megatron()
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    initialize_megatron()  # CPU mode + gloo without a GPU, NCCL with one
     dp_rank = parallel_state.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(100 + dp_rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)

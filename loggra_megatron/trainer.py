@@ -37,15 +37,19 @@ REDUCED_KEYS = (
 )  # fmt: skip
 
 
-def initialize_megatron(cfg: RLConfig) -> torch.device:
-    """Process groups (gloo on CPU, NCCL on GPU), Megatron's parallel state and RNG."""
+def initialize_megatron(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    device: str = "auto",
+) -> torch.device:
+    """Process groups (gloo + CPU mode on CPU, NCCL on GPU; torchrun's env or a single
+    process), Megatron's parallel state and its RNG. Returns the compute device."""
     from megatron.core import parallel_state, tensor_parallel
 
     from loggra_megatron.cpu import enable_cpu_megatron
 
-    use_cuda = cfg.parallel.device == "cuda" or (
-        cfg.parallel.device == "auto" and torch.cuda.is_available()
-    )
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         enable_cpu_megatron()
     if not dist.is_initialized():
@@ -60,10 +64,10 @@ def initialize_megatron(cfg: RLConfig) -> torch.device:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
         )
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
@@ -87,7 +91,13 @@ class RLTrainer:
         from loggra_megatron.tokenizer import SentencePieceTokenizer
 
         cfg = self.cfg
-        self.device = initialize_megatron(cfg)
+        p = cfg.parallel
+        self.device = initialize_megatron(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            cfg.training.seed,
+            p.device,
+        )
         self.rank = dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
