@@ -191,6 +191,7 @@ class RLTrainer:
     def _build_model(self, trainable: bool):
         from megatron.core.transformer.module import Float16Module
 
+        from loggra_megatron.checkpointing import latest_iteration
         from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
         from loggra_megatron.model import build_gpt_model, wrap_ddp
 
@@ -200,8 +201,8 @@ class RLTrainer:
             overrides.update(fp8=m.fp8_format, fp8_recipe=m.fp8_recipe)
         model = build_gpt_model(self.model_args, use_te=self._use_te(), **overrides)
         load = self.cfg.checkpoint.load
-        if load and os.path.isfile(os.path.join(load, "loggra_model_args.json")):
-            load_megatron_checkpoint(model, load)  # a converted (HF) model
+        if load and latest_iteration(load) is None:  # a converted model, not a trainer's
+            load_megatron_checkpoint(model, load)
         if m.bf16:
             model = Float16Module(model.config, model)
         if not trainable:
