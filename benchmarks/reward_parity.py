@@ -3,8 +3,9 @@
     python benchmarks/reward_parity.py --out runs/parity            # runs + table
     python benchmarks/reward_parity.py --out runs/parity --summarize  # table only
 
-Each run is the tiny CPU example's GRPO job (2 processes, DP=2, bf16, 1-digit arithmetic,
-a short supervised warm-up, then GRPO) with only the optimizer settings changed. The table
+One shared supervised warm-up (200 steps, LoGRA) is saved first; every run then loads
+those weights (``--no-load-optim``) and runs the tiny CPU example's GRPO job (2 processes,
+DP=2, bf16, 1-digit arithmetic) with only the optimizer settings changed. The table
 reports, per configuration over seeds (mean ± std): final reward (mean of the last 10
 steps), area under the reward curve (mean over all steps), final exact-match accuracy,
 KL to the reference (mean of the last 10 steps) and throughput.
@@ -27,7 +28,7 @@ CONFIGS = {
 COMMON = [
     "--task", "arithmetic", "--num-tasks", "20000", "--task-digits", "1", "--task-operators", "+-",
     "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-    "--bf16", "--sft-iters", "200", "--sft-lr", "3e-3", "--prompts-per-step", "16",
+    "--bf16", "--prompts-per-step", "16",
     "--num-generations", "8", "--max-new-tokens", "16", "--global-batch-size", "64",
     "--micro-batch-size", "32", "--lr", "1e-4", "--lr-warmup-iters", "5", "--loggra-min-dim", "32",
     "--kl-coef", "0.01",
@@ -51,15 +52,21 @@ def main() -> None:
         subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"),
                         "--builtin-tasks", "20000", "--vocab-size", "256",
                         "--output-prefix", tokenizer], check=True)  # fmt: skip
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_rl.py"), *COMMON,
+                  "--tokenizer-model", f"{tokenizer}.model"]  # fmt: skip
+        warmup = os.path.join(args.out, "warmup")
+        print("== supervised warm-up", flush=True)
+        subprocess.run([*launch, *CONFIGS["LoGRA"], "--sft-iters", "200", "--sft-lr", "3e-3",
+                        "--train-iters", "0", "--save", warmup], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
         for name, flags in CONFIGS.items():
             for seed in args.seeds:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_rl.py"), *COMMON,
-                       *flags, "--tokenizer-model", f"{tokenizer}.model", "--seed", str(seed),
-                       "--train-iters", str(args.train_iters),
-                       "--output-dir", run_dir(args.out, name, seed)]  # fmt: skip
                 print(f"== {name}, seed {seed}", flush=True)
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run([*launch, *flags, "--load", warmup, "--no-load-optim",
+                                "--seed", str(seed), "--train-iters", str(args.train_iters),
+                                "--output-dir", run_dir(args.out, name, seed)],
+                               check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     summarize(args)
 
 

@@ -107,7 +107,8 @@ class RLTrainer:
         self.reference = self._build_model(trainable=False) if cfg.rl.kl_coef > 0 else None
         self.optimizer = self._build_optimizer()
         t = cfg.training
-        decay_steps = max(1, self.optimizer_steps_per_rl_step * t.train_iters)
+        # Megatron's scheduler needs warm-up < decay (also for --train-iters 0 warm-up runs)
+        decay_steps = max(self.optimizer_steps_per_rl_step * t.train_iters, t.lr_warmup_iters + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr,
             min_lr=min(t.min_lr, t.lr), lr_warmup_steps=t.lr_warmup_iters,
@@ -577,7 +578,8 @@ class RLTrainer:
         optimizer = None if self.cfg.checkpoint.no_load_optim else self.optimizer
         models = {"reference": [self.reference]} if self.reference is not None else None
         common = load_checkpoint(load, [self.policy], optimizer, extra_models=models)
-        if optimizer is None:
+        if optimizer is None:  # weights only: the fp32 masters must follow the loaded weights
+            self.optimizer.reload_model_params()
             return False
         self.step = common["step"]
         self.dataset.load_state_dict(common["data"])
