@@ -88,6 +88,10 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         tp = parallel_state.get_tensor_model_parallel_rank()
         return f"optimizer.loggra.pp{pp}.tp{tp}"
 
+    def _dp_rank(self) -> int:
+        """This rank's index among the DP ranks that shard the optimizer (0 if replicated)."""
+        return self.data_parallel_group.rank() if isinstance(self, DistributedOptimizer) else 0
+
     def _main_replica(self, layout) -> bool:
         """Whether this rank writes the DP-replicated tensors (fp32 params when replicated
         over DP, bases) of a weight: the lowest DP rank that holds a slice of it."""
@@ -95,8 +99,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
         if layout is None:
             return True  # DP slices are disjoint
-        dp_rank = self.data_parallel_group.rank()
-        return dp_rank == min(r for r, (s, e) in enumerate(layout.dp_ranges) if e > s)
+        return self._dp_rank() == min(r for r, (s, e) in enumerate(layout.dp_ranges) if e > s)
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
         """``{"loggra": meta, "grad_scaler"?: ..., "param_state": {key: {name: ShardedTensor}}}``.
@@ -131,7 +134,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         return state_dict
 
     def _sketch_entries(self, key, layout, state, is_loading) -> dict:
-        dp_rank = self.data_parallel_group.rank() if isinstance(self, DistributedOptimizer) else 0
+        dp_rank = self._dp_rank()
         (m, n), r = layout.shape, layout.rank
         t_lo, t_hi = layout.touched_rows(dp_rank)
         lo, hi = (t_lo, t_hi) if is_loading else layout.owned_rows(dp_rank)

@@ -157,7 +157,7 @@ class LoGRAAdamW(torch.optim.Optimizer):
             "exp_avg_sq": torch.zeros(m, r, **f32),
             "basis": torch.eye(n, **f32) if identity else torch.zeros(n, r, **f32),
             "basis_seed": torch.tensor(
-                group["seed"] * _SEED_STRIDE + p._loggra_index, dtype=torch.int64
+                basis_seed(group["seed"], p._loggra_index), dtype=torch.int64
             ),
         }
         return self.state[p]
@@ -269,6 +269,11 @@ def dense_state(p: torch.Tensor) -> dict:
 def needs_refresh(steps_done: int, group: dict) -> bool:
     """Whether the basis is recomputed before step ``steps_done + 1``."""
     return group["projection"] != "identity" and steps_done % group["update_interval"] == 0
+
+
+def basis_seed(base_seed: int, param_index: int) -> int:
+    """Seed of one weight's test matrices: its index mixed with the optimizer's seed."""
+    return base_seed * _SEED_STRIDE + param_index
 
 
 def refresh_seed(basis_seed: int, steps_done: int, group: dict) -> int:

@@ -36,7 +36,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW, WeightLayout
-from loggra_megatron.optim.loggra_adamw import LoGRAAdamW
+from loggra_megatron.optim.loggra_adamw import LoGRAAdamW, basis_seed
 from loggra_megatron.optim.projection import PROJECTIONS
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
@@ -184,7 +184,7 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     return WeightLayout(
         shape=(m, n),
         rank=rank,
-        seed=config.loggra_seed * 1_000_003 + info.seeds[p],
+        seed=basis_seed(config.loggra_seed, info.seeds[p]),
         dp_ranges=tuple(dp_ranges),
         row_offset=tp_rank * m if column_parallel else 0,
         global_rows=tp * m if column_parallel else m,
