@@ -1,14 +1,19 @@
-"""Reward parity: dense Adam vs LoGRA vs LoGRA + predicted-KL control, several seeds.
+"""Reward parity and stability: dense Adam, LoGRA, LoGRA + predicted-KL control and the
+GaLore-style ``svd`` projection over several seeds, and a 10x-learning-rate stress test.
 
     python benchmarks/reward_parity.py --out runs/parity            # runs + table
     python benchmarks/reward_parity.py --out runs/parity --summarize  # table only
+    python benchmarks/reward_parity.py --out runs/parity --configs LoGRA  # a subset
 
-One shared supervised warm-up (200 steps, LoGRA) is saved first; every run then loads
-those weights (``--no-load-optim``) and runs the tiny CPU example's GRPO job (2 processes,
-DP=2, bf16, 1-digit arithmetic) with only the optimizer settings changed. The table
+One shared supervised warm-up (200 steps, LoGRA) is saved first (and reused if present);
+every run then loads those weights (``--no-load-optim``) and runs the tiny CPU example's
+GRPO job (2 processes, DP=2, bf16, 1-digit arithmetic) with only the optimizer settings
+changed. ``--kl-target`` (default 1e-4) is chosen so that the controller binds on a
+large share of the steps at lr 1e-4 (their predicted KL is ~1e-5 to 6e-4). The table
 reports, per configuration over seeds (mean ± std): final reward (mean of the last 10
 steps), area under the reward curve (mean over all steps), final exact-match accuracy,
-KL to the reference (mean of the last 10 steps) and throughput.
+KL to the reference (mean of the last 10 steps), the share of steps the controller
+scaled down, and throughput.
 """
 
 from __future__ import annotations
@@ -20,10 +25,24 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16"]
 CONFIGS = {
     "dense Adam": ["--optimizer", "adam"],
-    "LoGRA": ["--optimizer", "loggra", "--loggra-rank", "16"],
-    "LoGRA + KL control": ["--optimizer", "loggra", "--loggra-rank", "16", "--kl-target", "0.005"],
+    "LoGRA": LOGRA,
+    "LoGRA + KL control": [*LOGRA, "--kl-target", "{kl_target}"],
+    "GaLore-style svd": [*LOGRA, "--loggra-projection", "svd"],
+    # stress: 10x the learning rate, with and without the controller
+    "dense Adam, lr 1e-3": ["--optimizer", "adam", "--lr", "1e-3"],
+    "LoGRA, lr 1e-3": [*LOGRA, "--lr", "1e-3"],
+    "LoGRA + KL control, lr 1e-3": [*LOGRA, "--lr", "1e-3", "--kl-target", "{kl_target}"],
+    "dense Adam + KL control, lr 1e-3": [
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--kl-target",
+        "{kl_target}",
+    ],  # fmt: skip
 }
 COMMON = [
     "--task", "arithmetic", "--num-tasks", "20000", "--task-digits", "1", "--task-operators", "+-",
@@ -36,7 +55,8 @@ COMMON = [
 
 
 def run_dir(out: str, name: str, seed: int) -> str:
-    return os.path.join(out, name.replace(" ", "_").replace("+", "plus"), f"seed{seed}")
+    slug = name.replace(" ", "_").replace("+", "plus").replace(",", "")
+    return os.path.join(out, slug, f"seed{seed}")
 
 
 def main() -> None:
@@ -44,6 +64,20 @@ def main() -> None:
     ap.add_argument("--out", default="runs/parity")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--train-iters", type=int, default=60)
+    ap.add_argument(
+        "--kl-target",
+        type=float,
+        default=1e-4,
+        help="target of the KL-control arm (chosen so that it binds on some steps)",
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=list(CONFIGS),
+        metavar="NAME",
+        help="configurations to run (default: all)",
+    )
     ap.add_argument("--summarize", action="store_true", help="only print the table")
     args = ap.parse_args()
     tokenizer = os.path.join(args.out, "tokenizer")
@@ -56,11 +90,13 @@ def main() -> None:
                   "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_rl.py"), *COMMON,
                   "--tokenizer-model", f"{tokenizer}.model"]  # fmt: skip
         warmup = os.path.join(args.out, "warmup")
-        print("== supervised warm-up", flush=True)
-        subprocess.run([*launch, *CONFIGS["LoGRA"], "--sft-iters", "200", "--sft-lr", "3e-3",
-                        "--train-iters", "0", "--save", warmup], check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
-        for name, flags in CONFIGS.items():
+        if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
+            print("== supervised warm-up", flush=True)
+            subprocess.run([*launch, *LOGRA, "--sft-iters", "200", "--sft-lr", "3e-3",
+                            "--train-iters", "0", "--save", warmup], check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+        for name in args.configs:
+            flags = [f.format(kl_target=args.kl_target) for f in CONFIGS[name]]
             for seed in args.seeds:
                 print(f"== {name}, seed {seed}", flush=True)
                 subprocess.run([*launch, *flags, "--load", warmup, "--no-load-optim",
@@ -76,11 +112,14 @@ def summarize(args) -> None:
     def fmt(values):
         return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
-    print("\n| configuration | final reward | reward AUC | final accuracy | KL to ref | tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| configuration | final reward | reward AUC | final accuracy | KL to ref "
+          "| steps scaled (η<1) | tokens/s |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     finals = {}
     for name in CONFIGS:
-        cols = {k: [] for k in ("final", "auc", "acc", "kl", "tps")}
+        if not os.path.exists(run_dir(args.out, name, args.seeds[0])):
+            continue
+        cols = {k: [] for k in ("final", "auc", "acc", "kl", "scaled", "tps")}
         for seed in args.seeds:
             rows = read_metrics(run_dir(args.out, name, seed))
             last = rows[-10:]
@@ -88,12 +127,15 @@ def summarize(args) -> None:
             cols["auc"].append(statistics.mean(r["reward/mean"] for r in rows))
             cols["acc"].append(statistics.mean(r["reward/accuracy"] for r in last))
             cols["kl"].append(statistics.mean(r["kl/ref"] for r in last))
+            scales = [r["kl/step_scale"] for r in rows if "kl/step_scale" in r]
+            cols["scaled"].append(sum(x < 1 for x in scales) / len(rows))
             cols["tps"].append(statistics.mean(r["throughput/tokens_per_s"] for r in rows))
         finals[name] = statistics.mean(cols["final"])
         print(f"| {name} | {fmt(cols['final'])} | {fmt(cols['auc'])} | {fmt(cols['acc'])} "
-              f"| {fmt(cols['kl'])} | {statistics.mean(cols['tps']):.0f} |")  # fmt: skip
-    base = finals["dense Adam"]
-    for name, value in finals.items():
+              f"| {fmt(cols['kl'])} | {100 * statistics.mean(cols['scaled']):.0f} % "
+              f"| {statistics.mean(cols['tps']):.0f} |")  # fmt: skip
+    base = finals.get("dense Adam")
+    for name, value in finals.items() if base else ():
         print(f"{name}: final reward {100 * (value - base) / base:+.1f} % vs dense Adam")
 
 

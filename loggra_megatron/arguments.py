@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loggra_megatron.kl_control import KLControlConfig
+from loggra_megatron.optim.projection import PROJECTIONS
 
 
 @dataclass
@@ -98,6 +99,9 @@ class TrainingArguments:
     """Overlap the gradient reduce-scatter with the backward pass."""
     overlap_param_gather: bool = False
     """Overlap the parameter all-gather with the next forward pass."""
+    grad_reduce_in_bf16: bool = False
+    """Accumulate and reduce-scatter gradients in bf16 instead of fp32 (needs --bf16). LoGRA
+    then reads them without Megatron's fp32 copy (see --loggra-fp32-grad-copy)."""
     sft_iters: int = 0
     """Supervised warm-up steps on the tasks' reference solutions before RL."""
     sft_lr: float | None = None
@@ -111,13 +115,16 @@ class LoGRAArguments:
     loggra_update_interval: int = 200
     """Optimizer steps between basis refreshes."""
     loggra_projection: str = "range_finder"
-    """range_finder | random | identity."""
+    """range_finder | svd (GaLore baseline) | random | identity."""
     loggra_oversample: int = 8
     """Extra range-finder probe vectors."""
     loggra_power_iters: int = 1
     """Range-finder power iterations."""
     loggra_min_dim: int = 64
     """Matrices with a side shorter than this are updated densely."""
+    loggra_fp32_grad_copy: bool = False
+    """With --grad-reduce-in-bf16: let Megatron copy every gradient shard to fp32 before the
+    step (4 bytes/param) instead of LoGRA converting one weight at a time."""
 
 
 @dataclass
@@ -363,6 +370,8 @@ def validate(cfg: RLConfig) -> str | None:
         (m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()),
          "--fp8-format", "FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"),
         (m.fp8_format is not None and not m.bf16, "--fp8-format", "FP8 training needs --bf16"),
+        (t.grad_reduce_in_bf16 and not m.bf16, "--grad-reduce-in-bf16",
+         "bf16 gradients need --bf16 parameters"),
         (t.micro_batch_size < 1, "--micro-batch-size", "must be >= 1"),
         (t.global_batch_size % (t.micro_batch_size * max(cfg.data_parallel_size, 1)) != 0,
          "--global-batch-size", f"{t.global_batch_size} must be a multiple of --micro-batch-size × "
@@ -378,6 +387,12 @@ def validate(cfg: RLConfig) -> str | None:
         (t.optimizer == "loggra" and cfg.loggra.loggra_rank > m.hidden_size // tp, "--loggra-rank",
          f"{cfg.loggra.loggra_rank} exceeds the smallest sketched weight side (--hidden-size / "
          f"TP = {m.hidden_size // tp}); use at most that (hidden/8 is typical)"),
+        (cfg.loggra.loggra_projection not in PROJECTIONS, "--loggra-projection",
+         f"choose one of {', '.join(PROJECTIONS)}"),
+        (cfg.loggra.loggra_update_interval < 1, "--loggra-update-interval", "must be >= 1"),
+        (cfg.loggra.loggra_min_dim < 1, "--loggra-min-dim", "must be >= 1"),
+        (min(cfg.loggra.loggra_oversample, cfg.loggra.loggra_power_iters) < 0,
+         "--loggra-oversample", "--loggra-oversample and --loggra-power-iters must be >= 0"),
         (t.lr < 0, "--lr", "must be >= 0"),
         (t.train_iters < 0, "--train-iters", "must be >= 0"),
         (t.lr_decay_style not in ("constant", "linear", "cosine"), "--lr-decay-style",

@@ -36,13 +36,16 @@ each DP rank owns ``1/D`` of every tensor's elements, *even-split assumption*, e
     runtime overhead   a flat allowance (default 2 GiB): CUDA context, NCCL, cuBLAS/TE
                        workspaces. Allocator fragmentation is *not* modelled.
 
-Transient terms. Rollout (KV-cached sampling with the policy), training (forward/backward)
-and predicted-KL control (probe forwards after the backward) are separate phases, so
-``total = static + max(rollout, training, kl control)``::
+Transient terms. Rollout (KV-cached sampling with the policy), training (forward/backward),
+predicted-KL control (probe forwards after the backward) and the optimizer step are
+separate phases, so ``total = static + max(rollout, training, kl control, optimizer step)``::
 
     KV cache           B·s·L_stage·2·(g/t)·d·2          (bf16 K and V of every layer)
     rollout logits     B·V/t·4·2                        (last position only, fp32 + softmax)
     activations        see below
+    main-grad copies   optimizer step with 16-bit grads: Megatron's fp32 copy of every grad
+                       shard, 4·Σ⌈numel/D⌉ (dense Adam; 0 with the precision-aware optimizer,
+                       i.e. bf16 moments); LoGRA converts one weight at a time: 4·max⌈numel/D⌉
     logits             b·s·V/t·4·2                      (fp32 logits + log-softmax, last stage)
     KL probe logits    P·s·V/t·c, last stage, P probe sequences (:mod:`loggra_megatron.
                        kl_control` forwards the whole probe at once; Float16Module returns
@@ -76,7 +79,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+
+from loggra_megatron.memory_config import (
+    DTYPE_BYTES,
+    OPTIMIZERS,
+    GiB,
+    MemoryConfigError,
+    ParallelConfig,
+    RLStepConfig,
+    TransformerShape,
+    ceil_div,
+)
 
 __all__ = [
     "GiB",
@@ -93,6 +106,7 @@ __all__ = [
     "is_sketched",
     "kv_cache_bytes",
     "logits_bytes",
+    "main_grad_copy_bytes",
     "max_rollout_batch_size",
     "master_param_bytes",
     "num_parameters",
@@ -101,190 +115,9 @@ __all__ = [
     "weight_bytes",
 ]
 
-GiB = 1024**3
-PRECISIONS = ("fp32", "bf16", "fp8")
-OPTIMIZERS = ("adam", "loggra")
-RECOMPUTE = ("none", "selective", "full")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-
 _ADAM_SCALAR_BYTES = 4  # torch.optim.AdamW: fp32 `step` per tensor
 _LOGGRA_SKETCHED_SCALAR_BYTES = 3 * 8  # step, nonfinite_skips, basis_seed (int64)
 _LOGGRA_DENSE_SCALAR_BYTES = 2 * 8  # step, nonfinite_skips (int64)
-
-
-class MemoryConfigError(ValueError):
-    """An invalid configuration value; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
-            raise MemoryConfigError(
-                name, f"must be a {'non-negative' if allow_zero else 'positive'} int, got {v!r}"
-            )
-
-
-def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    if getattr(obj, name) not in choices:
-        raise MemoryConfigError(name, f"{getattr(obj, name)!r} is not one of {choices}")
-
-
-# ---------------------------------------------------------------------- configuration
-@dataclass(frozen=True)
-class TransformerShape:
-    """The shapes of a Llama-style Megatron-Core GPT model (Megatron's names and defaults)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    """Width of each of gate and up with SwiGLU (HF ``intermediate_size``)."""
-    num_attention_heads: int
-    vocab_size: int
-    """True vocabulary; Megatron pads it (``make_vocab_size_divisible_by·t``)."""
-    num_query_groups: int | None = None
-    """KV heads (GQA); None: = num_attention_heads."""
-    kv_channels: int | None = None
-    """Head dim; None: hidden_size / num_attention_heads."""
-    untie_embeddings_and_output_weights: bool = False
-    swiglu: bool = True
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False
-    make_vocab_size_divisible_by: int = 128
-
-    def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
-        _positive(self, "vocab_size", "make_vocab_size_divisible_by")
-        if self.num_query_groups is None:
-            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
-        _positive(self, "num_query_groups")
-        if self.num_attention_heads % self.num_query_groups:
-            raise MemoryConfigError(
-                "num_query_groups",
-                f"{self.num_query_groups} does not divide num_attention_heads "
-                f"({self.num_attention_heads})",
-            )
-        if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise MemoryConfigError(
-                    "num_attention_heads",
-                    f"{self.num_attention_heads} does not divide hidden_size "
-                    f"({self.hidden_size}); give kv_channels",
-                )
-            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
-        _positive(self, "kv_channels")
-
-    @classmethod
-    def from_model_args(cls, args: Any) -> TransformerShape:
-        """From a :class:`loggra_megatron.model.GPTModelArgs` (or anything with its fields)."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        """Megatron's embedding rows at TP size ``tp`` (same rule as ``model.pad_vocab_size``)."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        return _cdiv(self.vocab_size, multiple) * multiple
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Megatron parallel sizes; world size = TP · PP · DP."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    data_parallel_size: int = 1
-    sequence_parallel: bool = False
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Accepted and ignored (interleaving raises stage-0 activations by (1 + (p−1)/(p·v)))."""
-
-    def __post_init__(self) -> None:
-        _positive(
-            self,
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "data_parallel_size",
-        )
-
-    @property
-    def world_size(self) -> int:
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.data_parallel_size
-        )
-
-    def check(self, model: TransformerShape) -> None:
-        """Raise :class:`MemoryConfigError` if Megatron would refuse ``model`` at these sizes."""
-        t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-            if getattr(model, name) % t:
-                raise MemoryConfigError(
-                    "tensor_model_parallel_size",
-                    f"{t} does not divide {name} ({getattr(model, name)})",
-                )
-        if model.num_layers % p:
-            raise MemoryConfigError(
-                "pipeline_model_parallel_size",
-                f"{p} does not divide num_layers ({model.num_layers})",
-            )
-
-
-@dataclass(frozen=True)
-class RLStepConfig:
-    """One RL step: rollout with the policy, then a training step on micro-batches."""
-
-    micro_batch_size: int = 1
-    seq_length: int = 4096
-    """Prompt + response tokens per sequence."""
-    precision: str = "bf16"
-    """``bf16``, ``fp8`` (TE on Hopper, bf16 params) or ``fp32``."""
-    main_grads_dtype: str = "fp32"
-    """Grad-buffer dtype for bf16/fp8 (Megatron-LM's default fp32 accumulate/reduce)."""
-    optimizer: str = "loggra"
-    loggra_rank: int = 128
-    loggra_min_dim: int = 64
-    exp_avg_dtype: str = "fp32"
-    """Dense Adam's first moment (bf16: Megatron's precision-aware optimizer). LoGRA: fp32."""
-    exp_avg_sq_dtype: str = "fp32"
-    reference_model: bool = True
-    recompute_granularity: str = "none"
-    rollout_batch_size: int = 0
-    """Sequences generated concurrently per model replica (KV cache); 0: rollouts elsewhere."""
-    num_microbatches: int | None = None
-    """Micro-batches per step; None: at least the PP size (1F1B steady state)."""
-    kl_probe_sequences: int = 0
-    """Predicted-KL control's probe sequences per model replica and step (0: control off)."""
-    kl_estimator: str = "full"
-    runtime_overhead_bytes: int = 2 * GiB
-
-    def __post_init__(self) -> None:
-        _positive(self, "micro_batch_size", "seq_length", "loggra_rank", "loggra_min_dim")
-        _positive(self, "rollout_batch_size", "runtime_overhead_bytes", allow_zero=True)
-        _positive(self, "kl_probe_sequences", allow_zero=True)
-        _choice(self, "kl_estimator", ("full", "k1", "k2", "k3"))
-        if self.num_microbatches is not None:
-            _positive(self, "num_microbatches")
-        _choice(self, "precision", PRECISIONS)
-        _choice(self, "optimizer", OPTIMIZERS)
-        _choice(self, "recompute_granularity", RECOMPUTE)
-        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-            _choice(self, name, tuple(DTYPE_BYTES))
-
-    @property
-    def param_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
-
-    @property
-    def grad_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else DTYPE_BYTES[self.main_grads_dtype]
 
 
 # ---------------------------------------------------------------------- parameters
@@ -391,7 +224,7 @@ def grad_bytes(params: list[ParamSpec], bytes_per_grad: int = 4) -> int:
 
 def master_param_bytes(params: list[ParamSpec], dp: int = 1) -> int:
     """fp32 master params, each tensor's elements split over ``dp`` ranks."""
-    return 4 * sum(_cdiv(s.numel, dp) for s in params)
+    return 4 * sum(ceil_div(s.numel, dp) for s in params)
 
 
 def is_sketched(spec: ParamSpec, min_dim: int = 64) -> bool:
@@ -420,15 +253,15 @@ def optimizer_state_bytes(
     total = 0
     for s in params:
         if optimizer == "adam":
-            total += (exp_avg_bytes + exp_avg_sq_bytes) * _cdiv(s.numel, dp)
+            total += (exp_avg_bytes + exp_avg_sq_bytes) * ceil_div(s.numel, dp)
             total += _ADAM_SCALAR_BYTES
         elif is_sketched(s, min_dim):
             m, n = s.shape
             r = min(rank, m, n)
-            rows = m if dp == 1 else min(m, _cdiv(m, dp) + 1)
+            rows = m if dp == 1 else min(m, ceil_div(m, dp) + 1)
             total += 4 * (2 * rows * r + n * r) + _LOGGRA_SKETCHED_SCALAR_BYTES
         else:
-            total += 8 * _cdiv(s.numel, dp) + _LOGGRA_DENSE_SCALAR_BYTES
+            total += 8 * ceil_div(s.numel, dp) + _LOGGRA_DENSE_SCALAR_BYTES
     return total
 
 
@@ -454,7 +287,7 @@ def activation_bytes_per_layer(
     split += 2 * sb * (2 * f + f) if model.swiglu else 2 * sb * (f + f)
     if model.qk_layernorm:
         split += 2 * sb * (a * d + g * d)
-    return _cdiv(replicated, _t_sp(parallel)) + _cdiv(split, t)
+    return ceil_div(replicated, _t_sp(parallel)) + ceil_div(split, t)
 
 
 def activation_bytes(
@@ -468,7 +301,7 @@ def activation_bytes(
         in_flight = min(in_flight, step.num_microbatches)
     sb = step.micro_batch_size * step.seq_length
     per_layer = activation_bytes_per_layer(model, parallel, step.micro_batch_size, step.seq_length)
-    layer_input = _cdiv(2 * sb * model.hidden_size, _t_sp(parallel))
+    layer_input = ceil_div(2 * sb * model.hidden_size, _t_sp(parallel))
     if step.recompute_granularity == "full":
         total = in_flight * layers * layer_input + per_layer
     else:
@@ -520,6 +353,7 @@ class MemoryBreakdown:
     activations: int
     logits: int
     kl_probe_logits: int = 0
+    main_grad_copies: int = 0
 
     STATIC = (
         "weights",
@@ -533,10 +367,12 @@ class MemoryBreakdown:
     ROLLOUT = ("kv_cache", "rollout_logits")
     TRAINING = ("activations", "logits")
     KL_CONTROL = ("kl_probe_logits",)
+    OPTIMIZER_STEP = ("main_grad_copies",)
+    TRANSIENT = (*ROLLOUT, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
 
     def terms(self) -> dict[str, int]:
         """Every term, in display order."""
-        keys = (*self.STATIC, *self.ROLLOUT, *self.TRAINING, *self.KL_CONTROL)
+        keys = (*self.STATIC, *self.TRANSIENT)
         return {k: getattr(self, k) for k in keys}
 
     def phases(self) -> dict[str, int]:
@@ -545,6 +381,7 @@ class MemoryBreakdown:
             "rollout": self.rollout_bytes,
             "training": self.training_bytes,
             "kl control": self.kl_probe_logits,
+            "optimizer step": self.main_grad_copies,
         }
 
     @property
@@ -570,6 +407,18 @@ class MemoryBreakdown:
 
     def fits(self, gpu_bytes: int) -> bool:
         return self.total_bytes <= gpu_bytes
+
+
+def main_grad_copy_bytes(params: list[ParamSpec], step: RLStepConfig, dp: int = 1) -> int:
+    """fp32 copies of 16-bit gradient shards alive during the optimizer step."""
+    if step.grad_bytes == 4:
+        return 0  # Megatron's .float() of an fp32 grad is a view
+    shards = [ceil_div(s.numel, dp) for s in params]
+    if step.optimizer == "loggra":
+        return 4 * max(shards, default=0)  # one weight at a time (optim/model_grads.py)
+    if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype):
+        return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
+    return 4 * sum(shards)
 
 
 def _stage_breakdown(
@@ -616,6 +465,7 @@ def _stage_breakdown(
             if last
             else 0
         ),
+        main_grad_copies=main_grad_copy_bytes(params, step, dp),
     )
 
 

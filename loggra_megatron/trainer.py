@@ -213,6 +213,7 @@ class RLTrainer:
         return wrap_ddp(
             model, use_distributed_optimizer=ddp.use_distributed_optimizer,
             overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
+            grad_reduce_in_fp32=not ddp.grad_reduce_in_bf16,
         )  # fmt: skip
 
     def _build_optimizer(self):
@@ -235,7 +236,7 @@ class RLTrainer:
             **base, loggra_rank=lg.loggra_rank, loggra_update_interval=lg.loggra_update_interval,
             loggra_projection=lg.loggra_projection, loggra_oversample=lg.loggra_oversample,
             loggra_power_iters=lg.loggra_power_iters, loggra_min_dim=lg.loggra_min_dim,
-            loggra_seed=t.seed,
+            loggra_seed=t.seed, loggra_fp32_grad_copy=lg.loggra_fp32_grad_copy,
         )  # fmt: skip
         return get_loggra_optimizer(config, [self.policy])
 

@@ -11,6 +11,7 @@ from loggra_megatron.optim import LoGRAAdamW, state_bytes
 from loggra_megatron.optim.projection import (
     align_basis,
     gaussian_test_matrix,
+    gram_svd_basis,
     range_finder_basis,
     svd_basis,
     transport_moments,
@@ -61,6 +62,25 @@ def test_range_finder_recovers_exact_low_rank_subspace():
     # and it is the same subspace the full SVD (GaLore's basis) finds
     q_svd = svd_basis(grad, r)
     assert (q_svd - q @ (q.t() @ q_svd)).norm() < 1e-4
+
+
+def test_gram_svd_basis_from_row_shards_equals_full_svd_columnwise():
+    gen = torch.Generator().manual_seed(4)
+    m, n, r = 90, 48, 6
+    grad = torch.randn(m, n, generator=gen) @ torch.diag(0.8 ** torch.arange(n).float())
+    shards = [grad[:31], grad[31:]]
+    partial = [s.double().t() @ s.double() for s in shards]
+    total = partial[0] + partial[1]
+
+    def all_reduce(t):  # what a 2-rank sum over the row shards would return
+        assert t.shape == (n, n)
+        t.copy_(total)
+
+    q = gram_svd_basis(shards[0], r, all_reduce)
+    q_svd = svd_basis(grad, r)
+    # the same vectors up to each column's sign
+    torch.testing.assert_close((q.t() @ q_svd).abs(), torch.eye(r), atol=1e-4, rtol=0)
+    assert not torch.allclose(gram_svd_basis(shards[0], r), q, atol=1e-2)  # needs the sum
 
 
 def test_range_finder_with_power_iteration_beats_random_on_decaying_spectrum():

@@ -93,10 +93,12 @@ def test_identity_loggra_equals_megatron_dense_adam_distributed_optimizer():
     assert dense[0]["losses"][-1] < dense[0]["losses"][0]
 
 
-def test_dp2_equals_dp1_with_range_finder_across_refreshes():
+@pytest.mark.parametrize("projection", ["range_finder", "svd"])
+def test_dp2_equals_dp1_across_refreshes(projection):
     # overlap_grad_reduce/overlap_param_gather with 1000-element buckets: one bucket per
     # weight, each split across the 2 DP ranks in its middle, mid-row for linear_qkv.
-    kw = dict(loggra_update_interval=2)  # refreshes before steps 1, 3 and 5
+    # refreshes before steps 1, 3 and 5
+    kw = dict(loggra_update_interval=2, loggra_projection=projection)
     dp1 = run_distributed(_train, 1, "loggra", 5, **kw)[0]
     dp2 = run_distributed(_train, 2, "loggra", 5, overlap=True, **kw)
     split = [lay for lay in dp2[0]["all_layouts"] if lay.split_rows()]
@@ -233,10 +235,21 @@ def test_config_rejects_bad_loggra_fields():
 
     with pytest.raises(ValueError, match="rank=0"):
         LoGRAOptimizerConfig(loggra_rank=0)
-    with pytest.raises(ValueError, match="loggra_projection='svd'"):
-        LoGRAOptimizerConfig(loggra_projection="svd")
+    with pytest.raises(ValueError, match="loggra_projection='galore'"):
+        LoGRAOptimizerConfig(loggra_projection="galore")
     with pytest.raises(ValueError, match="update_interval=-1"):
         LoGRAOptimizerConfig(loggra_update_interval=-1)
+
+
+def _bf16_model():
+    """The tiny model in bf16 (norms included), wrapped in Megatron's Float16Module."""
+    model = tiny_gpt_model(
+        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
+        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+    )  # fmt: skip
+    model.bfloat16()
+    return model
 
 
 def _bf16_identity_vs_dense(rank, kind):
@@ -246,13 +259,7 @@ def _bf16_identity_vs_dense(rank, kind):
 
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
-    model = tiny_gpt_model(
-        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
-        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-    )  # fmt: skip
-    model.bfloat16()
-    ddp = wrap_ddp(model)
+    ddp = wrap_ddp(_bf16_model())
     base = dict(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
@@ -283,6 +290,51 @@ def test_bf16_params_with_fp32_main_params_match_dense_adam():
         for k, v in dense[r]["params"].items():  # a master's last bit may flip bf16 rounding
             torch.testing.assert_close(loggra[r]["params"][k], v, atol=1e-4, rtol=2**-7)
     assert loggra[0]["losses"][-1] < loggra[0]["losses"][0]
+
+
+def _bf16_grads(rank, fp32_copy):
+    """LoGRA (range finder, refreshes) on bf16 params with bf16 grad buffers, clipping
+    active, with or without Megatron's fp32 copy of the gradient shards."""
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    ddp = wrap_ddp(_bf16_model(), grad_reduce_in_fp32=False)
+    config = LoGRAOptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=0.05,
+        loggra_min_dim=1, loggra_rank=4, loggra_oversample=2, loggra_update_interval=2,
+        loggra_fp32_grad_copy=fp32_copy,
+    )  # fmt: skip
+    opt = get_loggra_optimizer(config, [ddp])
+    (leaf,) = opt.chained_optimizers
+    inner = leaf.optimizer
+    seen = []  # per step: (fp32 .grad bytes of 16-bit-model mains, dtypes handed over)
+    inner_step = inner.step
+
+    def observing_step():
+        mains = [p for g in leaf.shard_fp32_from_float16_groups for p in g]
+        fp32 = sum(p.grad.numel() * 4 for p in mains if p.grad is not None)
+        seen.append((fp32, {g.dtype for g in inner.model_grads.values()}))
+        inner_step()
+
+    inner.step = observing_step
+    batch, micro = _local_batch(TOKENS[:2])
+    norms, mains = [], [p for g in inner.param_groups for p in g["params"]]
+    for _ in range(4):
+        _, (ok, grad_norm, _) = train_step(ddp, opt, batch, num_microbatches=micro)
+        assert ok
+        norms.append(grad_norm)
+    return {"mains": [p.detach().clone() for p in mains], "norms": norms, "seen": seen}
+
+
+def test_bf16_grads_reach_loggra_without_an_fp32_copy_and_give_the_same_steps():
+    copied = run_distributed(_bf16_grads, 2, True)
+    streamed = run_distributed(_bf16_grads, 2, False)
+    for r in range(2):
+        assert all(fp32 > 0 and not dtypes for fp32, dtypes in copied[r]["seen"])
+        assert all(fp32 == 0 and dtypes == {torch.bfloat16} for fp32, dtypes in streamed[r]["seen"])
+        assert min(copied[r]["norms"]) > 0.05  # the clip was active on every step
+        torch.testing.assert_close(streamed[r]["norms"], copied[r]["norms"], rtol=1e-5, atol=0)
+        for a, b in zip(streamed[r]["mains"], copied[r]["mains"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _nan_on_one_rank_skips_everywhere(rank):

@@ -34,6 +34,7 @@ from loggra_megatron.memory_model import (
     estimate_rl_step_memory,
     grad_bytes,
     kv_cache_bytes,
+    main_grad_copy_bytes,
     master_param_bytes,
     max_rollout_batch_size,
     num_parameters,
@@ -321,3 +322,24 @@ def test_cli_missing_config_file_exits_2(tmp_path):
     )
     assert proc.returncode == 2
     assert "argument --hf-config" in proc.stderr and "no such file" in proc.stderr
+
+
+def test_optimizer_step_phase_counts_megatrons_fp32_grad_copies_only_for_16_bit_grads():
+    model, par = TransformerShape(**SMALL), ParallelConfig(data_parallel_size=2)
+    params = stage_parameters(model, par, 0)
+    shards = [-(-s.numel // 2) for s in params]
+    bf16 = RLStepConfig(
+        main_grads_dtype="bf16", optimizer="adam", seq_length=8, runtime_overhead_bytes=0
+    )
+    dense = estimate_rl_step_memory(model, par, bf16)
+    assert dense.main_grad_copies == 4 * sum(shards) == main_grad_copy_bytes(params, bf16, 2)
+    assert dense.phases()["optimizer step"] == dense.main_grad_copies
+    loggra = estimate_rl_step_memory(model, par, dataclasses.replace(bf16, optimizer="loggra"))
+    assert loggra.main_grad_copies == 4 * max(shards)  # converted one weight at a time
+    fp32 = dataclasses.replace(bf16, main_grads_dtype="fp32")
+    aware = dataclasses.replace(bf16, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    assert estimate_rl_step_memory(model, par, fp32).main_grad_copies == 0
+    assert estimate_rl_step_memory(model, par, aware).main_grad_copies == 0
+    # with no rollout and tiny activations, the copies are the dense step's peak phase
+    assert dense.peak_phase == "optimizer step"
+    assert dense.total_bytes == dense.static_bytes + dense.main_grad_copies

@@ -73,6 +73,9 @@ def _torchrun(argv, nproc=2, check=True):
         ({"max-new-tokens": 64}, 1, "--max-new-tokens"),
         ({"num-generations": 1}, 1, "--num-generations"),
         ({"optimizer": "sgd"}, 1, "--optimizer"),
+        ({"grad-reduce-in-bf16": True}, 1, "--grad-reduce-in-bf16"),  # needs --bf16
+        ({"loggra-projection": "galore"}, 1, "--loggra-projection"),
+        ({"loggra-update-interval": 0}, 1, "--loggra-update-interval"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):
@@ -111,9 +114,9 @@ def _check_metrics(out_dir, steps):
     [
         {"tensor-model-parallel-size": 2},
         {"pipeline-model-parallel-size": 2},
-        {},  # DP=2
+        {"grad-reduce-in-bf16": True},  # DP=2; bf16 grads reach LoGRA uncopied
     ],
-    ids=["tp2", "pp2", "dp2"],
+    ids=["tp2", "pp2", "dp2-bf16-grads"],
 )
 def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     out = tmp_path / "run"

@@ -61,6 +61,7 @@ _LABELS = {
     "activations": "training: activations",
     "logits": "training: logits",
     "kl_probe_logits": "kl control: probe logits",
+    "main_grad_copies": "optimizer: fp32 grad copies",
 }
 
 
@@ -314,7 +315,7 @@ def _report(model, parallel, steps, results, gpu_bytes, source, selected) -> str
         if dt[key] or lt[key]:
             lines.append(row(_LABELS[key] + suffix.get(key, ""), dt[key], lt[key]))
     lines.append(row("  static", dense.static_bytes, loggra.static_bytes))
-    for key in (*MemoryBreakdown.ROLLOUT, *MemoryBreakdown.TRAINING, *MemoryBreakdown.KL_CONTROL):
+    for key in MemoryBreakdown.TRANSIENT:
         if dt[key] or lt[key]:
             lines.append(row(_LABELS[key], dt[key], lt[key]))
     lines.append(f"{'peak phase':<28}{dense.peak_phase:>20}{loggra.peak_phase:>20}")

@@ -6,6 +6,8 @@
 # concurrent rollouts, full recompute, reference on GPU): dense Adam ~96.9 GiB/GPU (does not
 # fit 80 GB), LoGRA rank 128 ~74.4 GiB/GPU (fits). With FP8, TE keeps extra FP8 weight
 # copies (~+5.9 GiB): lower --prompts-per-step or --max-new-tokens if it gets tight.
+# --grad-reduce-in-bf16 halves the grad buffer (-6.3 GiB/GPU; LoGRA reads bf16 grads without
+# Megatron's fp32 copy) at the price of accumulating the 64 micro-batches' grads in bf16.
 #
 # Inputs: a converted checkpoint (tools/convert_checkpoint.py --direction hf-to-megatron
 # --tensor-model-parallel-size 8) and its sentencepiece tokenizer.

@@ -1,8 +1,8 @@
 """``dist_checkpointing`` of LoGRA state inside Megatron-Core optimizers.
 
 Megatron's own optimizer formats assume Adam's state has the shape of the param; LoGRA's
-sketches do not, so the ``LoGRA*`` leaf optimizers (which :func:`get_loggra_optimizer`
-re-classes Megatron's leaves to) override ``sharded_state_dict`` / ``load_state_dict``.
+sketches do not, so the ``LoGRA*`` leaf optimizers (:mod:`loggra_megatron.optim.leaves`)
+override ``sharded_state_dict`` / ``load_state_dict`` with :class:`LoGRACheckpointMixin`.
 
 Format (``torch_dist``), one entry per model param this rank holds a slice of, under
 ``optimizer.loggra.pp{P}.tp{T}.{chunk}.{param name}``:
@@ -28,11 +28,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import (
-    Float16OptimizerWithFloat16Params,
-    FP32Optimizer,
-    MegatronOptimizer,
-)
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 FORMAT_VERSION = 1
 
@@ -171,35 +167,3 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             state["nonfinite_skips"].fill_(inner.num_skipped_steps)
         # fp32 model params alias their main params; 16-bit model params come from the
         # model checkpoint, so nothing is copied back to the model here.
-
-
-class LoGRADistributedOptimizer(LoGRACheckpointMixin, DistributedOptimizer):
-    """Megatron's ``DistributedOptimizer`` with LoGRA as its inner optimizer."""
-
-    __slots__ = ()
-
-
-class LoGRAFloat16Optimizer(LoGRACheckpointMixin, Float16OptimizerWithFloat16Params):
-    """Megatron's ``Float16OptimizerWithFloat16Params`` with LoGRA as its inner optimizer."""
-
-    __slots__ = ()
-
-
-class LoGRAFP32Optimizer(LoGRACheckpointMixin, FP32Optimizer):
-    """Megatron's ``FP32Optimizer`` with LoGRA as its inner optimizer."""
-
-    __slots__ = ()
-
-
-_CLASSES = {
-    DistributedOptimizer: LoGRADistributedOptimizer,
-    Float16OptimizerWithFloat16Params: LoGRAFloat16Optimizer,
-    FP32Optimizer: LoGRAFP32Optimizer,
-}
-
-
-def loggra_class_for(cls: type) -> type:
-    """The ``LoGRA*`` subclass for a Megatron leaf optimizer class."""
-    if cls not in _CLASSES:
-        raise TypeError(f"LoGRA cannot wrap Megatron optimizer class {cls.__name__}")
-    return _CLASSES[cls]

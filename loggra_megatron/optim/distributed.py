@@ -22,7 +22,9 @@ depends only on row i of ``G``, so:
   (:func:`~loggra_megatron.optim.projection.range_finder_basis`) then all-reduces its
   row sums: ``n·k`` floats (``k = r + p``) per power iteration plus one, and ``k²``
   float64, per weight. Ranks that hold no row of a weight contribute zeros, so all ranks
-  issue the same collectives and compute the same ``Q``.
+  issue the same collectives and compute the same ``Q``. The GaLore baseline
+  (``projection="svd"``) instead all-reduces each weight's Gram matrix ``GᵀG``
+  (``n²`` float64) and takes its top-r eigenvectors, G's top right singular vectors.
 * **TP.** Column-parallel weights (rows split over TP: ``linear_qkv``, ``linear_fc1``)
   reduce the range finder over TP × DP, so ``Q`` is the basis of the whole matrix and
   the trajectory is TP-invariant. Row-parallel weights (columns split over TP:
@@ -30,6 +32,11 @@ depends only on row i of ``G``, so:
   TP rank keeps its own basis of its column block (a block-diagonal basis of rank
   ``tp·r`` on the full matrix): no TP communication, but not TP-invariant.
 * **PP.** Each stage's optimizer only sees its own layers; nothing crosses stages.
+* **Gradients in the model's precision.** With bf16 grad buffers Megatron copies every
+  gradient shard to fp32 before the step (4 bytes per parameter at once). The LoGRA leaf
+  optimizers hand this optimizer the bf16 shards instead (:meth:`ShardedLoGRAAdamW.
+  set_model_grads`, with the clipping coefficient), and each one is converted to fp32
+  when its weight comes up, so only one weight's fp32 gradient exists at a time.
 * **Non-finite gradients** skip the whole step on every rank (one scalar all-reduce over
   the optimizer's grad-stats group), as Megatron does for fp16 overflow, so collectives
   and step counters never diverge.
@@ -56,6 +63,7 @@ from loggra_megatron.optim.loggra_adamw import (
 )
 from loggra_megatron.optim.projection import (
     gaussian_test_matrix,
+    gram_svd_basis,
     random_basis,
     range_finder_basis,
 )
@@ -180,13 +188,13 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """Optimizer steps taken (skipped steps excluded); drives the refresh schedule."""
         self.num_skipped_steps = 0
         """Steps skipped because a gradient was non-finite on some rank."""
+        self.model_grads: dict[torch.Tensor, torch.Tensor] = {}
+        """Gradients of main params whose ``.grad`` is None, in the model's precision (views
+        of Megatron's grad buffer); see :meth:`set_model_grads`."""
+        self.model_grad_scale = 1.0
+        """Clipping coefficient still to be applied to :attr:`model_grads`."""
         super().__init__(params, **defaults)
         group = self.param_groups[0]
-        if group["projection"] == "svd":
-            raise ValueError(
-                "loggra_projection='svd' needs each full gradient on one rank; use "
-                "'range_finder' or 'random' with Megatron optimizers"
-            )
         if any(g["residual_scale"] > 0 for g in self.param_groups):
             raise ValueError("loggra residual_scale > 0 is not supported with Megatron optimizers")
         self._settings = {k: group[k] for k in ("projection", "update_interval", "oversample")}
@@ -233,6 +241,24 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         return self._init_state(p, group)
 
+    def set_model_grads(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Use ``{main param: low-precision gradient shard}`` as this step's gradients of
+        main params whose ``.grad`` is None; each is converted to fp32 (and multiplied by
+        :attr:`model_grad_scale`, reset here to 1) only when its weight is updated."""
+        self.model_grads, self.model_grad_scale = grads, 1.0
+
+    def _raw_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return p.grad if p.grad is not None else self.model_grads.get(p)
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 (clipped) gradient of ``p``: a model-precision one is converted now."""
+        if p.grad is not None:
+            return p.grad.float()
+        grad = self.model_grads[p].float()
+        if self.model_grad_scale != 1.0:
+            grad.mul_(self.model_grad_scale)
+        return grad
+
     @property
     def num_nonfinite_skips(self) -> int:
         return self.num_skipped_steps
@@ -265,9 +291,9 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             (p, g, self.state[p] if p in self.state else self._init_state(p, g))
             for g in self.param_groups
             for p in g["params"]
-            if p.grad is not None
+            if self._raw_grad(p) is not None
         ]
-        if self._any_nonfinite([p.grad for p, _, _ in held]):
+        if self._any_nonfinite([self._raw_grad(p) for p, _, _ in held]):
             if commit:
                 for _, _, state in held:
                     state["nonfinite_skips"] += 1
@@ -279,15 +305,17 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
-            if p is not None and p.grad is None:
+            if p is not None and self._raw_grad(p) is None:
                 p = None  # frozen this step: joins the collectives with zeros
             state = self.state[p] if p is not None else None
+            grad = self._grad(p).view(-1) if p is not None else None  # this weight's slice
             basis_and_moments = None
             if refresh:
-                basis_and_moments = self._refreshed(w, layout, p, state, full_split_rows)
+                basis_and_moments = self._refreshed(w, layout, grad, state, full_split_rows)
             elif p is not None:
                 basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
-            sketch = self._exact_sketch(w, layout, p, basis_and_moments)
+            sketch = self._exact_sketch(layout, grad, basis_and_moments)
+            del grad
             if p is None:
                 continue
             basis, exp_avg, exp_avg_sq = basis_and_moments
@@ -312,7 +340,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         for p, group, state in held:
             if p in self._index_of:
                 continue
-            grad = p.grad.float()
+            grad = self._grad(p)
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             _, _, direction, step_size = adam_moments(
                 exp_avg, exp_avg_sq, grad, step, group, inplace=commit
@@ -326,6 +354,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 write(p, target)
         if commit:
             self.num_steps += 1
+            self.model_grads = {}  # views of grad buffers that are about to be zeroed
         return True
 
     def _any_nonfinite(self, grads) -> bool:
@@ -334,7 +363,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         all-reduce."""
         bad = torch.zeros(())
         if grads:
-            norms = torch._foreach_norm([g.float() for g in grads])
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # no fp32 grad copies
             bad = (~torch.isfinite(torch.stack(norms))).sum().float()
         group = self._consensus_group
         if group is not None and dist.get_world_size(group) > 1:
@@ -342,17 +371,18 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             dist.all_reduce(bad, group=group)
         return bool(bad > 0)
 
-    def _exact_sketch(self, w, layout, p, basis_and_moments) -> torch.Tensor | None:
-        """``S [touched rows, r]`` of weight ``w`` on this rank; split rows are summed over
-        DP (an all-reduce of ``[split rows, r]`` that every DP rank joins)."""
+    def _exact_sketch(self, layout, grad, basis_and_moments) -> torch.Tensor | None:
+        """``S [touched rows, r]`` of a weight on this rank from its flat fp32 gradient slice
+        (None: no slice here); split rows are summed over DP (an all-reduce of
+        ``[split rows, r]`` that every DP rank joins)."""
         split = layout.split_rows() if self._dp_reduce is not None else []
         lo = layout.touched_rows(self._dp_rank)[0]
         edge = torch.zeros(len(split), layout.rank, device=self._device) if split else None
         s = None
-        if p is not None:
+        if grad is not None:
             basis = basis_and_moments[0]
             start, end = layout.dp_ranges[self._dp_rank]
-            pieces = _cut_rows(p.grad.float().view(-1), start, end, layout.shape[1])
+            pieces = _cut_rows(grad, start, end, layout.shape[1])
             s = torch.empty(basis_and_moments[1].shape, device=basis.device)
             s[pieces.body_rows[0] - lo : pieces.body_rows[1] - lo] = pieces.body @ basis
             for row, c0, c1, values in pieces.partial:
@@ -363,8 +393,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         if edge is not None:
             self._dp_reduce(edge)
             if s is not None:
-                start, end = layout.dp_ranges[self._dp_rank]
-                for row, *_ in _cut_rows(p.grad.view(-1), start, end, layout.shape[1]).partial:
+                for row, *_ in pieces.partial:
                     s[row - lo] = edge[split.index(row)]
         return s
 
@@ -379,25 +408,30 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             values.add_(direction[row - lo] @ basis[c0:c1].t(), alpha=alpha)
 
     # ------------------------------------------------------------------ refresh
-    def _refreshed(self, w, layout, p, state, full_split_rows):
+    def _refreshed(self, w, layout, grad, state, full_split_rows):
         """``(basis, exp_avg, exp_avg_sq)`` of weight ``w`` after this step's basis refresh,
-        as new tensors (None where this rank holds no slice). Collective over DP (and TP
-        for column-parallel weights) unless the projection is random."""
+        as new tensors (None where this rank holds no slice, ``grad`` None). Collective over
+        DP (and TP for column-parallel weights) unless the projection is random."""
         settings = self._settings
         first = self.num_steps == 0
         seed = refresh_seed(layout.seed, self.num_steps, settings)
         n, r = layout.shape[1], layout.rank
         if settings["projection"] == "random":
-            if p is None:
+            if grad is None:
                 return None
-            return refreshed_state(random_basis(n, r, seed, p.device), state, first)
-        k = min(r + settings["oversample"], n)
-        rows, omega = self._owned_rows(w, layout, p, full_split_rows, k, seed)
+            return refreshed_state(random_basis(n, r, seed, grad.device), state, first)
+        rows, owned = self._owned_rows(w, layout, grad, full_split_rows)
         reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
-        q_raw = range_finder_basis(
-            rows, r, settings["oversample"], settings["power_iters"], omega, reduce
-        )
-        return None if p is None else refreshed_state(q_raw, state, first)
+        if settings["projection"] == "svd":
+            q_raw = gram_svd_basis(rows, r, reduce)
+        else:
+            k = min(r + settings["oversample"], n)
+            omega = gaussian_test_matrix(layout.omega_rows, k, seed, self._device, torch.float32)
+            omega = omega[layout.global_row_index(*owned).to(self._device)]
+            q_raw = range_finder_basis(
+                rows, r, settings["oversample"], settings["power_iters"], omega, reduce
+            )
+        return None if grad is None else refreshed_state(q_raw, state, first)
 
     def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:
         """Full gradient rows of every split row, summed over DP (one all-reduce)."""
@@ -411,11 +445,11 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         buf = torch.zeros(total, device=self._device)
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
-            if p is None:
+            if p is None or self._raw_grad(p) is None:
                 continue
             start, end = layout.dp_ranges[self._dp_rank]
             for row, c0, c1, values in _cut_rows(
-                p.grad.view(-1), start, end, layout.shape[1]
+                self._grad(p).view(-1), start, end, layout.shape[1]
             ).partial:
                 o = offsets[(w, row)]
                 buf[o + c0 : o + c1] = values
@@ -423,17 +457,15 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             self._dp_reduce(buf)
         return {key: buf[o : o + self._all_layouts[key[0]].shape[1]] for key, o in offsets.items()}
 
-    def _owned_rows(self, w, layout, p, full_split_rows, k, seed):
-        """This rank's owned gradient rows ``[rows, n]`` and the matching rows of Ω."""
+    def _owned_rows(self, w, layout, grad, full_split_rows):
+        """This rank's owned gradient rows ``[rows, n]`` and their local row range."""
         n = layout.shape[1]
-        device = self._device
-        if p is None:
-            return torch.zeros(0, n, device=device), torch.zeros(0, k, device=device)
+        if grad is None:
+            return torch.zeros(0, n, device=self._device), (0, 0)
         lo, hi = layout.owned_rows(self._dp_rank)
         start, end = layout.dp_ranges[self._dp_rank]
-        pieces = _cut_rows(p.grad.float().view(-1), start, end, n)
+        pieces = _cut_rows(grad, start, end, n)
         rows = pieces.body
         if hi > pieces.body_rows[1]:  # the tail row is split and owned here
             rows = torch.cat([rows, full_split_rows[(w, hi - 1)].view(1, n)])
-        omega = gaussian_test_matrix(layout.omega_rows, k, seed, device, torch.float32)
-        return rows, omega[layout.global_row_index(lo, hi).to(device)]
+        return rows, (lo, hi)

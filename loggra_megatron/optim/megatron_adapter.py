@@ -17,8 +17,9 @@ groups (Megatron's ``wd_mult``/``lr_mult`` keys included):
 
 Embeddings, the output layer, norms, biases and matrices with a side shorter than
 ``loggra_min_dim`` are updated by dense AdamW inside the same inner optimizer. Leaf
-optimizers are re-classed to ``LoGRA*`` subclasses (:mod:`loggra_megatron.optim.checkpoint`)
-that save the sketch state with ``dist_checkpointing``.
+optimizers (and a ``ChainedOptimizer``) are re-classed to the ``LoGRA*`` subclasses of
+:mod:`loggra_megatron.optim.leaves`, which save the sketch state with ``dist_checkpointing``
+and hand bf16 gradients to LoGRA without Megatron's fp32 copy.
 
 Pinned to megatron-core 0.16 (Python 3.11) – 0.19; the attributes used
 (``buffers``, ``param_index_map``, ``buckets[i].offset``, ``model_*_groups`` /
@@ -34,6 +35,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW, WeightLayout
 from loggra_megatron.optim.loggra_adamw import LoGRAAdamW, basis_seed
@@ -53,8 +55,8 @@ class LoGRAOptimizerConfig(OptimizerConfig):
     loggra_update_interval: int = 200
     """Optimizer steps between basis refreshes."""
     loggra_projection: str = "range_finder"
-    """``range_finder`` | ``random`` | ``identity`` (``svd`` needs whole gradients and is
-    only available in the single-process ``LoGRAAdamW``)."""
+    """``range_finder`` | ``svd`` (GaLore baseline: exact top-r subspace from the all-reduced
+    Gram matrix, ``n²`` floats per weight per refresh) | ``random`` | ``identity``."""
     loggra_oversample: int = 8
     """Extra range-finder probe vectors p."""
     loggra_power_iters: int = 1
@@ -65,15 +67,18 @@ class LoGRAOptimizerConfig(OptimizerConfig):
     """Matrices with a (TP-local) side shorter than this are updated densely."""
     loggra_seed: int = 0
     """Base seed of the range finder's Gaussian test matrices."""
+    loggra_fp32_grad_copy: bool = False
+    """Let Megatron copy all bf16 gradient shards to fp32 before the step (4 bytes per
+    parameter); by default LoGRA converts them one weight at a time (``model_grads.py``)."""
 
     def __post_init__(self):
         super().__post_init__()
         if self.optimizer != "adam":
             raise ValueError(f"LoGRAOptimizerConfig: optimizer={self.optimizer!r}; LoGRA is Adam")
-        if self.loggra_projection not in PROJECTIONS or self.loggra_projection == "svd":
+        if self.loggra_projection not in PROJECTIONS:
             raise ValueError(
                 f"LoGRAOptimizerConfig: invalid loggra_projection={self.loggra_projection!r}: "
-                "choose range_finder, random or identity"
+                f"choose one of {', '.join(PROJECTIONS)}"
             )
         LoGRAAdamW([torch.zeros(1)], **self.loggra_kwargs())  # raises ValueError naming the field
 
@@ -102,7 +107,7 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
     returns (a leaf optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer
     replaced by ``ShardedLoGRAAdamW``.
     """
-    from loggra_megatron.optim.checkpoint import loggra_class_for
+    from loggra_megatron.optim.leaves import loggra_class_for
 
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
     info = _ParamInfo(model_chunks)
@@ -133,6 +138,8 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
             if main is not None
         ]
         leaf.__class__ = loggra_class_for(type(leaf))
+    if type(optimizer) is ChainedOptimizer:
+        optimizer.__class__ = loggra_class_for(ChainedOptimizer)
     if clamped:
         warnings.warn(
             f"loggra_rank={config.loggra_rank} exceeds min(m, n) of {len(clamped)} weights "

@@ -11,8 +11,10 @@ orthonormal right basis ``Q ∈ R^{n×r}`` and sketches the gradient as ``S = G 
   problem: ``Q_y = orth(Y)``, ``B = G Q_y``, ``C = Bᵀ B`` (k×k), ``C = E Λ Eᵀ``,
   ``Q = Q_y E[:, :r]`` (top-r eigenvectors). Cost ``O(m·n·k·(2q + 2))`` flops plus
   ``O(n·k²)``, versus ``O(m·n·min(m, n))`` for the full SVD GaLore uses.
-* ``svd`` (GaLore, Zhao et al. 2024): top-r right singular vectors from a full SVD of G.
-  A baseline for measurement only.
+* ``svd`` (GaLore, Zhao et al. 2024): top-r right singular vectors of G, from a full SVD
+  when G is on one rank, or, for row-sharded G, from the eigenvectors of the Gram matrix
+  ``GᵀG = Σ_ranks G_iᵀ G_i`` (``n×n`` float64, one all-reduce of ``n²`` values; same
+  subspace, ``O(m·n²)`` flops). A baseline for measurement only.
 * ``random`` (Flora, Hao et al. 2024): ``Q = orth(N(0, 1)^{n×r})``, independent of G.
 * ``identity``: ``Q = I_n`` (r = n); the exactness anchor (LoGRA-AdamW == AdamW).
 
@@ -112,6 +114,22 @@ def svd_basis(grad: torch.Tensor, rank: int) -> torch.Tensor:
     """GaLore-style basis: top-``rank`` right singular vectors of the full G ``[m, n]``."""
     _, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
     return vh[:rank].t().contiguous()
+
+
+def gram_svd_basis(
+    grad_rows: torch.Tensor, rank: int, all_reduce: AllReduce | None = None
+) -> torch.Tensor:
+    """GaLore's basis for row-sharded G: top-``rank`` eigenvectors of ``GᵀG`` ``[n, n]``.
+
+    ``grad_rows`` are this rank's rows of G; ``all_reduce`` sums the Gram matrix over the
+    ranks holding the other rows. Equals :func:`svd_basis` up to the sign of each column.
+    """
+    g = grad_rows.double()
+    gram = g.t() @ g  # [n, n]
+    if all_reduce is not None:
+        all_reduce(gram)
+    _, eigvecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    return eigvecs.flip(-1)[:, :rank].float().contiguous()
 
 
 def random_basis(n: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:

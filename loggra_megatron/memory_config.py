@@ -1,0 +1,193 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""The configuration of :mod:`loggra_megatron.memory_model`: model shape, parallel sizes and
+the RL step, as validated frozen dataclasses (pure Python, no torch).
+
+Every invalid value raises :class:`MemoryConfigError`, which names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+PRECISIONS = ("fp32", "bf16", "fp8")
+OPTIMIZERS = ("adam", "loggra")
+RECOMPUTE = ("none", "selective", "full")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+class MemoryConfigError(ValueError):
+    """An invalid configuration value; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+            raise MemoryConfigError(
+                name, f"must be a {'non-negative' if allow_zero else 'positive'} int, got {v!r}"
+            )
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in choices:
+        raise MemoryConfigError(name, f"{getattr(obj, name)!r} is not one of {choices}")
+
+
+# ---------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class TransformerShape:
+    """The shapes of a Llama-style Megatron-Core GPT model (Megatron's names and defaults)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    """Width of each of gate and up with SwiGLU (HF ``intermediate_size``)."""
+    num_attention_heads: int
+    vocab_size: int
+    """True vocabulary; Megatron pads it (``make_vocab_size_divisible_by·t``)."""
+    num_query_groups: int | None = None
+    """KV heads (GQA); None: = num_attention_heads."""
+    kv_channels: int | None = None
+    """Head dim; None: hidden_size / num_attention_heads."""
+    untie_embeddings_and_output_weights: bool = False
+    swiglu: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        _positive(self, "vocab_size", "make_vocab_size_divisible_by")
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        _positive(self, "num_query_groups")
+        if self.num_attention_heads % self.num_query_groups:
+            raise MemoryConfigError(
+                "num_query_groups",
+                f"{self.num_query_groups} does not divide num_attention_heads "
+                f"({self.num_attention_heads})",
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise MemoryConfigError(
+                    "num_attention_heads",
+                    f"{self.num_attention_heads} does not divide hidden_size "
+                    f"({self.hidden_size}); give kv_channels",
+                )
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        _positive(self, "kv_channels")
+
+    @classmethod
+    def from_model_args(cls, args: Any) -> TransformerShape:
+        """From a :class:`loggra_megatron.model.GPTModelArgs` (or anything with its fields)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Megatron's embedding rows at TP size ``tp`` (same rule as ``model.pad_vocab_size``)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return ceil_div(self.vocab_size, multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallel sizes; world size = TP · PP · DP."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Accepted and ignored (interleaving raises stage-0 activations by (1 + (p−1)/(p·v)))."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "data_parallel_size",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+        )
+
+    def check(self, model: TransformerShape) -> None:
+        """Raise :class:`MemoryConfigError` if Megatron would refuse ``model`` at these sizes."""
+        t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(model, name) % t:
+                raise MemoryConfigError(
+                    "tensor_model_parallel_size",
+                    f"{t} does not divide {name} ({getattr(model, name)})",
+                )
+        if model.num_layers % p:
+            raise MemoryConfigError(
+                "pipeline_model_parallel_size",
+                f"{p} does not divide num_layers ({model.num_layers})",
+            )
+
+
+@dataclass(frozen=True)
+class RLStepConfig:
+    """One RL step: rollout with the policy, then a training step on micro-batches."""
+
+    micro_batch_size: int = 1
+    seq_length: int = 4096
+    """Prompt + response tokens per sequence."""
+    precision: str = "bf16"
+    """``bf16``, ``fp8`` (TE on Hopper, bf16 params) or ``fp32``."""
+    main_grads_dtype: str = "fp32"
+    """Grad-buffer dtype for bf16/fp8 (Megatron-LM's default fp32 accumulate/reduce)."""
+    optimizer: str = "loggra"
+    loggra_rank: int = 128
+    loggra_min_dim: int = 64
+    exp_avg_dtype: str = "fp32"
+    """Dense Adam's first moment (bf16: Megatron's precision-aware optimizer). LoGRA: fp32."""
+    exp_avg_sq_dtype: str = "fp32"
+    reference_model: bool = True
+    recompute_granularity: str = "none"
+    rollout_batch_size: int = 0
+    """Sequences generated concurrently per model replica (KV cache); 0: rollouts elsewhere."""
+    num_microbatches: int | None = None
+    """Micro-batches per step; None: at least the PP size (1F1B steady state)."""
+    kl_probe_sequences: int = 0
+    """Predicted-KL control's probe sequences per model replica and step (0: control off)."""
+    kl_estimator: str = "full"
+    runtime_overhead_bytes: int = 2 * GiB
+
+    def __post_init__(self) -> None:
+        _positive(self, "micro_batch_size", "seq_length", "loggra_rank", "loggra_min_dim")
+        _positive(self, "rollout_batch_size", "runtime_overhead_bytes", allow_zero=True)
+        _positive(self, "kl_probe_sequences", allow_zero=True)
+        _choice(self, "kl_estimator", ("full", "k1", "k2", "k3"))
+        if self.num_microbatches is not None:
+            _positive(self, "num_microbatches")
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "optimizer", OPTIMIZERS)
+        _choice(self, "recompute_granularity", RECOMPUTE)
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            _choice(self, name, tuple(DTYPE_BYTES))
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else DTYPE_BYTES[self.main_grads_dtype]

@@ -1,0 +1,105 @@
+"""Megatron optimizers that give LoGRA bf16 gradients without Megatron's fp32 copy.
+
+Memory
+------
+Before each step, Megatron's ``DistributedOptimizer`` sets every fp32 main-param shard's
+``.grad`` to ``model_param.main_grad[shard].float()``. With fp32 grad buffers (Megatron's
+default) that is a view; with bf16 buffers (``grad_reduce_in_fp32=False``) it is a copy of
+every shard at once: 4 bytes per parameter of this DP shard, alive through the optimizer
+step, as large as the fp32 grad buffer the bf16 one was meant to save. LoGRA reads the
+gradients one weight at a time, so :class:`ModelGradsMixin` leaves the bf16 shards in
+the grad buffer and hands them to ``ShardedLoGRAAdamW.set_model_grads``; the step then
+holds at most one weight's fp32 gradient.
+
+What Megatron does to main grads is redone for those shards, on the same values:
+
+* **norm**: ``get_main_grads_for_grad_norm`` contributes, per bf16 shard ``g``, the
+  1-element fp32 tensor ``[‖g‖₂]`` (fp32 accumulation), so Megatron's
+  ``get_grad_norm_fp32`` (√ of the all-reduced sum of squares over the grad-stats group)
+  returns the total norm of the same gradients;
+* **clipping**: where Megatron scales fp32 main grads in place by
+  ``c = clip_grad / (‖g‖ + 1e-6)`` (if ``c < 1``), the inner optimizer multiplies each
+  fp32 conversion by ``c``: the same fp32 product. The leaf's ``clip_grad_norm`` sets
+  ``c``; a ``ChainedOptimizer`` computes the norm with ``get_grad_norm`` and then clips
+  with a module-level function, so :class:`LoGRAChainedOptimizer` sets ``c`` there.
+
+Megatron's copy is kept with fp16 loss scaling (the unscale works on the copies),
+``log_num_zeros_in_grad``, the precision-aware optimizer, non-distributed optimizers, and
+when ``loggra_fp32_grad_copy=True``. Pinned to megatron-core's ``DistributedOptimizer``
+(``prepare_grads`` → ``_copy_model_grads_to_main_grads``) and ``ChainedOptimizer.step``
+(``get_grad_norm`` before clipping); ``tests/test_megatron_optimizer.py`` covers both.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.transformer.module import param_is_not_shared
+
+
+def clip_coefficient(clip_grad: float, grad_norm: float) -> float:
+    """The factor Megatron's ``clip_grad_by_total_norm_fp32`` scales gradients by."""
+    if clip_grad <= 0.0:
+        return 1.0
+    coeff = clip_grad / (grad_norm + 1.0e-6)
+    return coeff if coeff < 1.0 else 1.0
+
+
+class ModelGradsMixin(MegatronOptimizer):
+    """For a ``DistributedOptimizer`` leaf whose inner optimizer is ``ShardedLoGRAAdamW``:
+    bf16 gradient shards go to the inner optimizer uncopied (module docstring)."""
+
+    __slots__ = ()
+
+    def _keeps_model_grads(self) -> bool:
+        config = self.config
+        return not (
+            getattr(config, "loggra_fp32_grad_copy", True)
+            or self.grad_scaler is not None
+            or config.log_num_zeros_in_grad
+            or config.use_precision_aware_optimizer
+        )
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        from loggra_megatron.optim.megatron_adapter import main_params_of
+
+        if not self._keeps_model_grads():
+            super()._copy_model_grads_to_main_grads()
+            return
+        model_grads = {}
+        for main, model, start, end in main_params_of(self):
+            grad = model.main_grad.view(-1)[start:end]
+            if grad.dtype == torch.float32:
+                main.grad = grad  # what Megatron's .float() returns: a view
+            else:
+                main.grad = None
+                model_grads[main] = grad
+        self.optimizer.set_model_grads(model_grads)
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        grads = super().get_main_grads_for_grad_norm()
+        for main, grad in self.optimizer.model_grads.items():
+            if param_is_not_shared(main) and (
+                tensor_parallel.param_is_not_tensor_parallel_duplicate(main)
+            ):
+                grads.append(torch.linalg.vector_norm(grad, dtype=torch.float32).reshape(1))
+        return grads
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = super().clip_grad_norm(clip_grad)
+        self.optimizer.model_grad_scale = clip_coefficient(clip_grad, grad_norm)
+        return grad_norm
+
+
+class LoGRAChainedOptimizer(ChainedOptimizer):
+    """Megatron's ``ChainedOptimizer`` over LoGRA leaves: also tells each leaf's inner
+    optimizer the clipping coefficient of the total norm it computes."""
+
+    def get_grad_norm(self):
+        grad_norm = super().get_grad_norm()
+        for leaf in self.chained_optimizers:
+            inner = getattr(leaf, "optimizer", None)
+            if hasattr(inner, "model_grad_scale"):
+                inner.model_grad_scale = clip_coefficient(leaf.config.clip_grad, grad_norm)
+        return grad_norm
