@@ -26,8 +26,12 @@ What Megatron does to main grads is redone for those shards, on the same values:
 Megatron's copy is kept with fp16 loss scaling (the unscale works on the copies),
 ``log_num_zeros_in_grad``, the precision-aware optimizer, non-distributed optimizers, and
 when ``loggra_fp32_grad_copy=True``. Pinned to megatron-core's ``DistributedOptimizer``
-(``prepare_grads`` → ``_copy_model_grads_to_main_grads``) and ``ChainedOptimizer.step``
-(``get_grad_norm`` before clipping); ``tests/test_megatron_optimizer.py`` covers both.
+(``prepare_grads`` → ``_copy_model_grads_to_main_grads``), the grad-norm list
+(``get_main_grads_for_grad_norm``, renamed ``get_grads_for_grad_norm`` in 0.19) and
+``ChainedOptimizer.step`` (``get_grad_norm`` once, right before clipping), which read the
+same in 0.16–0.19; ``tests/test_megatron_optimizer.py`` covers them on 0.16. Multi-token
+prediction heads with a separate grad-norm group (0.19, ``mtp_detach_heads``) are not
+handled.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimize
 from megatron.core.transformer.module import param_is_not_shared
 
 
-def clip_coefficient(clip_grad: float, grad_norm: float) -> float:
-    """The factor Megatron's ``clip_grad_by_total_norm_fp32`` scales gradients by."""
+def clip_coefficient(clip_grad: float, grad_norm) -> float:
+    """The factor Megatron's ``clip_grad_by_total_norm_fp32`` scales gradients by
+    (``grad_norm`` is a float, or a 1-element tensor from megatron-core ≥ 0.17 with TE)."""
     if clip_grad <= 0.0:
         return 1.0
-    coeff = clip_grad / (grad_norm + 1.0e-6)
+    coeff = clip_grad / (float(grad_norm) + 1.0e-6)
     return coeff if coeff < 1.0 else 1.0
 
 
@@ -77,14 +82,21 @@ class ModelGradsMixin(MegatronOptimizer):
                 model_grads[main] = grad
         self.optimizer.set_model_grads(model_grads)
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        grads = super().get_main_grads_for_grad_norm()
-        for main, grad in self.optimizer.model_grads.items():
-            if param_is_not_shared(main) and (
-                tensor_parallel.param_is_not_tensor_parallel_duplicate(main)
-            ):
-                grads.append(torch.linalg.vector_norm(grad, dtype=torch.float32).reshape(1))
-        return grads
+    def _model_grad_norms(self) -> list[torch.Tensor]:
+        """``[‖g‖₂]`` (fp32) of each handed-over grad shard that Megatron's norm counts."""
+        return [
+            torch.linalg.vector_norm(grad, dtype=torch.float32).reshape(1)
+            for main, grad in self.optimizer.model_grads.items()
+            if param_is_not_shared(main)
+            and tensor_parallel.param_is_not_tensor_parallel_duplicate(main)
+        ]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:  # megatron-core ≤ 0.18
+        return super().get_main_grads_for_grad_norm() + self._model_grad_norms()
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:  # ≥ 0.19
+        extra = self._model_grad_norms() if grad_norm_group is None else []
+        return super().get_grads_for_grad_norm(grad_norm_group) + extra
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = super().clip_grad_norm(clip_grad)
