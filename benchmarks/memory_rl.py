@@ -181,7 +181,7 @@ SETTINGS = (  # (grad buffers in bf16, frozen reference model resident)
 )
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=1408)
@@ -195,9 +195,14 @@ def main() -> None:
     ap.add_argument("--fp8", choices=["hybrid", "e4m3"],
                     help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)")  # fmt: skip
     ap.add_argument("--timed-steps", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.fp8 and args.device != "cuda":
         ap.error("--fp8 needs --device cuda (a Hopper GPU with Transformer Engine)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     from loggra_megatron.trainer import initialize_megatron
 
     initialize_megatron(device=args.device)

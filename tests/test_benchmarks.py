@@ -1,0 +1,68 @@
+"""The RL-step memory benchmark's accounting, and the GPU check script's flags.
+
+``benchmarks/memory_rl.py`` is what ``docs/results.md`` quotes, and
+``benchmarks/gpu/h200_check.sh`` can only run on a lent GPU: these tests keep both from
+rotting on CPU (a flag the script passes that the benchmark no longer accepts fails here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+
+import pytest
+
+from loggra_megatron.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "memory_rl.py")
+GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")
+
+
+def _memory_rl():
+    spec = importlib.util.spec_from_file_location("memory_rl", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_script_passes_flags_the_benchmark_accepts():
+    with open(GPU_CHECK) as f:
+        text = f.read()
+    shape = re.search(r"SHAPE=\((.*?)\)", text, re.S).group(1)
+    flags = shlex.split(shape.replace("\n", " "))
+    runs = re.findall(r'memory_rl\.py "\$\{SHAPE\[@\]\}"(.*)', text)
+    assert len(runs) == 2  # bf16, then FP8 when Transformer Engine is importable
+    for extra in runs:
+        args = _memory_rl().parse_args([*flags, *shlex.split(extra)])
+        assert args.device == "cuda" and args.hidden == 2048 and args.layers == 16
+    assert _memory_rl().parse_args([*flags, "--fp8", "hybrid"]).fp8 == "hybrid"
+    with pytest.raises(SystemExit):
+        _memory_rl().parse_args(["--fp8", "hybrid"])  # FP8 on CPU is refused
+
+
+def _measure_bf16_grads(rank):
+    from loggra_megatron.trainer import initialize_megatron
+
+    initialize_megatron(device="cpu")
+    bench = _memory_rl()
+    args = bench.parse_args(["--layers", "2", "--hidden", "64", "--ffn", "176", "--heads", "4",
+                             "--vocab", "128", "--seq", "16", "--timed-steps", "1"])  # fmt: skip
+    return {
+        kind: bench.measure(kind, args, bf16_grads=True, with_reference=True)
+        for kind in ("dense", "loggra")
+    }, args
+
+
+def test_memory_rl_counts_megatrons_fp32_grad_copies_and_loggras_one_weight():
+    ((result, args),) = run_distributed(_measure_bf16_grads, 1)
+    h, f, v = args.hidden, args.ffn, args.vocab
+    per_layer = 4 * h * h + 3 * h * f + 2 * h  # qkv + proj + fc1 (gate, up) + fc2 + 2 norms
+    bf16_params = args.layers * per_layer + 2 * v * h + h  # + embedding, output, final norm
+    dense, loggra = result["dense"], result["loggra"]
+    assert dense["step_grads"] == 4 * bf16_params  # every bf16 grad copied to fp32 at once
+    assert loggra["step_grads"] == 4 * max(v * h, 2 * f * h)  # the largest weight, alone
+    assert loggra["state"] < dense["state"]
+    assert loggra["peak"] < dense["peak"]
