@@ -325,9 +325,11 @@ def _bf16_grads(rank, fp32_copy):
     return {"mains": [p.detach().clone() for p in mains], "norms": norms, "seen": seen}
 
 
-def test_bf16_grads_reach_loggra_without_an_fp32_copy_and_give_the_same_steps():
-    copied = run_distributed(_bf16_grads, 2, True)
-    streamed = run_distributed(_bf16_grads, 2, False)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_bf16_grads_reach_loggra_without_an_fp32_copy_and_give_the_same_steps(tp):
+    # TP=2: replicated norm weights must be counted once in the grad norm
+    copied = run_distributed(_bf16_grads, 2, True, tp=tp)
+    streamed = run_distributed(_bf16_grads, 2, False, tp=tp)
     for r in range(2):
         assert all(fp32 > 0 and not dtypes for fp32, dtypes in copied[r]["seen"])
         assert all(fp32 == 0 and dtypes == {torch.bfloat16} for fp32, dtypes in streamed[r]["seen"])
