@@ -175,7 +175,7 @@ def _measure(kind: str, args, bf16_grads: bool, with_reference: bool) -> dict:
 
 SETTINGS = (  # (grad buffers in bf16, frozen reference model resident)
     (False, True),  # Megatron's default fp32 grads; GRPO/PPO with a KL-to-reference term
-    (True, True),  # --no-grad-reduce-in-fp32 style bf16 grads
+    (True, True),  # bf16 grad buffers (pretrain_rl.py --grad-reduce-in-bf16)
     (False, False),  # --kl-coef 0 (DAPO / Dr. GRPO): no reference model at all
     (True, False),
 )

@@ -35,12 +35,13 @@ def test_gpu_check_script_passes_flags_the_benchmark_accepts():
     flags = shlex.split(shape.replace("\n", " "))
     runs = re.findall(r'memory_rl\.py "\$\{SHAPE\[@\]\}"(.*)', text)
     assert len(runs) == 2  # bf16, then FP8 when Transformer Engine is importable
+    bench = _memory_rl()
     for extra in runs:
-        args = _memory_rl().parse_args([*flags, *shlex.split(extra)])
+        args = bench.parse_args([*flags, *shlex.split(extra)])
         assert args.device == "cuda" and args.hidden == 2048 and args.layers == 16
-    assert _memory_rl().parse_args([*flags, "--fp8", "hybrid"]).fp8 == "hybrid"
+    assert bench.parse_args([*flags, "--fp8", "hybrid"]).fp8 == "hybrid"
     with pytest.raises(SystemExit):
-        _memory_rl().parse_args(["--fp8", "hybrid"])  # FP8 on CPU is refused
+        bench.parse_args(["--fp8", "hybrid"])  # FP8 on CPU is refused
 
 
 def _measure_bf16_grads(rank):

@@ -252,12 +252,16 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 (clipped) gradient of ``p``: a model-precision one is converted now."""
+        return self._fp32(p, self._raw_grad(p))
+
+    def _fp32(self, p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """``piece`` of ``p``'s raw gradient in fp32, clipped if it is a model grad."""
         if p.grad is not None:
-            return p.grad.float()
-        grad = self.model_grads[p].float()
+            return piece.float()
+        piece = piece.float()
         if self.model_grad_scale != 1.0:
-            grad.mul_(self.model_grad_scale)
-        return grad
+            piece.mul_(self.model_grad_scale)
+        return piece
 
     @property
     def num_nonfinite_skips(self) -> int:
@@ -448,11 +452,11 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             if p is None or self._raw_grad(p) is None:
                 continue
             start, end = layout.dp_ranges[self._dp_rank]
-            for row, c0, c1, values in _cut_rows(
-                self._grad(p).view(-1), start, end, layout.shape[1]
+            for row, c0, c1, values in _cut_rows(  # converts only the split rows' pieces
+                self._raw_grad(p).view(-1), start, end, layout.shape[1]
             ).partial:
                 o = offsets[(w, row)]
-                buf[o + c0 : o + c1] = values
+                buf[o + c0 : o + c1] = self._fp32(p, values)
         if self._dp_reduce is not None:
             self._dp_reduce(buf)
         return {key: buf[o : o + self._all_layouts[key[0]].shape[1]] for key, o in offsets.items()}
