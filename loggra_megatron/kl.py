@@ -15,8 +15,16 @@ Exact KL(π_old ‖ π_new) per token, from the *partial log-prob deltas*::
     KL = Σ_v p_v (log p_v − log q_v)
        = Σ_t Σ_{v∈V_t} p_v (z_v − z'_v)  −  lse(z) + lse(z')          (Σ_v p_v = 1)
 
-so one all-reduce of ``[tokens]`` floats combines ``Σ_{v∈V_t} p_v (z_v − z'_v)`` after the
-two log-sum-exps (each a max and a sum all-reduce of ``[tokens]``).
+so one all-reduce of ``[tokens]`` floats combines the shards' ``Σ_{v∈V_t} e^{z_v−M}
+(z_v − z'_v)`` (divided by the log-sum-exp's sum afterwards), next to the two
+log-sum-exps (each a max and a sum all-reduce of ``[tokens]``).
+
+Gradients. Every rank back-propagates the same (replicated) per-token result, so the
+gradient of a TP sum with respect to this rank's partial is the identity: the sums use
+:class:`_AllReduceSum` (all-reduce forward, identity backward; Megatron's
+``reduce_from_tensor_model_parallel_region`` with an explicit group). The max ``M`` is a
+numerical shift that cancels in ``lse``, so it is detached; an all-reduce that autograd
+cannot see would otherwise route a wrong gradient to each shard's local maximum.
 
 Sampled estimators (Schulman 2020, "Approximating KL divergence"), for tokens ``a ~ π_old``
 and ``δ = log q(a) − log p(a)``: ``k1 = −δ`` (unbiased, high variance, can be negative),
@@ -31,18 +39,40 @@ import torch.distributed as dist
 ESTIMATORS = ("full", "k1", "k2", "k3")
 
 
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+def _split(group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ``group`` in the forward pass, identity in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _sum_over(partial: torch.Tensor, group) -> torch.Tensor:
+    return _AllReduceSum.apply(partial, group) if _split(group) else partial
+
+
+def _shifted_exp(z: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M [...], e^{z − M} [..., V/TP])`` with ``M`` the (detached) global max."""
+    m = z.detach().max(dim=-1).values  # a shift: every result below is independent of it
+    if _split(tp_group):
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    return m, (z - m.unsqueeze(-1)).exp()
 
 
 def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     """``log Σ_v e^{z_v}`` over the whole vocabulary; ``logits [..., V/TP]`` → ``[...]``."""
-    z = logits.float()
-    m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)
-    s = _all_reduce((z - m.unsqueeze(-1)).exp().sum(dim=-1), dist.ReduceOp.SUM, tp_group)
-    return m + s.log()
+    m, e = _shifted_exp(logits.float(), tp_group)
+    return m + _sum_over(e.sum(dim=-1), tp_group).log()
 
 
 def vocab_parallel_log_probs(
@@ -56,20 +86,23 @@ def vocab_parallel_log_probs(
     local = targets - vocab_start
     mine = (local >= 0) & (local < z.shape[-1])
     target_logit = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = _all_reduce(target_logit * mine, dist.ReduceOp.SUM, tp_group)
+    target_logit = _sum_over(target_logit * mine, tp_group)
     return target_logit - vocab_parallel_logsumexp(z, tp_group)
 
 
 def vocab_parallel_kl(
     logits_old: torch.Tensor, logits_new: torch.Tensor, tp_group=None
 ) -> torch.Tensor:
-    """Exact per-token ``KL(softmax(z_old) ‖ softmax(z_new))`` over the full vocabulary."""
+    """Exact per-token ``KL(softmax(z_old) ‖ softmax(z_new))`` over the full vocabulary.
+
+    ``Σ_v p_v (z_v − z'_v) = A / S`` with the TP sums ``A = Σ e^{z−M} (z − z')`` and
+    ``S = Σ e^{z−M}``, so that everything after the two all-reduces is replicated over TP
+    (and the identity backward of the sums is exact)."""
     z_old, z_new = logits_old.float(), logits_new.float()
-    lse_old = vocab_parallel_logsumexp(z_old, tp_group)
-    lse_new = vocab_parallel_logsumexp(z_new, tp_group)
-    p_old = (z_old - lse_old.unsqueeze(-1)).exp()
-    partial = (p_old * (z_old - z_new)).sum(dim=-1)  # this shard's Σ p (z − z')
-    return _all_reduce(partial, dist.ReduceOp.SUM, tp_group) - lse_old + lse_new
+    m, e = _shifted_exp(z_old, tp_group)
+    a = _sum_over((e * (z_old - z_new)).sum(dim=-1), tp_group)
+    s = _sum_over(e.sum(dim=-1), tp_group)
+    return a / s - (m + s.log()) + vocab_parallel_logsumexp(z_new, tp_group)
 
 
 def sampled_kl(logp_old: torch.Tensor, logp_new: torch.Tensor, estimator: str) -> torch.Tensor:

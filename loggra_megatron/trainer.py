@@ -24,7 +24,6 @@ import os
 import resource
 import signal
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -356,51 +355,14 @@ class RLTrainer:
 
         return ps.get_data_parallel_group()
 
-    def _global_counts(self, mask: torch.Tensor, num_seqs: int) -> tuple[float, float]:
-        counts = torch.tensor([float(mask.sum()), float(num_seqs)], dtype=torch.float64)
-        if self.dp > 1:
-            dist.all_reduce(counts, group=self._dp_group())
-        return float(counts[0]), float(counts[1])
-
-    def _run_schedule(self, micro: list[dict], loss_fn, seq_length: int) -> list[dict]:
-        """Forward + backward over ``micro`` batches with Megatron's schedule (1F1B for PP).
-        ``loss_fn(batch, logits) -> (loss, metrics)`` returns this micro-batch's share of the
-        global mini-batch loss; the schedule divides by the micro-batch count and DDP
-        averages over DP, so the loss is multiplied back by both."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        scale = len(micro) * self.dp
-
-        def loss_func(batch, logits):
-            loss, metrics = loss_fn(batch, logits)
-            return loss * scale, {k: v.detach().float() for k, v in metrics.items()}
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            x = batch["tokens"][:, :-1]
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
-            return model(x, pos, None), partial(loss_func, batch)
-
-        self.policy.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.policy],
-            num_microbatches=len(micro), seq_length=seq_length,
-            micro_batch_size=self.cfg.training.micro_batch_size, forward_only=False,
-        )  # fmt: skip
-
-    def _log_probs(self, logits, targets):
-        from megatron.core import parallel_state as ps
-
-        from loggra_megatron.kl import vocab_parallel_log_probs
-
-        start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-        return vocab_parallel_log_probs(
-            logits, targets, start, ps.get_tensor_model_parallel_group()
-        )
-
     def _ppo_updates(self, rollout, advantages, ref_logp) -> dict[str, float]:
-        from loggra_megatron.rl import grpo_loss
+        from loggra_megatron.rl.actor import (
+            combine_micro_metrics,
+            forward_backward,
+            global_counts,
+            grpo_loss_fn,
+            split_micro,
+        )
 
         rl, t = self.cfg.rl, self.cfg.training
         dev = self.device
@@ -410,29 +372,19 @@ class RLTrainer:
         }  # fmt: skip
         if ref_logp is not None:
             data["ref"] = ref_logp.to(dev)
-        per_step, mbs = t.global_batch_size // self.dp, t.micro_batch_size
+        per_step = t.global_batch_size // self.dp
         sums, n = {}, 0
         for _ in range(rl.ppo_epochs):
             for start in range(0, len(data["tokens"]), per_step):
                 mini = {k: v[start : start + per_step] for k, v in data.items()}
-                n_tok, n_seq = self._global_counts(mini["mask"], per_step)
-
-                def loss_fn(b, logits, n_tok=n_tok, n_seq=n_seq):
-                    logp = self._log_probs(logits, b["tokens"][:, 1:])
-                    return grpo_loss(
-                        logp, b["old"], b["adv"], b["mask"], logp_ref=b.get("ref"),
-                        kl_coef=self.kl_coef.value, kl_estimator=rl.kl_ref_estimator,
-                        clip_low=rl.clip_low, clip_high=rl.clip_high,
-                        aggregation=rl.loss_aggregation, num_tokens_global=n_tok,
-                        num_seqs_global=n_seq, max_len=rl.max_new_tokens,
-                    )  # fmt: skip
-
-                micro = [
-                    {k: v[i : i + mbs] for k, v in mini.items()} for i in range(0, per_step, mbs)
-                ]
-                outs = self._run_schedule(micro, loss_fn, mini["tokens"].shape[1] - 1)
+                n_tok, n_seq = global_counts(mini["mask"], per_step, self._dp_group())
+                loss_fn = grpo_loss_fn(rl, self.kl_coef.value, n_tok, n_seq)
+                outs = forward_backward(
+                    self.policy, self.optimizer, split_micro(mini, t.micro_batch_size), loss_fn,
+                    t.micro_batch_size, self.dp,
+                )  # fmt: skip
                 step_metrics = self._optimizer_step(mini)
-                for key, value in _combine_micro_metrics(outs, self.dp).items():
+                for key, value in combine_micro_metrics(outs, self.dp).items():
                     sums[key] = sums.get(key, 0.0) + value
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
@@ -497,6 +449,13 @@ class RLTrainer:
         """``--sft-iters`` steps of next-token training on the tasks' reference solutions
         (prompt tokens masked out), so that a model trained from scratch can earn rewards."""
         from loggra_megatron.data.prompts import format_completion, format_prompt
+        from loggra_megatron.rl.actor import (
+            combine_micro_metrics,
+            forward_backward,
+            global_counts,
+            sft_loss_fn,
+            split_micro,
+        )
 
         t, tok = self.cfg.training, self.tokenizer
         lr = t.sft_lr if t.sft_lr is not None else t.lr
@@ -514,22 +473,14 @@ class RLTrainer:
                 tokens[i, : len(ids)] = torch.tensor(ids)
                 mask[i, len(prompt) - 1 : len(ids) - 1] = True
             tokens, mask = tokens.to(self.device), mask.to(self.device)
-            n_tok, _ = self._global_counts(mask, per_step)
-
-            def loss_fn(b, logits, n_tok=n_tok):
-                nll = -self._log_probs(logits, b["tokens"][:, 1:]) * b["mask"]
-                loss = nll.sum() / n_tok
-                return loss, {"loss/sft": loss}
-
-            micro = [
-                {"tokens": tokens[i : i + mbs], "mask": mask[i : i + mbs]}
-                for i in range(0, per_step, mbs)
-            ]
+            n_tok, _ = global_counts(mask, per_step, self._dp_group())
+            micro = split_micro({"tokens": tokens, "mask": mask}, mbs)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            outs = self._run_schedule(micro, loss_fn, width)
+            outs = forward_backward(self.policy, self.optimizer, micro, sft_loss_fn(n_tok), mbs,
+                                    self.dp)  # fmt: skip
             self.optimizer.step()
-            loss = _combine_micro_metrics(outs, self.dp).get("loss/sft")
+            loss = combine_micro_metrics(outs, self.dp).get("loss/sft")
             if self.rank == 0 and loss is not None and (it + 1) % 10 == 0:
                 print(f" sft {it + 1:5d}/{t.sft_iters} | loss {loss:.4f}", flush=True)
         self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
@@ -598,15 +549,3 @@ class RLTrainer:
             print(" SIGTERM: finishing this step, saving and exiting", flush=True)
         self._stop = True
 
-
-def _combine_micro_metrics(outs: list[dict], dp: int) -> dict[str, float]:
-    """Per-micro-batch metrics of one mini-batch: the ``loss/*`` terms are this rank's
-    shares of the global loss (summed, then × DP so that the DP mean is the global sum);
-    the others are averaged."""
-    if not outs:
-        return {}
-    combined = {}
-    for key in outs[0]:
-        values = [float(o[key]) for o in outs]
-        combined[key] = sum(values) * dp if key.startswith("loss/") else sum(values) / len(values)
-    return combined
