@@ -44,9 +44,7 @@ def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, f
     return float(counts[0]), float(counts[1])
 
 
-def grpo_loss_fn(
-    rl, kl_coef: float, num_tokens: float, num_seqs: float
-) -> LossFn:
+def grpo_loss_fn(rl, kl_coef: float, num_tokens: float, num_seqs: float) -> LossFn:
     """The GRPO/PPO-clip loss of a mini-batch (``rl``: the ``RLArguments``)."""
 
     def loss_fn(batch: dict, logits: torch.Tensor):
