@@ -7,13 +7,21 @@ Parse (every flag validated before any process group is created) → build → t
 See README.md and `python pretrain_rl.py --help`.
 """
 
+import sys
+
 from loggra_megatron.arguments import parse_args
-from loggra_megatron.trainer import RLTrainer
+from loggra_megatron.trainer import RLTrainer, TrainingStopped
 
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    RLTrainer(cfg).setup().train()
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup().train()
+    except TrainingStopped as e:  # raised on every rank alike
+        if getattr(trainer, "rank", 0) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ class TrainingArguments:
     grad_reduce_in_bf16: bool = False
     """Accumulate and reduce-scatter gradients in bf16 instead of fp32 (needs --bf16). LoGRA
     then reads them without Megatron's fp32 copy (see --loggra-fp32-grad-copy)."""
+    max_consecutive_skipped_steps: int = 10
+    """Stop the run (exit 1, checkpoints untouched) after this many optimizer steps in a row
+    were skipped for a non-finite gradient norm or predicted KL (0: never stop)."""
     sft_iters: int = 0
     """Supervised warm-up steps on the tasks' reference solutions before RL."""
     sft_lr: float | None = None

@@ -15,10 +15,11 @@ controller
    scaled candidate on the probe and halves η while its KL exceeds
    ``kl_backtrack_tolerance × kl_target`` (at most ``kl_max_backtracks`` times);
 4. commits ``θ + η·Δθ`` as Megatron's own ``step_with_ready_grads`` with every group's lr
-   multiplied by η (AdamW's decay and update both scale with lr, and the moments are
-   updated as for the full step, i.e. not rescaled). With ``η = 1`` this *is* the normal
-   step, bit for bit. A non-finite KL̂ skips the update, leaving weights and state as
-   they were.
+   multiplied by η (:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`;
+   AdamW's decay and update both scale with lr, and the moments are updated as for the
+   full step, i.e. not rescaled). With ``η = 1`` this *is* the normal step, bit for bit.
+   A non-finite gradient norm or KL̂ skips the update, leaving weights and state as they
+   were.
 5. every ``kl_realized_interval`` steps, measures ``kl/realized`` at the committed weights
    on *held-out* sequences that were not in the probe: an honest check of the prediction.
 
@@ -49,6 +50,7 @@ import torch.distributed as dist
 
 from loggra_megatron.kl import ESTIMATORS, sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.optim.candidate import write_candidate
+from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,7 @@ class PredictedKLController:
         if len(leaves) != 1:
             raise NotImplementedError("predicted-KL control supports one leaf optimizer")
         self.config, self.leaf, self.forward = config, leaves[0], forward
+        self.stepper = MegatronStepper(optimizer)
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -214,12 +217,13 @@ class PredictedKLController:
         ref_bytes = _bytes(ref) + _bytes(ref_holdout)
         t_control = time.perf_counter() - t_start
 
-        if leaf.prepare_grads():  # found inf/nan while unscaling (fp16)
-            return StepResult(False, None, None)
-        grad_norm = (
-            leaf.clip_grad_norm(leaf.config.clip_grad) if leaf.config.clip_grad > 0 else None
-        )
+        prepared = self.stepper.prepare()
+        grad_norm = prepared.grad_norm
         num_zeros = leaf.count_zeros() if leaf.config.log_num_zeros_in_grad else None
+        if not prepared.ok:  # fp16 overflow or a non-finite gradient norm
+            self.num_skipped_steps += 1
+            metrics = {"kl/step_scale": 0.0, "time/kl_control_s": t_control}
+            return StepResult(False, grad_norm, num_zeros, metrics)
 
         t0 = time.perf_counter()
         kl_raw, peak = self._candidate_kl(probe_batch, ref, 1.0)
@@ -253,7 +257,7 @@ class PredictedKLController:
             metrics.update({"kl/step_scale": 0.0, "time/kl_control_s": t_control})
             return StepResult(False, grad_norm, num_zeros, metrics)
 
-        self._commit(eta)
+        self.stepper.commit(eta)
         self.num_steps += 1
         if realized_due:
             t0 = time.perf_counter()
@@ -320,18 +324,6 @@ class PredictedKLController:
         for main, saved in zip(self._aliased, backup, strict=True):
             main.copy_(saved)
         return kl, peak
-
-    def _commit(self, eta: float) -> None:
-        groups = self.leaf.optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
-        try:
-            if eta != 1.0:
-                for g in groups:
-                    g["lr"] = g["lr"] * eta
-            self.leaf.step_with_ready_grads()
-        finally:
-            for g, lr in zip(groups, lrs, strict=True):
-                g["lr"] = lr
 
     def _restore_model_weights(self) -> None:
         self.leaf._copy_main_params_to_model_params()

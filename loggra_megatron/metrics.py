@@ -52,7 +52,8 @@ METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20
 
 METRIC_KEYS: dict[str, str] = {
-    "step": "optimizer step, 1-based (= Megatron iteration after the step); first JSONL key",
+    "step": "RL step, 1-based (rollout + its optimizer updates; = the checkpoint iteration); "
+    "first JSONL key",
     "loss/total": "policy loss + β·KL-to-reference loss (the loss that is back-propagated)",
     "loss/policy": "PPO-clip / GRPO surrogate loss, aggregated as configured",
     "loss/kl_ref": "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)",
@@ -69,9 +70,12 @@ METRIC_KEYS: dict[str, str] = {
     "kl/coef": "β, the (adaptive) coefficient of the KL-to-reference loss",
     "clip/fraction": "share of tokens whose PPO ratio was clipped (zero gradient)",
     "ratio/mean": "token mean of the ratio π_θ / π_old",
+    "kl/old_new": "token-mean k3 estimate of KL(π_old ‖ π_θ), the sampling policy to the "
+    "policy being trained (grows over PPO epochs / mini-batches)",
     "grad/norm": "global gradient L2 norm before clipping",
-    "optimizer/skipped_steps": "share of the step's optimizer updates that were skipped "
-    "(non-finite grads or KL; 0 = none)",
+    "optimizer/skipped_steps": "number of this step's optimizer updates that were skipped "
+    "(non-finite gradient norm or predicted KL; weights, state and LR schedule unchanged)",
+    "optimizer/skipped_steps_total": "skipped optimizer updates since the start of the run",
     "memory/optimizer_state_bytes": "optimizer state bytes of rank 0 (exact, optim.state_bytes)",
     "memory/peak_bytes": "peak allocated memory of rank 0 so far (CUDA max allocated; "
     "peak RSS on CPU)",

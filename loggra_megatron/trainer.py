@@ -30,6 +30,14 @@ import torch.distributed as dist
 
 from loggra_megatron.arguments import RLConfig
 
+SUMMED_KEYS = ("optimizer/skipped_steps",)
+"""Per-update metrics an RL step reports as totals over its updates (the others: means)."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (raised on every rank alike); nothing was corrupted."""
+
+
 REDUCED_KEYS = (
     "loss/total", "loss/policy", "loss/kl_ref", "kl/ref", "clip/fraction", "ratio/mean",
     "reward/mean", "reward/std", "reward/accuracy", "response/length_mean",
@@ -77,6 +85,8 @@ class RLTrainer:
         self.cfg = cfg
         self.step = 0
         self._stop = False
+        self.consecutive_skips = 0
+        self.skipped_steps_total = 0
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> RLTrainer:
@@ -85,6 +95,7 @@ class RLTrainer:
 
         from loggra_megatron.data.prompts import PromptDataset
         from loggra_megatron.metrics import MetricsLogger
+        from loggra_megatron.optim.megatron.stepper import MegatronStepper
         from loggra_megatron.rewards import load_reward_fn
         from loggra_megatron.rl import AdaptiveKLCoefficient
         from loggra_megatron.tokenizer import SentencePieceTokenizer
@@ -105,6 +116,7 @@ class RLTrainer:
         self.policy = self._build_model(trainable=True)
         self.reference = self._build_model(trainable=False) if cfg.rl.kl_coef > 0 else None
         self.optimizer = self._build_optimizer()
+        self.stepper = MegatronStepper(self.optimizer)
         t = cfg.training
         # Megatron's scheduler needs warm-up < decay (also for --train-iters 0 warm-up runs)
         decay_steps = max(self.optimizer_steps_per_rl_step * t.train_iters, t.lr_warmup_iters + 1)
@@ -327,7 +339,7 @@ class RLTrainer:
             "response/length_mean": rollout.response_lengths.float().mean().item(),
         }
         metrics = self._reduce_metrics(local)
-        if self.kl_coef.adaptive:
+        if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=rl.prompts_per_step * rl.num_generations)
         step_time = time.perf_counter() - t0
         tokens = rollout.token_mask.sum().to(torch.float64)
@@ -336,6 +348,7 @@ class RLTrainer:
         metrics.update(self._memory_metrics())
         metrics.update({
             "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
+            "optimizer/skipped_steps_total": float(self.skipped_steps_total),
             "time/step_s": step_time, "time/rollout_s": t_rollout, "time/train_s": t_train,
             "throughput/tokens_per_s": float(tokens) / step_time,
         })  # fmt: skip
@@ -389,12 +402,13 @@ class RLTrainer:
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 n += 1
-        return {k: v / n for k, v in sums.items()}
+        # means over the optimizer updates, except the count of skipped ones
+        return {k: v if k in SUMMED_KEYS else v / n for k, v in sums.items()}
 
     def _optimizer_step(self, mini: dict) -> dict[str, float]:
         if self.kl_controller is None:
-            ok, grad_norm, _ = self.optimizer.step()
-            metrics = {}
+            prepared = self.stepper.step()
+            ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
         else:
             probe, holdout = self.kl_controller.config.probe_split(len(mini["tokens"]))
             result = self.kl_controller.step(
@@ -402,6 +416,7 @@ class RLTrainer:
                 (mini["tokens"][holdout], mini["mask"][holdout]) if holdout.stop > holdout.start else None,
             )  # fmt: skip
             ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
+        self._count_update(ok, grad_norm)
         if ok:
             self.scheduler.step(1)
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
@@ -409,6 +424,24 @@ class RLTrainer:
         if grad_norm is not None:
             metrics["grad/norm"] = float(grad_norm)
         return metrics
+
+    def _count_update(self, ok: bool, grad_norm: float | None) -> None:
+        """Count a skipped optimizer step; stop the run after too many in a row (every rank
+        takes the same decision: the grad norm and the KL are global)."""
+        if ok:
+            self.consecutive_skips = 0
+            return
+        self.consecutive_skips += 1
+        self.skipped_steps_total += 1
+        limit = self.cfg.training.max_consecutive_skipped_steps
+        if limit and self.consecutive_skips >= limit:
+            raise TrainingStopped(
+                f"{self.consecutive_skips} consecutive optimizer steps were skipped (non-finite "
+                f"gradient norm or predicted KL; last grad norm {grad_norm}) at RL step "
+                f"{self.step + 1}. Weights, optimizer state and checkpoints are unchanged since "
+                "the last good step. Lower --lr, check --kl-coef and the reward, or raise "
+                "--max-consecutive-skipped-steps."
+            )
 
     def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
         """Means over DP of the per-rank metrics; the loss terms live on the last PP stage
@@ -479,7 +512,8 @@ class RLTrainer:
                 g["lr"] = lr
             outs = forward_backward(self.policy, self.optimizer, micro, sft_loss_fn(n_tok), mbs,
                                     self.dp)  # fmt: skip
-            self.optimizer.step()
+            prepared = self.stepper.step()
+            self._count_update(prepared.ok, prepared.grad_norm)
             loss = combine_micro_metrics(outs, self.dp).get("loss/sft")
             if self.rank == 0 and loss is not None and (it + 1) % 10 == 0:
                 print(f" sft {it + 1:5d}/{t.sft_iters} | loss {loss:.4f}", flush=True)
@@ -500,7 +534,10 @@ class RLTrainer:
             "scheduler": self.scheduler.state_dict(),
             "kl_coef": self.kl_coef.state_dict(),
             "model_args": self.model_args.to_dict(),
-        }
+            "skipped_steps": {
+                "total": self.skipped_steps_total, "consecutive": self.consecutive_skips,
+            },
+        }  # fmt: skip
         if self.kl_controller is not None:
             state["kl_controller"] = {
                 "num_steps": self.kl_controller.num_steps,
@@ -537,6 +574,8 @@ class RLTrainer:
         self.dataset.load_state_dict(common["data"])
         self.scheduler.load_state_dict(common["scheduler"])
         self.kl_coef.load_state_dict(common["kl_coef"])
+        skips = common.get("skipped_steps", {"total": 0, "consecutive": 0})
+        self.skipped_steps_total, self.consecutive_skips = skips["total"], skips["consecutive"]
         if self.kl_controller is not None and "kl_controller" in common:
             self.kl_controller.num_steps = common["kl_controller"]["num_steps"]
             self.kl_controller.num_skipped_steps = common["kl_controller"]["num_skipped_steps"]

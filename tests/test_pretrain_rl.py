@@ -6,53 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.metrics import METRIC_KEYS, read_metrics
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REWARD = os.path.join(ROOT, "tests", "reward_fns.py")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("tok") / "tok"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--builtin-tasks",
-         "3000", "--vocab-size", "192", "--output-prefix", str(prefix)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return f"{prefix}.model"
-
-
-def _tiny(tokenizer, **overrides) -> list[str]:
-    flags = {
-        "tokenizer-model": tokenizer, "num-layers": 2, "hidden-size": 64,
-        "num-attention-heads": 4, "seq-length": 64, "max-new-tokens": 12,
-        "prompts-per-step": 4, "num-generations": 4, "global-batch-size": 8,
-        "micro-batch-size": 2, "train-iters": 2, "lr": 3e-3, "loggra-rank": 8,
-        "loggra-min-dim": 16, "reward-fn": f"{REWARD}:digit_count", "seed": 7,
-    }  # fmt: skip
-    flags.update(overrides)
-    argv = []
-    for key, value in flags.items():
-        if value is True:
-            argv.append(f"--{key}")
-        elif value is not None and value is not False:
-            argv += [f"--{key}", str(value)]
-    return argv
-
-
-def _torchrun(argv, nproc=2, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
 
 
 # ---------------------------------------------------------------- rejected configurations
@@ -80,7 +37,7 @@ def _torchrun(argv, nproc=2, check=True):
 )
 def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_args(_tiny(tokenizer, **overrides), world_size=world)
+        parse_args(tiny_argv(tokenizer, **overrides), world_size=world)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
 
@@ -88,14 +45,14 @@ def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, 
 def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("hidden-size: 128\nnum_attention_heads: 8\nlr: 0.5\n")
-    cfg = parse_args([*_tiny(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
+    cfg = parse_args([*tiny_argv(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
                       "--config", str(config), "--lr", "0.25"])  # fmt: skip
     assert (cfg.model.hidden_size, cfg.model.num_attention_heads) == (128, 8)
     assert cfg.training.lr == 0.25
     bad = tmp_path / "bad.yaml"
     bad.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
-        parse_args([*_tiny(tokenizer), "--config", str(bad)])
+        parse_args([*tiny_argv(tokenizer), "--config", str(bad)])
 
 
 # ---------------------------------------------------------------- end to end
@@ -120,7 +77,7 @@ def _check_metrics(out_dir, steps):
 )
 def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     out = tmp_path / "run"
-    _torchrun(_tiny(tokenizer, **parallel, **{"output-dir": out, "bf16": True,
+    torchrun(tiny_argv(tokenizer, **parallel, **{"output-dir": out, "bf16": True,
                                                "kl-target": 0.05, "kl-coef": 0.01}))  # fmt: skip
     rows = _check_metrics(out, 2)
     assert any(r["grad/norm"] > 0 for r in rows)  # the digit reward gives a real signal
@@ -132,10 +89,10 @@ def test_resume_equals_uninterrupted(tokenizer, tmp_path):
     common = {"train-iters": 4, "bf16": True, "kl-coef": 0.01, "kl-target": 0.05,
               "loggra-update-interval": 3}  # fmt: skip
     full = tmp_path / "full"
-    _torchrun(_tiny(tokenizer, **common, save=full))
+    torchrun(tiny_argv(tokenizer, **common, save=full))
     part = tmp_path / "part"
-    _torchrun(_tiny(tokenizer, **{**common, "train-iters": 2}, save=part))
-    _torchrun(_tiny(tokenizer, **common, save=part, load=part))
+    torchrun(tiny_argv(tokenizer, **{**common, "train-iters": 2}, save=part))
+    torchrun(tiny_argv(tokenizer, **common, save=part, load=part))
     volatile = ("time/", "throughput/", "memory/peak")
     for a, b in zip(read_metrics(full), read_metrics(part), strict=True):
         for key in a:
@@ -144,8 +101,8 @@ def test_resume_equals_uninterrupted(tokenizer, tmp_path):
 
 
 def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenizer, tmp_path):
-    proc = _torchrun(
-        _tiny(
+    proc = torchrun(
+        tiny_argv(
             tokenizer,
             **{"reward-fn": f"{REWARD}:fails_on_fourth_sample", "output-dir": tmp_path / "r"},
         ),  # fmt: skip
@@ -202,7 +159,7 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
     out = tmp_path / "run"
     flags = {"load": tmp_path / "ckpt", "output-dir": out, "train-iters": 1, "bf16": True,
              "num-layers": None, "hidden-size": None, "num-attention-heads": None}  # fmt: skip
-    _torchrun(_tiny(tokenizer, **flags), nproc=1)
+    torchrun(tiny_argv(tokenizer, **flags), nproc=1)
     (row,) = _check_metrics(out, 1)
     assert row["grad/norm"] > 0
 
@@ -210,9 +167,8 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
 def test_sigterm_saves_a_checkpoint_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"),
-           *_tiny(tokenizer, **{"train-iters": 1000, "save": save})]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+           *tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     for line in proc.stdout:  # wait for the first step, then ask the job to stop
         if line.startswith(" step"):
             proc.terminate()
@@ -229,9 +185,9 @@ def test_weights_only_load_starts_from_the_loaded_policy(tokenizer, tmp_path):
     second optimizer step of the first RL step does not revert to the initial weights."""
     common = {"bf16": True, "kl-coef": 0.01}
     first = tmp_path / "first"
-    _torchrun(_tiny(tokenizer, **common, **{"train-iters": 2, "lr": 3e-2}, save=first))
+    torchrun(tiny_argv(tokenizer, **common, **{"train-iters": 2, "lr": 3e-2}, save=first))
     out = tmp_path / "second"
-    _torchrun(_tiny(tokenizer, **common, **{"train-iters": 1, "seed": 4}, load=first,
+    torchrun(tiny_argv(tokenizer, **common, **{"train-iters": 1, "seed": 4}, load=first,
                     **{"no-load-optim": True, "output-dir": out}))  # fmt: skip
     (row,) = read_metrics(out)
     assert row["kl/ref"] < 0.05  # two optimizer steps away from the loaded reference

@@ -1,0 +1,1 @@
+"""Everything that reads Megatron-Core optimizer internals (pinned, covered by tests)."""

@@ -1,0 +1,41 @@
+"""Tiny ``pretrain_rl.py`` runs for the tests: the flags of a 2-layer policy, and torchrun."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REWARD = os.path.join(ROOT, "tests", "reward_fns.py")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+
+
+def tiny_argv(tokenizer, **overrides) -> list[str]:
+    """Flags of a tiny run; ``overrides`` by flag name (None/False drops a flag, True sets a
+    switch)."""
+    flags = {
+        "tokenizer-model": tokenizer, "num-layers": 2, "hidden-size": 64,
+        "num-attention-heads": 4, "seq-length": 64, "max-new-tokens": 12,
+        "prompts-per-step": 4, "num-generations": 4, "global-batch-size": 8,
+        "micro-batch-size": 2, "train-iters": 2, "lr": 3e-3, "loggra-rank": 8,
+        "loggra-min-dim": 16, "reward-fn": f"{REWARD}:digit_count", "seed": 7,
+    }  # fmt: skip
+    flags.update(overrides)
+    argv = []
+    for key, value in flags.items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not None and value is not False:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def torchrun(argv, nproc=2, check=True, timeout=600):
+    """``torchrun --nproc-per-node nproc pretrain_rl.py argv``; the finished process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--standalone", os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
