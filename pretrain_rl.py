@@ -7,21 +7,31 @@ Parse (every flag validated before any process group is created) → build → t
 See README.md and `python pretrain_rl.py --help`.
 """
 
+import os
 import sys
 
 from loggra_megatron.arguments import parse_args
+from loggra_megatron.config import ConfigError
+from loggra_megatron.preflight import preflight
 from loggra_megatron.trainer import RLTrainer, TrainingStopped
 
 
+def _fail(message: str, status: int) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pretrain_rl.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
 def main(argv=None) -> None:
-    cfg = parse_args(argv)
-    trainer = RLTrainer(cfg)
+    cfg = parse_args(argv)  # exit 2 on a bad flag
     try:
-        trainer.setup().train()
-    except TrainingStopped as e:  # raised on every rank alike
-        if getattr(trainer, "rank", 0) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        host = preflight(cfg)  # tokenizer, reward, data, resume checks: still no process group
+    except ConfigError as e:
+        _fail(str(e), 2)
+    try:
+        RLTrainer(cfg, host).setup().train()
+    except TrainingStopped as e:  # raised on every rank alike; checkpoints untouched
+        _fail(str(e), 1)
 
 
 if __name__ == "__main__":

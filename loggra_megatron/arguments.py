@@ -19,8 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loggra_megatron.checkpointing.resume import StartPlan, check_resume, plan_start
+from loggra_megatron.config import ConfigError, at_least, check_fields, one_of, positive, reject
+from loggra_megatron.data.tasks import KINDS as TASKS
 from loggra_megatron.kl_control import KLControlConfig
 from loggra_megatron.optim.projection import PROJECTIONS
+from loggra_megatron.rl.losses import AGGREGATIONS
+
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adam", "loggra")
 
 
 @dataclass
@@ -52,6 +62,28 @@ class ModelArguments:
     transformer_impl: str = "auto"
     """local (plain PyTorch) | transformer_engine | auto (TE on GPU when installed)."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("num_layers", positive, ">= 1"), ("hidden_size", positive, ">= 1"),
+            ("ffn_hidden_size", positive, ">= 1"), ("num_attention_heads", positive, ">= 1"),
+            ("num_query_groups", positive, ">= 1"), ("seq_length", at_least(2), ">= 2"),
+            ("rotary_base", positive, "> 0"), ("init_method_std", positive, "> 0"),
+            ("fp8_format", one_of(*FP8_FORMATS), f"one of {', '.join(FP8_FORMATS)}"),
+            ("fp8_recipe", one_of(*FP8_RECIPES), f"one of {', '.join(FP8_RECIPES)}"),
+            ("transformer_impl", one_of(*TRANSFORMER_IMPLS),
+             f"one of {', '.join(TRANSFORMER_IMPLS)}"),
+        ])  # fmt: skip
+        if self.hidden_size % self.num_attention_heads:
+            reject("hidden_size", self.hidden_size,
+                   f"must be divisible by --num-attention-heads {self.num_attention_heads}")
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            reject("num_query_groups", self.num_query_groups,
+                   f"must divide --num-attention-heads {self.num_attention_heads}")
+        if self.fp8_format is not None and self.transformer_impl == "local":
+            reject("fp8_format", self.fp8_format, "FP8 runs in Transformer Engine layers; use "
+                   "--transformer-impl transformer_engine (or auto), not local")
+        if self.fp8_format is not None and not self.bf16:
+            reject("fp8_format", self.fp8_format, "FP8 training needs --bf16")
 
 @dataclass
 class ParallelArguments:
@@ -62,6 +94,12 @@ class ParallelArguments:
     device: str = "auto"
     """cpu (gloo, CPU mode for megatron-core) | cuda (NCCL) | auto."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("tensor_model_parallel_size", positive, ">= 1"),
+            ("pipeline_model_parallel_size", positive, ">= 1"),
+            ("device", one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+        ])  # fmt: skip
 
 @dataclass
 class TrainingArguments:
@@ -110,6 +148,20 @@ class TrainingArguments:
     sft_lr: float | None = None
     """Learning rate of the warm-up (default: --lr)."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("train_iters", at_least(0), ">= 0"), ("micro_batch_size", positive, ">= 1"),
+            ("global_batch_size", positive, ">= 1"), ("lr", at_least(0), ">= 0"),
+            ("min_lr", at_least(0), ">= 0"), ("lr_warmup_iters", at_least(0), ">= 0"),
+            ("lr_decay_style", one_of(*LR_DECAY_STYLES), f"one of {', '.join(LR_DECAY_STYLES)}"),
+            ("weight_decay", at_least(0), ">= 0"),
+            ("adam_beta1", lambda b: 0 <= b < 1, "in [0, 1)"),
+            ("adam_beta2", lambda b: 0 <= b < 1, "in [0, 1)"), ("adam_eps", positive, "> 0"),
+            ("clip_grad", at_least(0), ">= 0 (0: no clipping)"), ("seed", at_least(0), ">= 0"),
+            ("optimizer", one_of(*OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)}"),
+            ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
+            ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),
+        ])  # fmt: skip
 
 @dataclass
 class LoGRAArguments:
@@ -129,6 +181,13 @@ class LoGRAArguments:
     """With --grad-reduce-in-bf16: let Megatron copy every gradient shard to fp32 before the
     step (4 bytes/param) instead of LoGRA converting one weight at a time."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("loggra_rank", positive, ">= 1"), ("loggra_update_interval", positive, ">= 1"),
+            ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
+            ("loggra_oversample", at_least(0), ">= 0"), ("loggra_power_iters", at_least(0), ">= 0"),
+            ("loggra_min_dim", positive, ">= 1"),
+        ])  # fmt: skip
 
 @dataclass
 class RLArguments:
@@ -144,6 +203,9 @@ class RLArguments:
     """Nucleus sampling."""
     reward_fn: str = "default"
     """default | exact_match_numeric | format | module:function | file.py:function."""
+    accuracy_threshold: float = 1.0
+    """A response counts as correct (reward/accuracy) when its reward is at least this, unless
+    the reward function returns {"reward": r, "correct": bool}."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     clip_low: float = 0.2
@@ -163,6 +225,18 @@ class RLArguments:
     kl_coef_horizon: float = 10000.0
     """Adaptive β horizon, in samples."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("prompts_per_step", positive, ">= 1"),
+            ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
+            ("max_new_tokens", positive, ">= 1"), ("temperature", at_least(0), ">= 0 (0: greedy)"),
+            ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"), ("ppo_epochs", positive, ">= 1"),
+            ("clip_low", lambda c: 0 <= c < 1, "in [0, 1)"), ("clip_high", at_least(0), ">= 0"),
+            ("loss_aggregation", one_of(*AGGREGATIONS), f"one of {', '.join(AGGREGATIONS)}"),
+            ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
+            ("kl_ref_estimator", one_of("k1", "k2", "k3"), "one of k1, k2, k3"),
+            ("kl_coef_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
+        ])  # fmt: skip
 
 @dataclass
 class DataArguments:
@@ -179,6 +253,19 @@ class DataArguments:
     task_operators: str = "+-*"
     """Operators of the built-in arithmetic tasks (a subset of +-*)."""
 
+    def __post_init__(self):
+        check_fields(self, [
+            ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
+            ("num_tasks", positive, ">= 1"), ("task_digits", lambda d: 1 <= d <= 18, "in [1, 18]"),
+            ("task_operators", lambda o: bool(o) and not set(o) - set("+-*"),
+             "a non-empty subset of +-*"),
+        ])  # fmt: skip
+        if self.tokenizer_model is None:
+            reject("tokenizer_model", None, "required (train one with tools/train_tokenizer.py)")
+        if not os.path.isfile(self.tokenizer_model):
+            reject("tokenizer_model", self.tokenizer_model, "no such file")
+        if self.data_path is not None and not os.path.isfile(self.data_path):
+            reject("data_path", self.data_path, "no such file")
 
 @dataclass
 class CheckpointArguments:
@@ -189,8 +276,18 @@ class CheckpointArguments:
     save_interval: int | None = None
     """Save every N RL steps (and always at the end and on SIGTERM)."""
     no_load_optim: bool = False
-    """Load weights only (fine-tune a converted or differently parallel checkpoint)."""
+    """Load the policy's weights only (any TP/PP); optimizer, reference model, schedule and
+    data position start fresh."""
+    ckpt_step: int | None = None
+    """Load this iteration of --load instead of the latest (e.g. after a corrupted save)."""
+    checkpoint_checksums: bool = True
+    """CRC-32 of every checkpoint file, written on save and verified on load (~2 GB/s per
+    rank); --no-checkpoint-checksums records and checks file sizes only."""
 
+    def __post_init__(self):
+        check_fields(self, [("save_interval", positive, ">= 1"), ("ckpt_step", at_least(0), ">= 0")])
+        if self.save_interval is not None and self.save is None:
+            reject("save_interval", self.save_interval, "needs --save")
 
 @dataclass
 class LoggingArguments:
@@ -232,6 +329,14 @@ class RLConfig:
     logging: LoggingArguments = field(default_factory=LoggingArguments)
     world_size: int = 1
     """From torchrun's WORLD_SIZE."""
+    start: StartPlan = field(default_factory=StartPlan)
+    """How the run starts (fresh, resume, weights, converted): decided by :func:`parse_args`
+    from --load/--save, not a flag."""
+
+    @property
+    def metrics_dir(self) -> str:
+        """Where ``metrics.jsonl`` goes: --output-dir, else --save, else ./outputs/rl."""
+        return self.logging.output_dir or self.checkpoint.save or os.path.join("outputs", "rl")
 
     @property
     def data_parallel_size(self) -> int:
@@ -239,7 +344,8 @@ class RLConfig:
         return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The settings (W&B config, ``run_config.json``), without the start plan."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "start"}
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -295,21 +401,45 @@ def _config_file_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
         parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
-    known = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    kinds = {
+        f.name: _base_type(typing.get_type_hints(cls)[f.name])
+        for cls in SECTIONS.values()
+        for f in dataclasses.fields(cls)
+    }
     out = {}
     for key, value in values.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name not in known:
+        if name not in kinds:
             parser.error(f"--config: unknown key {key!r} in {path!r}")
+        kind = kinds[name]
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            parser.error(f"--config: {key!r} in {path!r} must be an integer, got {value!r}")
+        if value is not None and not isinstance(value, kind):
+            try:  # as argparse converts a flag's text (YAML reads 1e-5 as a string)
+                value = kind(value) if kind is not bool else _yaml_bool(value)
+            except (TypeError, ValueError):
+                parser.error(f"--config: {key!r} in {path!r} must be {kind.__name__}, got {value!r}")
         out[name] = value
     return out
 
 
+def _yaml_bool(value) -> bool:
+    text = str(value).lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(value)
+    return text in ("true", "1", "yes")
+
+
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> RLConfig:
-    """Parse and validate; exits with status 2 and a message naming the flag on bad input."""
+    """Parse and validate; exits with status 2 and a message naming the flag on bad input.
+
+    As Megatron-LM's ``--use-checkpoint-args``, the architecture of the model in ``--load``
+    is adopted for the model flags that were not given (:func:`plan_start`); the decision
+    how the run starts is kept in ``cfg.start``."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     defaults = _config_file_defaults(ns.config, parser) if ns.config else {}
+    explicit = set(defaults) | {k for k, v in vars(ns).items() if v is not None}
     sections = {}
     for section, cls in SECTIONS.items():
         kwargs = {}
@@ -323,113 +453,63 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RLConfig(**sections, world_size=world_size)
-    _adopt_checkpoint_architecture(cfg)
-    if cfg.loggra.loggra_rank is None:
-        cfg.loggra.loggra_rank = max(1, cfg.model.hidden_size // 8)
+    try:
+        cfg.start = plan_start(cfg, explicit)
+        if cfg.loggra.loggra_rank is None:
+            cfg.loggra.loggra_rank = max(1, cfg.model.hidden_size // 8)
+        check_resume(cfg, cfg.start)
+    except ConfigError as e:
+        parser.error(str(e))
     problem = validate(cfg)
     if problem:
         parser.error(problem)
     return cfg
 
 
-def _adopt_checkpoint_architecture(cfg: RLConfig) -> None:
-    """With ``--load`` of a converted model, its architecture replaces the model flags, so
-    that the checks below (heads vs TP, layers vs PP, rank vs hidden) see the real model."""
-    load = cfg.checkpoint.load
-    path = os.path.join(load, "loggra_model_args.json") if load else None
-    if not path or not os.path.isfile(path):
-        return
-    from loggra_megatron.model import GPTModelArgs
-
-    args, m = GPTModelArgs.load_json(path), cfg.model
-    m.num_layers, m.hidden_size = args.num_layers, args.hidden_size
-    m.ffn_hidden_size, m.num_attention_heads = args.ffn_hidden_size, args.num_attention_heads
-    m.num_query_groups, m.rotary_base = args.num_query_groups, args.rotary_base
-    m.untie_embeddings_and_output_weights = args.untie_embeddings_and_output_weights
-
-
 def validate(cfg: RLConfig) -> str | None:
-    """The first inconsistency of ``cfg`` as ``--flag: message``, or None."""
-    m, p, t, rl = cfg.model, cfg.parallel, cfg.training, cfg.rl
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    checks = [
-        (tp < 1, "--tensor-model-parallel-size", "must be >= 1"),
-        (pp < 1, "--pipeline-model-parallel-size", "must be >= 1"),
-        (cfg.world_size % (tp * pp) != 0, "--tensor-model-parallel-size",
-         f"TP×PP = {tp * pp} must divide the world size {cfg.world_size} (torchrun --nproc-per-node)"),
-        (m.num_attention_heads % tp != 0, "--num-attention-heads",
-         f"{m.num_attention_heads} heads are not divisible by --tensor-model-parallel-size {tp}"),
-        (m.hidden_size % m.num_attention_heads != 0, "--hidden-size",
-         f"{m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"),
-        (m.num_query_groups is not None and (m.num_attention_heads % m.num_query_groups != 0
-         or m.num_query_groups % tp != 0), "--num-query-groups",
-         "must divide --num-attention-heads and be divisible by --tensor-model-parallel-size"),
-        (m.num_layers % pp != 0, "--num-layers",
-         f"{m.num_layers} layers cannot be split over --pipeline-model-parallel-size {pp}"),
-        (p.device not in ("auto", "cpu", "cuda"), "--device", "choose auto, cpu or cuda"),
-        (m.transformer_impl not in ("auto", "local", "transformer_engine"), "--transformer-impl",
-         "choose auto, local or transformer_engine"),
-        (m.fp8_format not in (None, "hybrid", "e4m3"), "--fp8-format", "choose hybrid or e4m3"),
-        (m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()),
-         "--fp8-format", "FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"),
-        (m.fp8_format is not None and not m.bf16, "--fp8-format", "FP8 training needs --bf16"),
-        (t.grad_reduce_in_bf16 and not m.bf16, "--grad-reduce-in-bf16",
-         "bf16 gradients need --bf16 parameters"),
-        (t.micro_batch_size < 1, "--micro-batch-size", "must be >= 1"),
-        (t.global_batch_size % (t.micro_batch_size * max(cfg.data_parallel_size, 1)) != 0,
-         "--global-batch-size", f"{t.global_batch_size} must be a multiple of --micro-batch-size × "
-         f"data-parallel size = {t.micro_batch_size * max(cfg.data_parallel_size, 1)}"),
-        (rl.prompts_per_step % max(cfg.data_parallel_size, 1) != 0, "--prompts-per-step",
-         f"must be a multiple of the data-parallel size {cfg.data_parallel_size}"),
-        ((rl.prompts_per_step * rl.num_generations) % t.global_batch_size != 0,
-         "--global-batch-size", f"must divide the rollout batch --prompts-per-step × "
-         f"--num-generations = {rl.prompts_per_step * rl.num_generations}"),
-        (rl.num_generations < 2, "--num-generations", "GRPO needs at least 2 completions per prompt"),
-        (t.optimizer not in ("adam", "loggra"), "--optimizer", "choose adam or loggra"),
-        (t.optimizer == "loggra" and cfg.loggra.loggra_rank < 1, "--loggra-rank", "must be >= 1"),
-        (t.optimizer == "loggra" and cfg.loggra.loggra_rank > m.hidden_size // tp, "--loggra-rank",
-         f"{cfg.loggra.loggra_rank} exceeds the smallest sketched weight side (--hidden-size / "
-         f"TP = {m.hidden_size // tp}); use at most that (hidden/8 is typical)"),
-        (cfg.loggra.loggra_projection not in PROJECTIONS, "--loggra-projection",
-         f"choose one of {', '.join(PROJECTIONS)}"),
-        (cfg.loggra.loggra_update_interval < 1, "--loggra-update-interval", "must be >= 1"),
-        (cfg.loggra.loggra_min_dim < 1, "--loggra-min-dim", "must be >= 1"),
-        (min(cfg.loggra.loggra_oversample, cfg.loggra.loggra_power_iters) < 0,
-         "--loggra-oversample", "--loggra-oversample and --loggra-power-iters must be >= 0"),
-        (t.lr < 0, "--lr", "must be >= 0"),
-        (t.train_iters < 0, "--train-iters", "must be >= 0"),
-        (t.lr_decay_style not in ("constant", "linear", "cosine"), "--lr-decay-style",
-         "choose constant, linear or cosine"),
-        (rl.max_new_tokens < 1 or rl.max_new_tokens >= m.seq_length, "--max-new-tokens",
-         f"must be in [1, --seq-length {m.seq_length})"),
-        (rl.temperature < 0, "--temperature", "must be >= 0"),
-        (not 0 < rl.top_p <= 1, "--top-p", "must be in (0, 1]"),
-        (rl.kl_coef < 0, "--kl-coef", "must be >= 0"),
-        (rl.kl_ref_estimator not in ("k1", "k2", "k3"), "--kl-ref-estimator", "choose k1, k2 or k3"),
-        (rl.loss_aggregation not in ("token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean"),
-         "--loss-aggregation", "choose token_mean, seq_mean_token_sum_norm or seq_mean_token_mean"),
-        (cfg.kl_control.enabled and not m.bf16, "--kl-target",
-         "predicted-KL control needs --bf16 (the candidate is tried on the 16-bit weights while "
-         "the fp32 master weights keep the current ones)"),
-        (cfg.data.tokenizer_model is None, "--tokenizer-model",
-         "required (train one with tools/train_tokenizer.py)"),
-        (cfg.data.tokenizer_model is not None and not os.path.isfile(cfg.data.tokenizer_model),
-         "--tokenizer-model", f"no such file {cfg.data.tokenizer_model!r}"),
-        (cfg.data.data_path is not None and not os.path.isfile(cfg.data.data_path), "--data-path",
-         f"no such file {cfg.data.data_path!r}"),
-        (cfg.data.task not in ("arithmetic", "word_problems", "mixed"), "--task",
-         "choose arithmetic, word_problems or mixed"),
-        (cfg.data.task_digits < 1, "--task-digits", "must be >= 1"),
-        (not cfg.data.task_operators or set(cfg.data.task_operators) - set("+-*"),
-         "--task-operators", "use a non-empty subset of +-*"),
-        (cfg.checkpoint.load is not None and not os.path.isdir(cfg.checkpoint.load), "--load",
-         f"no such directory {cfg.checkpoint.load!r}"),
-        (cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval < 1,
-         "--save-interval", "must be >= 1"),
-        (cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None, "--save-interval",
-         "needs --save"),
-    ]  # fmt: skip
-    for failed, flag, message in checks:
-        if failed:
-            return f"{flag}: {message}"
+    """The first cross-section inconsistency of ``cfg`` as ``--flag: message``, or None (each
+    section checked its own fields when it was built)."""
+    for problem in _cross_section_problems(cfg):
+        return problem
     return None
+
+
+def _cross_section_problems(cfg: RLConfig):
+    """Yields ``--flag: message`` lazily, in order, so a check may rely on the ones before."""
+    m, p, t, rl, lg = cfg.model, cfg.parallel, cfg.training, cfg.rl, cfg.loggra
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if cfg.world_size % (tp * pp):
+        yield (f"--tensor-model-parallel-size: TP×PP = {tp * pp} must divide the world size "
+               f"{cfg.world_size} (torchrun --nproc-per-node)")  # fmt: skip
+        return
+    dp = cfg.data_parallel_size
+    if m.num_attention_heads % tp:
+        yield (f"--num-attention-heads: {m.num_attention_heads} heads are not divisible by "
+               f"--tensor-model-parallel-size {tp}")  # fmt: skip
+    if m.num_query_groups is not None and m.num_query_groups % tp:
+        yield f"--num-query-groups: {m.num_query_groups} must be divisible by TP = {tp}"
+    if m.num_layers % pp:
+        yield (f"--num-layers: {m.num_layers} layers cannot be split over "
+               f"--pipeline-model-parallel-size {pp}")  # fmt: skip
+    if m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()):
+        yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
+    if t.grad_reduce_in_bf16 and not m.bf16:
+        yield "--grad-reduce-in-bf16: bf16 gradients need --bf16 parameters"
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        yield (f"--global-batch-size: {t.global_batch_size} must be a multiple of "
+               f"--micro-batch-size × data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
+    if rl.prompts_per_step % dp:
+        yield f"--prompts-per-step: must be a multiple of the data-parallel size {dp}"
+    rollout = rl.prompts_per_step * rl.num_generations
+    if rollout % t.global_batch_size:
+        yield (f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
+               f"--num-generations = {rollout}")  # fmt: skip
+    if t.optimizer == "loggra" and lg.loggra_rank > m.hidden_size // tp:
+        yield (f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
+               f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
+               "typical)")  # fmt: skip
+    if rl.max_new_tokens >= m.seq_length:
+        yield f"--max-new-tokens: must be below --seq-length {m.seq_length} (prompt + response)"
+    if cfg.kl_control.enabled and not m.bf16:
+        yield ("--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
+               "16-bit weights while the fp32 master weights keep the current ones)")

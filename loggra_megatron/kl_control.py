@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.config import at_least, check_fields, one_of, positive
 from loggra_megatron.kl import ESTIMATORS, sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.optim.candidate import write_candidate
-from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 logger = logging.getLogger(__name__)
 
@@ -73,23 +73,14 @@ class KLControlConfig:
     """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
 
     def __post_init__(self):
-        def bad(flag, value, why):
-            raise ValueError(f"invalid --{flag.replace('_', '-')}={value!r}: {why}")
-
-        if self.kl_target is not None and not (
-            self.kl_target > 0 and math.isfinite(self.kl_target)
-        ):
-            bad("kl_target", self.kl_target, "must be a positive number (omit it to disable)")
-        if not 0 < self.kl_probe_fraction <= 0.5:
-            bad("kl_probe_fraction", self.kl_probe_fraction, "must be in (0, 0.5]")
-        if self.kl_estimator not in ESTIMATORS:
-            bad("kl_estimator", self.kl_estimator, f"choose one of {', '.join(ESTIMATORS)}")
-        if self.kl_max_backtracks < 0:
-            bad("kl_max_backtracks", self.kl_max_backtracks, "must be >= 0")
-        if not self.kl_backtrack_tolerance >= 1:
-            bad("kl_backtrack_tolerance", self.kl_backtrack_tolerance, "must be >= 1")
-        if self.kl_realized_interval < 0:
-            bad("kl_realized_interval", self.kl_realized_interval, "must be >= 0")
+        check_fields(self, [
+            ("kl_target", positive, "a positive number (omit it to disable)"),
+            ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
+            ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
+            ("kl_max_backtracks", at_least(0), ">= 0"),
+            ("kl_backtrack_tolerance", at_least(1), ">= 1"),
+            ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
+        ])  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -183,6 +174,8 @@ class PredictedKLController:
         if len(leaves) != 1:
             raise NotImplementedError("predicted-KL control supports one leaf optimizer")
         self.config, self.leaf, self.forward = config, leaves[0], forward
+        from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
         self.stepper = MegatronStepper(optimizer)
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.num_steps = 0

@@ -89,6 +89,8 @@ METRIC_KEYS: dict[str, str] = {
     "second of step time",
     "lr": "learning rate of the step (before the η scaling)",
     "response/length_mean": "mean response length in tokens",
+    "data/dropped_prompts": "prompts removed from the dataset at start-up because they leave "
+    "no room for --max-new-tokens within --seq-length",
 }
 
 # (metric key, progress-line label), in the order of the progress line.

@@ -246,10 +246,14 @@ class GPTModelArgs:
         return cls(**d)
 
     def save_json(self, path: str | os.PathLike) -> None:
-        """Write the arguments to ``path`` as JSON."""
-        with open(path, "w") as f:
+        """Write the arguments to ``path`` as JSON, atomically (a reader never sees half)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> GPTModelArgs:

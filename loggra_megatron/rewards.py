@@ -3,11 +3,14 @@
 
 A reward function has the signature::
 
-    fn(prompt: str, completion: str, answer: str, metadata: dict) -> float
+    fn(prompt: str, completion: str, answer: str, metadata: dict) -> float | dict
 
 ``prompt`` is the raw question (not the templated text), ``completion`` the policy's
 generated text (without the prompt), ``answer`` and ``metadata`` come from the dataset.
-It must return a finite real number (``bool`` counts as 0/1).
+It returns a finite real number (``bool`` counts as 0/1), or ``{"reward": r, "correct":
+bool}`` to say itself whether the response is correct. Otherwise a response counts as
+correct (``reward/accuracy``) when its reward is at least ``--accuracy-threshold``
+(default 1.0: an exact match under the built-ins).
 
 Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.data.prompts`):
 
@@ -162,17 +165,26 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed on one sample; carries ``index``, ``prompt`` and the
-    original ``traceback_text``."""
+    """A reward function failed on one sample; carries ``index``, ``prompt``, the
+    ``problem`` (what it did wrong) and the original ``traceback_text``."""
 
-    def __init__(self, fn_name: str, index: int, prompt: str, problem: str, traceback_text: str):
+    def __init__(
+        self, fn_name: str, index: int, prompt: str, problem: str, traceback_text: str,
+        where: str = "",
+    ):  # fmt: skip
         self.fn_name, self.index, self.prompt = fn_name, index, prompt
-        self.traceback_text = traceback_text
+        self.problem, self.traceback_text = problem, traceback_text
         excerpt = prompt if len(prompt) <= 200 else prompt[:200] + "..."
-        message = f"reward function {fn_name} {problem} on sample {index} (prompt: {excerpt!r})"
+        message = f"reward function {fn_name} {problem} on sample {index}{where} (prompt: {excerpt!r})"
         if traceback_text:
             message += f"\n\nOriginal traceback:\n{traceback_text}"
         super().__init__(message)
+
+    def at(self, where: str) -> RewardFunctionError:
+        """The same error with a location (e.g. the RL step and dataset index) added."""
+        return RewardFunctionError(
+            self.fn_name, self.index, self.prompt, self.problem, self.traceback_text, where
+        )
 
 
 def _fn_name(fn) -> str:
@@ -187,9 +199,11 @@ def compute_rewards(
     completions: Sequence[str],
     answers: Sequence[str],
     metadatas: Sequence[dict] | None = None,
-) -> list[float]:
-    """``[fn(prompts[i], completions[i], answers[i], metadatas[i]) for i]`` as floats; raises
-    :class:`RewardFunctionError` if ``fn`` raises or returns a non-finite / non-real value."""
+    accuracy_threshold: float = 1.0,
+) -> tuple[list[float], list[bool]]:
+    """``(rewards, correct)`` of ``fn`` on each sample; raises :class:`RewardFunctionError`
+    if ``fn`` raises (``sys.exit`` included) or returns anything but a finite real number
+    or ``{"reward": number, "correct": bool}``."""
     n = len(prompts)
     if metadatas is None:
         metadatas = [{}] * n
@@ -199,18 +213,30 @@ def compute_rewards(
             f"compute_rewards: got {n} prompts, {len(completions)} completions, "
             f"{len(answers)} answers and {len(metadatas)} metadatas"
         )
-    rewards = []
+    rewards, correct = [], []
     for i in range(n):
+
+        def fail(problem: str, tb: str = "", i=i) -> RewardFunctionError:
+            return RewardFunctionError(_fn_name(fn), i, prompts[i], problem, tb)
+
         try:
             value = fn(prompts[i], completions[i], answers[i], metadatas[i])
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run silently
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            raise RewardFunctionError(_fn_name(fn), i, prompts[i], "raised", tb) from e
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised"
+            raise fail(what, tb) from e
+        is_correct = None
+        if isinstance(value, dict):
+            if "reward" not in value:
+                raise fail(f"returned a dict without a 'reward' key: {value!r}")
+            is_correct = value.get("correct")
+            if is_correct is not None and not isinstance(is_correct, bool):
+                raise fail(f"returned 'correct': {is_correct!r} (need a bool)")
+            value = value["reward"]
         if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
             value = value.item()  # 0-d torch / numpy value
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise RewardFunctionError(
-                _fn_name(fn), i, prompts[i], f"returned {value!r} (need a finite float)", ""
-            )
+            raise fail(f"returned {value!r} (need a finite float)")
         rewards.append(float(value))
-    return rewards
+        correct.append(float(value) >= accuracy_threshold if is_correct is None else is_correct)
+    return rewards, correct

@@ -19,6 +19,7 @@ One RL step, on every rank of a DP × PP × TP grid:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.arguments import RLConfig
+from loggra_megatron.preflight import Preflight
 
 SUMMED_KEYS = ("optimizer/skipped_steps",)
 """Per-update metrics an RL step reports as totals over its updates (the others: means)."""
@@ -81,10 +83,13 @@ def initialize_megatron(
 class RLTrainer:
     """Builds the policy, reference, optimizer, data and logger; runs the RL loop."""
 
-    def __init__(self, cfg: RLConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RLConfig, host: Preflight):
+        self.cfg, self.host = cfg, host
         self.step = 0
-        self._stop = False
+        """RL steps done (the checkpoint iteration)."""
+        self.sft_step = 0
+        """Supervised warm-up steps done."""
+        self._sigterm = False
         self.consecutive_skips = 0
         self.skipped_steps_total = 0
 
@@ -93,12 +98,9 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from loggra_megatron.data.prompts import PromptDataset
         from loggra_megatron.metrics import MetricsLogger
         from loggra_megatron.optim.megatron.stepper import MegatronStepper
-        from loggra_megatron.rewards import load_reward_fn
         from loggra_megatron.rl import AdaptiveKLCoefficient
-        from loggra_megatron.tokenizer import SentencePieceTokenizer
 
         cfg = self.cfg
         p = cfg.parallel
@@ -110,8 +112,11 @@ class RLTrainer:
         )
         self.rank = dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
-        self.reward_fn = load_reward_fn(cfg.rl.reward_fn)
+        if self.rank == 0:
+            for note in self.host.notes:
+                print(f" {note}", flush=True)
+        self.tokenizer, self.reward_fn = self.host.tokenizer, self.host.reward_fn
+        self.dataset = self.host.dataset
         self.model_args = self._model_args()
         self.policy = self._build_model(trainable=True)
         self.reference = self._build_model(trainable=False) if cfg.rl.kl_coef > 0 else None
@@ -125,40 +130,22 @@ class RLTrainer:
             min_lr=min(t.min_lr, t.lr), lr_warmup_steps=t.lr_warmup_iters,
             lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style,
             start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=decay_steps,
-            wd_incr_style="constant",
+            wd_incr_style="constant", override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
         )  # fmt: skip
         self.kl_coef = AdaptiveKLCoefficient(
             cfg.rl.kl_coef, kl_target=cfg.rl.kl_coef_target, horizon=cfg.rl.kl_coef_horizon
         )
         self.kl_controller = self._build_kl_controller()
-        self.dataset = (
-            PromptDataset.from_jsonl(cfg.data.data_path, seed=t.seed)
-            if cfg.data.data_path
-            else PromptDataset.builtin(
-                cfg.data.task, cfg.data.num_tasks, t.seed, **self._task_knobs()
-            )
-        )
-        resumed = self._load()
-        if not resumed and t.sft_iters:
-            self.supervised_warmup()
-        if self.reference is not None and not resumed:
-            self._copy_policy_to_reference()
-        out = cfg.logging.output_dir or cfg.checkpoint.save or os.path.join("outputs", "rl")
+        self._load()
         self.metrics = MetricsLogger(
-            out, rank=self.rank, total_steps=t.train_iters, wandb_project=cfg.logging.wandb_project,
-            wandb_run_name=cfg.logging.wandb_run_name, tensorboard_dir=cfg.logging.tensorboard_dir,
-            config=cfg.to_dict(),
+            cfg.metrics_dir, rank=self.rank, total_steps=t.train_iters,
+            wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
+            tensorboard_dir=cfg.logging.tensorboard_dir, config=cfg.to_dict(),
         )  # fmt: skip
-        if resumed:
-            self.metrics.truncate_after(self.step)
+        self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
-
-    def _task_knobs(self) -> dict:
-        d = self.cfg.data
-        if d.task != "arithmetic":
-            return {}
-        return {"num_digits": d.task_digits, "operators": d.task_operators}
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
@@ -170,14 +157,9 @@ class RLTrainer:
         from loggra_megatron.convert.checkpoint import read_model_args
         from loggra_megatron.model import GPTModelArgs
 
-        m, load = self.cfg.model, self.cfg.checkpoint.load
-        if load and os.path.isfile(os.path.join(load, "loggra_model_args.json")):
-            args = read_model_args(load)
-            if self.tokenizer.vocab_size > args.vocab_size:
-                raise ValueError(
-                    f"--tokenizer-model has {self.tokenizer.vocab_size} tokens but the model "
-                    f"in --load {load!r} has {args.vocab_size}"
-                )
+        m, where = self.cfg.model, self.cfg.start.model_args_dir
+        if where is not None:  # the vocabulary was checked against the tokenizer in preflight
+            args = read_model_args(where)
             args.params_dtype = "bfloat16" if m.bf16 else "float32"
             return args
         ffn = m.ffn_hidden_size or 64 * math.ceil(8 * m.hidden_size / 3 / 64)
@@ -203,7 +185,6 @@ class RLTrainer:
     def _build_model(self, trainable: bool):
         from megatron.core.transformer.module import Float16Module
 
-        from loggra_megatron.checkpointing import latest_iteration
         from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
         from loggra_megatron.model import build_gpt_model, wrap_ddp
 
@@ -212,9 +193,8 @@ class RLTrainer:
         if m.fp8_format:
             overrides.update(fp8=m.fp8_format, fp8_recipe=m.fp8_recipe)
         model = build_gpt_model(self.model_args, use_te=self._use_te(), **overrides)
-        load = self.cfg.checkpoint.load
-        if load and latest_iteration(load) is None:  # a converted model, not a trainer's
-            load_megatron_checkpoint(model, load)
+        if self.cfg.start.mode == "converted":
+            load_megatron_checkpoint(model, self.cfg.start.converted_dir)
         if m.bf16:
             model = Float16Module(model.config, model)
         if not trainable:
@@ -267,8 +247,18 @@ class RLTrainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
         cfg = self.cfg
-        saved_at = None
-        while self.step < cfg.training.train_iters and not self._stop:
+        saved_at = self.step if self.cfg.start.resumes else None
+        if self.sft_step < cfg.training.sft_iters:
+            self.supervised_warmup()
+            if self.sft_step == cfg.training.sft_iters:
+                self._copy_policy_to_reference()
+        elif not self.cfg.start.resumes:
+            self._copy_policy_to_reference()
+        while (
+            self.sft_step == cfg.training.sft_iters
+            and self.step < cfg.training.train_iters
+            and not self._stop_requested()
+        ):
             metrics = self.rl_step()
             self.step += 1
             self.metrics.log(self.step, metrics)
@@ -276,24 +266,32 @@ class RLTrainer:
             if cfg.checkpoint.save and interval and self.step % interval == 0:
                 self.save()
                 saved_at = self.step
-        if cfg.checkpoint.save and saved_at != self.step:
+        if cfg.checkpoint.save and (saved_at != self.step or self._sigterm):
             self.save()
         self.metrics.close()
 
+    def _stop_requested(self) -> bool:
+        """Whether SIGTERM reached any rank; every rank learns it at the same step boundary
+        (one all-reduce), so all of them save and exit together."""
+        flag = torch.tensor([float(self._sigterm)], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and not self._sigterm:
+            self._sigterm = True
+            if self.rank == 0:
+                print(" SIGTERM on another rank: saving and exiting", flush=True)
+        return self._sigterm
+
     def rl_step(self) -> dict[str, float]:
-        from loggra_megatron.data.prompts import format_prompt
-        from loggra_megatron.rewards import (
-            RewardFunctionError,
-            compute_rewards,
-            exact_match_numeric,
-        )
+        from loggra_megatron.data.prompts import prompt_ids
+        from loggra_megatron.rewards import RewardFunctionError, compute_rewards
         from loggra_megatron.rl import group_advantages
         from loggra_megatron.rollout import compute_log_probs, generate_rollout
 
         cfg, rl, tok = self.cfg, self.cfg.rl, self.tokenizer
         t0 = time.perf_counter()
         examples = self._next_prompts()
-        prompts = [[tok.bos, *tok.tokenize(format_prompt(e["prompt"]))] for e in examples]
+        prompts = [prompt_ids(tok, e["prompt"]) for e in examples]
         repeated = [p for p in prompts for _ in range(rl.num_generations)]
         rollout = generate_rollout(
             self.policy, repeated, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
@@ -311,15 +309,13 @@ class RLTrainer:
         group = [e for e in examples for _ in range(rl.num_generations)]
         args = ([e["prompt"] for e in group], completions, [e["answer"] for e in group])
         try:
-            rewards = compute_rewards(self.reward_fn, *args, [e["metadata"] for e in group])
+            rewards, correct = compute_rewards(
+                self.reward_fn, *args, [e["metadata"] for e in group], rl.accuracy_threshold
+            )
         except RewardFunctionError as e:
-            raise RewardFunctionError(
-                e.fn_name, e.index, e.prompt,
-                f"raised at RL step {self.step + 1} (dataset prompt index "
-                f"{group[e.index]['index']})", e.traceback_text,
-            ) from None  # fmt: skip
+            where = f" at RL step {self.step + 1} (dataset prompt index {group[e.index]['index']})"
+            raise e.at(where) from None
         rewards = torch.tensor(rewards)
-        correct = compute_rewards(exact_match_numeric, *args, [e["metadata"] for e in group])
         advantages = group_advantages(
             rewards, rl.num_generations, normalize_std=not rl.no_advantage_std_normalization
         )
@@ -349,6 +345,7 @@ class RLTrainer:
         metrics.update({
             "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
             "optimizer/skipped_steps_total": float(self.skipped_steps_total),
+            "data/dropped_prompts": float(self.host.dropped_prompts),
             "time/step_s": step_time, "time/rollout_s": t_rollout, "time/train_s": t_train,
             "throughput/tokens_per_s": float(tokens) / step_time,
         })  # fmt: skip
@@ -480,8 +477,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ warm-up
     def supervised_warmup(self) -> None:
         """``--sft-iters`` steps of next-token training on the tasks' reference solutions
-        (prompt tokens masked out), so that a model trained from scratch can earn rewards."""
-        from loggra_megatron.data.prompts import format_completion, format_prompt
+        (prompt tokens masked out), so that a model trained from scratch can earn rewards.
+        Continues from ``sft_step``; returns early (state intact) when a stop is requested."""
+        from loggra_megatron.data.prompts import format_completion, prompt_ids
         from loggra_megatron.rl.actor import (
             combine_micro_metrics,
             forward_backward,
@@ -495,12 +493,14 @@ class RLTrainer:
         per_step, mbs = t.global_batch_size // self.dp, t.micro_batch_size
         batches = self.dataset.batches(t.global_batch_size, dp_rank=self.dp_rank, dp_size=self.dp)
         width = self.cfg.model.seq_length
-        for it in range(t.sft_iters):
+        while self.sft_step < t.sft_iters:
+            if self._stop_requested():
+                return
             examples = next(batches)
             tokens = torch.full((per_step, width + 1), tok.pad, dtype=torch.long)
             mask = torch.zeros(per_step, width, dtype=torch.bool)
             for i, e in enumerate(examples):
-                prompt = [tok.bos, *tok.tokenize(format_prompt(e["prompt"]))]
+                prompt = prompt_ids(tok, e["prompt"])
                 answer = tok.tokenize(format_completion(e["answer"], e["metadata"].get("solution")))
                 ids = (prompt + answer + [tok.eos])[: width + 1]
                 tokens[i, : len(ids)] = torch.tensor(ids)
@@ -514,13 +514,17 @@ class RLTrainer:
                                     self.dp)  # fmt: skip
             prepared = self.stepper.step()
             self._count_update(prepared.ok, prepared.grad_norm)
+            self.sft_step += 1
             loss = combine_micro_metrics(outs, self.dp).get("loss/sft")
-            if self.rank == 0 and loss is not None and (it + 1) % 10 == 0:
-                print(f" sft {it + 1:5d}/{t.sft_iters} | loss {loss:.4f}", flush=True)
+            if self.rank == 0 and loss is not None and self.sft_step % 10 == 0:
+                print(f" sft {self.sft_step:5d}/{t.sft_iters} | loss {loss:.4f}", flush=True)
         self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
         self.scheduler.step(0)  # restore the RL learning rate
 
     def _copy_policy_to_reference(self) -> None:
+        """The reference model is the policy as RL starts (after any warm-up)."""
+        if self.reference is None:
+            return
         with torch.no_grad():
             policy = dict(self.policy.module.named_parameters())
             for name, p in self.reference.named_parameters():
@@ -530,6 +534,7 @@ class RLTrainer:
     def _common_state(self) -> dict:
         state = {
             "step": self.step,
+            "sft_step": self.sft_step,
             "data": self.dataset.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "kl_coef": self.kl_coef.state_dict(),
@@ -546,31 +551,51 @@ class RLTrainer:
         return state
 
     def save(self) -> None:
-        from loggra_megatron.checkpointing import save_checkpoint
+        """Checkpoint iteration ``step`` (collective). A refused save (non-finite values)
+        stops the run; the previous checkpoint stays the latest."""
+        from loggra_megatron.checkpointing import CheckpointError, save_checkpoint
+        from loggra_megatron.checkpointing.layout import MODEL_ARGS, RUN_CONFIG
 
         root = self.cfg.checkpoint.save
         models = {"reference": [self.reference]} if self.reference is not None else None
-        save_checkpoint(
-            root, self.step, [self.policy], self.optimizer, self._common_state(), models
-        )
+        run = {"config": self.cfg.to_dict(), "step": self.step, "sft_step": self.sft_step,
+               "data": self.dataset.state_dict()}  # fmt: skip
+        try:
+            save_checkpoint(
+                root, self.step, [self.policy], self.optimizer, self._common_state(), models,
+                files={RUN_CONFIG: json.dumps(run, indent=1, default=str) + "\n"},
+                checksums=self.cfg.checkpoint.checkpoint_checksums,
+            )  # fmt: skip
+        except CheckpointError as e:
+            raise TrainingStopped(str(e)) from None
         if self.rank == 0:
-            self.model_args.save_json(os.path.join(root, "loggra_model_args.json"))
-            print(f" saved checkpoint {root} at step {self.step}", flush=True)
+            self.model_args.save_json(os.path.join(root, MODEL_ARGS))
+            what = f"step {self.step}" + (
+                f" (warm-up step {self.sft_step})" if self.sft_step < self.cfg.training.sft_iters
+                else ""
+            )  # fmt: skip
+            print(f" saved checkpoint {root} at {what}", flush=True)
 
-    def _load(self) -> bool:
-        """Resume from ``--load`` if it is a checkpoint of this trainer; returns whether."""
-        from loggra_megatron.checkpointing import latest_iteration, load_checkpoint
+    def _load(self) -> None:
+        """Load what ``cfg.start`` says: a full resume, or the policy's weights only."""
+        from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
 
-        load = self.cfg.checkpoint.load
-        if not load or latest_iteration(load) is None:
-            return False
-        optimizer = None if self.cfg.checkpoint.no_load_optim else self.optimizer
-        models = {"reference": [self.reference]} if self.reference is not None else None
-        common = load_checkpoint(load, [self.policy], optimizer, extra_models=models)
-        if optimizer is None:  # weights only: the fp32 masters must follow the loaded weights
-            self.optimizer.reload_model_params()
-            return False
+        start, verify = self.cfg.start, self.cfg.checkpoint.checkpoint_checksums
+        if start.mode not in ("resume", "weights"):
+            return
+        try:
+            if start.mode == "weights":  # the fp32 masters must follow the loaded weights
+                load_checkpoint(start.checkpoint, [self.policy], None, verify=verify)
+                self.optimizer.reload_model_params()
+                return
+            models = {"reference": [self.reference]} if self.reference is not None else None
+            common = load_checkpoint(
+                start.checkpoint, [self.policy], self.optimizer, extra_models=models, verify=verify
+            )
+        except (CheckpointError, ValueError) as e:
+            raise TrainingStopped(str(e)) from None
         self.step = common["step"]
+        self.sft_step = common.get("sft_step", self.cfg.training.sft_iters)
         self.dataset.load_state_dict(common["data"])
         self.scheduler.load_state_dict(common["scheduler"])
         self.kl_coef.load_state_dict(common["kl_coef"])
@@ -580,11 +605,8 @@ class RLTrainer:
             self.kl_controller.num_steps = common["kl_controller"]["num_steps"]
             self.kl_controller.num_skipped_steps = common["kl_controller"]["num_skipped_steps"]
         if self.rank == 0:
-            print(f" resumed from {load} at step {self.step}", flush=True)
-        return True
+            print(f" resumed from {start.checkpoint.path} at step {self.step}", flush=True)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if self.rank == 0:
-            print(" SIGTERM: finishing this step, saving and exiting", flush=True)
-        self._stop = True
-
+        print(f" SIGTERM on rank {self.rank}: saving at the next step boundary", flush=True)
+        self._sigterm = True

@@ -149,6 +149,14 @@ def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
     assert message in str(e.value)
 
 
+def test_jsonl_non_utf8_byte_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}).encode()
+    path.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetFormatError, match=rf"^{path}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        PromptDataset.from_jsonl(path)
+
+
 def test_jsonl_missing_and_empty_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data-path"):
         PromptDataset.from_jsonl(tmp_path / "nope.jsonl")
@@ -241,14 +249,14 @@ def test_format_and_default_rewards():
     assert default_reward("q", "7", "7", {}) == 0.0
     tasks = generate_tasks("mixed", 100, seed=2)
     completions = [format_completion(t["answer"], t["metadata"]["solution"]) for t in tasks]
-    rewards = compute_rewards(
+    rewards, correct = compute_rewards(
         default_reward,
         [t["prompt"] for t in tasks],
         completions,
         [t["answer"] for t in tasks],
         [t["metadata"] for t in tasks],
     )
-    assert rewards == pytest.approx([1.0] * 100)
+    assert rewards == pytest.approx([1.0] * 100) and all(correct)
 
 
 def test_load_reward_fn(tmp_path, monkeypatch):
@@ -296,7 +304,8 @@ def test_compute_rewards_failures_are_loud():
         with pytest.raises(RewardFunctionError, match="returned .* on sample 0"):
             compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
     for good, value in ((True, 1.0), (np.float32(0.5), 0.5), (torch.tensor(0.25), 0.25), (3, 3.0)):
-        assert compute_rewards(lambda p, c, a, m, good=good: good, ["q"], ["c"], ["1"]) == [value]
+        rewards, _ = compute_rewards(lambda p, c, a, m, good=good: good, ["q"], ["c"], ["1"])
+        assert rewards == [value]
     with pytest.raises(ValueError, match="2 prompts, 1 completions"):
         compute_rewards(default_reward, ["a", "b"], ["c"], ["1", "2"])
 
@@ -359,3 +368,44 @@ def test_train_tokenizer_cli(tmp_path):
     tok = SentencePieceTokenizer(f"{prefix}.model")
     assert 100 < tok.vocab_size <= 256
     assert tok.detokenize(tok.tokenize("What is 12 + 7?")) == "What is 12 + 7?"
+
+
+def _exits(prompt, completion, answer, metadata):
+    import sys
+
+    sys.exit(3)
+
+
+def test_reward_problems_keep_their_reason_and_sys_exit_is_caught():
+    """NaN/None/str keep their own reason; sys.exit() in a reward is an error, not an exit."""
+    for bad, shown in ((float("nan"), "returned nan"), (None, "returned None"),
+                       ("1.0", "returned '1.0'")):  # fmt: skip
+        with pytest.raises(RewardFunctionError) as e:
+            compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
+        assert shown in str(e.value) and "need a finite float" in e.value.problem
+        located = e.value.at(" at RL step 3")
+        assert shown in str(located) and "at RL step 3" in str(located)
+    with pytest.raises(RewardFunctionError, match=r"called sys.exit\(3\) on sample 0"):
+        compute_rewards(_exits, ["q"], ["c"], ["1"])
+
+
+def test_accuracy_comes_from_the_reward_or_its_own_verdict():
+    """reward ≥ threshold counts as correct unless the function says so itself; text answers
+    with a custom reward never reach a numeric check."""
+    prompts, answers = ["Spell 14"] * 3, ["fourteen"] * 3
+    completions = ["fourteen", "forteen", "14"]
+
+    def spelled(p, c, a, m):
+        return 1.0 if c == a else 0.0
+
+    def verdict(p, c, a, m):
+        return {"reward": 0.5, "correct": c == a}
+
+    assert compute_rewards(spelled, prompts, completions, answers) == (
+        [1.0, 0.0, 0.0], [True, False, False])  # fmt: skip
+    assert compute_rewards(spelled, prompts, completions, answers, accuracy_threshold=0.0)[1] == [
+        True, True, True]  # fmt: skip
+    assert compute_rewards(verdict, prompts, completions, answers)[1] == [True, False, False]
+    for bad in ({"score": 1.0}, {"reward": 1.0, "correct": "yes"}):
+        with pytest.raises(RewardFunctionError, match="returned"):
+            compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])

@@ -16,9 +16,12 @@ CKPT=${CKPT:?converted Megatron checkpoint (tools/convert_checkpoint.py)}
 TOKENIZER=${TOKENIZER:?sentencepiece .model}
 DATA=${DATA:?JSONL with prompt/answer}
 OUT=${OUT:-runs/grpo_27b}
+# Relaunching resumes this run; the first launch starts from the converted model.
+LOAD="$CKPT"
+[ -f "$OUT/latest_checkpointed_iteration.txt" ] && LOAD="$OUT"
 
 torchrun --nproc-per-node 8 pretrain_rl.py \
-    --load "$CKPT" --tokenizer-model "$TOKENIZER" --data-path "$DATA" \
+    --load "$LOAD" --tokenizer-model "$TOKENIZER" --data-path "$DATA" \
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 \
     --bf16 --fp8-format hybrid --fp8-recipe delayed --transformer-impl transformer_engine \
     --seq-length 16384 --max-new-tokens 15360 \

@@ -57,6 +57,11 @@ def format_prompt(prompt: str, template: str = PROMPT_TEMPLATE) -> str:
     return template.format(prompt=prompt)
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids the policy is conditioned on: BOS + the templated question."""
+    return [tokenizer.bos, *tokenizer.tokenize(format_prompt(prompt))]
+
+
 def format_answer(answer: str) -> str:
     """The final-answer line, ``"#### <answer>"``."""
     return f"{ANSWER_MARKER} {answer}"
@@ -113,8 +118,14 @@ def load_jsonl(path: str | os.PathLike) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data-path {path!r}: no such file")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetFormatError(
+                    f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -142,6 +153,20 @@ class PromptDataset:
         self.source = source
         self.consumed_samples = 0
         self._order_epoch, self._order = -1, None
+
+    def filtered(self, keep) -> tuple[PromptDataset, list[int]]:
+        """A dataset of the examples for which ``keep(example)`` holds (same seed), and the
+        indices of the dropped ones."""
+        kept, dropped = [], []
+        for i, e in enumerate(self.examples):
+            (kept if keep(e) else dropped).append(i)
+        if not dropped:
+            return self, []
+        if not kept:
+            raise DatasetFormatError(f"{self.source}: every example was dropped")
+        subset = PromptDataset([self.examples[i] for i in kept], seed=self.seed,
+                               source=f"{self.source} ({len(dropped)} dropped)")  # fmt: skip
+        return subset, dropped
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike, *, seed: int = 0) -> PromptDataset:

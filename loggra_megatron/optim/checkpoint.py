@@ -68,6 +68,11 @@ class LoGRACheckpointMixin(MegatronOptimizer):
 
     def check_compatible(self, saved_meta: dict) -> None:
         """Raise ``ValueError`` if a checkpoint with ``saved_meta`` cannot be loaded here."""
+        if not saved_meta:
+            raise ValueError(
+                "the checkpoint holds Megatron's dense Adam state, not LoGRA's: resume with "
+                "--optimizer adam, or load the weights only with --no-load-optim"
+            )
         mine = self._loggra_meta()
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "projection"):
             if saved_meta.get(name) != mine[name]:

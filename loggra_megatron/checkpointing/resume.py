@@ -1,0 +1,229 @@
+"""What ``--load`` / ``--save`` mean for a run, decided before any process group starts.
+
+:func:`plan_start` (then :func:`check_resume`) reads only small files (tracker, manifests, ``run_config.json``,
+``loggra_model_args.json``) and returns a :class:`StartPlan`, or raises
+:class:`~loggra_megatron.config.ConfigError` (exit status 2) with one sentence:
+
+* **fresh**: no ``--load``; or ``--load`` equal to ``--save`` with no checkpoint there yet
+  (the first launch of an auto-resume script). A ``--save`` that already holds another
+  run's checkpoint, or an output directory with another run's ``metrics.jsonl``, is refused,
+  so that nothing is overwritten or appended to. A resumed run truncates its
+  ``metrics.jsonl`` to the resumed step, so no step appears twice.
+* **resume**: ``--load`` holds a trainer checkpoint (the tracked iteration, or ``--ckpt-step``;
+  an incomplete tracked one falls back to the newest complete one, with a warning).
+  Architecture flags given on the command line must match the checkpoint (every mismatch is
+  named with both values); those not given are adopted. Settings that the saved state
+  depends on (``--bf16``, ``--optimizer``, LoGRA's rank/projection/min-dim, a reference
+  model from ``--kl-coef``, TP/PP size, ``--use-distributed-optimizer``, ``--seed`` and the
+  prompt data) must be unchanged. Schedule flags (``--train-iters``, ``--lr``, warm-up,
+  decay, batch sizes) follow the new values, as Megatron-LM's
+  ``--override-opt_param-scheduler``; every changed flag is reported.
+* **weights**: the same with ``--no-load-optim``: the policy's weights only (any TP/PP; the
+  reference model, optimizer, schedule and data position start fresh).
+* **converted**: ``--load`` holds a model from ``tools/convert_checkpoint.py``; its
+  architecture is adopted as above.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from loggra_megatron.checkpointing.layout import (
+    MODEL_ARGS,
+    TRACKER,
+    CheckpointRef,
+    has_checkpoint,
+    read_tracker,
+    select_checkpoint,
+)
+from loggra_megatron.config import ConfigError
+
+ARCHITECTURE = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "rotary_base", "untie_embeddings_and_output_weights",
+)  # fmt: skip
+"""Model flags that a checkpoint fixes (the rest of the model is in its args file)."""
+
+STATE_DEFINING = {
+    "model": ("bf16",),
+    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+    "training": ("optimizer", "use_distributed_optimizer", "seed"),
+    "loggra": ("loggra_rank", "loggra_projection", "loggra_min_dim"),
+    "data": ("data_path", "task", "num_tasks", "task_digits", "task_operators"),
+}
+"""Settings the saved optimizer state, reference model or data position depend on."""
+
+SCHEDULE = {
+    "training": ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style",
+                 "weight_decay", "global_batch_size"),
+    "rl": ("prompts_per_step", "num_generations", "ppo_epochs"),
+}  # fmt: skip
+"""Settings that shape the LR schedule; on resume they follow the new values."""
+
+
+@dataclass
+class StartPlan:
+    """How this run starts (see the module docstring)."""
+
+    mode: str = "fresh"
+    """``fresh`` | ``resume`` | ``weights`` | ``converted``."""
+    checkpoint: CheckpointRef | None = None
+    """The trainer checkpoint to load (``resume`` / ``weights``)."""
+    converted_dir: str | None = None
+    """The converted model's directory (``converted``)."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings and changed flags, printed once by rank 0."""
+
+    @property
+    def resumes(self) -> bool:
+        return self.mode == "resume"
+
+    @property
+    def model_args_dir(self) -> str | None:
+        """Where the architecture file of the model to load lives."""
+        if self.mode == "converted":
+            return self.converted_dir
+        return self.checkpoint.root if self.checkpoint is not None else None
+
+
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def plan_start(cfg, explicit: set[str]) -> StartPlan:
+    """Decide how the run starts; adopt the checkpoint's architecture into ``cfg.model``
+    (flags named in ``explicit`` must agree with it). Raises ``ConfigError``."""
+    ck = cfg.checkpoint
+    load, save = ck.load, ck.save
+    auto_resume = _same_dir(load, save)
+    if save is not None and has_checkpoint(save) and not auto_resume:
+        raise ConfigError(
+            f"--save {save!r} already holds a checkpoint of another run "
+            f"(iteration {read_tracker(save)}); pass --load {save} to resume it, or choose "
+            "another --save directory"
+        )
+    if load is None or (auto_resume and not has_checkpoint(load)):
+        if ck.ckpt_step is not None:
+            raise ConfigError(f"--ckpt-step {ck.ckpt_step}: there is no checkpoint to load")
+        _check_metrics_file(cfg, continues=auto_resume)
+        return StartPlan("fresh")
+    if auto_resume and ck.no_load_optim:
+        raise ConfigError(
+            "--no-load-optim starts a new run from the loaded weights: give it a --save "
+            f"directory other than --load {load!r}"
+        )
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load!r}: no such directory")
+    if not has_checkpoint(load):
+        if read_tracker(load) == "release" or os.path.isfile(os.path.join(load, MODEL_ARGS)):
+            _adopt_architecture(cfg, load, explicit)
+            _check_metrics_file(cfg, continues=False)
+            return StartPlan("converted", converted_dir=load)
+        raise ConfigError(
+            f"--load {load!r} holds neither a pretrain_rl.py checkpoint (no {TRACKER} with an "
+            f"iteration, no iter_* directory) nor a converted model (no {MODEL_ARGS}; "
+            "convert one with tools/convert_checkpoint.py)"
+        )
+    try:
+        ref = select_checkpoint(load, ck.ckpt_step)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--load {load!r}: {e}") from None
+    plan = StartPlan("weights" if ck.no_load_optim else "resume", checkpoint=ref)
+    plan.notes += [f"--load: {w}" for w in ref.warnings]
+    _check_metrics_file(cfg, continues=plan.resumes)
+    _adopt_architecture(cfg, load, explicit)
+    return plan
+
+
+def check_resume(cfg, plan: StartPlan) -> None:
+    """On a full resume: refuse changed state-defining settings, note every changed flag
+    (call after the derived defaults of ``cfg`` are filled in). Raises ``ConfigError``."""
+    saved = plan.checkpoint.run_config() if plan.resumes else None
+    if saved is None:  # weights only, or a checkpoint older than run_config.json
+        return
+    _check_state_settings(cfg, saved["config"])
+    plan.notes += _changed_settings(cfg, saved["config"])
+
+
+def _check_metrics_file(cfg, continues: bool) -> None:
+    """A run that does not continue the run in its output directory must not append to (or
+    truncate) that run's ``metrics.jsonl``."""
+    from loggra_megatron.metrics import METRICS_FILE
+
+    path = os.path.join(cfg.metrics_dir, METRICS_FILE)
+    if not continues and os.path.isfile(path) and os.path.getsize(path) > 0:
+        raise ConfigError(
+            f"--output-dir: {path} holds the metrics of another run; choose another "
+            "--output-dir (or --save), or pass --load to resume that run"
+        )
+
+
+def _adopt_architecture(cfg, load: str, explicit: set[str]) -> None:
+    from loggra_megatron.model import GPTModelArgs
+
+    path = os.path.join(load, MODEL_ARGS)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--load {load!r}: {MODEL_ARGS} is missing (the architecture)")
+    args, m = GPTModelArgs.load_json(path), cfg.model
+    saved = {name: getattr(args, name) for name in ARCHITECTURE}
+    heads = saved["num_attention_heads"]
+    mismatches = []
+    for name, value in saved.items():
+        given = getattr(m, name)
+        if name == "num_query_groups":  # None means one group per head on both sides
+            value, given = value or heads, given or m.num_attention_heads
+        if name in explicit and given != value:
+            mismatches.append(f"{_flag(name)} {given} (checkpoint: {value})")
+    if mismatches:
+        raise ConfigError(
+            f"--load {load!r}: the model flags differ from the checkpoint's architecture: "
+            f"{', '.join(mismatches)}; drop them to use the checkpoint's, or start a new run"
+        )
+    for name, value in saved.items():
+        setattr(m, name, value)
+
+
+def _check_state_settings(cfg, saved: dict) -> None:
+    for section, names in STATE_DEFINING.items():
+        for name in names:
+            now, then = getattr(getattr(cfg, section), name), saved[section][name]
+            if section == "loggra" and cfg.training.optimizer != "loggra":
+                continue
+            if now != then:
+                raise ConfigError(
+                    f"{_flag(name)}: the checkpoint was saved with {_flag(name)} {then}, this "
+                    f"run has {now}; its optimizer state, reference model or data position "
+                    "depend on it. Resume with the same value, or load the weights only "
+                    "with --no-load-optim"
+                )
+    had_reference, has_reference = saved["rl"]["kl_coef"] > 0, cfg.rl.kl_coef > 0
+    if had_reference != has_reference:
+        raise ConfigError(
+            f"--kl-coef: the checkpoint was saved with --kl-coef {saved['rl']['kl_coef']} "
+            f"(reference model: {'yes' if had_reference else 'no'}), this run has "
+            f"{cfg.rl.kl_coef}; a reference model cannot be added or dropped on resume. Keep "
+            "--kl-coef on the same side of 0, or load the weights only with --no-load-optim"
+        )
+
+
+def _changed_settings(cfg, saved: dict) -> list[str]:
+    """One note per changed flag; the schedule flags are marked as followed."""
+    notes = []
+    schedule = {name for names in SCHEDULE.values() for name in names}
+    skip = {"checkpoint", "logging"}
+    for section, values in saved.items():
+        if section in skip or not isinstance(values, dict):
+            continue
+        for name, then in values.items():
+            now = getattr(getattr(cfg, section), name, then)
+            if now != then:
+                note = f"{_flag(name)} {then} -> {now}"
+                if name in schedule:
+                    note += " (the LR schedule follows the new value)"
+                notes.append(f"resume: {note}")
+    return notes
