@@ -91,7 +91,7 @@ def main() -> None:
     args = parse_args()
     from megatron.core import parallel_state
 
-    from loggra_megatron.trainer import initialize_megatron
+    from loggra_megatron.parallel import initialize_megatron
 
     initialize_megatron(
         tensor_model_parallel_size=args.tp

@@ -82,7 +82,7 @@ def main() -> None:
     args = parse_args()
     from megatron.core import parallel_state
 
-    from loggra_megatron.trainer import initialize_megatron
+    from loggra_megatron.parallel import initialize_megatron
 
     initialize_megatron()  # CPU mode + gloo without a GPU, NCCL with one
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -203,7 +203,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    from loggra_megatron.trainer import initialize_megatron
+    from loggra_megatron.parallel import initialize_megatron
 
     initialize_megatron(device=args.device)
     gib = 2**30

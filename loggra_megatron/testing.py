@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -40,6 +39,7 @@ import torch
 
 from loggra_megatron.cpu import enable_cpu_megatron
 from loggra_megatron.model import wrap_ddp
+from loggra_megatron.parallel import free_port
 
 __all__ = [
     "free_port",
@@ -48,13 +48,6 @@ __all__ = [
     "train_step",
     "wrap_ddp",
 ]
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Imported once by the forkserver; workers fork from it instead of re-importing (slow).

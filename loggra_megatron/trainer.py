@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.arguments import RLConfig
+from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.preflight import Preflight
 
 SUMMED_KEYS = ("optimizer/skipped_steps",)
@@ -44,40 +45,6 @@ REDUCED_KEYS = (
     "loss/total", "loss/policy", "loss/kl_ref", "kl/ref", "clip/fraction", "ratio/mean",
     "reward/mean", "reward/std", "reward/accuracy", "response/length_mean",
 )  # fmt: skip
-
-
-def initialize_megatron(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    seed: int = 1234,
-    device: str = "auto",
-) -> torch.device:
-    """Process groups (gloo + CPU mode on CPU, NCCL on GPU; torchrun's env or a single
-    process), Megatron's parallel state and its RNG. Returns the compute device."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from loggra_megatron.cpu import enable_cpu_megatron
-
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        enable_cpu_megatron()
-    if not dist.is_initialized():
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_model_parallel_size,
-            pipeline_model_parallel_size=pipeline_model_parallel_size,
-        )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 class RLTrainer:

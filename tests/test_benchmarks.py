@@ -45,7 +45,7 @@ def test_gpu_check_script_passes_flags_the_benchmark_accepts():
 
 
 def _measure_bf16_grads(rank):
-    from loggra_megatron.trainer import initialize_megatron
+    from loggra_megatron.parallel import initialize_megatron
 
     initialize_megatron(device="cpu")
     bench = _memory_rl()

@@ -284,6 +284,27 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("parallel", "world", "message"),
+    [
+        (["--pipeline-model-parallel-size", "3"], 3, "does not divide the model's 2 layers"),
+        (["--tensor-model-parallel-size", "3"], 3, "does not divide the model's 4 attention heads"),
+        (["--tensor-model-parallel-size", "2"], 1, "launch with torchrun --nproc-per-node 2"),
+    ],
+)
+def test_cli_refuses_parallel_sizes_the_model_cannot_take(
+    hf_models, tmp_path, capsys, monkeypatch, parallel, world, message
+):
+    """Exit 2 with the reason before any process group (was Megatron's AssertionError on
+    every rank of a torchrun job)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    load = hf_models["llama_tied"][0]
+    argv = ["--direction", "hf-to-megatron", "--load", load, "--save", str(tmp_path / "x")]
+    assert _cli_main([*argv, *parallel]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_refuses_unsupported_configs():
     base = {**COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
     assert GPTModelArgs.from_hf_config(base).num_query_groups == 4

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import sys
 import time
 
@@ -75,12 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(tp: int, pp: int) -> bool:
     """gloo process group (torchrun's env or a single local process) + Megatron groups.
 
@@ -91,6 +84,7 @@ def _init_distributed(tp: int, pp: int) -> bool:
     from megatron.core import parallel_state, tensor_parallel
 
     from loggra_megatron.cpu import enable_cpu_megatron
+    from loggra_megatron.parallel import single_process_env
 
     if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
         have = (
@@ -102,9 +96,7 @@ def _init_distributed(tp: int, pp: int) -> bool:
                 f"Megatron is already initialised with (TP, PP) = {have}, not {(tp, pp)}"
             )
         return False
-    if "RANK" not in os.environ:  # plain `python tools/convert_checkpoint.py`
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    single_process_env()  # plain `python tools/convert_checkpoint.py`
     enable_cpu_megatron(force=True)  # conversion is CPU-only by design
     torch.distributed.init_process_group("gloo")
     world = torch.distributed.get_world_size()
@@ -132,13 +124,32 @@ def _preflight(opts) -> None:
     from loggra_megatron.convert.checkpoint import read_model_args, resolve_checkpoint_dir
     from loggra_megatron.model import GPTModelArgs
 
-    if opts.tensor_model_parallel_size < 1 or opts.pipeline_model_parallel_size < 1:
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
         raise ValueError("parallel sizes must be >= 1")
     if opts.direction == "hf-to-megatron":
-        GPTModelArgs.from_hf_config(opts.load)  # refuses unsupported architectures
+        args = GPTModelArgs.from_hf_config(opts.load)  # refuses unsupported architectures
     else:
         resolve_checkpoint_dir(opts.load)
-        read_model_args(opts.load)
+        args = read_model_args(opts.load)
+    if args.num_layers % pp:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp} does not divide the model's "
+            f"{args.num_layers} layers"
+        )
+    for name, count in (("attention heads", args.num_attention_heads),
+                        ("key/value heads", args.num_query_groups or args.num_attention_heads)):
+        if count % tp:
+            raise ValueError(
+                f"--tensor-model-parallel-size {tp} does not divide the model's {count} {name}"
+            )  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise ValueError(
+            f"world size {world} must equal --tensor-model-parallel-size × "
+            f"--pipeline-model-parallel-size = {tp} × {pp}; launch with torchrun "
+            f"--nproc-per-node {tp * pp}"
+        )
     _check_destination(opts.save, opts.direction)
 
 

@@ -1,0 +1,61 @@
+"""Process-group and Megatron parallel-state initialisation, shared by the trainer, the
+benchmarks, the conversion tool and the test harness."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """Outside torchrun (no ``RANK``): a one-process world on 127.0.0.1 and a free port, as
+    torchrun --standalone picks one, so that two such runs on a machine never collide."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def initialize_megatron(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    device: str = "auto",
+) -> torch.device:
+    """Process groups (gloo + CPU mode on CPU, NCCL on GPU; torchrun's env or a single
+    process), Megatron's parallel state and its RNG. Returns the compute device."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from loggra_megatron.cpu import enable_cpu_megatron
+
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        enable_cpu_megatron()
+    if not dist.is_initialized():
+        single_process_env()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
