@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ def preflight(cfg) -> Preflight:
     from loggra_megatron.tokenizer import SentencePieceTokenizer
 
     d, t = cfg.data, cfg.training
+    if cfg.logging.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "--tensorboard-dir: the 'tensorboard' package is not installed "
+            "(`pip install tensorboard`), or drop --tensorboard-dir"
+        )
     try:
         tokenizer = SentencePieceTokenizer(d.tokenizer_model)
     except (OSError, ValueError) as e:

@@ -14,3 +14,8 @@ def fails_on_fourth_sample(prompt: str, completion: str, answer: str, metadata: 
 
 
 fails_on_fourth_sample.calls = 0
+
+
+def spelled_number(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """Text answers ("fourteen"): a reward that never parses a number."""
+    return 1.0 if answer in completion else 0.1 * sum(c.isalpha() for c in completion) / 12

@@ -99,7 +99,31 @@ def _leaf_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+@torch.no_grad()
+def _allocate_dense_state(leaf) -> None:
+    """Megatron's ``DistributedOptimizer.state_dict()`` needs an allocated inner state; a
+    fresh torch AdamW (no TE/apex) has none until its first step. Allocate it as Megatron
+    does (zero grads, one inner step) at lr 0, so no parameter changes; the load then
+    overwrites the placeholder state."""
+    inner = getattr(leaf, "optimizer", None)
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(inner.state):
+        return
+    if not hasattr(leaf, "_init_optimizer_states_with_dummy_values"):
+        return
+    lrs = [g["lr"] for g in inner.param_groups]
+    for g in inner.param_groups:
+        g["lr"] = 0.0
+    try:
+        leaf._init_optimizer_states_with_dummy_values()
+    finally:
+        for g, lr in zip(inner.param_groups, lrs, strict=True):
+            g["lr"] = lr
+
+
 def _optimizer_sharded_state_dict(optimizer, model_sd, is_loading: bool) -> list:
+    if is_loading:
+        for leaf in _leaf_optimizers(optimizer):
+            _allocate_dense_state(leaf)
     return [
         leaf.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DENSE_OPTIMIZER_SHARDING)
         for leaf in _leaf_optimizers(optimizer)
@@ -218,4 +242,20 @@ def load_checkpoint(
         with torch.no_grad():
             for leaf, leaf_state in zip(leaves, loaded["optimizer"], strict=True):
                 leaf.load_state_dict(leaf_state)
+                _restore_torch_adam_step(leaf, leaf_state)
     return loaded["common"]
+
+
+def _restore_torch_adam_step(leaf, leaf_state) -> None:
+    """Megatron's dense DistributedOptimizer keeps torch AdamW's step (CPU, no TE/apex) in
+    the saved param groups, but ``dp_reshardable`` then copies every param's placeholder
+    step over it; set each param's step from the param groups, as a tensor of its own."""
+    inner = getattr(leaf, "optimizer", None)
+    groups = leaf_state.get("optimizer", {}).get("param_groups", [])
+    steps = {g["step"] for g in groups if "step" in g}
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(steps) != 1:
+        return
+    (step,) = steps
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = torch.tensor(float(step))

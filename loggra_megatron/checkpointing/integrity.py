@@ -18,7 +18,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 from loggra_megatron.checkpointing.layout import CheckpointError
@@ -97,16 +96,16 @@ def verify_checksums(path: str, manifest: dict) -> None:
         )
 
 
-def _tensors(state) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for value in nested_values(state):
-        if isinstance(value, ShardedBase):  # ShardedTensor / ShardedTensorFactory
-            data = getattr(value, "data", None)  # ShardedObject: pickled state, not checked
-            if torch.is_tensor(data):
-                out.append((value.key, data))
-        elif torch.is_tensor(value):
-            out.append(("<tensor>", value))
-    return out
+def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in a nested dict/list: a sharded tensor by its
+    checkpoint key, a loaded one by its path in the state dict."""
+    if isinstance(state, dict | list):
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        return [t for k, v in items for t in _tensors(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(state, ShardedBase):  # ShardedTensor / ShardedTensorFactory
+        data = getattr(state, "data", None)  # ShardedObject: pickled state, not checked
+        return [(state.key, data)] if torch.is_tensor(data) else []
+    return [(path, state)] if torch.is_tensor(state) else []
 
 
 def nonfinite_tensors(state) -> list[str]:

@@ -158,10 +158,13 @@ def select_checkpoint(root: str, iteration: int | None = None) -> CheckpointRef:
             return CheckpointRef(root, tracked, path)
         warnings.append(f"the tracked iteration {tracked} ({path}) {problem}")
     for it, path in candidates(root):
-        if _complete(path) is None:
+        problem = _complete(path)
+        if problem is None:
             if tracked is None:
                 warnings.append(f"{root} has no {TRACKER}")
             warnings.append(f"falling back to the newest complete checkpoint {path}")
             return CheckpointRef(root, it, path, warnings)
+        if tracked is None or path != checkpoint_dir(root, tracked):
+            warnings.append(f"{path} {problem}")
     why = "; ".join(warnings) or f"no {TRACKER} and no iter_* directory"
     raise FileNotFoundError(f"no complete checkpoint under {root!r}: {why}")

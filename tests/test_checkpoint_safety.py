@@ -1,0 +1,201 @@
+"""Checkpoint safety: refused saves and loads, every crash point of a re-save, fallback to the
+newest complete iteration, and corruption caught by the manifest."""
+
+import json
+import math
+import os
+import struct
+
+import pytest
+import torch
+
+from loggra_megatron.checkpointing.layout import (
+    MANIFEST,
+    TRACKER,
+    checkpoint_dir,
+    latest_iteration,
+    select_checkpoint,
+)
+from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
+
+OUTPUT = "output_layer.weight"
+
+
+def _build():
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    model = tiny_gpt_model(hidden_size=32, vocab=64, seq=8, use_cpu_initialization=True)
+    ddp = wrap_ddp(model, use_distributed_optimizer=True)
+    config = LoGRAOptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                  loggra_rank=4, loggra_min_dim=8)  # fmt: skip
+    return ddp, get_loggra_optimizer(config, [ddp])
+
+
+def _params(ddp) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _set_output(ddp, value: float) -> None:
+    with torch.no_grad():
+        dict(ddp.module.named_parameters())[OUTPUT].fill_(value)
+        ddp.module.output_layer.weight.data.view(-1)[0] = value + 0.5  # a distinctive entry
+
+
+def _fresh_optimizer_state(opt):
+    """Masters follow the model weights (a test shortcut for 'weights were trained')."""
+    opt.reload_model_params()
+
+
+# ---------------------------------------------------------------- refused save
+def _nonfinite_save(rank, root):
+    from loggra_megatron.checkpointing import CheckpointError, save_checkpoint
+
+    ddp, opt = _build()
+    save_checkpoint(root, 1, [ddp], opt, common={"step": 1})
+    if rank == 1:  # one rank's weight goes non-finite
+        with torch.no_grad():
+            ddp.module.output_layer.weight.data.view(-1)[3] = math.inf
+    with pytest.raises(CheckpointError, match=r"refusing to save iteration 2.*output_layer"):
+        save_checkpoint(root, 2, [ddp], opt, common={"step": 2})
+    return sorted(os.listdir(root))
+
+
+def test_a_nonfinite_weight_on_one_rank_refuses_the_save_everywhere(tmp_path):
+    root = str(tmp_path / "ckpt")
+    listings = run_distributed(_nonfinite_save, 2, root)
+    assert listings[0] == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert latest_iteration(root) == 1
+
+
+# ---------------------------------------------------------------- crash points of a re-save
+class _Crash(Exception):
+    pass
+
+
+def _resave_with_crash(rank, root, crash_at):
+    """Save iteration 1 with weights A, then re-save it with weights B, crashing at the
+    ``crash_at``-th ``os.replace`` of rank 0 (None: no crash). Returns A, B and what a
+    fresh model loads afterwards."""
+    import loggra_megatron.checkpointing.dist_ckpt as dist_ckpt
+    import loggra_megatron.checkpointing.layout as layout
+    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
+
+    ddp, opt = _build()
+    _set_output(ddp, 1.0)
+    _fresh_optimizer_state(opt)
+    save_checkpoint(root, 1, [ddp], opt, common={"version": "A"})
+    a = _params(ddp)
+    _set_output(ddp, 2.0)
+    _fresh_optimizer_state(opt)
+    b = _params(ddp)
+    calls, real_replace = [0], os.replace
+
+    def replace(src, dst):
+        calls[0] += 1
+        if calls[0] == crash_at:
+            raise _Crash(f"killed before os.replace({src}, {dst})")
+        real_replace(src, dst)
+
+    for module in (dist_ckpt, layout):
+        module.os.replace = replace  # the same os module: patched once, restored below
+    try:
+        save_checkpoint(root, 1, [ddp], opt, common={"version": "B"})
+        crashed = False
+    except _Crash:
+        crashed = True
+    finally:
+        os.replace = real_replace
+    ref = select_checkpoint(root)
+    ddp2, opt2 = _build()
+    common = load_checkpoint(ref, [ddp2], opt2)
+    return {"a": a, "b": b, "loaded": _params(ddp2), "version": common["version"],
+            "crashed": crashed, "calls": calls[0], "warnings": ref.warnings, "path": ref.path}
+
+
+def test_every_crash_point_of_a_resave_leaves_a_loadable_complete_checkpoint(tmp_path):
+    """os.replace calls of a re-save: the manifest, iter_N -> .old, .tmp -> iter_N, the
+    tracker. A crash before each one leaves the old or the new state, whole."""
+    (clean,) = run_distributed(_resave_with_crash, 1, str(tmp_path / "clean"), None)
+    assert not clean["crashed"] and clean["version"] == "B"
+    assert all(torch.equal(clean["loaded"][k], clean["b"][k]) for k in clean["b"])
+    seen = set()
+    for k in range(1, clean["calls"] + 1):
+        (r,) = run_distributed(_resave_with_crash, 1, str(tmp_path / f"crash{k}"), k)
+        assert r["crashed"], k
+        expected = r["a"] if r["version"] == "A" else r["b"]
+        assert all(torch.equal(r["loaded"][n], expected[n]) for n in expected), (k, r["version"])
+        seen.add(r["version"])
+        if r["warnings"]:  # the crash between the two renames: iter_N is missing
+            assert "falling back" in r["warnings"][-1] and r["path"].endswith(".tmp")
+    assert seen == {"A", "B"}  # early crashes keep A, late ones already have B
+
+
+def test_select_checkpoint_falls_back_to_the_newest_complete_iteration(tmp_path):
+    root = tmp_path / "ckpt"
+    for it in (1, 2, 3):
+        d = root / f"iter_{it:07d}"
+        d.mkdir(parents=True)
+        (d / "data").write_text("x" * it)
+        (d / MANIFEST).write_text(json.dumps({"files": {"data": {"bytes": it}}}))
+    (root / TRACKER).write_text("3")
+    assert select_checkpoint(str(root)).iteration == 3
+    (root / "iter_0000003" / MANIFEST).unlink()  # interrupted: no manifest
+    ref = select_checkpoint(str(root))
+    assert ref.iteration == 2 and "no readable manifest.json" in ref.warnings[0]
+    (root / "iter_0000002" / "data").write_text("truncated"[:1])  # wrong size
+    ref = select_checkpoint(str(root))
+    assert ref.iteration == 1 and any("is damaged" in w for w in ref.warnings)
+    with pytest.raises(FileNotFoundError, match="no readable manifest"):
+        select_checkpoint(str(root), iteration=3)
+    assert select_checkpoint(str(root), iteration=1).iteration == 1
+
+
+# ---------------------------------------------------------------- corruption on disk
+def _save_then_corrupt(rank, root, value, checksums):
+    """Save, then overwrite the first output-layer weight in the file with ``value``."""
+    from loggra_megatron.checkpointing import save_checkpoint
+
+    ddp, opt = _build()
+    _set_output(ddp, 1.0)
+    _fresh_optimizer_state(opt)
+    path = save_checkpoint(root, 1, [ddp], opt, common={}, checksums=checksums)
+    needle = struct.pack("<ff", 1.5, 1.0)  # the distinctive entry and its neighbour
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        data = open(full, "rb").read()
+        if name.endswith(".distcp") and needle in data:
+            i = data.index(needle)
+            data = data[:i] + struct.pack("<f", value) + data[i + 4 :]
+            with open(full, "wb") as f:
+                f.write(data)
+            return name
+    raise AssertionError("weight bytes not found")
+
+
+def _load_refused(rank, root, match):
+    from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
+
+    ddp, opt = _build()
+    before = _params(ddp)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(root, [ddp], opt)
+    after = _params(ddp)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_flipped_exponent_is_caught_by_the_checksum(tmp_path):
+    """1.5 -> 1e37 is finite: only the CRC sees it. The load changes nothing."""
+    root = str(tmp_path / "ckpt")
+    (name,) = run_distributed(_save_then_corrupt, 1, root, 1e37, True)
+    assert run_distributed(_load_refused, 1, root, rf"{name} fails its CRC-32 check") == [True]
+
+
+def test_a_nonfinite_tensor_is_refused_after_loading(tmp_path):
+    """Without checksums (sizes only), a NaN written into the file is refused by the
+    finite-value check before anything reaches the live model."""
+    root = str(tmp_path / "ckpt")
+    run_distributed(_save_then_corrupt, 1, root, math.nan, False)
+    manifest = json.loads(open(os.path.join(checkpoint_dir(root, 1), MANIFEST)).read())
+    assert all("crc32" not in e for e in manifest["files"].values())
+    match = r"refusing to load .*non-finite values .* in .*output_layer"
+    assert run_distributed(_load_refused, 1, root, match) == [True]

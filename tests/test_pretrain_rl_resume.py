@@ -1,0 +1,211 @@
+"""`pretrain_rl.py` start-up and resume safety: what --load/--save mean, refused flag changes,
+the LR schedule on an extended run, SIGTERM on one rank and during the warm-up, and the
+checks that run before any process group (exit status 2)."""
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
+
+from loggra_megatron.arguments import parse_args
+from loggra_megatron.metrics import read_metrics
+
+COSINE = {"bf16": True, "kl-coef": 0.01, "train-iters": 4, "lr-decay-style": "cosine", "lr": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def saved(tokenizer, tmp_path_factory):
+    """A finished 4-step cosine run (LoGRA, bf16, reference model) saved in ``ckpt``."""
+    ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+    torchrun(tiny_argv(tokenizer, **COSINE, save=ckpt))
+    return ckpt
+
+
+def _refused(argv, capsys, *needles):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+# ---------------------------------------------------------------- parse time
+def test_a_fresh_run_never_overwrites_another_run(tokenizer, saved, tmp_path, capsys):
+    _refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
+             "--save", "already holds a checkpoint", f"--load {saved}")  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    _refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
+    _refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
+             "--no-load-optim starts a new run")  # fmt: skip
+
+
+def test_load_equal_to_save_starts_fresh_until_there_is_a_checkpoint(tokenizer, tmp_path, capsys):
+    new = tmp_path / "auto"
+    assert parse_args(tiny_argv(tokenizer, load=new, save=new)).start.mode == "fresh"
+    _refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(tiny_argv(tokenizer, load=empty), capsys,
+             "neither a pretrain_rl.py checkpoint", "nor a converted model")  # fmt: skip
+
+
+def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsys):
+    base = {**COSINE, "load": saved, "save": saved}
+    _refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
+             "--hidden-size 128 (checkpoint: 64)", "--num-layers 3 (checkpoint: 2)")  # fmt: skip
+    for change, needle in (
+        ({"bf16": False}, "--bf16: the checkpoint was saved with --bf16 True"),
+        ({"kl-coef": None}, "--kl-coef: the checkpoint was saved with --kl-coef 0.01"),
+        ({"optimizer": "adam"}, "--optimizer: the checkpoint was saved with --optimizer loggra"),
+        ({"loggra-rank": 4}, "--loggra-rank: the checkpoint was saved with --loggra-rank 8"),
+        ({"tensor-model-parallel-size": 2}, "--tensor-model-parallel-size"),
+    ):
+        _refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
+    cfg = parse_args(tiny_argv(tokenizer, **{**base, "train-iters": 8, "kl-target": 0.05}),
+                     world_size=2)  # fmt: skip
+    assert cfg.start.mode == "resume" and cfg.start.checkpoint.iteration == 4
+    notes = "\n".join(cfg.start.notes)
+    assert "--train-iters 4 -> 8 (the LR schedule follows the new value)" in notes
+    assert "--kl-target None -> 0.05" in notes
+    weights = parse_args(tiny_argv(tokenizer, load=saved, **{"no-load-optim": True,
+                                                              "hidden-size": None}))  # fmt: skip
+    assert weights.start.mode == "weights" and weights.model.hidden_size == 64
+
+
+# ---------------------------------------------------------------- end to end
+def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_path):
+    """4 -> 8 steps: the schedule's horizon is the new one (it used to keep lr = 0), and
+    metrics.jsonl holds every step once."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    proc = torchrun(tiny_argv(tokenizer, **{**COSINE, "train-iters": 8}, load=ckpt, save=ckpt))
+    assert "--train-iters 4 -> 8" in proc.stdout
+    rows = read_metrics(ckpt)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    updates = 2  # optimizer steps per RL step: 4 prompts × 4 generations / 8 per batch
+    for r in rows[4:]:  # Megatron's cosine at the 8-step horizon, after this step's updates
+        ratio = r["step"] * updates / (8 * updates)
+        assert r["lr"] == pytest.approx(3e-3 * 0.5 * (math.cos(math.pi * ratio) + 1), abs=1e-12)
+    assert rows[4]["lr"] > 0
+
+
+def _workers(proc) -> dict[int, psutil.Process]:
+    """torchrun's worker processes by RANK."""
+    out = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "pretrain_rl.py" in " ".join(child.cmdline()):
+            out[int(rank)] = child
+    return out
+
+
+def _launch(argv):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV, cwd=ROOT)  # fmt: skip
+
+
+def _sigterm_one_rank_when(proc, prefix: str, rank: int) -> str:
+    """Send SIGTERM to one worker once a line starting with ``prefix`` appears; all output."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            for _ in range(50):
+                workers = _workers(proc)
+                if rank in workers:
+                    break
+                time.sleep(0.1)
+            workers[rank].send_signal(signal.SIGTERM)
+            break
+    out, _ = proc.communicate(timeout=300)
+    return "".join(lines) + out
+
+
+def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
+    save = tmp_path / "ckpt"
+    proc = _launch(tiny_argv(tokenizer, **{"train-iters": 1000, "save": save}))
+    log = _sigterm_one_rank_when(proc, " step", rank=1)
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGTERM on rank 1" in log and "SIGTERM on another rank" in log
+    steps = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= steps < 1000 and [r["step"] for r in read_metrics(save)] == list(
+        range(1, steps + 1))  # fmt: skip
+
+
+def test_sigterm_during_the_warm_up_saves_and_the_resume_finishes_it(tokenizer, tmp_path):
+    save = tmp_path / "ckpt"
+    flags = {"sft-iters": 60, "train-iters": 2, "save": save, "lr": 1e-3}
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    log = _sigterm_one_rank_when(proc, " sft", rank=0)
+    assert proc.returncode == 0, log[-3000:]
+    assert "saved checkpoint" in log and "(warm-up step" in log
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 0
+    assert not (save / "metrics.jsonl").exists() or read_metrics(save) == []
+    proc = torchrun(tiny_argv(tokenizer, **flags, load=save))
+    assert " sft    60/60" in proc.stdout and " sft    10/60" not in proc.stdout  # continued
+    assert [r["step"] for r in read_metrics(save)] == [1, 2]
+
+
+def test_prompts_over_the_budget_are_dropped_and_text_answers_train(tokenizer, tmp_path):
+    """One process without torchrun (a free port, even with 29517 taken); a JSONL of text
+    answers with a user reward; a prompt longer than --seq-length − --max-new-tokens."""
+    data = tmp_path / "words.jsonl"
+    rows = [f'{{"prompt": "Spell {n}", "answer": "{w}"}}' for n, w in
+            ((14, "fourteen"), (3, "three"), (7, "seven"), (12, "twelve"))]  # fmt: skip
+    rows.append('{"prompt": "' + "Spell this very long number " * 20 + '", "answer": "x"}')
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    argv = tiny_argv(tokenizer, **{"data-path": data, "reward-fn": f"{REWARD}:spelled_number",
+                                   "output-dir": out, "train-iters": 1})  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 29517))  # the port single-process runs used to hard-code
+        taken.listen()
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *argv],
+                              capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dropped 1 of 5 prompts longer than 52 tokens" in proc.stdout
+    (row,) = read_metrics(out)
+    assert row["data/dropped_prompts"] == 1 and 0 <= row["reward/accuracy"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"reward-fn": "no_such_module_xyz:score"}, "module 'no_such_module_xyz' not found"),
+        ({"data-path": "BAD"}, ":2: missing required field(s) ['answer']"),
+        ({"tokenizer-model": "NOT_SPM"}, "not a sentencepiece model"),
+        ({"seq-length": 16, "max-new-tokens": 12}, "every prompt is longer than"),
+    ],
+)
+def test_host_side_problems_exit_2_before_any_process_group(tokenizer, tmp_path, flags, message,
+                                                            capsys):  # fmt: skip
+    import torch.distributed as dist
+
+    import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    junk = tmp_path / "junk.model"
+    junk.write_text("not a model")
+    flags = {k: {"BAD": bad, "NOT_SPM": junk}.get(v, v) for k, v in flags.items()}
+    with pytest.raises(SystemExit) as e:
+        pretrain_rl.main(tiny_argv(tokenizer, **flags, **{"output-dir": tmp_path / "o"}))
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not dist.is_initialized() and not (tmp_path / "o").exists()
