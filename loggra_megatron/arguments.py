@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +63,11 @@ class ModelArguments:
     """Transformer Engine FP8 recipe: delayed | tensorwise | mxfp8."""
     transformer_impl: str = "auto"
     """local (plain PyTorch) | transformer_engine | auto (TE on GPU when installed)."""
+
+    @property
+    def ffn_size(self) -> int:
+        """--ffn-hidden-size, or its default 8/3 · hidden rounded up to a multiple of 64."""
+        return self.ffn_hidden_size or 64 * math.ceil(8 * self.hidden_size / 3 / 64)
 
     def __post_init__(self):
         check_fields(self, [
@@ -488,11 +495,25 @@ def _cross_section_problems(cfg: RLConfig):
                f"--tensor-model-parallel-size {tp}")  # fmt: skip
     if m.num_query_groups is not None and m.num_query_groups % tp:
         yield f"--num-query-groups: {m.num_query_groups} must be divisible by TP = {tp}"
+    if m.ffn_size % tp:
+        yield (f"--ffn-hidden-size: {m.ffn_size} (the FFN width) is not divisible by "
+               f"--tensor-model-parallel-size {tp}")  # fmt: skip
     if m.num_layers % pp:
         yield (f"--num-layers: {m.num_layers} layers cannot be split over "
                f"--pipeline-model-parallel-size {pp}")  # fmt: skip
     if m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()):
         yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
+    if p.device == "cuda" and not torch.cuda.is_available():
+        yield "--device: cuda was asked for but no CUDA device is visible; use --device cpu"
+    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec(
+        "transformer_engine"
+    ) is None:
+        yield ("--transformer-impl: transformer_engine is not installed (pip install "
+               "'loggra-megatron[gpu]'); use local or auto")
+    if t.overlap_param_gather and not t.use_distributed_optimizer:
+        yield "--overlap-param-gather: needs the distributed optimizer (--use-distributed-optimizer)"
+    if t.min_lr > t.lr:
+        yield f"--min-lr: {t.min_lr} is above --lr {t.lr}"
     if t.grad_reduce_in_bf16 and not m.bf16:
         yield "--grad-reduce-in-bf16: bf16 gradients need --bf16 parameters"
     if t.global_batch_size % (t.micro_batch_size * dp):

@@ -94,7 +94,7 @@ class RLTrainer:
         decay_steps = max(self.optimizer_steps_per_rl_step * t.train_iters, t.lr_warmup_iters + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr,
-            min_lr=min(t.min_lr, t.lr), lr_warmup_steps=t.lr_warmup_iters,
+            min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
             lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style,
             start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=decay_steps,
             wd_incr_style="constant", override_opt_param_scheduler=True,
@@ -129,9 +129,8 @@ class RLTrainer:
             args = read_model_args(where)
             args.params_dtype = "bfloat16" if m.bf16 else "float32"
             return args
-        ffn = m.ffn_hidden_size or 64 * math.ceil(8 * m.hidden_size / 3 / 64)
         return GPTModelArgs(
-            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=ffn,
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
             vocab_size=self.tokenizer.vocab_size, max_position_embeddings=m.seq_length,
             rotary_base=m.rotary_base, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,7 +163,8 @@ def _save_then_corrupt(rank, root, value, checksums):
     needle = struct.pack("<ff", 1.5, 1.0)  # the distinctive entry and its neighbour
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
-        data = open(full, "rb").read()
+        with open(full, "rb") as f:
+            data = f.read()
         if name.endswith(".distcp") and needle in data:
             i = data.index(needle)
             data = data[:i] + struct.pack("<f", value) + data[i + 4 :]
@@ -195,7 +197,7 @@ def test_a_nonfinite_tensor_is_refused_after_loading(tmp_path):
     finite-value check before anything reaches the live model."""
     root = str(tmp_path / "ckpt")
     run_distributed(_save_then_corrupt, 1, root, math.nan, False)
-    manifest = json.loads(open(os.path.join(checkpoint_dir(root, 1), MANIFEST)).read())
+    manifest = json.loads(Path(checkpoint_dir(root, 1), MANIFEST).read_text())
     assert all("crc32" not in e for e in manifest["files"].values())
     match = r"refusing to load .*non-finite values .* in .*output_layer"
     assert run_distributed(_load_refused, 1, root, match) == [True]

@@ -54,6 +54,14 @@ from loggra_megatron.metrics import METRIC_KEYS, read_metrics
         ({"max-consecutive-skipped-steps": -1}, 1, "--max-consecutive-skipped-steps"),
         ({"hidden-size": 66}, 1, "--hidden-size"),
         ({"task-operators": "+/"}, 1, "--task-operators"),
+        # settings Megatron would only refuse after the process group started (exit 1)
+        ({"hidden-size": 96, "num-attention-heads": 6, "tensor-model-parallel-size": 3,
+          "loggra-rank": 8}, 3, "--ffn-hidden-size"),
+        ({"device": "cuda"}, 1, "--device"),
+        ({"transformer-impl": "transformer_engine"}, 1, "--transformer-impl"),
+        ({"overlap-param-gather": True, "no-use-distributed-optimizer": True}, 1,
+         "--overlap-param-gather"),
+        ({"min-lr": 1.0}, 1, "--min-lr"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):

@@ -18,9 +18,11 @@ def _params(module) -> dict[str, torch.Tensor]:
 def _nan_loss_run(rank, argv):
     """The trainer with β = inf: the KL term is inf·0 = NaN, so every gradient is NaN."""
     from loggra_megatron.arguments import parse_args
+    from loggra_megatron.preflight import preflight
     from loggra_megatron.trainer import RLTrainer, TrainingStopped
 
-    trainer = RLTrainer(parse_args(argv, world_size=2)).setup()
+    cfg = parse_args(argv, world_size=2)
+    trainer = RLTrainer(cfg, preflight(cfg)).setup()
     before, lr = _params(trainer.policy.module), trainer.optimizer.param_groups[0]["lr"]
     trainer.kl_coef.value = math.inf  # what --kl-coef inf did before it was refused at parse
     try:
