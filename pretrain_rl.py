@@ -13,7 +13,7 @@ import sys
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.config import ConfigError
 from loggra_megatron.preflight import preflight
-from loggra_megatron.trainer import RLTrainer, TrainingStopped
+from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
 
 def _fail(message: str, status: int) -> None:

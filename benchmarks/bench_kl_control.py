@@ -70,7 +70,8 @@ def backward(ddp, opt, tokens):
 def controller(ddp, opt, **cfg):
     from megatron.core import parallel_state as ps
 
-    from loggra_megatron.kl_control import KLControlConfig, PredictedKLController, gpt_probe_forward
+    from loggra_megatron.rl.config import KLControlConfig
+    from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 
     return PredictedKLController(
         KLControlConfig(**cfg), opt, gpt_probe_forward(ddp), ps.get_tensor_model_parallel_group(),

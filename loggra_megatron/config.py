@@ -1,21 +1,34 @@
-"""Checks shared by the settings dataclasses of every component.
+"""Settings dataclasses: their checks, and the command line generated from them.
 
-A settings dataclass validates its own fields in ``__post_init__`` with :func:`check_fields`
-(every ``float`` finite, then the given rules) and raises :class:`ConfigError`, whose message
-names the flag (``--field-name``), the value and the fix. ``pretrain_rl.py`` turns it into
-exit status 2 before any process group or file is touched.
+Each component owns one settings dataclass (a docstring per field). It validates its own
+fields in ``__post_init__`` with :func:`check_fields` (every ``float`` finite, then the given
+rules) and raises :class:`ConfigError`, whose message names the flag (``--field-name``),
+the value and the fix; ``pretrain_rl.py`` turns it into exit status 2 before any process
+group or file is touched. :func:`add_flags` turns the fields into Megatron-LM-style flags
+(help text from the field docstrings, ``--x`` / ``--no-x`` for booleans), and
+:func:`read_config_file` reads a YAML file of flag defaults with the same types.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
 import math
+import os
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
 
 class ConfigError(ValueError):
-    """An invalid or inconsistent setting; the message starts with the flag."""
+    """An invalid or inconsistent setting; the message starts with the flag. ``field``,
+    ``value`` and ``why`` are set when one field is at fault (:func:`reject`)."""
+
+    field: str | None = None
+    value: Any = None
+    why: str = ""
 
 
 def flag(field: str) -> str:
@@ -24,7 +37,9 @@ def flag(field: str) -> str:
 
 
 def reject(field: str, value: Any, why: str) -> None:
-    raise ConfigError(f"{flag(field)}={value!r}: {why}")
+    error = ConfigError(f"{flag(field)}={value!r}: {why}")
+    error.field, error.value, error.why = field, value, why
+    raise error
 
 
 Rule = tuple[str, Callable[[Any], bool], str]
@@ -43,9 +58,11 @@ def one_of(*choices) -> Callable[[Any], bool]:
     return lambda v: v in choices
 
 
-def check_fields(settings, rules: Iterable[Rule] = ()) -> None:
-    """Every float field is finite (NaN and ±inf are never meaningful), then each rule."""
-    for f in dataclasses.fields(settings):
+def check_fields(settings, rules: Iterable[Rule] = (), owner: type | None = None) -> None:
+    """Every float field is finite (NaN and ±inf are never meaningful), then each rule.
+    ``owner``: check only the fields that dataclass declares (for a subclass that mixes
+    several settings classes)."""
+    for f in dataclasses.fields(owner or settings):
         value = getattr(settings, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             reject(f.name, value, "must be a finite number")
@@ -53,3 +70,80 @@ def check_fields(settings, rules: Iterable[Rule] = ()) -> None:
         value = getattr(settings, field)
         if value is not None and not ok(value):
             reject(field, value, f"must be {must}")
+
+
+# ---------------------------------------------------------------------- the command line
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        is_doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and is_doc and isinstance(nxt.value.value, str):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _base_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
+    """One argument group per settings class, one flag per field (default None: "not
+    given", so that explicit flags can be told apart from defaults)."""
+    for section, cls in sections.items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip() or None)
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _base_type(hints[f.name])
+            if kind is bool:  # --flag (and --no-flag when the default is on)
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                group.add_argument(
+                    flag(f.name), dest=f.name, action=action, default=None, help=docs.get(f.name)
+                )
+            else:
+                group.add_argument(
+                    flag(f.name), dest=f.name, type=kind, default=None,
+                    help=f"{docs.get(f.name, '')} (default: {f.default})",
+                )  # fmt: skip
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict) -> dict:
+    """``{field: value}`` from a YAML file whose keys are flag names (dashes or
+    underscores); values are converted to the field's type as a flag's text would be."""
+    import yaml
+
+    if not os.path.isfile(path):
+        parser.error(f"--config: no such file {path!r}")
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
+    kinds = {
+        f.name: _base_type(typing.get_type_hints(cls)[f.name])
+        for cls in sections.values()
+        for f in dataclasses.fields(cls)
+    }
+    out = {}
+    for key, value in values.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in kinds:
+            parser.error(f"--config: unknown key {key!r} in {path!r}")
+        kind = kinds[name]
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            parser.error(f"--config: {key!r} in {path!r} must be an integer, got {value!r}")
+        if value is not None and not isinstance(value, kind):
+            try:  # as argparse converts a flag's text (YAML reads 1e-5 as a string)
+                value = kind(value) if kind is not bool else _yaml_bool(value)
+            except (TypeError, ValueError):
+                parser.error(f"--config: {key!r} in {path!r} must be {kind.__name__}, got {value!r}")
+        out[name] = value
+    return out
+
+
+def _yaml_bool(value) -> bool:
+    text = str(value).lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(value)
+    return text in ("true", "1", "yes")

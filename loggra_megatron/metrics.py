@@ -42,11 +42,26 @@ import netrc
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingConfig:
+    """Where the metrics go."""
+
+    output_dir: str | None = None
+    """Where metrics.jsonl goes (default: --save, else ./outputs/rl)."""
+    wandb_project: str | None = None
+    """Weights & Biases project (offline when there is no API key)."""
+    wandb_run_name: str | None = None
+    """Weights & Biases run name."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event directory."""
 
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20

@@ -3,11 +3,34 @@ benchmarks, the conversion tool and the test harness."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from loggra_megatron.config import check_fields, one_of, positive
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism and the device (data parallelism is the rest of the world)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size."""
+    device: str = "auto"
+    """cpu (gloo, CPU mode for megatron-core) | cuda (NCCL) | auto."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("tensor_model_parallel_size", positive, ">= 1"),
+            ("pipeline_model_parallel_size", positive, ">= 1"),
+            ("device", one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+        ])  # fmt: skip
 
 
 def free_port() -> int:
@@ -33,9 +56,12 @@ def initialize_megatron(
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     device: str = "auto",
+    timeout_s: float | None = None,
 ) -> torch.device:
     """Process groups (gloo + CPU mode on CPU, NCCL on GPU; torchrun's env or a single
-    process), Megatron's parallel state and its RNG. Returns the compute device."""
+    process), Megatron's parallel state and its RNG (which also seeds torch's default
+    generator). ``timeout_s``: of the process group's collectives (default: torch's).
+    Returns the compute device."""
     from megatron.core import parallel_state, tensor_parallel
 
     from loggra_megatron.cpu import enable_cpu_megatron
@@ -51,6 +77,7 @@ def initialize_megatron(
             "nccl" if use_cuda else "gloo",
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
+            **({"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}),
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

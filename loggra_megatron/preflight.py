@@ -37,8 +37,8 @@ class Preflight:
 
 def preflight(cfg) -> Preflight:
     from loggra_megatron.data.prompts import DatasetFormatError, PromptDataset, prompt_ids
-    from loggra_megatron.rewards import RewardSpecError, load_reward_fn
-    from loggra_megatron.tokenizer import SentencePieceTokenizer
+    from loggra_megatron.data.tokenizer import SentencePieceTokenizer
+    from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
 
     d, t = cfg.data, cfg.training
     if cfg.logging.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
@@ -52,18 +52,18 @@ def preflight(cfg) -> Preflight:
         raise ConfigError(str(e)) from None
     _check_vocab(cfg, tokenizer)
     try:
-        reward_fn = load_reward_fn(cfg.rl.reward_fn)
+        reward_fn = load_reward_fn(d.reward_fn)
     except RewardSpecError as e:
         raise ConfigError(str(e)) from None
     try:
         dataset = (
             PromptDataset.from_jsonl(d.data_path, seed=t.seed)
             if d.data_path
-            else PromptDataset.builtin(d.task, d.num_tasks, t.seed, **task_knobs(d))
+            else PromptDataset.builtin(d.task, d.num_tasks, t.seed, **d.task_knobs)
         )
     except (DatasetFormatError, ValueError) as e:
         raise ConfigError(f"--data-path: {e}" if d.data_path else f"--task: {e}") from None
-    budget = cfg.model.seq_length - cfg.rl.max_new_tokens
+    budget = cfg.model.seq_length - cfg.rollout.max_new_tokens
     lengths = {}
 
     def fits(example) -> bool:
@@ -75,29 +75,22 @@ def preflight(cfg) -> Preflight:
     except DatasetFormatError:
         raise ConfigError(
             f"--seq-length: every prompt is longer than --seq-length {cfg.model.seq_length} − "
-            f"--max-new-tokens {cfg.rl.max_new_tokens} = {budget} tokens"
+            f"--max-new-tokens {cfg.rollout.max_new_tokens} = {budget} tokens"
         ) from None
     notes = list(cfg.start.notes)
     if dropped:
         notes.append(
             f"data: dropped {len(dropped)} of {len(dataset) + len(dropped)} prompts longer than "
             f"{budget} tokens (--seq-length {cfg.model.seq_length} − --max-new-tokens "
-            f"{cfg.rl.max_new_tokens}; the longest has {max(lengths.values())})"
+            f"{cfg.rollout.max_new_tokens}; the longest has {max(lengths.values())})"
         )
     _check_data_position(cfg, dataset)
     return Preflight(tokenizer, reward_fn, dataset, len(dropped), notes)
 
 
-def task_knobs(d) -> dict:
-    """Difficulty settings of the built-in task generator."""
-    if d.task != "arithmetic":
-        return {}
-    return {"num_digits": d.task_digits, "operators": d.task_operators}
-
-
 def _check_vocab(cfg, tokenizer) -> None:
     from loggra_megatron.checkpointing.layout import MODEL_ARGS
-    from loggra_megatron.model import GPTModelArgs
+    from loggra_megatron.model.args import GPTModelArgs
 
     where = cfg.start.model_args_dir
     if where is None:

@@ -23,7 +23,6 @@ importable module, e.g. a pytest test module); results travel back through files
 from __future__ import annotations
 
 import contextlib
-import datetime
 import multiprocessing as mp
 import os
 import queue
@@ -37,9 +36,9 @@ from typing import Any
 
 import torch
 
-from loggra_megatron.cpu import enable_cpu_megatron
-from loggra_megatron.model import wrap_ddp
-from loggra_megatron.parallel import free_port
+from loggra_megatron.model.build import wrap_ddp
+from loggra_megatron.model.forward import positions_like
+from loggra_megatron.parallel import free_port, initialize_megatron
 
 __all__ = [
     "free_port",
@@ -108,20 +107,7 @@ def _worker(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     error = None
     try:
-        from megatron.core import parallel_state, tensor_parallel
-
-        enable_cpu_megatron()
-        torch.distributed.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-        )
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        initialize_megatron(tp, pp, seed, device="cpu", timeout_s=timeout)
         result = fn(rank, *args, **kwargs)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
@@ -264,7 +250,8 @@ def tiny_gpt_model(
     """
     from megatron.core.transformer.module import Float16Module
 
-    from loggra_megatron.model import GPTModelArgs, build_gpt_model
+    from loggra_megatron.model.args import GPTModelArgs
+    from loggra_megatron.model.build import build_gpt_model
 
     args = GPTModelArgs(
         num_layers=num_layers,
@@ -283,9 +270,9 @@ def tiny_gpt_model(
 
 
 def _gpt_forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    losses = model(tokens, pos, None, labels=labels)  # [b, s] per-token loss
+    batch = next(data_iterator)
+    x = batch["tokens"][:, :-1]
+    losses = model(x, positions_like(x), None, labels=batch["tokens"][:, 1:])  # [b, s]
 
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()
@@ -303,23 +290,15 @@ def train_step(
     ``(mean_loss, (update_successful, grad_norm, num_zeros))``; ``mean_loss`` is None on
     non-last pipeline stages, the optimizer tuple is None when ``forward_only``.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from loggra_megatron.model.forward import run_schedule
 
-    batch, seq = tokens.shape[0], tokens.shape[1] - 1
+    batch = tokens.shape[0]
     assert batch % num_microbatches == 0
     mbs = batch // num_microbatches
-    micro = [(tokens[i : i + mbs, :-1], tokens[i : i + mbs, 1:]) for i in range(0, batch, mbs)]
+    micro = [{"tokens": tokens[i : i + mbs]} for i in range(0, batch, mbs)]
     if not forward_only:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    out = get_forward_backward_func()(
-        forward_step_func=_gpt_forward_step,
-        data_iterator=iter(micro),
-        model=[model],
-        num_microbatches=num_microbatches,
-        seq_length=seq,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
+    out = run_schedule(model, _gpt_forward_step, micro, forward_only=forward_only)
     loss = torch.stack([d["lm loss"] for d in out]).mean().item() if out else None
     return loss, None if forward_only else optimizer.step()

@@ -27,8 +27,8 @@ def _one_grpo_step(rank):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.arguments import RLArguments
     from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
+    from loggra_megatron.rl.config import GRPOConfig
 
     model = tiny_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
                            use_cpu_initialization=True)  # fmt: skip
@@ -38,9 +38,9 @@ def _one_grpo_step(rank):
     opt = get_megatron_optimizer(config, [ddp])
     before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     batch = _grpo_batch()
-    loss_fn = grpo_loss_fn(RLArguments(max_new_tokens=SEQ), kl_coef=0.1,
+    loss_fn = grpo_loss_fn(GRPOConfig(), max_len=SEQ, kl_coef=0.1,
                            num_tokens=float(batch["mask"].sum()), num_seqs=float(BATCH))  # fmt: skip
-    outs = forward_backward(ddp, opt, split_micro(batch, 4), loss_fn, 4, dp=1)
+    outs = forward_backward(ddp, opt, split_micro(batch, 4), loss_fn, dp=1)
     ok, _, _ = opt.step()
     assert ok
     return {

@@ -17,10 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.convert.hf_io import HFCheckpointReader
 from loggra_megatron.convert.hf_to_megatron import validate_hf_checkpoint
 from loggra_megatron.convert.mapping import deinterleave_qkv, interleave_qkv
-from loggra_megatron.model import GPTModelArgs, pad_vocab_size
+from loggra_megatron.model.args import GPTModelArgs, pad_vocab_size
 from loggra_megatron.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -117,7 +118,7 @@ def _forward_logits(model, args):
 
 def _load_and_run(mg_dir):
     from loggra_megatron.convert import load_megatron_checkpoint, read_model_args
-    from loggra_megatron.model import build_gpt_model
+    from loggra_megatron.model.build import build_gpt_model
 
     args = read_model_args(mg_dir)
     model = build_gpt_model(args, use_cpu_initialization=True, perform_initialization=False)
@@ -169,7 +170,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
     report = {}
     for name, res in results.items():
         hf_dir, ref, ref_inv_freq = hf_models[name]
-        assert res["args"] == GPTModelArgs.from_hf_config(hf_dir)
+        assert res["args"] == gpt_args_from_hf(hf_dir)
         if res["inv_freq"] is not None:
             torch.testing.assert_close(res["inv_freq"], ref_inv_freq, rtol=1e-6, atol=0)
         src = _load_hf_dir(hf_dir)
@@ -189,7 +190,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
                 )
             with open(os.path.join(out_dir, "config.json")) as f:
                 cfg = json.load(f)
-            assert GPTModelArgs.from_hf_config(cfg) == GPTModelArgs.from_hf_config(hf_dir)
+            assert gpt_args_from_hf(cfg) == gpt_args_from_hf(hf_dir)
         # The exported config.json means the same model to transformers (RoPE, eps, tying).
         model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype="auto").eval()
         with torch.no_grad():
@@ -244,7 +245,7 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert "layer 1" in r.stdout and "done: 2 layers" in r.stdout
     args = GPTModelArgs.load_json(mg / "loggra_model_args.json")
-    assert args == GPTModelArgs.from_hf_config(hf_dir)
+    assert args == gpt_args_from_hf(hf_dir)
     assert (mg / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     argv = [
         "--direction",
@@ -307,7 +308,7 @@ def test_cli_refuses_parallel_sizes_the_model_cannot_take(
 
 def test_refuses_unsupported_configs():
     base = {**COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    assert GPTModelArgs.from_hf_config(base).num_query_groups == 4
+    assert gpt_args_from_hf(base).num_query_groups == 4
     refusals = {
         "unsupported Hugging Face model": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
         "unsupported Hugging Face architecture": {"architectures": ["LlamaForSequenceClassification"]},
@@ -321,14 +322,14 @@ def test_refuses_unsupported_configs():
     }  # fmt: skip
     for msg, patch in refusals.items():
         with pytest.raises(ValueError, match=msg):
-            GPTModelArgs.from_hf_config({**base, **patch})
+            gpt_args_from_hf({**base, **patch})
     # transformers 4.x layout of Llama 3.1 RoPE is read too.
     v4 = {
         **base,
         "rope_theta": 5e5,
         "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
     }
-    args = GPTModelArgs.from_hf_config(v4)
+    args = gpt_args_from_hf(v4)
     assert args.rope_scaling and args.rope_scaling_factor == 8.0 and args.rotary_base == 5e5
     assert GPTModelArgs.from_dict(json.loads(json.dumps(args.to_dict()))) == args
     with pytest.raises(ValueError, match="num_query_groups"):
@@ -347,7 +348,7 @@ def test_refuses_mismatched_tensor_shape(hf_models, tmp_path):
     tensors = _load_hf_dir(hf_dir)
     tensors["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(7)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    args = GPTModelArgs.from_hf_config(hf_dir)
+    args = gpt_args_from_hf(hf_dir)
     with (
         HFCheckpointReader(tmp_path) as reader,
         pytest.raises(ValueError, match=r"k_proj\.bias.*\[7\]"),

@@ -19,11 +19,11 @@ from loggra_megatron.data import (
     PromptDataset,
     format_completion,
     format_prompt,
-    generate_tasks,
     task_texts,
-    write_jsonl,
 )
-from loggra_megatron.rewards import (
+from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
+from loggra_megatron.tasks import generate_tasks, write_jsonl
+from loggra_megatron.tasks.rewards import (
     RewardFunctionError,
     RewardSpecError,
     compute_rewards,
@@ -33,7 +33,6 @@ from loggra_megatron.rewards import (
     format_reward,
     load_reward_fn,
 )
-from loggra_megatron.tokenizer import SentencePieceTokenizer, train_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -261,7 +260,7 @@ def test_format_and_default_rewards():
 
 def test_load_reward_fn(tmp_path, monkeypatch):
     assert load_reward_fn("exact_match_numeric") is exact_match_numeric
-    assert load_reward_fn("loggra_megatron.rewards:format_reward") is format_reward
+    assert load_reward_fn("loggra_megatron.tasks.rewards:format_reward") is format_reward
     (tmp_path / "my_rewards.py").write_text("def length(p, c, a, m):\n    return len(c) / 10\n")
     (tmp_path / "broken_dep.py").write_text("import no_such_dependency_xyz\n")
     assert load_reward_fn(f"{tmp_path / 'my_rewards.py'}:length")("q", "abc", "1", {}) == 0.3
@@ -272,8 +271,8 @@ def test_load_reward_fn(tmp_path, monkeypatch):
         "exact_match": "expected 'module:function'",
         "no_such_module_xyz:score": "module 'no_such_module_xyz' not found",
         "broken_dep:score": "importing 'broken_dep' failed: No module named 'no_such_dependency_xyz'",
-        "loggra_megatron.rewards:no_such_fn": "has no attribute 'no_such_fn'",
-        "loggra_megatron.rewards:ANSWER_MARKER": "not callable",
+        "loggra_megatron.tasks.rewards:no_such_fn": "has no attribute 'no_such_fn'",
+        "loggra_megatron.tasks.rewards:ANSWER_MARKER": "not callable",
         ":score": "both module and function",
         f"{tmp_path / 'missing.py'}:score": "not found",
     }

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loggra_megatron.kl import vocab_parallel_kl, vocab_parallel_log_probs
-from loggra_megatron.kl_control import KLControlConfig, PredictedKLController, gpt_probe_forward
+from loggra_megatron.rl.config import KLControlConfig
+from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
+from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
 HIDDEN, HEADS, VOCAB, SEQ = 32, 4, 64, 8
@@ -185,7 +186,7 @@ def _scaled_to_target(rank, estimator, pp):
     opt.clip_grad_norm(opt.config.clip_grad)
     ref = ctl._reference(batch[probe])
     raw = ctl._candidate_kl(batch[probe], ref, 1.0)[0]  # the full step's KL, nothing committed
-    ctl._restore_model_weights()
+    ctl.stepper.restore_model_weights()
     ctl.config.kl_target = raw / 10
     res = ctl.step(batch[probe], batch[holdout])
     return raw, res.metrics, ctl.config.kl_target
@@ -228,7 +229,7 @@ def _nan_kl_skips(rank):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("loggra_megatron.kl_control").addHandler(handler)
+    logging.getLogger("loggra_megatron.rl.kl_control").addHandler(handler)
     res = ctl.step(batch[probe], batch[holdout])
     after = _params(ddp)
     mains_after = [p.detach().clone() for g in inner.param_groups for p in g["params"]]

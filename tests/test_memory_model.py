@@ -23,7 +23,8 @@ import warnings
 import pytest
 import torch
 
-from loggra_megatron.memory_model import (
+from loggra_megatron.convert.hf_config import gpt_args_from_hf
+from loggra_megatron.memory.model import (
     GiB,
     MemoryConfigError,
     ParallelConfig,
@@ -56,9 +57,8 @@ RANK, MIN_DIM = 56, 40  # at TP=2: linear_proj [64, 32] dense; linear_fc2 [64, 4
 
 
 def _hf_shape(name: str) -> TransformerShape:
-    from loggra_megatron.model import GPTModelArgs
 
-    args = GPTModelArgs.from_hf_config(os.path.join(CONFIGS, f"{name}.json"))
+    args = gpt_args_from_hf(os.path.join(CONFIGS, f"{name}.json"))
     return TransformerShape.from_model_args(args)
 
 
@@ -88,7 +88,8 @@ def _step_optimizers(named_params: list[tuple[str, torch.nn.Parameter]]) -> dict
 
 
 def _megatron_stage(rank: int, tie: bool) -> dict:
-    from loggra_megatron.model import GPTModelArgs, build_gpt_model
+    from loggra_megatron.model.args import GPTModelArgs
+    from loggra_megatron.model.build import build_gpt_model
 
     args = GPTModelArgs(
         **SMALL,

@@ -1,5 +1,6 @@
 """`torchrun pretrain_rl.py`: flag validation and end-to-end GRPO runs on 2 CPU processes."""
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
+from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.metrics import METRIC_KEYS, read_metrics
 
 
@@ -77,7 +79,7 @@ def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
     cfg = parse_args([*tiny_argv(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
                       "--config", str(config), "--lr", "0.25"])  # fmt: skip
     assert (cfg.model.hidden_size, cfg.model.num_attention_heads) == (128, 8)
-    assert cfg.training.lr == 0.25
+    assert cfg.optimizer.lr == 0.25
     bad = tmp_path / "bad.yaml"
     bad.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
@@ -85,7 +87,7 @@ def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
     typed = tmp_path / "typed.yaml"  # YAML 1.1 reads 1e-5 as a string: converted like a flag
     typed.write_text("lr: 1e-5\nbf16: true\n")
     cfg = parse_args([*tiny_argv(tokenizer, lr=None), "--config", str(typed)])
-    assert cfg.training.lr == 1e-5 and cfg.model.bf16 is True
+    assert cfg.optimizer.lr == 1e-5 and cfg.model.bf16 is True
     typed.write_text("num-layers: 2.5\n")
     with pytest.raises(SystemExit):
         parse_args([*tiny_argv(tokenizer, **{"num-layers": None}), "--config", str(typed)])
@@ -157,13 +159,13 @@ def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenize
 
 
 def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
-    """The 8-GPU launch script's flags are valid (FP8 is refused here only for lack of a GPU)."""
+    """The 8-GPU launch script's flags are valid (FP8, and Transformer Engine where it is not
+    installed, are refused here only for lack of a GPU stack)."""
     with open(os.path.join(ROOT, "examples", "h100_8gpu", "train_27b_loggra.sh")) as f:
         script = f.read()
     body = script.split("pretrain_rl.py", 1)[1].split('"$@"')[0]
-    from loggra_megatron.model import GPTModelArgs
 
-    GPTModelArgs.from_hf_config(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
+    gpt_args_from_hf(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
                                 ).save_json(tmp_path / "loggra_model_args.json")  # fmt: skip
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
@@ -174,7 +176,14 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
         parse_args(argv, world_size=8)
     assert "--fp8-format" in capsys.readouterr().err
     i = argv.index("--fp8-format")
-    cfg = parse_args(argv[:i] + argv[i + 4 :], world_size=8)  # drop --fp8-format/--fp8-recipe
+    argv = argv[:i] + argv[i + 4 :]  # drop --fp8-format/--fp8-recipe
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(SystemExit):
+            parse_args(argv, world_size=8)
+        assert "--transformer-impl: transformer_engine is not installed" in capsys.readouterr().err
+        i = argv.index("--transformer-impl")
+        argv = argv[:i] + argv[i + 2 :]
+    cfg = parse_args(argv, world_size=8)
     assert cfg.parallel.tensor_model_parallel_size == 8 and cfg.kl_control.kl_target == 0.01
     assert cfg.model.num_attention_heads == 40  # the converted model's, not the flag default
 

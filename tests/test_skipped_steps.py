@@ -19,7 +19,7 @@ def _nan_loss_run(rank, argv):
     """The trainer with β = inf: the KL term is inf·0 = NaN, so every gradient is NaN."""
     from loggra_megatron.arguments import parse_args
     from loggra_megatron.preflight import preflight
-    from loggra_megatron.trainer import RLTrainer, TrainingStopped
+    from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
     cfg = parse_args(argv, world_size=2)
     trainer = RLTrainer(cfg, preflight(cfg)).setup()
@@ -36,7 +36,7 @@ def _nan_loss_run(rank, argv):
         "unchanged": all(torch.equal(before[k], after[k]) for k in before),
         "scheduler_steps": trainer.scheduler.num_steps,
         "lr_unchanged": trainer.optimizer.param_groups[0]["lr"] == lr,
-        "skipped_total": trainer.skipped_steps_total,
+        "skipped_total": trainer.skips.total,
     }
 
 

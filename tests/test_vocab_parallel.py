@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loggra_megatron.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
+from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.testing import run_distributed
 
 VOCAB = 16

@@ -122,13 +122,13 @@ def _check_destination(path: str, direction: str) -> None:
 def _preflight(opts) -> None:
     """Cheap checks before Megatron is imported or any process group exists."""
     from loggra_megatron.convert.checkpoint import read_model_args, resolve_checkpoint_dir
-    from loggra_megatron.model import GPTModelArgs
+    from loggra_megatron.convert.hf_config import gpt_args_from_hf
 
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError("parallel sizes must be >= 1")
     if opts.direction == "hf-to-megatron":
-        args = GPTModelArgs.from_hf_config(opts.load)  # refuses unsupported architectures
+        args = gpt_args_from_hf(opts.load)  # refuses unsupported architectures
     else:
         resolve_checkpoint_dir(opts.load)
         args = read_model_args(opts.load)

@@ -1,7 +1,7 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Per-GPU memory of one RL step with dense Adam and with LoGRA, side by side.
 
-The model is :mod:`loggra_megatron.memory_model` (its docstring states every formula and
+The model is :mod:`loggra_megatron.memory.model` (its docstring states every formula and
 assumption). Give the architecture as a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3;
 small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
 
@@ -27,7 +27,7 @@ import json
 import os
 import sys
 
-from loggra_megatron.memory_model import (
+from loggra_megatron.memory.model import (
     GiB,
     MemoryBreakdown,
     MemoryConfigError,
@@ -38,6 +38,7 @@ from loggra_megatron.memory_model import (
     max_rollout_batch_size,
     num_parameters,
 )
+from loggra_megatron.optim.registry import OPTIMIZERS
 
 _SHAPE_FLAGS = (
     "num_layers",
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default="fp32")
     s.add_argument(
         "--optimizer",
-        choices=["adam", "loggra"],
+        choices=list(OPTIMIZERS),
         default="loggra",
         help="the optimizer the run uses (marked *); both are always shown",
     )
@@ -195,10 +196,11 @@ def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Transfo
             parser.error(f"argument --{given[0].replace('_', '-')}: not allowed with --hf-config")
         if not os.path.exists(args.hf_config):
             parser.error(f"argument --hf-config: no such file: {args.hf_config}")
-        from loggra_megatron.model import GPTModelArgs  # imports torch; only needed here
+
+        from loggra_megatron.convert.hf_config import gpt_args_from_hf  # imports torch
 
         try:
-            hf = GPTModelArgs.from_hf_config(args.hf_config)
+            hf = gpt_args_from_hf(args.hf_config)
         except (ValueError, OSError, TypeError) as e:
             parser.error(f"argument --hf-config: {e}")
         shape = TransformerShape.from_model_args(hf)

@@ -12,7 +12,7 @@ On your own text files (each line is one training sentence)::
         --vocab-size 32000 --model-type unigram --byte-fallback --output-prefix /data/tok/sp
 
 Digits are always split into single pieces; ``\\n`` and ``####`` are atomic pieces; see
-:func:`loggra_megatron.tokenizer.train_tokenizer` for the other settings. Writes
+:func:`loggra_megatron.data.tokenizer.train_tokenizer` for the other settings. Writes
 ``PREFIX.model`` and ``PREFIX.vocab``.
 """
 
@@ -25,6 +25,8 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from loggra_megatron.tasks import TASKS, generate_tasks  # noqa: E402  (stdlib only)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--builtin-tasks", type=int, metavar="N", help="train on N generated tasks (offline)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
-    p.add_argument("--task-kind", default="mixed", choices=["arithmetic", "word_problems", "mixed"])
+    p.add_argument("--task-kind", default="mixed", choices=list(TASKS))
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model, PREFIX.vocab")
@@ -61,8 +63,8 @@ def _lines(paths):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from loggra_megatron.data import generate_tasks, task_texts
-    from loggra_megatron.tokenizer import SentencePieceTokenizer, train_tokenizer
+    from loggra_megatron.data import task_texts
+    from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
 
     if args.input:
         missing = [path for path in args.input if not os.path.isfile(path)]

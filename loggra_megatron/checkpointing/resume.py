@@ -38,28 +38,26 @@ from loggra_megatron.checkpointing.layout import (
     select_checkpoint,
 )
 from loggra_megatron.config import ConfigError
+from loggra_megatron.model.config import ARCHITECTURE
 
-ARCHITECTURE = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "rotary_base", "untie_embeddings_and_output_weights",
+STATE_DEFINING = (
+    "bf16", "tensor_model_parallel_size", "pipeline_model_parallel_size", "optimizer",
+    "use_distributed_optimizer", "seed", "data_path", "task", "num_tasks", "task_digits",
+    "task_operators",
 )  # fmt: skip
-"""Model flags that a checkpoint fixes (the rest of the model is in its args file)."""
+"""Flags the saved optimizer state, reference model or data position depend on."""
 
-STATE_DEFINING = {
-    "model": ("bf16",),
-    "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
-    "training": ("optimizer", "use_distributed_optimizer", "seed"),
-    "loggra": ("loggra_rank", "loggra_projection", "loggra_min_dim"),
-    "data": ("data_path", "task", "num_tasks", "task_digits", "task_operators"),
-}
-"""Settings the saved optimizer state, reference model or data position depend on."""
+SKETCH_DEFINING = ("loggra_rank", "loggra_projection", "loggra_min_dim")
+"""Flags the shapes of a sketching optimizer's saved state depend on."""
 
-SCHEDULE = {
-    "training": ("train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style",
-                 "weight_decay", "global_batch_size"),
-    "rl": ("prompts_per_step", "num_generations", "ppo_epochs"),
-}  # fmt: skip
-"""Settings that shape the LR schedule; on resume they follow the new values."""
+SCHEDULE = (
+    "train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay",
+    "global_batch_size", "prompts_per_step", "num_generations", "ppo_epochs",
+)  # fmt: skip
+"""Flags that shape the LR schedule; on resume they follow the new values."""
+
+NOT_COMPARED = ("save", "load", "ckpt_step", "no_load_optim", "output_dir", "wandb_run_name")
+"""Flags that name where a run reads and writes, not what it computes."""
 
 
 @dataclass
@@ -146,8 +144,9 @@ def check_resume(cfg, plan: StartPlan) -> None:
     saved = plan.checkpoint.run_config() if plan.resumes else None
     if saved is None:  # weights only, or a checkpoint older than run_config.json
         return
-    _check_state_settings(cfg, saved["config"])
-    plan.notes += _changed_settings(cfg, saved["config"])
+    now = cfg.flags()
+    _check_state_settings(now, saved["flags"])
+    plan.notes += _changed_settings(now, saved["flags"])
 
 
 def _check_metrics_file(cfg, continues: bool) -> None:
@@ -164,7 +163,7 @@ def _check_metrics_file(cfg, continues: bool) -> None:
 
 
 def _adopt_architecture(cfg, load: str, explicit: set[str]) -> None:
-    from loggra_megatron.model import GPTModelArgs
+    from loggra_megatron.model.args import GPTModelArgs
 
     path = os.path.join(load, MODEL_ARGS)
     if not os.path.isfile(path):
@@ -188,42 +187,36 @@ def _adopt_architecture(cfg, load: str, explicit: set[str]) -> None:
         setattr(m, name, value)
 
 
-def _check_state_settings(cfg, saved: dict) -> None:
-    for section, names in STATE_DEFINING.items():
-        for name in names:
-            now, then = getattr(getattr(cfg, section), name), saved[section][name]
-            if section == "loggra" and cfg.training.optimizer != "loggra":
-                continue
-            if now != then:
-                raise ConfigError(
-                    f"{_flag(name)}: the checkpoint was saved with {_flag(name)} {then}, this "
-                    f"run has {now}; its optimizer state, reference model or data position "
-                    "depend on it. Resume with the same value, or load the weights only "
-                    "with --no-load-optim"
-                )
-    had_reference, has_reference = saved["rl"]["kl_coef"] > 0, cfg.rl.kl_coef > 0
+def _check_state_settings(now: dict, saved: dict) -> None:
+    from loggra_megatron.optim.registry import OPTIMIZERS
+
+    names = STATE_DEFINING + (SKETCH_DEFINING if OPTIMIZERS[now["optimizer"]].sketched else ())
+    for name in names:
+        if now[name] != saved.get(name, now[name]):
+            raise ConfigError(
+                f"{_flag(name)}: the checkpoint was saved with {_flag(name)} {saved[name]}, "
+                f"this run has {now[name]}; its optimizer state, reference model or data "
+                "position depend on it. Resume with the same value, or load the weights only "
+                "with --no-load-optim"
+            )
+    had_reference, has_reference = saved["kl_coef"] > 0, now["kl_coef"] > 0
     if had_reference != has_reference:
         raise ConfigError(
-            f"--kl-coef: the checkpoint was saved with --kl-coef {saved['rl']['kl_coef']} "
+            f"--kl-coef: the checkpoint was saved with --kl-coef {saved['kl_coef']} "
             f"(reference model: {'yes' if had_reference else 'no'}), this run has "
-            f"{cfg.rl.kl_coef}; a reference model cannot be added or dropped on resume. Keep "
+            f"{now['kl_coef']}; a reference model cannot be added or dropped on resume. Keep "
             "--kl-coef on the same side of 0, or load the weights only with --no-load-optim"
         )
 
 
-def _changed_settings(cfg, saved: dict) -> list[str]:
+def _changed_settings(now: dict, saved: dict) -> list[str]:
     """One note per changed flag; the schedule flags are marked as followed."""
     notes = []
-    schedule = {name for names in SCHEDULE.values() for name in names}
-    skip = {"checkpoint", "logging"}
-    for section, values in saved.items():
-        if section in skip or not isinstance(values, dict):
+    for name, then in saved.items():
+        if name in NOT_COMPARED or name not in now or now[name] == then:
             continue
-        for name, then in values.items():
-            now = getattr(getattr(cfg, section), name, then)
-            if now != then:
-                note = f"{_flag(name)} {then} -> {now}"
-                if name in schedule:
-                    note += " (the LR schedule follows the new value)"
-                notes.append(f"resume: {note}")
+        note = f"{_flag(name)} {then} -> {now[name]}"
+        if name in SCHEDULE:
+            note += " (the LR schedule follows the new value)"
+        notes.append(f"resume: {note}")
     return notes

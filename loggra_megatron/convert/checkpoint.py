@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from loggra_megatron.model import GPTModelArgs
+from loggra_megatron.checkpointing.layout import MODEL_ARGS, TRACKER, write_atomically
+from loggra_megatron.model.args import GPTModelArgs
 
 __all__ = [
-    "ARGS_FILE",
     "HF_CONFIG_FILE",
-    "TRACKER_FILE",
     "load_megatron_checkpoint",
     "read_hf_config",
     "read_model_args",
@@ -40,9 +39,7 @@ __all__ = [
     "save_megatron_checkpoint",
 ]
 
-ARGS_FILE = "loggra_model_args.json"
 HF_CONFIG_FILE = "hf_config.json"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
 
@@ -89,13 +86,13 @@ def save_megatron_checkpoint(
     }
     dist_checkpointing.save(state, ckpt_dir)
     if _rank() == 0:
-        args.save_json(os.path.join(save_dir, ARGS_FILE))
+        args.save_json(os.path.join(save_dir, MODEL_ARGS))
         if hf_config is not None:
             with open(os.path.join(save_dir, HF_CONFIG_FILE), "w") as f:
                 json.dump(hf_config, f, indent=2, sort_keys=True)
                 f.write("\n")
-        with open(os.path.join(save_dir, TRACKER_FILE), "w") as f:
-            f.write(f"{'release' if iteration is None else iteration}\n")
+        write_atomically(os.path.join(save_dir, TRACKER),
+                         f"{'release' if iteration is None else iteration}\n")  # fmt: skip
     _barrier()
     return ckpt_dir
 
@@ -104,7 +101,7 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> str:
     """The dist-checkpoint directory of ``load_dir``: the iteration named by its tracker
     file, or ``load_dir`` itself if it is a dist checkpoint (has ``metadata.json``)."""
     load_dir = os.fspath(load_dir)
-    tracker = os.path.join(load_dir, TRACKER_FILE)
+    tracker = os.path.join(load_dir, TRACKER)
     if os.path.isfile(tracker):
         with open(tracker) as f:
             it = f.read().strip()
@@ -126,10 +123,10 @@ def _find_upwards(load_dir: str, fname: str) -> str | None:
 
 def read_model_args(load_dir: str | os.PathLike) -> GPTModelArgs:
     """The :class:`GPTModelArgs` saved with a checkpoint (in ``load_dir`` or its parent)."""
-    path = _find_upwards(os.fspath(load_dir), ARGS_FILE)
+    path = _find_upwards(os.fspath(load_dir), MODEL_ARGS)
     if path is None:
         raise FileNotFoundError(
-            f"{ARGS_FILE} not found in {load_dir}: not a checkpoint written by loggra_megatron"
+            f"{MODEL_ARGS} not found in {load_dir}: not a checkpoint written by loggra_megatron"
         )
     return GPTModelArgs.load_json(path)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from loggra_megatron.convert.checkpoint import save_megatron_checkpoint
+from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.convert.hf_io import HFCheckpointReader
 from loggra_megatron.convert.mapping import (
     HF_IGNORED_SUFFIXES,
@@ -25,7 +26,8 @@ from loggra_megatron.convert.mapping import (
     megatron_local_from_hf,
     param_mapping,
 )
-from loggra_megatron.model import GPTModelArgs, build_gpt_model
+from loggra_megatron.model.args import GPTModelArgs
+from loggra_megatron.model.build import build_gpt_model
 
 __all__ = [
     "convert_hf_to_megatron",
@@ -127,7 +129,7 @@ def convert_hf_to_megatron(
     hf_dir = os.fspath(hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
-    args = GPTModelArgs.from_hf_config(hf_config, **arg_overrides)
+    args = gpt_args_from_hf(hf_config, **arg_overrides)
     with HFCheckpointReader(hf_dir) as reader:
         validate_hf_checkpoint(reader, args)
         src_dtypes = {

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from loggra_megatron.model import GPTModelArgs
+from loggra_megatron.model.args import GPTModelArgs
 
 __all__ = [
     "HF_IGNORED_SUFFIXES",

@@ -21,6 +21,7 @@ from loggra_megatron.convert.checkpoint import (
     read_hf_config,
     read_model_args,
 )
+from loggra_megatron.convert.hf_config import hf_config_from_gpt_args
 from loggra_megatron.convert.hf_io import HFShardWriter, finalize_hf_checkpoint
 from loggra_megatron.convert.hf_to_megatron import layer_offset
 from loggra_megatron.convert.mapping import (
@@ -28,7 +29,8 @@ from loggra_megatron.convert.mapping import (
     hf_tensors_from_megatron,
     param_mapping,
 )
-from loggra_megatron.model import GPTModelArgs, build_gpt_model
+from loggra_megatron.model.args import GPTModelArgs
+from loggra_megatron.model.build import build_gpt_model
 
 __all__ = ["convert_megatron_to_hf", "export_megatron_to_hf", "iter_hf_tensors"]
 
@@ -82,7 +84,7 @@ def export_megatron_to_hf(
     """Write ``model`` (all ranks' chunks together) as a HF checkpoint into ``save_dir``.
 
     Collective over all ranks. ``hf_config`` is the base of ``config.json`` (see
-    :meth:`GPTModelArgs.to_hf_config`). Returns the safetensors file names (on every rank).
+    :func:`~loggra_megatron.convert.hf_config.hf_config_from_gpt_args`). Returns the safetensors file names (on every rank).
     """
     from megatron.core import parallel_state
 
@@ -115,7 +117,7 @@ def export_megatron_to_hf(
         raise RuntimeError(f"export produced the wrong tensor set; first difference: {diff[0]!r}")
     files: list[Any] = [None]
     if rank == 0:
-        files = [finalize_hf_checkpoint(save_dir, all_shards, args.to_hf_config(hf_config))]
+        files = [finalize_hf_checkpoint(save_dir, all_shards, hf_config_from_gpt_args(args, hf_config))]
     torch.distributed.broadcast_object_list(files, src=0)
     return files[0]
 

@@ -1,6 +1,6 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""Prompt data for RL: a seeded generator of verifiable math tasks (offline), JSONL
-prompt datasets, the prompt template / answer format, and resumable DP batches."""
+"""Prompt data for RL: JSONL prompt datasets or built-in tasks, the prompt template /
+answer format, resumable DP batches, and the sentencepiece tokenizer."""
 
 from loggra_megatron.data.prompts import (
     ANSWER_MARKER,
@@ -14,7 +14,6 @@ from loggra_megatron.data.prompts import (
     load_jsonl,
     task_texts,
 )
-from loggra_megatron.data.tasks import generate_tasks, write_jsonl
 
 __all__ = [
     "ANSWER_MARKER",
@@ -25,8 +24,6 @@ __all__ = [
     "format_answer",
     "format_completion",
     "format_prompt",
-    "generate_tasks",
     "load_jsonl",
     "task_texts",
-    "write_jsonl",
 ]

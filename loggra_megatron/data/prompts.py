@@ -14,7 +14,7 @@ GSM8K style::
     #### 85
 
 The answer marker is ``####`` followed by a number (optionally negative, with ``,``
-thousands separators or a decimal point). The rewards (:mod:`loggra_megatron.rewards`)
+thousands separators or a decimal point). The rewards (:mod:`loggra_megatron.tasks.rewards`)
 read the number after the *first* marker, so a policy that rambles on after its answer,
 or lists several candidates, is graded on the first one. :data:`INSTRUCT_TEMPLATE` spells
 the format out for instruction-tuned models.
@@ -40,8 +40,6 @@ import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-
-from loggra_megatron.data.tasks import generate_tasks
 
 ANSWER_MARKER = "####"
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
@@ -174,8 +172,10 @@ class PromptDataset:
 
     @classmethod
     def builtin(cls, kind: str, n: int, seed: int, **difficulty) -> PromptDataset:
-        """``n`` generated tasks (:func:`~loggra_megatron.data.tasks.generate_tasks`);
+        """``n`` generated tasks (:func:`~loggra_megatron.tasks.generate_tasks`);
         ``seed`` seeds both the generator and the epoch orders."""
+        from loggra_megatron.tasks import generate_tasks
+
         tasks = generate_tasks(kind, n, seed, **difficulty)
         return cls(tasks, seed=seed, source=f"<builtin {kind} n={n} seed={seed}>")
 

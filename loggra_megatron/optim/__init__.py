@@ -1,18 +1,25 @@
-"""Optimizers: LoGRA-AdamW (low-rank gradient-sketch Adam), its data-parallel sharded form,
-its integration into Megatron-Core's optimizers, and state accounting.
+"""Optimizers: LoGRA-AdamW (low-rank gradient-sketch Adam, torch only), its data-parallel
+sharded form, its integration into Megatron-Core's optimizers (``optim.megatron``), the
+registry behind ``--optimizer`` (``optim.registry``) and state accounting.
 
-The Megatron-facing names (``LoGRAOptimizerConfig``, ``get_loggra_optimizer``) are imported
-lazily so that the torch-only math modules work without megatron-core.
+Names are imported on first use, so that the registry and the settings load without torch
+and the torch-only math without megatron-core.
 """
 
-from loggra_megatron.optim.loggra_adamw import LoGRAAdamW, state_bytes
+from importlib import import_module
 
-__all__ = ["LoGRAAdamW", "LoGRAOptimizerConfig", "get_loggra_optimizer", "state_bytes"]
+_EXPORTS = {
+    "LoGRAAdamW": "loggra_megatron.optim.loggra_adamw",
+    "state_bytes": "loggra_megatron.optim.loggra_adamw",
+    "LoGRAOptimizerConfig": "loggra_megatron.optim.megatron.factory",
+    "get_loggra_optimizer": "loggra_megatron.optim.megatron.factory",
+    "OPTIMIZERS": "loggra_megatron.optim.registry",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    if name in ("LoGRAOptimizerConfig", "get_loggra_optimizer"):
-        from loggra_megatron.optim import megatron_adapter
-
-        return getattr(megatron_adapter, name)
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'loggra_megatron.optim' has no attribute {name!r}")

@@ -57,16 +57,12 @@ from loggra_megatron.optim.loggra_adamw import (
     adam_moments,
     dense_state,
     needs_refresh,
+    projection_of,
     refresh_seed,
     refreshed_state,
     validate_group,
 )
-from loggra_megatron.optim.projection import (
-    gaussian_test_matrix,
-    gram_svd_basis,
-    random_basis,
-    range_finder_basis,
-)
+from loggra_megatron.optim.projection import gaussian_test_matrix
 
 
 @dataclass(frozen=True)
@@ -199,6 +195,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             raise ValueError("loggra residual_scale > 0 is not supported with Megatron optimizers")
         self._settings = {k: group[k] for k in ("projection", "update_interval", "oversample")}
         self._settings["power_iters"] = group["power_iters"]
+        self._projection = projection_of(group)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
@@ -229,9 +226,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             "nonfinite_skips": torch.zeros((), dtype=torch.int64),
             "exp_avg": torch.zeros(hi - lo, r, **f32),
             "exp_avg_sq": torch.zeros(hi - lo, r, **f32),
-            "basis": torch.eye(n, **f32)
-            if group["projection"] == "identity"
-            else torch.zeros(n, r, **f32),
+            "basis": self._projection.initial_basis(n, r, **f32),
             "basis_seed": torch.tensor(layout.seed, dtype=torch.int64),
         }
         return state
@@ -304,8 +299,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 self.num_skipped_steps += 1
             return False
         refresh = needs_refresh(self.num_steps, self._settings)
-        random = self._settings["projection"] == "random"
-        full_split_rows = self._gather_split_rows() if refresh and not random else {}
+        needs_rows = refresh and self._projection.uses_gradient
+        full_split_rows = self._gather_split_rows() if needs_rows else {}
         step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
@@ -416,25 +411,24 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """``(basis, exp_avg, exp_avg_sq)`` of weight ``w`` after this step's basis refresh,
         as new tensors (None where this rank holds no slice, ``grad`` None). Collective over
         DP (and TP for column-parallel weights) unless the projection is random."""
-        settings = self._settings
+        settings, projection = self._settings, self._projection
         first = self.num_steps == 0
         seed = refresh_seed(layout.seed, self.num_steps, settings)
         n, r = layout.shape[1], layout.rank
-        if settings["projection"] == "random":
+        if not projection.uses_gradient:  # no collective: nothing to join without a slice
             if grad is None:
                 return None
-            return refreshed_state(random_basis(n, r, seed, grad.device), state, first)
+            q_raw = projection.sharded_basis(None, n, r, seed, settings, None, None, grad.device)
+            return refreshed_state(q_raw, state, first)
         rows, owned = self._owned_rows(w, layout, grad, full_split_rows)
         reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
-        if settings["projection"] == "svd":
-            q_raw = gram_svd_basis(rows, r, reduce)
-        else:
-            k = min(r + settings["oversample"], n)
+
+        def omega_rows(k: int) -> torch.Tensor:  # Ω's rows of this rank's owned rows
             omega = gaussian_test_matrix(layout.omega_rows, k, seed, self._device, torch.float32)
-            omega = omega[layout.global_row_index(*owned).to(self._device)]
-            q_raw = range_finder_basis(
-                rows, r, settings["oversample"], settings["power_iters"], omega, reduce
-            )
+            return omega[layout.global_row_index(*owned).to(self._device)]
+
+        q_raw = projection.sharded_basis(rows, n, r, seed, settings, omega_rows, reduce,
+                                         self._device)  # fmt: skip
         return None if grad is None else refreshed_state(q_raw, state, first)
 
     def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:

@@ -40,34 +40,28 @@ from collections.abc import Iterable
 
 import torch
 
-from loggra_megatron.optim.projection import (
-    PROJECTIONS,
-    align_basis,
-    gaussian_test_matrix,
-    random_basis,
-    range_finder_basis,
-    svd_basis,
-    transport_moments,
-)
+from loggra_megatron.optim.config import LoGRAConfig
+from loggra_megatron.optim.projection import PROJECTIONS, align_basis, transport_moments
 
 _SEED_STRIDE = 1_000_003
 
 
+_DEFAULTS = LoGRAConfig()  # one declaration of the defaults (rank: 128 without a model)
+
+
+def projection_of(group: dict):
+    """The :class:`~loggra_megatron.optim.projection.Projection` of a param group."""
+    return PROJECTIONS[group["projection"]]
+
+
 def is_sketched(param: torch.Tensor, group: dict) -> bool:
     """Whether ``param`` takes the low-rank update under ``group``'s settings."""
-    return (
-        group["sketch"]
-        and param.dim() == 2
-        and (group["projection"] == "identity" or min(param.shape) >= group["min_dim"])
-    )
+    return group["sketch"] and projection_of(group).sketches(tuple(param.shape), group["min_dim"])
 
 
 def sketch_rank(shape: tuple[int, int], group: dict) -> int:
     """Effective rank r for a sketched ``[m, n]`` weight (identity: n; else clamped)."""
-    m, n = shape
-    if group["projection"] == "identity":
-        return n
-    return min(group["rank"], m, n)
+    return projection_of(group).rank(shape, group["rank"])
 
 
 class LoGRAAdamW(torch.optim.Optimizer):
@@ -100,13 +94,13 @@ class LoGRAAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         rank: int = 128,
-        update_interval: int = 200,
-        projection: str = "range_finder",
-        oversample: int = 8,
-        power_iters: int = 1,
-        scale: float = 1.0,
+        update_interval: int = _DEFAULTS.loggra_update_interval,
+        projection: str = _DEFAULTS.loggra_projection,
+        oversample: int = _DEFAULTS.loggra_oversample,
+        power_iters: int = _DEFAULTS.loggra_power_iters,
+        scale: float = _DEFAULTS.loggra_scale,
         residual_scale: float = 0.0,
-        min_dim: int = 64,
+        min_dim: int = _DEFAULTS.loggra_min_dim,
         sketch: bool = True,
         seed: int = 0,
     ):
@@ -128,11 +122,7 @@ class LoGRAAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             p._loggra_index = self._num_params_seen  # stable id for the basis seed
             self._num_params_seen += 1
-            if (
-                is_sketched(p, group)
-                and group["projection"] != "identity"
-                and sketch_rank(tuple(p.shape), group) < group["rank"]
-            ):
+            if is_sketched(p, group) and projection_of(group).clamps(tuple(p.shape), group["rank"]):
                 clamped.append(tuple(p.shape))
         if clamped:
             warnings.warn(
@@ -149,13 +139,12 @@ class LoGRAAdamW(torch.optim.Optimizer):
         m, n = p.shape
         r = sketch_rank((m, n), group)
         f32 = dict(device=p.device, dtype=torch.float32)
-        identity = group["projection"] == "identity"
         self.state[p] = {
             "step": torch.zeros((), dtype=torch.int64),
             "nonfinite_skips": torch.zeros((), dtype=torch.int64),
             "exp_avg": torch.zeros(m, r, **f32),
             "exp_avg_sq": torch.zeros(m, r, **f32),
-            "basis": torch.eye(n, **f32) if identity else torch.zeros(n, r, **f32),
+            "basis": projection_of(group).initial_basis(n, r, **f32),
             "basis_seed": torch.tensor(
                 basis_seed(group["seed"], p._loggra_index), dtype=torch.int64
             ),
@@ -242,18 +231,9 @@ class LoGRAAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _refresh_basis(grad, state, group, first: bool) -> None:
-        basis = state["basis"]
-        (m, n), r = grad.shape, basis.shape[1]
+        r = state["basis"].shape[1]
         seed = refresh_seed(int(state["basis_seed"]), int(state["step"]), group)
-        if group["projection"] == "svd":
-            q_raw = svd_basis(grad, r)
-        elif group["projection"] == "random":
-            q_raw = random_basis(n, r, seed, grad.device)
-        else:
-            k = min(r + group["oversample"], n)
-            omega = gaussian_test_matrix(m, k, seed, grad.device, torch.float32)
-            q_raw = range_finder_basis(grad, r, group["oversample"], group["power_iters"], omega)
-        install_basis(q_raw, state, first)
+        install_basis(projection_of(group).local_basis(grad, r, seed, group), state, first)
 
 
 def dense_state(p: torch.Tensor) -> dict:
@@ -268,7 +248,7 @@ def dense_state(p: torch.Tensor) -> dict:
 
 def needs_refresh(steps_done: int, group: dict) -> bool:
     """Whether the basis is recomputed before step ``steps_done + 1``."""
-    return group["projection"] != "identity" and steps_done % group["update_interval"] == 0
+    return projection_of(group).refreshes and steps_done % group["update_interval"] == 0
 
 
 def basis_seed(base_seed: int, param_index: int) -> int:

@@ -37,6 +37,15 @@ Moments are then transported into the new basis with ``R = Q_oldᵀ Q_new`` (r×
   It keeps ``V ≥ 0``, is exact for permutations, and is the identity for ``R = I``.
   Directions new to the subspace start with small M and V (like a fresh Adam state).
 
+Projection objects
+------------------
+:data:`PROJECTIONS` maps each name to a :class:`Projection`, the one place that says which
+weights a projection sketches, at what rank, whether its basis is refreshed and from what,
+for :class:`~loggra_megatron.optim.LoGRAAdamW` (whole gradients, :meth:`Projection.
+local_basis`) and :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW` (row shards
+with all-reduces, :meth:`Projection.sharded_basis`). A new projection is one subclass and
+one registry line.
+
 Distributed use
 ---------------
 Every reduction over the rows of ``G`` (``Gᵀ Ω``, ``Gᵀ (G Y)``, ``Bᵀ B``) goes through an
@@ -53,7 +62,7 @@ from collections.abc import Callable
 
 import torch
 
-PROJECTIONS = ("range_finder", "svd", "random", "identity")
+from loggra_megatron.optim.registry import sketches_shape
 
 AllReduce = Callable[[torch.Tensor], None]
 
@@ -149,3 +158,112 @@ def transport_moments(
     """Sketch-space moments ``[m, r]`` moved from basis ``q_old`` to ``q_new`` (new tensors)."""
     r = q_old.t() @ q_new  # [r, r]
     return exp_avg @ r, exp_avg_sq @ (r * r)
+
+
+# ---------------------------------------------------------------------- projection objects
+OmegaRows = Callable[[int], torch.Tensor]
+"""``k ->`` this rank's rows of the seeded Gaussian test matrix ``Ω`` with ``k`` columns."""
+
+
+class Projection:
+    """How the basis of a sketched weight is chosen (subclasses override what differs)."""
+
+    refreshes = True
+    """False: the basis never changes (``identity``)."""
+    uses_gradient = True
+    """False: the basis is drawn from the seed alone, with no collective (``random``)."""
+
+    def sketches(self, shape: tuple[int, ...], min_dim: int) -> bool:
+        """Whether a 2-D weight of ``shape`` gets the low-rank update."""
+        return sketches_shape(shape, min_dim)
+
+    def rank(self, shape: tuple[int, int], requested: int) -> int:
+        """The sketch rank of an ``[m, n]`` weight (``requested`` clamped to ``min(m, n)``)."""
+        return min(requested, *shape)
+
+    def clamps(self, shape: tuple[int, int], requested: int) -> bool:
+        """Whether :meth:`rank` lowers ``requested`` for this shape (worth a warning)."""
+        return self.rank(shape, requested) < requested
+
+    def initial_basis(self, n: int, rank: int, **factory) -> torch.Tensor:
+        """The basis before the first refresh (``factory``: device and dtype)."""
+        return torch.zeros(n, rank, **factory)
+
+    def local_basis(self, grad: torch.Tensor, rank: int, seed: int, settings: dict):
+        """``Q_raw [n, rank]`` from a whole ``[m, n]`` gradient."""
+        raise NotImplementedError
+
+    def sharded_basis(self, rows, n: int, rank: int, seed: int, settings: dict,
+                      omega_rows: OmegaRows, all_reduce: AllReduce | None, device):  # fmt: skip
+        """``Q_raw [n, rank]`` from this rank's gradient ``rows``, identical on every rank
+        that joins ``all_reduce`` (collective unless ``uses_gradient`` is False)."""
+        raise NotImplementedError
+
+
+class RangeFinder(Projection):
+    """The randomized range finder (default)."""
+
+    def local_basis(self, grad, rank, seed, settings):
+        m, n = grad.shape
+        omega = gaussian_test_matrix(m, self._k(rank, n, settings), seed, grad.device,
+                                     torch.float32)  # fmt: skip
+        return range_finder_basis(grad, rank, settings["oversample"], settings["power_iters"],
+                                  omega)  # fmt: skip
+
+    def sharded_basis(self, rows, n, rank, seed, settings, omega_rows, all_reduce, device):
+        omega = omega_rows(self._k(rank, n, settings))
+        return range_finder_basis(rows, rank, settings["oversample"], settings["power_iters"],
+                                  omega, all_reduce)  # fmt: skip
+
+    @staticmethod
+    def _k(rank: int, n: int, settings: dict) -> int:
+        return min(rank + settings["oversample"], n)
+
+
+class GaLoreSVD(Projection):
+    """GaLore's exact top-r subspace (a baseline for measurement)."""
+
+    def local_basis(self, grad, rank, seed, settings):
+        return svd_basis(grad, rank)
+
+    def sharded_basis(self, rows, n, rank, seed, settings, omega_rows, all_reduce, device):
+        return gram_svd_basis(rows, rank, all_reduce)
+
+
+class RandomSubspace(Projection):
+    """Flora's seeded random subspace, independent of the gradient."""
+
+    uses_gradient = False
+
+    def local_basis(self, grad, rank, seed, settings):
+        return random_basis(grad.shape[1], rank, seed, grad.device)
+
+    def sharded_basis(self, rows, n, rank, seed, settings, omega_rows, all_reduce, device):
+        return random_basis(n, rank, seed, device)
+
+
+class Identity(Projection):
+    """``Q = I`` (r = n) for every 2-D weight: LoGRA-AdamW is exactly AdamW."""
+
+    refreshes = False
+
+    def sketches(self, shape, min_dim):
+        return len(shape) == 2
+
+    def rank(self, shape, requested):
+        return shape[1]
+
+    def clamps(self, shape, requested):
+        return False
+
+    def initial_basis(self, n, rank, **factory):
+        return torch.eye(n, **factory)
+
+
+PROJECTIONS: dict[str, Projection] = {
+    "range_finder": RangeFinder(),
+    "svd": GaLoreSVD(),
+    "random": RandomSubspace(),
+    "identity": Identity(),
+}
+"""``--loggra-projection`` name → projection (one line per projection)."""

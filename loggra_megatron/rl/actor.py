@@ -1,16 +1,22 @@
-"""The policy's training side: token log-probs, the GRPO and SFT losses as Megatron loss
-functions, and forward/backward over micro-batches with Megatron's schedule.
+"""The policy's training side (the actor): the GRPO and SFT losses as Megatron loss
+functions, mini/micro-batching, and one optimizer step per mini-batch.
+
+Megatron-style entry points: :func:`forward_step` (``forward_step(data_iterator, model)``
+with the loss bound by ``functools.partial``) and :func:`loss_func`, run by Megatron's
+schedule (:func:`~loggra_megatron.model.forward.run_schedule`, 1F1B under PP).
 
 Loss convention. A mini-batch is ``G`` sequences over all DP ranks, run as ``k`` micro-batches
 per rank. Each loss function returns its micro-batch's share of the *global* mini-batch loss
-(its numerator over the global token or sequence count, all-reduced over DP beforehand).
-Megatron's schedule divides each micro-batch loss by ``k`` and DDP averages gradients over
-DP, so :func:`loss_func` multiplies by ``k·DP``: the gradient that reaches the optimizer is
-the gradient of the global loss, whatever the DP size and micro-batch split.
+(its numerator over the global token or sequence count, all-reduced over DP beforehand by
+:func:`global_counts`). Megatron's schedule divides each micro-batch loss by ``k`` and DDP
+averages gradients over DP, so :func:`loss_func` multiplies by ``k·DP``: the gradient that
+reaches the optimizer is the gradient of the global loss, whatever the DP size and
+micro-batch split. The reported ``loss/*`` metrics are summed the same way
+(:func:`combine_micro_metrics`).
 
 Tensor parallelism: logits are vocab-parallel (``[b, s, V/TP]``) and never gathered; the
-log-probs are :func:`~loggra_megatron.kl.vocab_parallel_log_probs` over Megatron's TP group,
-whose gradient is exact at any TP size (``tests/test_vocab_parallel.py``).
+log-probs are :func:`~loggra_megatron.model.forward.token_log_probs`, whose gradient is
+exact at any TP size (``tests/test_vocab_parallel.py``).
 """
 
 from __future__ import annotations
@@ -21,19 +27,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.kl import vocab_parallel_log_probs
+from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
 from loggra_megatron.rl.losses import grpo_loss
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(micro_batch, logits) -> (share of the global loss, metrics)``."""
 
-
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log π(targets)`` from this TP rank's vocab-parallel ``logits [b, s, V/TP]``."""
-    from megatron.core import parallel_state as ps
-
-    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
+SUMMED_KEYS = ("optimizer/skipped_steps",)
+"""Per-update metrics an RL step reports as totals over its updates (the others: means)."""
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
@@ -44,16 +45,17 @@ def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, f
     return float(counts[0]), float(counts[1])
 
 
-def grpo_loss_fn(rl, kl_coef: float, num_tokens: float, num_seqs: float) -> LossFn:
-    """The GRPO/PPO-clip loss of a mini-batch (``rl``: the ``RLArguments``)."""
+def grpo_loss_fn(grpo, max_len: int, kl_coef: float, num_tokens: float, num_seqs: float) -> LossFn:
+    """The GRPO/PPO-clip loss of a mini-batch (``grpo``: the ``GRPOConfig``; ``max_len``:
+    ``--max-new-tokens``, the Dr.GRPO constant)."""
 
     def loss_fn(batch: dict, logits: torch.Tensor):
         logp = token_log_probs(logits, batch["tokens"][:, 1:])
         return grpo_loss(
             logp, batch["old"], batch["adv"], batch["mask"], logp_ref=batch.get("ref"),
-            kl_coef=kl_coef, kl_estimator=rl.kl_ref_estimator, clip_low=rl.clip_low,
-            clip_high=rl.clip_high, aggregation=rl.loss_aggregation, num_tokens_global=num_tokens,
-            num_seqs_global=num_seqs, max_len=rl.max_new_tokens,
+            kl_coef=kl_coef, kl_estimator=grpo.kl_ref_estimator, clip_low=grpo.clip_low,
+            clip_high=grpo.clip_high, aggregation=grpo.loss_aggregation,
+            num_tokens_global=num_tokens, num_seqs_global=num_seqs, max_len=max_len,
         )  # fmt: skip
 
     return loss_fn
@@ -79,26 +81,16 @@ def loss_func(loss_fn: LossFn, scale: float, batch: dict, output_tensor: torch.T
 def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     """Megatron's forward step: feed ``tokens[:, :-1]``; the logits score ``tokens[:, 1:]``."""
     batch = next(data_iterator)
-    x = batch["tokens"][:, :-1]
-    pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
-    return model(x, pos, None), partial(loss_func, loss_fn, scale, batch)
+    return gpt_logits(model, batch), partial(loss_func, loss_fn, scale, batch)
 
 
-def forward_backward(
-    model, optimizer, micro: list[dict], loss_fn: LossFn, micro_batch_size: int, dp: int
-) -> list[dict]:
+def forward_backward(model, optimizer, micro: list[dict], loss_fn: LossFn, dp: int) -> list[dict]:
     """Zero the grads, then forward + backward over ``micro`` batches with Megatron's
     schedule (1F1B under PP). Returns the per-micro-batch metrics (last PP stage)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, loss_fn, len(micro) * dp),
-        data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
-        seq_length=micro[0]["tokens"].shape[1] - 1, micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )  # fmt: skip
+    step = partial(forward_step, loss_fn, len(micro) * dp)
+    return run_schedule(model, step, micro, forward_only=False)
 
 
 def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
@@ -121,3 +113,41 @@ def combine_micro_metrics(outs: list[dict], dp: int) -> dict[str, float]:
         values = [float(o[key]) for o in outs]
         combined[key] = sum(values) * dp if key.startswith("loss/") else sum(values) / len(values)
     return combined
+
+
+class Actor:
+    """Trains the policy: mini-batches of ``global_batch_size / DP`` sequences, each run as
+    micro-batches through Megatron's schedule and followed by one optimizer step.
+
+    ``optimizer_step(mini_batch) -> metrics`` takes the step (plain or under predicted-KL
+    control, skips counted; see :class:`~loggra_megatron.train.steps.OptimizerStep`)."""
+
+    def __init__(self, policy, optimizer, optimizer_step, dp_group, training):
+        self.policy, self.optimizer, self.optimizer_step = policy, optimizer, optimizer_step
+        self.dp_group = dp_group
+        self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.micro_batch_size = training.micro_batch_size
+        self.per_rank = training.global_batch_size // self.dp
+
+    def update_policy(self, batch: dict, grpo, max_len: int, kl_coef: float) -> dict[str, float]:
+        """``--ppo-epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
+        the means over the updates of their metrics (counts for ``SUMMED_KEYS``)."""
+        sums, n = {}, 0
+        for _ in range(grpo.ppo_epochs):
+            for start in range(0, len(batch["tokens"]), self.per_rank):
+                mini = {k: v[start : start + self.per_rank] for k, v in batch.items()}
+                n_tok, n_seq = global_counts(mini["mask"], self.per_rank, self.dp_group)
+                loss_fn = grpo_loss_fn(grpo, max_len, kl_coef, n_tok, n_seq)
+                outs = self.train_on(mini, loss_fn)
+                step_metrics = self.optimizer_step(mini)
+                for key, value in combine_micro_metrics(outs, self.dp).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                for key, value in step_metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                n += 1
+        return {k: v if k in SUMMED_KEYS else v / n for k, v in sums.items()}
+
+    def train_on(self, mini: dict, loss_fn: LossFn) -> list[dict]:
+        """Forward + backward of one mini-batch; the per-micro-batch metrics."""
+        micro = split_micro(mini, self.micro_batch_size)
+        return forward_backward(self.policy, self.optimizer, micro, loss_fn, self.dp)

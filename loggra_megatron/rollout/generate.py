@@ -39,7 +39,7 @@ Parallelism and communication
   ``[B, V]`` row. TP rank 0 samples and broadcasts the ``[B]`` token ids over the TP group, so
   all TP ranks feed the same next token even if sampling kernels were non-deterministic.
   The log-prob is computed *vocab-parallel* (each rank's own ``V/TP`` slice,
-  :func:`~loggra_megatron.kl.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
+  :func:`~loggra_megatron.rl.kl.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
   log-sum-exp, one for the target logit) -- the same arithmetic as :func:`compute_log_probs`.
 * **PP.** Each step runs stage by stage: a stage receives the ``[s, B, H]`` hidden states from
   the previous stage, runs its layers with its own KV cache (one context per process; caches
@@ -73,7 +73,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.kl import vocab_parallel_log_probs
+from loggra_megatron.model.forward import forward_map, token_log_probs
+from loggra_megatron.rl.kl import vocab_parallel_log_probs
 
 __all__ = [
     "Rollout",
@@ -133,6 +134,15 @@ def sample_tokens(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    from megatron.core import parallel_state as ps
+
+    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError("need max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("generate_rollout() does not support context parallelism")
 
 
 def _groups():
@@ -196,6 +206,23 @@ def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, 
     return out[:, -1, :].float() if last else None
 
 
+def _next_tokens(logits, next_ids, *, temperature, top_p, generator):
+    """On the last stage: TP rank 0 samples from the gathered ``[B, V]`` logits and
+    broadcasts the ids over TP; every TP rank computes their untempered log-probs from its
+    own vocabulary shard. Returns ``(ids [B], log-probs [B])``."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if tp_rank == 0:
+        next_ids = sample_tokens(logits, temperature, top_p, generator)
+    if tp > 1:
+        dist.broadcast(next_ids, src=ps.get_tensor_model_parallel_src_rank(), group=tp_group)
+    shard = logits.shape[-1] // tp
+    local = logits[:, tp_rank * shard : (tp_rank + 1) * shard]
+    return next_ids, vocab_parallel_log_probs(local, next_ids, tp_rank * shard, tp_group)
+
+
 _SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
 
 
@@ -253,11 +280,8 @@ def generate_rollout(
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
     from megatron.core.utils import get_model_config
 
-    if max_new_tokens < 0 or temperature < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError("need max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1")
+    _check_sampling(max_new_tokens, temperature, top_p)
     config = get_model_config(model)
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("generate_rollout() does not support context parallelism")
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
     batch, max_prompt = buf.shape[0], int(lengths.max())
@@ -266,17 +290,15 @@ def generate_rollout(
     stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
 
     tp_group, pp_group, tp, pp = _groups()
-    tp_rank = dist.get_rank(tp_group)
     last = pp_group.rank() == pp - 1
     pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
-    hidden_dtype = (
-        torch.float32
-        if config.fp32_residual_connection
-        else config.pipeline_dtype or config.params_dtype
-    )
+    hidden_dtype = torch.float32 if config.fp32_residual_connection else (
+        config.pipeline_dtype or config.params_dtype
+    )  # fmt: skip
     generator = None
-    if last and tp_rank == 0 and temperature > 0:
+    if last and dist.get_rank(tp_group) == 0 and temperature > 0:
         generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device)
+    sample = partial(_next_tokens, temperature=temperature, top_p=top_p, generator=generator)
 
     log_probs = torch.zeros(batch, total - 1, dtype=torch.float32, device=device)
     response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)
@@ -292,14 +314,7 @@ def generate_rollout(
             logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
             next_ids = torch.empty(batch, dtype=torch.long, device=device)
             if last:
-                if tp_rank == 0:
-                    next_ids = sample_tokens(logits, temperature, top_p, generator)
-                if tp > 1:
-                    src = ps.get_tensor_model_parallel_src_rank()
-                    dist.broadcast(next_ids, src=src, group=tp_group)
-                shard = logits.shape[-1] // tp
-                local = logits[:, tp_rank * shard : (tp_rank + 1) * shard]
-                lp = vocab_parallel_log_probs(local, next_ids, tp_rank * shard, tp_group)
+                next_ids, lp = sample(logits, next_ids)
             if pp > 1:
                 dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
 
@@ -318,9 +333,14 @@ def generate_rollout(
 
     if pp > 1:
         dist.broadcast(log_probs, src=pp_last_rank, group=pp_group)
+    return _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped)
+
+
+def _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped) -> Rollout:
+    """The :class:`Rollout`, cut to the longest finished sequence."""
     seq_len = lengths + gen_len
     width = int(seq_len.max())
-    positions = torch.arange(width, device=device)
+    positions = torch.arange(width, device=buf.device)
     return Rollout(
         tokens=buf[:, :width].contiguous(),
         log_probs=log_probs[:, : width - 1].contiguous(),
@@ -330,22 +350,6 @@ def generate_rollout(
         response_lengths=gen_len,
         truncated=~stopped,
     )
-
-
-def _log_prob_forward_step(vocab_size: int, data_iterator, model):
-    inputs, targets = next(data_iterator)
-    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
-    logits = model(inputs, positions, None)  # [b, s, V / TP] on the last stage
-    return logits, partial(_log_prob_func, vocab_size, targets)
-
-
-def _log_prob_func(vocab_size: int, targets, logits, non_loss_data: bool = False):
-    from megatron.core import parallel_state as ps
-
-    if logits.shape[-1] == vocab_size:  # parallel_output=False: logits are already whole
-        return vocab_parallel_log_probs(logits, targets)
-    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
 
 
 @torch.no_grad()
@@ -359,8 +363,6 @@ def compute_log_probs(
     Right padding is harmless (causal attention); mask the result with the rollout's
     ``response_mask``. Returns the log-probs on the last pipeline stage, ``None`` on others.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config, unwrap_model
 
     config = get_model_config(model)
@@ -376,25 +378,11 @@ def compute_log_probs(
         seq = -(-seq // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
     padded = tokens.new_zeros(num_micro * mbs, seq + 1)
     padded[:batch, :length] = tokens
-    micro = [
-        (padded[i : i + mbs, :-1], padded[i : i + mbs, 1:]) for i in range(0, len(padded), mbs)
-    ]
-
-    was_training = model.training
-    model.eval()
-    try:
-        out = get_forward_backward_func()(
-            forward_step_func=partial(_log_prob_forward_step, unwrap_model(model).vocab_size),
-            data_iterator=iter(micro),
-            model=[model],
-            num_microbatches=num_micro,
-            seq_length=seq,
-            micro_batch_size=mbs,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
-    finally:
-        model.train(was_training)
-    if not ps.is_pipeline_last_stage():
+    micro = [{"tokens": padded[i : i + mbs]} for i in range(0, len(padded), mbs)]
+    vocab = unwrap_model(model).vocab_size
+    out = forward_map(
+        model, micro, lambda b, logits: token_log_probs(logits, b["tokens"][:, 1:], vocab)
+    )
+    if out is None:
         return None
     return torch.cat(out, dim=0)[:batch, : length - 1].contiguous()

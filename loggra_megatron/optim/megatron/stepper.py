@@ -12,9 +12,13 @@ exposes the same phases, for the trainer and for predicted-KL control:
   is all-reduced over the optimizer's grad-stats group (model parallel × DP for the
   distributed optimizer; model parallel otherwise, where gradients are DP-identical), so
   every rank takes the same decision and no collective diverges.
-* :meth:`~MegatronStepper.commit` (``lr_scale`` = η of KL control; 1 is Megatron's step
-  bit for bit), or nothing for a skipped step (the grads are zeroed by the next
-  backward's ``zero_grad_buffer``).
+* :meth:`~MegatronStepper.try_candidate` (predicted-KL control): the parameters the step
+  would produce, scaled by η (``θ + η·Δθ``, :mod:`loggra_megatron.optim.candidate`), written
+  into the 16-bit model weights only (the fp32 masters keep θ) and all-gathered over DP,
+  for one probe forward; fp32 params that share storage with their master are restored
+  when the trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back.
+* :meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit),
+  or nothing for a skipped step (the grads are zeroed by the next ``zero_grad_buffer``).
 
 A skipped step changes no weight, no optimizer state and no step counter; the caller does
 not advance the LR schedule (as Megatron-LM's ``train_step`` does on ``update_successful
@@ -23,11 +27,16 @@ not advance the LR schedule (as Megatron-LM's ``train_step`` does on ``update_su
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from loggra_megatron.optim.candidate import write_candidate
+from loggra_megatron.optim.megatron.params import main_params_of, shares_storage
 
 
 @dataclass
@@ -38,6 +47,22 @@ class PreparedGrads:
     """False: an fp16 overflow or a non-finite gradient norm; the step must be skipped."""
     grad_norm: float
     """Global L2 norm of the gradients before clipping (NaN after an fp16 overflow)."""
+    num_zeros: int | None = None
+    """Zero gradient entries (with Megatron's ``log_num_zeros_in_grad``)."""
+
+
+@dataclass
+class CandidateTrial:
+    """What :meth:`MegatronStepper.try_candidate` yields."""
+
+    ok: bool
+    """False: the inner optimizer would skip this step (a non-finite gradient)."""
+    peak_bytes: int = 0
+    """Largest transient memory of the trial (one param's candidate + fp32 backups)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class MegatronStepper:
@@ -46,7 +71,14 @@ class MegatronStepper:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.leaves = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self._params = [
+            (leaf, main, model, start, end)
+            for leaf in self.leaves
+            if getattr(leaf, "optimizer", None) is not None
+            for main, model, start, end in main_params_of(leaf)
+        ]
 
+    # ------------------------------------------------------------------ Megatron's phases
     @torch.no_grad()
     def prepare(self) -> PreparedGrads:
         """Main grads ready, norm computed, grads clipped; collective over the grad-stats
@@ -67,7 +99,8 @@ class MegatronStepper:
                         params, leaf.config.clip_grad, grad_norm, use_decoupled_grad=decoupled
                     )
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-        return PreparedGrads(math.isfinite(grad_norm), grad_norm)
+        num_zeros = self.optimizer.count_zeros() if self._config.log_num_zeros_in_grad else None
+        return PreparedGrads(math.isfinite(grad_norm), grad_norm, num_zeros)
 
     @torch.no_grad()
     def commit(self, lr_scale: float = 1.0) -> None:
@@ -90,3 +123,60 @@ class MegatronStepper:
         if prepared.ok:
             self.commit()
         return prepared
+
+    @property
+    def _config(self):
+        return self.leaves[0].config
+
+    # ------------------------------------------------------------------ candidate trials
+    def require_separate_model_weights(self) -> None:
+        """Refuse models whose weights *are* their fp32 masters: a candidate could not be
+        tried on the model weights while the masters keep θ."""
+        aliased = sum(main.numel() for _, main, model, _, _ in self._params
+                      if shares_storage(main, model))  # fmt: skip
+        total = sum(model.numel() for _, _, model, _, _ in self._params) or 1
+        if aliased > 0.01 * total:
+            raise ValueError(
+                "--kl-target needs 16-bit model weights with fp32 master weights (--bf16): "
+                "the candidate update is tried on the model weights while the masters keep θ"
+            )
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def try_candidate(self, scale: float) -> Iterator[CandidateTrial]:
+        """Within the block, the model weights are ``θ + scale·Δθ`` (all-gathered over DP);
+        the fp32 masters and the optimizer state are unchanged. Collective."""
+        aliased = [main for _, main, model, _, _ in self._params if shares_storage(main, model)]
+        backup = [main.detach().clone() for main in aliased]
+        trial = CandidateTrial(True, sum(_nbytes(b) for b in backup))
+        model_of = {main: (model, start, end) for _, main, model, start, end in self._params}
+
+        def write(main, candidate):
+            trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + sum(map(_nbytes, backup)))
+            model, start, end = model_of[main]
+            model.detach().view(-1)[start:end].copy_(candidate.view(-1))
+
+        for leaf in self.leaves:
+            if getattr(leaf, "optimizer", None) is not None:
+                trial.ok &= write_candidate(leaf.optimizer, write, scale)
+        self.sync_model_weights()
+        try:
+            yield trial
+        finally:
+            for main, saved in zip(aliased, backup, strict=True):
+                main.copy_(saved)
+
+    @torch.no_grad()
+    def restore_model_weights(self) -> None:
+        """Model weights back to the masters (θ) after a trial that is not committed."""
+        for leaf in self.leaves:
+            if getattr(leaf, "optimizer", None) is not None:
+                leaf._copy_main_params_to_model_params()
+        self.sync_model_weights()
+
+    def sync_model_weights(self) -> None:
+        """All-gather the model weights over DP (distributed optimizer), now."""
+        chunks = {id(c): c for leaf in self.leaves for c in getattr(leaf, "model_chunks", [])}
+        for chunk in chunks.values():
+            if chunk.ddp_config.use_distributed_optimizer:
+                chunk.start_param_sync(force_sync=True)

@@ -15,9 +15,8 @@ controller
    scaled candidate on the probe and halves η while its KL exceeds
    ``kl_backtrack_tolerance × kl_target`` (at most ``kl_max_backtracks`` times);
 4. commits ``θ + η·Δθ`` as Megatron's own ``step_with_ready_grads`` with every group's lr
-   multiplied by η (:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`;
-   AdamW's decay and update both scale with lr, and the moments are updated as for the
-   full step, i.e. not rescaled). With ``η = 1`` this *is* the normal step, bit for bit.
+   multiplied by η (AdamW's decay and update both scale with lr, and the moments are
+   updated as for the full step, i.e. not rescaled). With ``η = 1`` this *is* the normal step, bit for bit.
    A non-finite gradient norm or KL̂ skips the update, leaving weights and state as they
    were.
 5. every ``kl_realized_interval`` steps, measures ``kl/realized`` at the committed weights
@@ -26,7 +25,7 @@ controller
 Estimators: ``full`` is the exact full-vocabulary KL per token (reference logits of the
 probe are kept: ``probe tokens × V/TP`` values); ``k1``/``k2``/``k3`` use the sampled
 tokens only (one log-prob per token is kept). Communication: per probe forward, the
-vocab-parallel reductions of :mod:`loggra_megatron.kl` over TP (``[tokens]`` floats),
+vocab-parallel reductions of :mod:`loggra_megatron.rl.kl` over TP (``[tokens]`` floats),
 then one all-reduce of ``[Σ KL, #tokens]`` over DP and one over PP, where the stages
 other than the last contribute zeros, so every stage applies the same η.
 
@@ -34,6 +33,10 @@ Memory: the stored reference (above) plus one param's candidate at a time; no co
 weights or of the update. fp32 params that share storage with their master (e.g. norm
 weights kept in fp32) are saved before the candidate and restored after it; they must be
 under 1 % of the parameters, so fp32 models are refused (use ``--bf16``).
+
+Every optimizer phase (prepare, try a candidate at η, commit at η, restore) goes through
+:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`; nothing here reads
+Megatron's optimizer internals.
 """
 
 from __future__ import annotations
@@ -48,48 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive
-from loggra_megatron.kl import ESTIMATORS, sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
-from loggra_megatron.optim.candidate import write_candidate
+from loggra_megatron.rl.config import KLControlConfig
+from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KLControlConfig:
-    """Settings of predicted-KL step control (``--kl-*`` flags)."""
-
-    kl_target: float | None = None
-    """Target KL(π_θ ‖ π_new) per probe token of each optimizer step; None turns it off."""
-    kl_probe_fraction: float = 0.125
-    """Fraction of each step's sequences used as probe (at least one sequence)."""
-    kl_estimator: str = "full"
-    """``full`` (exact, over the vocabulary) or ``k1`` / ``k2`` / ``k3`` (sampled tokens)."""
-    kl_max_backtracks: int = 2
-    """TRPO-style safeguard: how many times η may be halved after the quadratic model."""
-    kl_backtrack_tolerance: float = 1.5
-    """Halve η while the probe KL of the scaled step exceeds this × ``kl_target``."""
-    kl_realized_interval: int = 1
-    """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
-
-    def __post_init__(self):
-        check_fields(self, [
-            ("kl_target", positive, "a positive number (omit it to disable)"),
-            ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
-            ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
-            ("kl_max_backtracks", at_least(0), ">= 0"),
-            ("kl_backtrack_tolerance", at_least(1), ">= 1"),
-            ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
-        ])  # fmt: skip
-
-    @property
-    def enabled(self) -> bool:
-        return self.kl_target is not None
-
-    def probe_split(self, num_sequences: int) -> tuple[slice, slice]:
-        """``(probe, held-out)`` index ranges of a step's ``num_sequences`` sequences."""
-        k = min(num_sequences, max(1, math.ceil(self.kl_probe_fraction * num_sequences)))
-        return slice(0, k), slice(k, min(num_sequences, 2 * k))
 
 
 @dataclass
@@ -110,33 +75,18 @@ ProbeForward = Callable[[Any], "ProbeOutput | None"]
 
 def gpt_probe_forward(model) -> ProbeForward:
     """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
-    forward-only schedule, so it works under PP.
-
-    The batch is ``(tokens [b, s+1], mask [b, s] or None)``: positions ``0..s-1`` are fed,
-    position t's logits score token ``t+1``, and ``mask`` selects the counted positions.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
+    under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``."""
+    from loggra_megatron.model.forward import forward_map
 
     def forward(batch) -> ProbeOutput | None:
         tokens, mask = batch
-        inputs = tokens[:, :-1]
-
-        def step(data_iterator, chunk):
-            x = next(data_iterator)
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
-            return chunk(x, pos, None), lambda out, non_loss_data=True: out
-
-        outs = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([inputs]), model=[model],
-            num_microbatches=1, seq_length=inputs.shape[1], micro_batch_size=inputs.shape[0],
-            forward_only=True, collect_non_loss_data=True,
-        )  # fmt: skip
-        if not parallel_state.is_pipeline_last_stage():
+        out = forward_map(model, [{"tokens": tokens}], lambda b, logits: logits)
+        if out is None:
             return None
         targets = tokens[:, 1:]
         mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
-        return ProbeOutput(outs[0], targets, mask)
+        return ProbeOutput(out[0], targets, mask)
 
     return forward
 
@@ -168,32 +118,36 @@ class PredictedKLController:
         dp_group=None,
         pp_group=None,
     ):
-        if not config.enabled:
-            raise ValueError("PredictedKLController needs --kl-target")
-        leaves = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-        if len(leaves) != 1:
-            raise NotImplementedError("predicted-KL control supports one leaf optimizer")
-        self.config, self.leaf, self.forward = config, leaves[0], forward
         from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
+        if not config.enabled:
+            raise ValueError("PredictedKLController needs --kl-target")
+        self.config, self.forward = config, forward
         self.stepper = MegatronStepper(optimizer)
+        self.stepper.require_separate_model_weights()
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.num_steps = 0
+        """Committed steps (drives the kl/realized interval)."""
         self.num_skipped_steps = 0
-        from loggra_megatron.optim.megatron_adapter import main_params_of
+        """Steps skipped for a non-finite gradient norm or predicted KL."""
+        self._device = next(
+            (p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu")
+        )
 
-        self._targets = main_params_of(self.leaf)
-        aliased = [(main, model) for main, model, _, _ in self._targets if _shares(main, model)]
-        total = sum(model.numel() for _, model, _, _ in self._targets) or 1
-        if sum(main.numel() for main, _ in aliased) > 0.01 * total:
-            raise ValueError(
-                "--kl-target needs 16-bit model weights with fp32 master weights (--bf16): "
-                "the candidate update is tried on the model weights while the masters keep θ"
-            )
-        self._aliased = [main for main, _ in aliased]
-        self._model_of = {main: (model, start, end) for main, model, start, end in self._targets}
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps, self.num_skipped_steps = state["num_steps"], state["num_skipped_steps"]
 
     # ------------------------------------------------------------------ public
+    def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor) -> StepResult:
+        """:meth:`step` with this mini-batch's probe and held-out sequences
+        (:meth:`KLControlConfig.probe_split`)."""
+        probe, holdout = self.config.probe_split(len(tokens))
+        held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
+        return self.step((tokens[probe], mask[probe]), held)
+
     def step(self, probe_batch, holdout_batch=None, reference: ProbeOutput | None = None):
         """Megatron's ``optimizer.step()`` with the update scaled to the KL target.
 
@@ -201,7 +155,7 @@ class PredictedKLController:
         caller already has them (e.g. kept from the training forward), saving a forward.
         Returns a :class:`StepResult`.
         """
-        cfg, leaf = self.config, self.leaf
+        cfg = self.config
         t_start = time.perf_counter()
         interval = cfg.kl_realized_interval
         realized_due = holdout_batch is not None and interval and self.num_steps % interval == 0
@@ -211,8 +165,7 @@ class PredictedKLController:
         t_control = time.perf_counter() - t_start
 
         prepared = self.stepper.prepare()
-        grad_norm = prepared.grad_norm
-        num_zeros = leaf.count_zeros() if leaf.config.log_num_zeros_in_grad else None
+        grad_norm, num_zeros = prepared.grad_norm, prepared.num_zeros
         if not prepared.ok:  # fp16 overflow or a non-finite gradient norm
             self.num_skipped_steps += 1
             metrics = {"kl/step_scale": 0.0, "time/kl_control_s": t_control}
@@ -240,7 +193,7 @@ class PredictedKLController:
             "memory/kl_control_bytes": float(ref_bytes + peak),
         }
         if not (math.isfinite(kl_raw) and math.isfinite(kl_committed)):
-            self._restore_model_weights()
+            self.stepper.restore_model_weights()
             self.num_skipped_steps += 1
             logger.warning(
                 "predicted-KL control: the KL of the candidate update is non-finite "
@@ -254,7 +207,7 @@ class PredictedKLController:
         self.num_steps += 1
         if realized_due:
             t0 = time.perf_counter()
-            self._sync_model_weights()
+            self.stepper.sync_model_weights()
             metrics["kl/realized"] = self._kl(holdout_batch, ref_holdout)
             t_control += time.perf_counter() - t0
         metrics["time/kl_control_s"] = t_control
@@ -284,7 +237,7 @@ class PredictedKLController:
     def _kl(self, batch, ref) -> float:
         """Mean per-token KL(reference ‖ current weights) over the batch's counted tokens."""
         out = self.forward(batch)
-        totals = torch.zeros(2, device=_device_of(self._targets))
+        totals = torch.zeros(2, device=self._device)
         if out is not None:
             if self.config.kl_estimator == "full":
                 per_token = vocab_parallel_kl(ref.logits, out.logits, self.tp_group)
@@ -302,35 +255,9 @@ class PredictedKLController:
 
     def _candidate_kl(self, batch, ref, eta: float) -> tuple[float, int]:
         """Try ``θ + η·Δθ`` on the model weights and return (probe KL, peak transient bytes)."""
-        backup = [main.detach().clone() for main in self._aliased]
-        peak = sum(_bytes(b) for b in backup)
-
-        def write(main, candidate):
-            nonlocal peak
-            peak = max(peak, _bytes(candidate) + sum(_bytes(b) for b in backup))
-            model, start, end = self._model_of[main]
-            model.detach().view(-1)[start:end].copy_(candidate.view(-1))
-
-        ok = write_candidate(self.leaf.optimizer, write, eta)
-        self._sync_model_weights()
-        kl = self._kl(batch, ref) if ok else math.nan
-        for main, saved in zip(self._aliased, backup, strict=True):
-            main.copy_(saved)
-        return kl, peak
-
-    def _restore_model_weights(self) -> None:
-        self.leaf._copy_main_params_to_model_params()
-        self._sync_model_weights()
-
-    def _sync_model_weights(self) -> None:
-        """All-gather the model weights over DP (distributed optimizer), now."""
-        for chunk in getattr(self.leaf, "model_chunks", []):
-            if chunk.ddp_config.use_distributed_optimizer:
-                chunk.start_param_sync(force_sync=True)
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        with self.stepper.try_candidate(eta) as trial:
+            kl = self._kl(batch, ref) if trial.ok else math.nan
+        return kl, trial.peak_bytes
 
 
 def _bytes(x) -> int:
@@ -339,7 +266,3 @@ def _bytes(x) -> int:
     if isinstance(x, ProbeOutput):
         return _bytes(x.logits)
     return x.numel() * x.element_size()
-
-
-def _device_of(targets) -> torch.device:
-    return targets[0][0].device if targets else torch.device("cpu")

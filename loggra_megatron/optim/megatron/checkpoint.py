@@ -1,7 +1,7 @@
 """``dist_checkpointing`` of LoGRA state inside Megatron-Core optimizers.
 
 Megatron's own optimizer formats assume Adam's state has the shape of the param; LoGRA's
-sketches do not, so the ``LoGRA*`` leaf optimizers (:mod:`loggra_megatron.optim.leaves`)
+sketches do not, so the ``LoGRA*`` leaf optimizers (:mod:`loggra_megatron.optim.megatron.leaves`)
 override ``sharded_state_dict`` / ``load_state_dict`` with :class:`LoGRACheckpointMixin`.
 
 Format (``torch_dist``), one entry per model param this rank holds a slice of, under

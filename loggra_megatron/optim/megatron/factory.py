@@ -1,4 +1,4 @@
-"""LoGRA inside Megatron-Core's optimizers: the one module that touches their internals.
+"""LoGRA inside Megatron-Core's optimizers, and the builders of the ``--optimizer`` registry.
 
 :func:`get_loggra_optimizer` builds Megatron's own optimizer with
 ``megatron.core.optimizer.get_megatron_optimizer`` (so grad buffers, reduce-scatter,
@@ -18,8 +18,12 @@ groups (Megatron's ``wd_mult``/``lr_mult`` keys included):
 Embeddings, the output layer, norms, biases and matrices with a side shorter than
 ``loggra_min_dim`` are updated by dense AdamW inside the same inner optimizer. Leaf
 optimizers (and a ``ChainedOptimizer``) are re-classed to the ``LoGRA*`` subclasses of
-:mod:`loggra_megatron.optim.leaves`, which save the sketch state with ``dist_checkpointing``
-and hand bf16 gradients to LoGRA without Megatron's fp32 copy.
+:mod:`loggra_megatron.optim.megatron.leaves`, which save the sketch state with
+``dist_checkpointing`` and hand bf16 gradients to LoGRA without Megatron's fp32 copy.
+Re-classing, not construction: ``get_megatron_optimizer`` builds its leaf classes itself
+and takes no class argument, and building our subclasses directly would copy its param-group,
+grad-buffer, grad-scaler and stub-optimizer setup; the subclasses add no slots, so the
+re-classed object has exactly the instance layout Megatron built.
 
 Pinned to megatron-core 0.16 (Python 3.11) – 0.19; the attributes used
 (``buffers``, ``param_index_map``, ``buckets[i].offset``, ``model_*_groups`` /
@@ -28,17 +32,21 @@ Pinned to megatron-core 0.16 (Python 3.11) – 0.19; the attributes used
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
+from loggra_megatron.config import ConfigError
+from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW, WeightLayout
-from loggra_megatron.optim.loggra_adamw import LoGRAAdamW, basis_seed
+from loggra_megatron.optim.loggra_adamw import basis_seed
+from loggra_megatron.optim.megatron.leaves import loggra_class_for
+from loggra_megatron.optim.megatron.params import main_params_of
 from loggra_megatron.optim.projection import PROJECTIONS
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
@@ -46,58 +54,54 @@ DENSE_NAME_PARTS = ("embedding", "output_layer")
 
 
 @dataclass
-class LoGRAOptimizerConfig(OptimizerConfig):
-    """Megatron ``OptimizerConfig`` plus LoGRA's settings (``optimizer`` must be ``"adam"``;
-    Adam's betas, eps, weight decay and lr come from the base fields)."""
-
-    loggra_rank: int = 128
-    """Sketch rank r per weight (clamped to ``min(m, n)`` with one warning)."""
-    loggra_update_interval: int = 200
-    """Optimizer steps between basis refreshes."""
-    loggra_projection: str = "range_finder"
-    """``range_finder`` | ``svd`` (GaLore baseline: exact top-r subspace from the all-reduced
-    Gram matrix, ``n²`` floats per weight per refresh) | ``random`` | ``identity``."""
-    loggra_oversample: int = 8
-    """Extra range-finder probe vectors p."""
-    loggra_power_iters: int = 1
-    """Range-finder power iterations q."""
-    loggra_scale: float = 1.0
-    """α, multiplies the low-rank update."""
-    loggra_min_dim: int = 64
-    """Matrices with a (TP-local) side shorter than this are updated densely."""
-    loggra_seed: int = 0
-    """Base seed of the range finder's Gaussian test matrices."""
-    loggra_fp32_grad_copy: bool = False
-    """Let Megatron copy all bf16 gradient shards to fp32 before the step (4 bytes per
-    parameter); by default LoGRA converts them one weight at a time (``model_grads.py``)."""
+class LoGRAOptimizerConfig(OptimizerConfig, LoGRAConfig):
+    """Megatron ``OptimizerConfig`` plus LoGRA's settings (:class:`LoGRAConfig`, declared
+    once; ``optimizer`` must be ``"adam"``: Adam's betas, eps, weight decay and lr come from
+    the base fields). ``loggra_rank=None`` takes the model's hidden size / 8."""
 
     def __post_init__(self):
-        super().__post_init__()
+        OptimizerConfig.__post_init__(self)
+        try:
+            LoGRAConfig.__post_init__(self)
+        except ConfigError as e:  # named as the Python field, not the flag
+            raise ValueError(f"LoGRAOptimizerConfig: invalid {e.field}={e.value!r}: {e.why}") from None
         if self.optimizer != "adam":
             raise ValueError(f"LoGRAOptimizerConfig: optimizer={self.optimizer!r}; LoGRA is Adam")
-        if self.loggra_projection not in PROJECTIONS:
-            raise ValueError(
-                f"LoGRAOptimizerConfig: invalid loggra_projection={self.loggra_projection!r}: "
-                f"choose one of {', '.join(PROJECTIONS)}"
-            )
-        LoGRAAdamW([torch.zeros(1)], **self.loggra_kwargs())  # raises ValueError naming the field
 
-    def loggra_kwargs(self) -> dict:
-        """Keyword arguments for LoGRAAdamW (field names without the ``loggra_`` prefix)."""
+    def loggra_kwargs(self, hidden_size: int) -> dict:
+        """Keyword arguments for LoGRAAdamW (Adam's from the base fields)."""
         return dict(
             lr=self.lr if self.lr is not None else 0.0,
             betas=(self.adam_beta1, self.adam_beta2),
             eps=self.adam_eps,
             weight_decay=self.weight_decay,
-            rank=self.loggra_rank,
-            update_interval=self.loggra_update_interval,
-            projection=self.loggra_projection,
-            oversample=self.loggra_oversample,
-            power_iters=self.loggra_power_iters,
-            scale=self.loggra_scale,
-            min_dim=self.loggra_min_dim,
-            seed=self.loggra_seed,
+            **self.adamw_kwargs(hidden_size),
         )
+
+
+def megatron_optimizer_config(optim: OptimConfig, model_chunks, cls=OptimizerConfig, **extra):
+    """Megatron's ``OptimizerConfig`` (or ``cls``) from the ``--optimizer`` section; bf16
+    main params follow the model's dtype."""
+    return cls(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=bool(model_chunks[0].config.bf16),
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        overlap_param_gather_with_optimizer_step=False, **extra,
+    )  # fmt: skip
+
+
+def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
+    """Megatron's own dense Adam (the ``adam`` entry of the optimizer registry)."""
+    return get_megatron_optimizer(megatron_optimizer_config(optim, model_chunks), model_chunks)
+
+
+def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
+    """Megatron's optimizer with LoGRA inside (the ``loggra`` entry of the registry)."""
+    config = megatron_optimizer_config(
+        optim, model_chunks, LoGRAOptimizerConfig, **dataclasses.asdict(loggra)
+    )
+    return get_loggra_optimizer(config, model_chunks)
 
 
 def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwargs):
@@ -107,10 +111,9 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
     returns (a leaf optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer
     replaced by ``ShardedLoGRAAdamW``.
     """
-    from loggra_megatron.optim.leaves import loggra_class_for
-
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
-    info = _ParamInfo(model_chunks)
+    info = _ParamInfo(model_chunks, config)
+    hidden_size = model_chunks[0].config.hidden_size
     clamped: list[tuple[int, int]] = []
     for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(leaf, "optimizer", None) is None:
@@ -130,7 +133,7 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
             dp_group=dp_group,
             tp_dp_group=_tp_dp_group(dp_group),
             consensus_group=leaf.get_grad_stats_parallel_group(),
-            **config.loggra_kwargs(),
+            **config.loggra_kwargs(hidden_size),
         )
         leaf.loggra_params = [
             (info.key(mp), mp, main, ranges[w])
@@ -142,7 +145,7 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
         optimizer.__class__ = loggra_class_for(ChainedOptimizer)
     if clamped:
         warnings.warn(
-            f"loggra_rank={config.loggra_rank} exceeds min(m, n) of {len(clamped)} weights "
+            f"loggra_rank={info.rank} exceeds min(m, n) of {len(clamped)} weights "
             f"(e.g. {clamped[0]}); their rank is clamped to min(m, n).",
             stacklevel=2,
         )
@@ -152,8 +155,9 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
 class _ParamInfo:
     """Names and seeds of model params, independent of TP/DP (same on every rank)."""
 
-    def __init__(self, model_chunks):
+    def __init__(self, model_chunks, config):
         self.gated = getattr(model_chunks[0].config, "gated_linear_unit", False)
+        self.rank = config.rank_for(model_chunks[0].config.hidden_size)
         self.names, self.seeds = {}, {}
         for c, chunk in enumerate(model_chunks):
             for name, p in chunk.named_parameters():
@@ -168,18 +172,18 @@ class _ParamInfo:
 
     def sketched(self, p, config) -> bool:
         name = self.names.get(p, "")
-        return (
-            p.dim() == 2
-            and not any(part in name for part in DENSE_NAME_PARTS)
-            and (config.loggra_projection == "identity" or min(p.shape) >= config.loggra_min_dim)
+        projection = PROJECTIONS[config.loggra_projection]
+        return not any(part in name for part in DENSE_NAME_PARTS) and projection.sketches(
+            tuple(p.shape), config.loggra_min_dim
         )
 
 
 def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     """The layout of sketched model param ``p`` (TP-local ``[m, n]``)."""
     m, n = p.shape
-    rank = n if config.loggra_projection == "identity" else min(config.loggra_rank, m, n)
-    if config.loggra_projection != "identity" and rank < config.loggra_rank:
+    projection, requested = PROJECTIONS[config.loggra_projection], info.rank
+    rank = projection.rank((m, n), requested)
+    if projection.clamps((m, n), requested):
         clamped.append((m, n))
     tp = parallel_state.get_tensor_model_parallel_world_size()
     column_parallel = (
@@ -191,42 +195,13 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     return WeightLayout(
         shape=(m, n),
         rank=rank,
-        seed=basis_seed(config.loggra_seed, info.seeds[p]),
+        seed=basis_seed(config.loggra_seed or 0, info.seeds[p]),
         dp_ranges=tuple(dp_ranges),
         row_offset=tp_rank * m if column_parallel else 0,
         global_rows=tp * m if column_parallel else m,
         reduce_over_tp=column_parallel,
         glu_halves=column_parallel and info.is_glu_fc1(p),
     )
-
-
-def main_params_of(leaf) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """``(main param, model param, start, end)`` for each main param of a Megatron leaf
-    optimizer: the main param holds ``model_param.view(-1)[start:end]`` in fp32 (for fp32
-    model params it *is* that view)."""
-    if isinstance(leaf, DistributedOptimizer):
-        groups = [
-            *zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups, strict=True),
-            *zip(leaf.model_fp32_groups, leaf.shard_fp32_groups, strict=True),
-        ]
-        out = []
-        for model_group, main_group in groups:
-            for model, main in zip(model_group, main_group, strict=True):
-                r = leaf._get_model_param_range_map(model)["param"]
-                out.append((main, model, r.start, r.end))
-        return out
-    if hasattr(leaf, "float16_groups"):  # Float16OptimizerWithFloat16Params
-        groups = [
-            *zip(leaf.float16_groups, leaf.fp32_from_float16_groups, strict=True),
-            *zip(leaf.fp32_from_fp32_groups, leaf.fp32_from_fp32_groups, strict=True),
-        ]
-    else:  # FP32Optimizer: the model params are the main params
-        groups = [(g["params"], g["params"]) for g in leaf.optimizer.param_groups]
-    return [
-        (main, model, 0, model.numel())
-        for model_group, main_group in groups
-        for model, main in zip(model_group, main_group, strict=True)
-    ]
 
 
 def _distributed_layouts(leaf, config, info, clamped):

@@ -41,6 +41,8 @@ from megatron.core import tensor_parallel
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
+from loggra_megatron.optim.megatron.params import main_params_of
+
 
 def clip_coefficient(clip_grad: float, grad_norm) -> float:
     """The factor Megatron's ``clip_grad_by_total_norm_fp32`` scales gradients by
@@ -67,8 +69,6 @@ class ModelGradsMixin(MegatronOptimizer):
         )
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        from loggra_megatron.optim.megatron_adapter import main_params_of
-
         if not self._keeps_model_grads():
             super()._copy_model_grads_to_main_grads()
             return

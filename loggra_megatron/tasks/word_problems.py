@@ -1,41 +1,30 @@
-# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""A seeded generator of verifiable math tasks, so that training runs fully offline.
+"""``word_problems``: GSM8K-style short stories from templates, one to three steps.
 
-Two kinds of tasks, both with exact numeric answers:
-
-* ``"arithmetic"``: ``"What is 37 + 48?"``, with operators ``+``, ``-`` and ``*`` (ASCII,
-  so the expression is also valid Python and the tokenizer needs no extra symbols) and
-  standard operator precedence. Difficulty knobs: ``num_digits`` (an int, or an inclusive
-  ``(lo, hi)`` range) per operand, ``num_operands`` and ``operators``; ``allow_negative``.
-* ``"word_problems"``: GSM8K-style short stories from templates, one to three steps
-  ("Tom has 3 boxes with 12 apples each. He gives away 5 apples. How many apples does he
-  have left?"). Answers are integers except for the money template, whose answer is a
-  decimal with at most two places. Knobs: ``max_number`` (scale of the numbers) and
-  ``max_steps``.
-* ``"mixed"``: each task is arithmetic or a word problem with probability 1/2 (both sets
-  of knobs apply).
-
-Every task is ``{"prompt": str, "answer": str, "metadata": dict}``. ``metadata`` holds
-``kind``, ``expression`` (a Python expression over ints and the answer's literals that
-evaluates to the answer; integer division ``//`` only where it is exact), ``solution`` (a
-short worked solution, e.g. ``"3 * 12 = 36. 36 - 5 = 31."``) and kind-specific fields
-(``operands``/``operators`` or ``template``/``steps``).
-
-``generate_tasks(kind, n, seed)`` is a pure function of its arguments: the same seed gives
-the same list on every platform (it uses ``random.Random(seed)``), and the first ``k``
-tasks of ``n`` equal ``generate_tasks(kind, k, seed)``.
+"Tom has 3 boxes with 12 apples each. He gives away 5 apples. How many apples does he have
+left?" Answers are integers except for the money template, whose answer is a decimal with
+at most two places. Knobs: ``max_number`` (scale of the numbers) and ``max_steps``.
+``metadata`` adds ``template`` and ``steps``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-KINDS = ("arithmetic", "word_problems", "mixed")
-ARITHMETIC_KNOBS = {"num_digits": 2, "num_operands": 2, "operators": "+-*", "allow_negative": True}
-WORD_PROBLEM_KNOBS = {"max_number": 20, "max_steps": 3}
+from loggra_megatron.tasks.base import Task
+
+
+class WordProblemTask(Task):
+    KNOBS = {"max_number": 20, "max_steps": 3}
+
+    def __init__(self, **knobs):
+        super().__init__(**knobs)
+        if self.knobs["max_number"] < 2 or self.knobs["max_steps"] < 1:
+            raise ValueError(f"need max_number >= 2 and max_steps >= 1, got {self.knobs}")
+
+    def example(self, rng: random.Random) -> dict:
+        return _word_problem_task(rng, **self.knobs)
+
 
 _NAMES = (
     ("Tom", "he"),
@@ -51,51 +40,7 @@ _ITEMS = ("apples", "pencils", "marbles", "stickers", "cookies", "cards", "shell
 _GIFTS = ("bike", "game", "jacket", "lamp", "watch")
 
 
-# ----------------------------------------------------------------------------- arithmetic
 
-
-def _operand(rng: random.Random, num_digits: int | tuple[int, int]) -> int:
-    lo_d, hi_d = (num_digits, num_digits) if isinstance(num_digits, int) else num_digits
-    d = rng.randint(lo_d, hi_d)
-    return rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1)
-
-
-def _arithmetic_task(rng: random.Random, num_digits, num_operands, operators, allow_negative):
-    while True:
-        operands = [_operand(rng, num_digits) for _ in range(num_operands)]
-        ops = [rng.choice(operators) for _ in range(num_operands - 1)]
-        expression = " ".join(
-            [str(operands[0])] + [f"{op} {x}" for op, x in zip(ops, operands[1:], strict=True)]
-        )
-        value = eval(expression, {"__builtins__": {}})  # digits and + - * only
-        if allow_negative or value >= 0:
-            break
-    return {
-        "prompt": f"What is {expression}?",
-        "answer": str(value),
-        "metadata": {
-            "kind": "arithmetic",
-            "expression": expression,
-            "operands": operands,
-            "operators": ops,
-            "solution": f"{expression} = {value}.",
-        },
-    }
-
-
-def _check_arithmetic_knobs(num_digits, num_operands, operators, allow_negative) -> None:
-    digits = (num_digits, num_digits) if isinstance(num_digits, int) else tuple(num_digits)
-    if len(digits) != 2 or not all(isinstance(d, int) and d >= 1 for d in digits):
-        raise ValueError(f"num_digits must be an int >= 1 or a (lo, hi) pair, got {num_digits!r}")
-    if digits[0] > digits[1]:
-        raise ValueError(f"num_digits range is empty: {num_digits!r}")
-    if not isinstance(num_operands, int) or num_operands < 2:
-        raise ValueError(f"num_operands must be an int >= 2, got {num_operands!r}")
-    if not operators or set(operators) - set("+-*"):
-        raise ValueError(f"operators must be a non-empty subset of '+-*', got {operators!r}")
-
-
-# ------------------------------------------------------------------------- word problems
 # Each template draws its numbers from ``rng`` (scaled by ``m`` = max_number) and returns
 # (prompt, expression, solution). Numbers are chosen so that every step stays a
 # non-negative integer (and divisions are exact).
@@ -266,66 +211,3 @@ def _word_problem_task(rng: random.Random, max_number: int, max_steps: int) -> d
             "solution": solution,
         },
     }
-
-
-# --------------------------------------------------------------------------------- API
-
-
-def generate_tasks(kind: str, n: int, seed: int, **difficulty) -> list[dict]:
-    """``n`` tasks of ``kind`` ("arithmetic", "word_problems" or "mixed"), a pure function
-    of the arguments. ``difficulty``: see ``ARITHMETIC_KNOBS`` / ``WORD_PROBLEM_KNOBS``."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown task kind {kind!r}; expected one of {KINDS}")
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    allowed = {
-        "arithmetic": ARITHMETIC_KNOBS,
-        "word_problems": WORD_PROBLEM_KNOBS,
-        "mixed": ARITHMETIC_KNOBS | WORD_PROBLEM_KNOBS,
-    }[kind]
-    unknown = sorted(set(difficulty) - set(allowed))
-    if unknown:
-        raise TypeError(
-            f"unknown difficulty knob(s) {unknown} for {kind!r}; known: {sorted(allowed)}"
-        )
-    knobs = {**allowed, **difficulty}
-    arith = {k: knobs[k] for k in ARITHMETIC_KNOBS if k in knobs}
-    words = {k: knobs[k] for k in WORD_PROBLEM_KNOBS if k in knobs}
-    if arith:
-        _check_arithmetic_knobs(**arith)
-    if words and (words["max_number"] < 2 or words["max_steps"] < 1):
-        raise ValueError(f"need max_number >= 2 and max_steps >= 1, got {words}")
-
-    rng = random.Random(seed)
-    tasks = []
-    for _ in range(n):
-        arithmetic = kind == "arithmetic" or (kind == "mixed" and rng.random() < 0.5)
-        if arithmetic:
-            tasks.append(_arithmetic_task(rng, **arith))
-        else:
-            tasks.append(_word_problem_task(rng, **words))
-    return tasks
-
-
-def write_jsonl(tasks: Iterable[dict], path: str | os.PathLike) -> None:
-    """Write tasks as one JSON object per line (the ``--data-path`` format)."""
-    with open(path, "w", encoding="utf-8") as f:
-        for task in tasks:
-            f.write(json.dumps(task, ensure_ascii=False) + "\n")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m loggra_megatron.data.tasks --kind mixed --n 1000 --seed 0 --output x.jsonl``"""
-    import argparse
-
-    p = argparse.ArgumentParser(description="Write generated tasks as JSONL (--data-path).")
-    p.add_argument("--kind", choices=KINDS, default="mixed")
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", required=True)
-    args = p.parse_args(argv)
-    write_jsonl(generate_tasks(args.kind, args.n, args.seed), args.output)
-
-
-if __name__ == "__main__":
-    main()

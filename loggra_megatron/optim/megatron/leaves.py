@@ -1,15 +1,15 @@
 """The LoGRA classes of Megatron-Core's optimizers.
 
-:func:`~loggra_megatron.optim.megatron_adapter.get_loggra_optimizer` builds Megatron's own
+:func:`~loggra_megatron.optim.megatron.factory.get_loggra_optimizer` builds Megatron's own
 optimizers, puts ``ShardedLoGRAAdamW`` inside each leaf and re-classes the leaf (and a
 ``ChainedOptimizer`` over leaves) to the matching class here. The classes add no slots, so
 they share the instance layout of the Megatron class they derive from; what they add:
 
-* :class:`~loggra_megatron.optim.checkpoint.LoGRACheckpointMixin`: ``dist_checkpointing``
+* :class:`~loggra_megatron.optim.megatron.checkpoint.LoGRACheckpointMixin`: ``dist_checkpointing``
   of sketch state (every leaf);
-* :class:`~loggra_megatron.optim.model_grads.ModelGradsMixin`: bf16 gradients handed to
+* :class:`~loggra_megatron.optim.megatron.model_grads.ModelGradsMixin`: bf16 gradients handed to
   LoGRA without Megatron's fp32 copy (``DistributedOptimizer`` only), with
-  :class:`~loggra_megatron.optim.model_grads.LoGRAChainedOptimizer` for the chain.
+  :class:`~loggra_megatron.optim.megatron.model_grads.LoGRAChainedOptimizer` for the chain.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
 )
 
-from loggra_megatron.optim.checkpoint import LoGRACheckpointMixin
-from loggra_megatron.optim.model_grads import LoGRAChainedOptimizer, ModelGradsMixin
+from loggra_megatron.optim.megatron.checkpoint import LoGRACheckpointMixin
+from loggra_megatron.optim.megatron.model_grads import LoGRAChainedOptimizer, ModelGradsMixin
 
 __all__ = ["LoGRAChainedOptimizer", "loggra_class_for"]
 

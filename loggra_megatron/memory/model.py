@@ -4,75 +4,7 @@
 Pure arithmetic (no torch): ``estimate_rl_step_memory(model, parallel, step)`` returns a
 :class:`MemoryBreakdown` in bytes for the GPU of the most loaded pipeline stage.
 
-Notation: ``L`` layers, ``h`` hidden, ``f`` FFN width (each of gate/up with SwiGLU), ``a``
-query heads, ``g`` KV groups, ``d`` head dim, ``V`` vocabulary padded to a multiple of
-``128·t`` (Megatron's ``--make-vocab-size-divisible-by``), ``t/p/D`` the TP/PP/DP sizes,
-``s`` sequence length (prompt + response), ``b`` micro-batch size, ``B`` rollout batch.
-
-Parameters (:func:`stage_parameters`, the exact TP-local tensors of Megatron-Core's
-``GPTModel`` on a PP stage, names included; checked against the real model in the tests)::
-
-    per layer: linear_qkv [(a+2g)d/t, h], linear_proj [h, ad/t], linear_fc1 [(2)f/t, h],
-               linear_fc2 [h, f/t], 2 norms [h] (+ q/k norms [d], + QKV bias)
-    stage 0:   word embeddings [V/t, h];  last stage: final norm [h], output layer [V/t, h]
-               (also when tied and p > 1: Megatron keeps a trained copy on the last stage)
-
-Static terms (``N`` = parameters on this GPU; ZeRO-1 as Megatron's ``DistributedOptimizer``:
-each DP rank owns ``1/D`` of every tensor's elements, *even-split assumption*, exact for D=1)::
-
-    weights            2·N  (bf16; fp8 too: TE keeps bf16 params without --fp8-param-gather)
-    fp8 weight cache   2·N_linear under fp8: TE's cached FP8 copy of each GEMM weight plus
-                       its transpose (Hopper), kept across the micro-batches of a step
-    grads              4·N  (fp32 grad buffer, Megatron's default for bf16) or 2·N; not sharded
-    master params      4·⌈N/D⌉ fp32 (none when the params themselves are fp32)
-    optimizer, Adam    (e1+e2)·⌈N/D⌉ + 4 per tensor (e = 4 for fp32 moments, 2 for bf16 via
-                       --use-precision-aware-optimizer; 4 B = torch AdamW's fp32 ``step``)
-    optimizer, LoGRA   sketched [m, n] (transformer-layer linears with min(m, n) ≥ min_dim,
-                       r = min(rank, m, n)): 4·(2·rows·r + n·r) + 3·8, rows = m for D = 1,
-                       else min(m, ⌈m/D⌉ + 1) (its slice's rows; a split row counted once more)
-                       and the full basis [n, r] on every rank; other tensors 8·⌈numel/D⌉ + 2·8.
-                       This is ``loggra_megatron.optim.state_bytes`` of LoGRAAdamW exactly.
-    reference model    2·N bf16 (4·N for fp32), no grads, no optimizer, same TP/PP sharding
-    runtime overhead   a flat allowance (default 2 GiB): CUDA context, NCCL, cuBLAS/TE
-                       workspaces. Allocator fragmentation is *not* modelled.
-
-Transient terms. Rollout (KV-cached sampling with the policy), training (forward/backward),
-predicted-KL control (probe forwards after the backward) and the optimizer step are
-separate phases, so ``total = static + max(rollout, training, kl control, optimizer step)``::
-
-    KV cache           B·s·L_stage·2·(g/t)·d·2          (bf16 K and V of every layer)
-    rollout logits     B·V/t·4·2                        (last position only, fp32 + softmax)
-    activations        see below
-    main-grad copies   optimizer step with 16-bit grads: Megatron's fp32 copy of every grad
-                       shard, 4·Σ⌈numel/D⌉ (dense Adam; 0 with the precision-aware optimizer,
-                       i.e. bf16 moments); LoGRA converts one weight at a time: 4·max⌈numel/D⌉
-    logits             b·s·V/t·4·2                      (fp32 logits + log-softmax, last stage)
-    KL probe logits    P·s·V/t·c, last stage, P probe sequences (:mod:`loggra_megatron.
-                       kl_control` forwards the whole probe at once; Float16Module returns
-                       fp32 logits). ``full`` estimator: c = 24 (reference and held-out
-                       reference logits kept, candidate logits, and the fp32 p_old, z_old − z_new
-                       and product of the unchunked ``vocab_parallel_kl``); k1/k2/k3: c = 8
-
-Activations, per layer and micro-batch, bf16, after Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models", eq. sbh(34 + 5as/h) for GPT with
-dropout and materialised attention). Adapted to what this stack runs: flash/fused attention
-(no ``5as²b`` softmax/dropout terms; the fp32 log-sum-exp, 4sba, is kept), no dropout (no
-masks: 34 → 32 for GPT), GQA (K and V are ``gd`` wide) and SwiGLU (fc1 saves gate and up)::
-
-    A_layer = 2sb·4h/t'                      input-norm in, QKV in, pre-MLP-norm in, fc1 in
-            + [2sb(ad + 2gd) + 2sb·ad + 4sba  Q, K, V after RoPE, attention out (= proj in), LSE
-               + 2sb·2f + 2sb·f]/t            fc1 out (gate, up), SiLU·up (= fc2 in)
-              (+ 2sb(ad + gd)/t with QK-norm; GeLU MLP: 2sb·f + 2sb·f)
-
-with ``t' = t`` under sequence parallelism, else 1. For GPT (g = a, ad = h, f = 4h, GeLU)
-this is ``sbh(8 + 24/t) + 4sba/t``: the paper's ``sbh(10 + 24/t)`` minus its dropout mask.
-Full recompute (``--recompute-granularity full --recompute-method uniform``) stores each
-layer's input, ``2sbh/t'``, and re-materialises one layer at a time during backward. Selective
-recompute recomputes only core attention, which flash attention already does not store, so it
-equals no recompute here. With 1F1B the first stage holds ``p`` micro-batches in flight (stage
-``i``: ``p − i``, fewer if there are fewer micro-batches); the last stage also keeps its final-
-norm and output-layer inputs (``2·2sbh/t'``). Virtual pipeline stages are ignored. Under fp8
-the activations are still counted in bf16 (TE saves some GEMM inputs in FP8: an upper bound).
+The formulas of every term, and what they assume: ``docs/memory.md`` ("Formulas").
 """
 
 from __future__ import annotations
@@ -80,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loggra_megatron.memory_config import (
+from loggra_megatron.memory.config import (
     DTYPE_BYTES,
     OPTIMIZERS,
     GiB,
@@ -90,6 +22,7 @@ from loggra_megatron.memory_config import (
     TransformerShape,
     ceil_div,
 )
+from loggra_megatron.optim.registry import sketches_shape
 
 __all__ = [
     "GiB",
@@ -229,7 +162,7 @@ def master_param_bytes(params: list[ParamSpec], dp: int = 1) -> int:
 
 def is_sketched(spec: ParamSpec, min_dim: int = 64) -> bool:
     """LoGRA's default selection: transformer-layer 2-D weights with both sides ≥ min_dim."""
-    return spec.kind == "linear" and len(spec.shape) == 2 and min(spec.shape) >= min_dim
+    return spec.kind == "linear" and sketches_shape(spec.shape, min_dim)
 
 
 def optimizer_state_bytes(
@@ -249,10 +182,10 @@ def optimizer_state_bytes(
     fp32 tensors of these shapes, after their first step.
     """
     if optimizer not in OPTIMIZERS:
-        raise MemoryConfigError("optimizer", f"{optimizer!r} is not one of {OPTIMIZERS}")
+        raise MemoryConfigError("optimizer", f"{optimizer!r} is not one of {tuple(OPTIMIZERS)}")
     total = 0
     for s in params:
-        if optimizer == "adam":
+        if not OPTIMIZERS[optimizer].sketched:
             total += (exp_avg_bytes + exp_avg_sq_bytes) * ceil_div(s.numel, dp)
             total += _ADAM_SCALAR_BYTES
         elif is_sketched(s, min_dim):
@@ -414,8 +347,8 @@ def main_grad_copy_bytes(params: list[ParamSpec], step: RLStepConfig, dp: int = 
     if step.grad_bytes == 4:
         return 0  # Megatron's .float() of an fp32 grad is a view
     shards = [ceil_div(s.numel, dp) for s in params]
-    if step.optimizer == "loggra":
-        return 4 * max(shards, default=0)  # one weight at a time (optim/model_grads.py)
+    if OPTIMIZERS[step.optimizer].grads_per_weight:
+        return 4 * max(shards, default=0)  # one weight at a time (optim/megatron/model_grads.py)
     if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype):
         return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
     return 4 * sum(shards)

@@ -1,5 +1,5 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The configuration of :mod:`loggra_megatron.memory_model`: model shape, parallel sizes and
+"""The configuration of :mod:`loggra_megatron.memory.model`: model shape, parallel sizes and
 the RL step, as validated frozen dataclasses (pure Python, no torch).
 
 Every invalid value raises :class:`MemoryConfigError`, which names the offending field.
@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from loggra_megatron.optim.registry import OPTIMIZERS
+
 GiB = 1024**3
 PRECISIONS = ("fp32", "bf16", "fp8")
-OPTIMIZERS = ("adam", "loggra")
 RECOMPUTE = ("none", "selective", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 

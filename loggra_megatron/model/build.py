@@ -1,0 +1,161 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""Megatron-Core GPT models from :class:`~loggra_megatron.model.args.GPTModelArgs`.
+
+:func:`build_gpt_model` builds a :class:`megatron.core.models.gpt.GPTModel` for the current
+pipeline stage, with Megatron-Core's local layer spec (plain PyTorch, runs on CPU) or the
+Transformer Engine spec; :func:`wrap_ddp` wraps it in Megatron's DDP as its training loop
+does. Tensor/pipeline sizes are taken from ``megatron.core.parallel_state``, which must be
+initialised first. ``GPTModel`` reads the RoPE base from its ``rotary_base`` *constructor
+argument*, not from ``TransformerConfig``; it is passed explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loggra_megatron.model.args import GPTModelArgs
+
+
+def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
+    """Megatron-Core :class:`TransformerConfig` for ``args`` at the current TP/PP sizes.
+
+    Fusions that need CUDA/Apex kernels are off (``bias_activation_fusion``,
+    ``masked_softmax_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion``,
+    ``apply_rope_fusion``, ``bias_dropout_fusion``); ``overrides`` (any TransformerConfig
+    field, e.g. ``sequence_parallel=True``, ``use_cpu_initialization=True``) win.
+    """
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=False,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        rotary_interleaved=False,  # HF rotate_half convention
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
+        params_dtype=args.torch_dtype,
+        pipeline_dtype=args.torch_dtype,
+        bf16=args.params_dtype == "bfloat16",
+        fp16=args.params_dtype == "float16",
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    args: GPTModelArgs,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    use_te: bool = False,
+    *,
+    parallel_output: bool = True,
+    vp_stage: int | None = None,
+    **config_overrides: Any,
+):
+    """Build the Megatron-Core ``GPTModel`` chunk of ``args`` for this pipeline stage.
+
+    Args:
+        args: model architecture.
+        pre_process: this chunk owns the word embeddings; default: first PP stage.
+        post_process: this chunk owns the final norm and output layer; default: last stage.
+        use_te: use the Transformer Engine layer spec (TE is imported only then);
+            otherwise Megatron-Core's local spec (pure PyTorch, CPU-capable).
+        parallel_output: keep logits split over the vocabulary across TP ranks.
+        vp_stage: virtual pipeline stage of this chunk, if interleaving.
+        config_overrides: forwarded to :func:`transformer_config_from_args`.
+
+    The parameters are created where Megatron-Core creates them (CPU with
+    ``use_cpu_initialization=True``, else the current CUDA device). The padded vocabulary is
+    ``args.padded_vocab_size(tp)``. With the local spec the norm weights are always fp32
+    (``torch.nn.RMSNorm`` ignores ``params_dtype``); for bf16/fp16 wrap the model in Megatron's
+    ``Float16Module`` or call ``.to(args.torch_dtype)``, as the converters do.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        )
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(
+            ignore_virtual=vp_stage is None, vp_stage=vp_stage
+        )
+    config = transformer_config_from_args(args, **config_overrides)
+    if use_te:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "build_gpt_model(use_te=True) needs transformer_engine installed"
+            ) from e
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        layer_spec = get_gpt_layer_local_spec(
+            qk_layernorm=args.qk_layernorm, normalization=args.normalization
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size(tp),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=args.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        vp_stage=vp_stage,
+    )
+
+
+def wrap_ddp(model, use_distributed_optimizer: bool = True, **ddp_overrides: Any):
+    """Wrap ``model`` in Megatron's ``DistributedDataParallel`` and hook it into its config
+    (``finalize_model_grads_func``, ``no_sync_func``) as Megatron's training loop does."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    fields = dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    fields.update(ddp_overrides)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(**fields), model)
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.no_sync_func = ddp.no_sync
+    return ddp

@@ -1,0 +1,96 @@
+"""The policy model's settings (``--num-layers`` ... ``--transformer-impl``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loggra_megatron.config import at_least, check_fields, one_of, positive, reject
+
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+ARCHITECTURE = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "rotary_base", "untie_embeddings_and_output_weights",
+)  # fmt: skip
+"""Fields a checkpoint fixes; :class:`~loggra_megatron.model.args.GPTModelArgs` has them too,
+under the same names (a converted model's other fields are only in its args file)."""
+
+
+@dataclass
+class ModelConfig:
+    """The architecture of a model made from scratch, its precision and layer implementation."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Hidden size."""
+    ffn_hidden_size: int | None = None
+    """SwiGLU FFN size (default: 8/3 · hidden, rounded up to a multiple of 64)."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_query_groups: int | None = None
+    """KV heads for grouped-query attention (default: one per head)."""
+    seq_length: int = 128
+    """Maximum tokens per sequence (prompt + response)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the word embeddings."""
+    rotary_base: float = 10000.0
+    """RoPE base."""
+    init_method_std: float = 0.02
+    """Std of the initial weights (models made from scratch)."""
+    bf16: bool = False
+    """bf16 weights and activations with fp32 master weights."""
+    fp8_format: str | None = None
+    """FP8 on Hopper via Transformer Engine: hybrid | e4m3."""
+    fp8_recipe: str = "delayed"
+    """Transformer Engine FP8 recipe: delayed | tensorwise | mxfp8 | blockwise."""
+    transformer_impl: str = "auto"
+    """local (plain PyTorch) | transformer_engine | auto (TE on GPU when installed)."""
+
+    @property
+    def ffn_size(self) -> int:
+        """--ffn-hidden-size, or its default 8/3 · hidden rounded up to a multiple of 64."""
+        return self.ffn_hidden_size or 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("num_layers", positive, ">= 1"), ("hidden_size", positive, ">= 1"),
+            ("ffn_hidden_size", positive, ">= 1"), ("num_attention_heads", positive, ">= 1"),
+            ("num_query_groups", positive, ">= 1"), ("seq_length", at_least(2), ">= 2"),
+            ("rotary_base", positive, "> 0"), ("init_method_std", positive, "> 0"),
+            ("fp8_format", one_of(*FP8_FORMATS), f"one of {', '.join(FP8_FORMATS)}"),
+            ("fp8_recipe", one_of(*FP8_RECIPES), f"one of {', '.join(FP8_RECIPES)}"),
+            ("transformer_impl", one_of(*TRANSFORMER_IMPLS),
+             f"one of {', '.join(TRANSFORMER_IMPLS)}"),
+        ])  # fmt: skip
+        if self.hidden_size % self.num_attention_heads:
+            reject("hidden_size", self.hidden_size,
+                   f"must be divisible by --num-attention-heads {self.num_attention_heads}")
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            reject("num_query_groups", self.num_query_groups,
+                   f"must divide --num-attention-heads {self.num_attention_heads}")
+        if self.fp8_format is not None and self.transformer_impl == "local":
+            reject("fp8_format", self.fp8_format, "FP8 runs in Transformer Engine layers; use "
+                   "--transformer-impl transformer_engine (or auto), not local")
+        if self.fp8_format is not None and not self.bf16:
+            reject("fp8_format", self.fp8_format, "FP8 training needs --bf16")
+
+    def model_args(self, vocab_size: int):
+        """The :class:`~loggra_megatron.model.args.GPTModelArgs` of a model made from scratch."""
+        from loggra_megatron.model.args import GPTModelArgs
+
+        return GPTModelArgs(
+            num_layers=self.num_layers, hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_size, num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups, vocab_size=vocab_size,
+            max_position_embeddings=self.seq_length, rotary_base=self.rotary_base,
+            untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
+            params_dtype=self.params_dtype, init_method_std=self.init_method_std,
+            make_vocab_size_divisible_by=64,
+        )  # fmt: skip
+
+    @property
+    def params_dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float32"

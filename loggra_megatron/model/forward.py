@@ -1,0 +1,86 @@
+"""The GPT forward passes every component shares: Megatron's schedule over micro-batches,
+and token log-probs from vocab-parallel logits.
+
+A micro-batch is a dict with ``tokens [b, s + 1]``: positions ``0 .. s - 1`` are fed and the
+logits at position ``t`` score ``tokens[:, t + 1]`` (the causal-LM shift). Every pass runs
+through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is pipelined
+(1F1B under PP) the way Megatron-LM's training loop runs it:
+
+* :func:`run_schedule` — forward + backward with a loss (the actor), or forward-only;
+* :func:`forward_map` — forward-only, ``fn(micro_batch, logits)`` applied on the last
+  pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages.
+
+:func:`token_log_probs` is ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits with
+Megatron's TP group and vocabulary offset (:mod:`loggra_megatron.rl.kl`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from loggra_megatron.rl.kl import vocab_parallel_log_probs
+
+
+def positions_like(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` positions ``0 .. s - 1`` for inputs ``x [b, s]``."""
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
+
+
+def gpt_logits(model, batch: dict) -> torch.Tensor:
+    """The (DDP-/Float16-wrapped) GPT model on ``batch["tokens"][:, :-1]``: ``[b, s, V/TP]``
+    logits on the last pipeline stage, hidden states elsewhere."""
+    x = batch["tokens"][:, :-1]
+    return model(x, positions_like(x), None)
+
+
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
+    """``log π(targets)`` from this TP rank's vocab-parallel ``logits [b, s, V/TP]``
+    (whole logits when their width is ``vocab_size``, e.g. ``parallel_output=False``)."""
+    from megatron.core import parallel_state as ps
+
+    if vocab_size is not None and logits.shape[-1] == vocab_size:
+        return vocab_parallel_log_probs(logits, targets)
+    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
+
+
+def run_schedule(
+    model, forward_step: Callable, micro: list[dict], *, forward_only: bool,
+    collect_non_loss_data: bool = False,
+) -> list:  # fmt: skip
+    """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = micro[0]["tokens"]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+        num_microbatches=len(micro), seq_length=tokens.shape[1] - 1,
+        micro_batch_size=tokens.shape[0], forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )  # fmt: skip
+
+
+def _map_step(fn, data_iterator, model):
+    batch = next(data_iterator)
+    return gpt_logits(model, batch), lambda logits, non_loss_data=True: fn(batch, logits)
+
+
+@torch.no_grad()
+def forward_map(model, micro: list[dict], fn: Callable[[dict, torch.Tensor], object]):
+    """``[fn(micro_batch, logits) for each micro-batch]`` on the last pipeline stage (None on
+    the others): a forward-only, no-grad pass, the model in eval mode for its duration."""
+    from megatron.core import parallel_state as ps
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = run_schedule(model, partial(_map_step, fn), micro, forward_only=True,
+                           collect_non_loss_data=True)  # fmt: skip
+    finally:
+        model.train(was_training)
+    return out if ps.is_pipeline_last_stage() else None

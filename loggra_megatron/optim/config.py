@@ -1,0 +1,109 @@
+"""Settings of the optimizer: Megatron's Adam hyper-parameters, LR schedule and DDP options
+(:class:`OptimConfig`), and LoGRA's own (:class:`LoGRAConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loggra_megatron.config import at_least, check_fields, one_of, positive
+from loggra_megatron.optim.projection import PROJECTIONS
+from loggra_megatron.optim.registry import OPTIMIZERS
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer, its schedule and Megatron's DDP / distributed-optimizer options."""
+
+    optimizer: str = "loggra"
+    """adam (Megatron's dense Adam) | loggra (see loggra_megatron.optim.registry)."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of linear warm-up."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0: off)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron's ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient reduce-scatter with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the parameter all-gather with the next forward pass."""
+    grad_reduce_in_bf16: bool = False
+    """Accumulate and reduce-scatter gradients in bf16 instead of fp32 (needs --bf16). LoGRA
+    then reads them without Megatron's fp32 copy (see --loggra-fp32-grad-copy)."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("optimizer", one_of(*OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)}"),
+            ("lr", at_least(0), ">= 0"), ("min_lr", at_least(0), ">= 0"),
+            ("lr_warmup_iters", at_least(0), ">= 0"),
+            ("lr_decay_style", one_of(*LR_DECAY_STYLES), f"one of {', '.join(LR_DECAY_STYLES)}"),
+            ("weight_decay", at_least(0), ">= 0"),
+            ("adam_beta1", lambda b: 0 <= b < 1, "in [0, 1)"),
+            ("adam_beta2", lambda b: 0 <= b < 1, "in [0, 1)"), ("adam_eps", positive, "> 0"),
+            ("clip_grad", at_least(0), ">= 0 (0: no clipping)"),
+        ])  # fmt: skip
+
+
+@dataclass
+class LoGRAConfig:
+    """LoGRA's settings, declared once: the ``--loggra-*`` flags, and the fields that
+    :class:`~loggra_megatron.optim.megatron.factory.LoGRAOptimizerConfig` adds to Megatron's
+    ``OptimizerConfig``."""
+
+    loggra_rank: int | None = None
+    """Sketch rank per weight matrix (default: hidden size / 8; clamped to min(m, n))."""
+    loggra_update_interval: int = 200
+    """Optimizer steps between basis refreshes."""
+    loggra_projection: str = "range_finder"
+    """range_finder | svd (GaLore baseline: the all-reduced Gram matrix) | random | identity."""
+    loggra_oversample: int = 8
+    """Extra range-finder probe vectors."""
+    loggra_power_iters: int = 1
+    """Range-finder power iterations."""
+    loggra_min_dim: int = 64
+    """Matrices with a (TP-local) side shorter than this are updated densely."""
+    loggra_scale: float = 1.0
+    """α, multiplies the low-rank update."""
+    loggra_seed: int | None = None
+    """Base seed of the range finder's Gaussian test matrices (default: --seed; 0 outside
+    pretrain_rl.py)."""
+    loggra_fp32_grad_copy: bool = False
+    """With --grad-reduce-in-bf16: let Megatron copy every gradient shard to fp32 before the
+    step (4 bytes/param) instead of LoGRA converting one weight at a time."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("loggra_rank", positive, ">= 1"), ("loggra_update_interval", positive, ">= 1"),
+            ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
+            ("loggra_oversample", at_least(0), ">= 0"), ("loggra_power_iters", at_least(0), ">= 0"),
+            ("loggra_min_dim", positive, ">= 1"), ("loggra_scale", positive, "> 0"),
+            ("loggra_seed", at_least(0), ">= 0"),
+        ], owner=LoGRAConfig)  # fmt: skip
+
+    def rank_for(self, hidden_size: int) -> int:
+        """The sketch rank for a model of width ``hidden_size``."""
+        return self.loggra_rank or max(1, hidden_size // 8)
+
+    def adamw_kwargs(self, hidden_size: int) -> dict:
+        """LoGRA keyword arguments of :class:`~loggra_megatron.optim.LoGRAAdamW`."""
+        return dict(
+            rank=self.rank_for(hidden_size), update_interval=self.loggra_update_interval,
+            projection=self.loggra_projection, oversample=self.loggra_oversample,
+            power_iters=self.loggra_power_iters, scale=self.loggra_scale,
+            min_dim=self.loggra_min_dim, seed=self.loggra_seed or 0,
+        )  # fmt: skip

@@ -1,0 +1,93 @@
+"""Settings of the RL algorithm: the GRPO/PPO update (:class:`GRPOConfig`) and predicted-KL
+step control (:class:`KLControlConfig`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loggra_megatron.config import at_least, check_fields, one_of, positive
+from loggra_megatron.rl.kl import ESTIMATORS
+from loggra_megatron.rl.losses import AGGREGATIONS
+
+
+@dataclass
+class GRPOConfig:
+    """Group sampling, the PPO-clip loss and the KL penalty to the reference model."""
+
+    prompts_per_step: int = 4
+    """Prompts per RL step, over all data-parallel ranks."""
+    num_generations: int = 4
+    """Completions sampled per prompt (the GRPO group size)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    clip_low: float = 0.2
+    """PPO clip range below 1."""
+    clip_high: float = 0.28
+    """PPO clip range above 1 (clip-higher)."""
+    loss_aggregation: str = "token_mean"
+    """token_mean (DAPO) | seq_mean_token_sum_norm (Dr.GRPO) | seq_mean_token_mean (GRPO)."""
+    no_advantage_std_normalization: bool = False
+    """Dr.GRPO advantages: subtract the group mean only."""
+    kl_coef: float = 0.0
+    """β of the KL-to-reference loss (0: no reference model)."""
+    kl_ref_estimator: str = "k3"
+    """k1 | k2 | k3."""
+    kl_coef_target: float | None = None
+    """Adaptive β (Ziegler et al. 2019): the KL-to-reference it steers to."""
+    kl_coef_horizon: float = 10000.0
+    """Adaptive β horizon, in samples."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("prompts_per_step", positive, ">= 1"),
+            ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
+            ("ppo_epochs", positive, ">= 1"),
+            ("clip_low", lambda c: 0 <= c < 1, "in [0, 1)"), ("clip_high", at_least(0), ">= 0"),
+            ("loss_aggregation", one_of(*AGGREGATIONS), f"one of {', '.join(AGGREGATIONS)}"),
+            ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
+            ("kl_ref_estimator", one_of("k1", "k2", "k3"), "one of k1, k2, k3"),
+            ("kl_coef_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
+        ])  # fmt: skip
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences per RL step over all data-parallel ranks."""
+        return self.prompts_per_step * self.num_generations
+
+
+@dataclass
+class KLControlConfig:
+    """Settings of predicted-KL step control (``--kl-*`` flags)."""
+
+    kl_target: float | None = None
+    """Target KL(π_θ ‖ π_new) per probe token of each optimizer step; None turns it off."""
+    kl_probe_fraction: float = 0.125
+    """Fraction of each step's sequences used as probe (at least one sequence)."""
+    kl_estimator: str = "full"
+    """``full`` (exact, over the vocabulary) or ``k1`` / ``k2`` / ``k3`` (sampled tokens)."""
+    kl_max_backtracks: int = 2
+    """TRPO-style safeguard: how many times η may be halved after the quadratic model."""
+    kl_backtrack_tolerance: float = 1.5
+    """Halve η while the probe KL of the scaled step exceeds this × ``kl_target``."""
+    kl_realized_interval: int = 1
+    """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("kl_target", positive, "a positive number (omit it to disable)"),
+            ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
+            ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
+            ("kl_max_backtracks", at_least(0), ">= 0"),
+            ("kl_backtrack_tolerance", at_least(1), ">= 1"),
+            ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
+        ])  # fmt: skip
+
+    @property
+    def enabled(self) -> bool:
+        return self.kl_target is not None
+
+    def probe_split(self, num_sequences: int) -> tuple[slice, slice]:
+        """``(probe, held-out)`` index ranges of a step's ``num_sequences`` sequences."""
+        k = min(num_sequences, max(1, math.ceil(self.kl_probe_fraction * num_sequences)))
+        return slice(0, k), slice(k, min(num_sequences, 2 * k))

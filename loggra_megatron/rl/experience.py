@@ -1,0 +1,121 @@
+"""Experience: one RL step's prompts → rollouts → rewards → advantages → reference log-probs.
+
+:class:`ExperienceMaker` runs the phases on one DP rank (every TP/PP rank of a model replica
+takes part in the generation and the log-prob forwards with the same tokens):
+
+1. the rank's prompts are rendered (:func:`~loggra_megatron.data.prompts.prompt_ids`) and
+   each is sampled ``num_generations`` times by the policy's KV-cached generator
+   (:func:`~loggra_megatron.rollout.generate_rollout`; the sampling log-probs are the PPO
+   "old" log-probs);
+2. completions are decoded and scored by the reward function; a response is correct when its
+   reward reaches ``--accuracy-threshold`` or the function says so
+   (:func:`~loggra_megatron.tasks.rewards.compute_rewards`);
+3. group-relative advantages (each prompt's group lives on one rank);
+4. the frozen reference model's log-probs, when there is one (``--kl-coef`` > 0).
+
+The result is an :class:`Experience`, the batch :class:`~loggra_megatron.rl.actor.Actor`
+trains on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loggra_megatron.data.prompts import prompt_ids
+from loggra_megatron.rl.losses import group_advantages
+from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+
+
+@dataclass
+class Experience:
+    """The scored rollouts of one RL step on this DP rank (shifted causal-LM convention:
+    position ``t`` of the ``[B, L - 1]`` tensors describes ``tokens[:, t + 1]``)."""
+
+    tokens: torch.Tensor
+    """``[B, L]`` prompt + response token ids, right-padded."""
+    response_mask: torch.Tensor
+    """``[B, L - 1]`` which targets are response tokens."""
+    old_log_probs: torch.Tensor
+    """``[B, L - 1]`` log-probs of the sampling policy."""
+    advantages: torch.Tensor
+    """``[B]`` group-relative advantages."""
+    ref_log_probs: torch.Tensor | None
+    """``[B, L - 1]`` reference log-probs (last pipeline stage; None without a reference)."""
+    num_tokens: torch.Tensor
+    """Prompt + response tokens of this rank's batch (0-d)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``reward/mean``, ``reward/std``, ``reward/accuracy``, ``response/length_mean``."""
+
+    def training_batch(self, device) -> dict[str, torch.Tensor]:
+        """The tensors the GRPO loss reads, on ``device``."""
+        batch = {
+            "tokens": self.tokens.to(device), "mask": self.response_mask.to(device),
+            "old": self.old_log_probs.to(device), "adv": self.advantages.to(device),
+        }  # fmt: skip
+        if self.ref_log_probs is not None:
+            batch["ref"] = self.ref_log_probs.to(device)
+        return batch
+
+
+class ExperienceMaker:
+    """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
+
+    def __init__(self, policy, reference, tokenizer, reward_fn, cfg):
+        self.policy, self.reference = policy, reference
+        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self.rollout, self.grpo, self.data = cfg.rollout, cfg.grpo, cfg.data
+        self.seed = cfg.training.seed
+
+    def make(self, examples: list[dict], step: int) -> Experience:
+        """Experience of RL step ``step + 1`` from this rank's ``examples``."""
+        from loggra_megatron.rollout import compute_log_probs, generate_rollout
+
+        tok, n = self.tokenizer, self.grpo.num_generations
+        prompts = [prompt_ids(tok, e["prompt"]) for e in examples]
+        rollout = generate_rollout(
+            self.policy, [p for p in prompts for _ in range(n)],
+            max_new_tokens=self.rollout.max_new_tokens, temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p, eos_id=tok.eos, pad_id=tok.pad, seed=self.seed, step=step,
+        )  # fmt: skip
+        group = [e for e in examples for _ in range(n)]
+        rewards, correct = self._score(rollout, group, step)
+        advantages = group_advantages(
+            rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
+        )
+        ref = None
+        if self.reference is not None:
+            ref = compute_log_probs(self.reference, rollout.tokens)
+        return Experience(
+            tokens=rollout.tokens, response_mask=rollout.response_mask,
+            old_log_probs=rollout.log_probs, advantages=advantages, ref_log_probs=ref,
+            num_tokens=rollout.token_mask.sum(),
+            metrics={
+                "reward/mean": rewards.mean().item(),
+                "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                "reward/accuracy": sum(correct) / len(correct),
+                "response/length_mean": rollout.response_lengths.float().mean().item(),
+            },
+        )  # fmt: skip
+
+    def _score(self, rollout, group: list[dict], step: int) -> tuple[torch.Tensor, list[bool]]:
+        tok = self.tokenizer
+        # Ids of padded vocabulary rows (TP / divisibility padding) have no piece: as
+        # Megatron-LM's text generation does, they decode as unknown tokens.
+        responses = rollout.tokens.masked_fill(rollout.tokens >= tok.vocab_size, tok.unk)
+        completions = [
+            tok.detokenize(row[int(p) : int(p) + int(n)].tolist())
+            for row, p, n in zip(
+                responses, rollout.prompt_lengths, rollout.response_lengths, strict=True
+            )
+        ]
+        args = ([e["prompt"] for e in group], completions, [e["answer"] for e in group])
+        try:
+            rewards, correct = compute_rewards(
+                self.reward_fn, *args, [e["metadata"] for e in group], self.data.accuracy_threshold
+            )
+        except RewardFunctionError as e:
+            where = f" at RL step {step + 1} (dataset prompt index {group[e.index]['index']})"
+            raise e.at(where) from None
+        return torch.tensor(rewards), correct

@@ -1,0 +1,39 @@
+"""Built-in verifiable tasks (offline, seeded) and rewards.
+
+:data:`TASKS` is the registry behind ``--task``; :func:`generate_tasks` builds examples.
+Rewards and the ``--reward-fn`` loader: :mod:`loggra_megatron.tasks.rewards`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from loggra_megatron.tasks.arithmetic import ArithmeticTask
+from loggra_megatron.tasks.base import Task
+from loggra_megatron.tasks.mixed import MixedTask
+from loggra_megatron.tasks.word_problems import WordProblemTask
+
+TASKS: dict[str, type[Task]] = {
+    "arithmetic": ArithmeticTask,
+    "word_problems": WordProblemTask,
+    "mixed": MixedTask,
+}
+"""``--task`` name → task class (one line per task)."""
+
+__all__ = ["TASKS", "Task", "generate_tasks", "write_jsonl"]
+
+
+def generate_tasks(kind: str, n: int, seed: int, **knobs) -> list[dict]:
+    """``n`` examples of task ``kind``, a pure function of the arguments."""
+    if kind not in TASKS:
+        raise ValueError(f"unknown task kind {kind!r}; expected one of {tuple(TASKS)}")
+    return TASKS[kind](**knobs).generate(n, seed)
+
+
+def write_jsonl(tasks: Iterable[dict], path: str | os.PathLike) -> None:
+    """Write examples as one JSON object per line (the ``--data-path`` format)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps(task, ensure_ascii=False) + "\n")

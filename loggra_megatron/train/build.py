@@ -1,0 +1,109 @@
+"""Build functions of a run: each takes the settings (and what it depends on) and returns a
+component; none keeps state of its own. Megatron's parallel state must be initialised
+(:func:`~loggra_megatron.parallel.initialize_megatron`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def model_args(cfg, tokenizer):
+    """The architecture: the loaded model's (its vocabulary was checked against the
+    tokenizer in preflight), else one made from the ``--num-layers`` ... flags."""
+    from loggra_megatron.convert.checkpoint import read_model_args
+
+    where = cfg.start.model_args_dir
+    if where is None:
+        return cfg.model.model_args(tokenizer.vocab_size)
+    args = read_model_args(where)
+    args.params_dtype = cfg.model.params_dtype
+    return args
+
+
+def use_transformer_engine(cfg, device) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "auto":
+        return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
+    return impl == "transformer_engine"
+
+
+def gpt_model(cfg, args, device, trainable: bool):
+    """This stage's policy (DDP-wrapped) or, ``trainable=False``, the frozen reference; the
+    weights of a converted model are loaded here."""
+    from megatron.core.transformer.module import Float16Module
+
+    from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
+    from loggra_megatron.model.build import build_gpt_model, wrap_ddp
+
+    m = cfg.model
+    overrides = dict(use_cpu_initialization=device.type == "cpu")
+    if m.fp8_format:
+        overrides.update(fp8=m.fp8_format, fp8_recipe=m.fp8_recipe)
+    model = build_gpt_model(args, use_te=use_transformer_engine(cfg, device), **overrides)
+    if cfg.start.mode == "converted":
+        load_megatron_checkpoint(model, cfg.start.converted_dir)
+    if m.bf16:
+        model = Float16Module(model.config, model)
+    if not trainable:
+        model.eval().requires_grad_(False)
+        return model
+    opt = cfg.optimizer
+    return wrap_ddp(
+        model, use_distributed_optimizer=opt.use_distributed_optimizer,
+        overlap_grad_reduce=opt.overlap_grad_reduce, overlap_param_gather=opt.overlap_param_gather,
+        grad_reduce_in_fp32=not opt.grad_reduce_in_bf16,
+    )  # fmt: skip
+
+
+def optimizer(cfg, policy):
+    """``--optimizer`` from the registry, over the policy."""
+    from loggra_megatron.optim.registry import OPTIMIZERS
+
+    return OPTIMIZERS[cfg.optimizer.optimizer].build(cfg.optimizer, cfg.loggra, [policy])
+
+
+def updates_per_rl_step(cfg) -> int:
+    """Optimizer steps per RL step: mini-batches per rollout × PPO epochs."""
+    return cfg.grpo.rollout_batch_size // cfg.training.global_batch_size * cfg.grpo.ppo_epochs
+
+
+def lr_scheduler(cfg, optimizer):
+    """Megatron's ``OptimizerParamScheduler`` over the RL updates. On resume the flags win
+    over the checkpoint's values (``override_opt_param_scheduler``)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = cfg.optimizer
+    # Megatron's scheduler needs warm-up < decay (also for --train-iters 0 warm-up runs)
+    decay = max(updates_per_rl_step(cfg) * cfg.training.train_iters, opt.lr_warmup_iters + 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if opt.lr_warmup_iters else opt.lr, max_lr=opt.lr,
+        min_lr=opt.min_lr, lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=decay,
+        lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+        wd_incr_steps=decay, wd_incr_style="constant", override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
+    )  # fmt: skip
+
+
+def constant_lr_scheduler(optimizer, lr: float, weight_decay: float, steps: int):
+    """A constant-lr ``OptimizerParamScheduler`` (the supervised warm-up's)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
+        lr_decay_steps=max(steps, 1), lr_decay_style="constant", start_wd=weight_decay,
+        end_wd=weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant",
+    )  # fmt: skip
+
+
+def kl_controller(cfg, optimizer, policy):
+    """Predicted-KL step control over ``optimizer`` (None without ``--kl-target``)."""
+    from megatron.core import parallel_state as ps
+
+    from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
+
+    if not cfg.kl_control.enabled:
+        return None
+    return PredictedKLController(
+        cfg.kl_control, optimizer, gpt_probe_forward(policy), ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
+    )  # fmt: skip

@@ -1,0 +1,36 @@
+"""Settings of the training loop: steps, batch sizes, seed, warm-up and stopping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loggra_megatron.config import at_least, check_fields, positive
+
+
+@dataclass
+class TrainingConfig:
+    """The RL loop (``--train-iters``, batch sizes, ``--seed``) and the supervised warm-up."""
+
+    train_iters: int = 10
+    """RL steps (each: rollout, rewards, then --ppo-epochs passes of optimizer steps)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    seed: int = 1234
+    """Random seed (weights, sampling, data order, LoGRA's test matrices)."""
+    max_consecutive_skipped_steps: int = 10
+    """Stop the run (exit 1, checkpoints untouched) after this many optimizer steps in a row
+    were skipped for a non-finite gradient norm or predicted KL (0: never stop)."""
+    sft_iters: int = 0
+    """Supervised warm-up steps on the tasks' reference solutions before RL."""
+    sft_lr: float | None = None
+    """Learning rate of the warm-up (default: --lr)."""
+
+    def __post_init__(self):
+        check_fields(self, [
+            ("train_iters", at_least(0), ">= 0"), ("micro_batch_size", positive, ">= 1"),
+            ("global_batch_size", positive, ">= 1"), ("seed", at_least(0), ">= 0"),
+            ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
+            ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),
+        ])  # fmt: skip

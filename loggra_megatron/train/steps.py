@@ -1,0 +1,72 @@
+"""One optimizer step per mini-batch, with skipped steps counted and the LR schedule kept
+in step (Megatron-LM's ``train_step``: the scheduler advances only on a successful update).
+
+:class:`OptimizerStep` takes the step through predicted-KL control when it is on, else
+through :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`; :class:`SkipCounter`
+counts skipped steps (a checkpointed component) and stops the run after
+``--max-consecutive-skipped-steps`` in a row, on every rank alike (the grad norm and the
+predicted KL are global).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (raised on every rank alike); nothing was corrupted."""
+
+
+class SkipCounter:
+    """Skipped optimizer steps: in total, and in a row."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        """Stop after this many in a row (0: never)."""
+        self.total = 0
+        self.consecutive = 0
+
+    def count(self, ok: bool, grad_norm: float | None, where: str) -> None:
+        if ok:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.limit and self.consecutive >= self.limit:
+            raise TrainingStopped(
+                f"{self.consecutive} consecutive optimizer steps were skipped (non-finite "
+                f"gradient norm or predicted KL; last grad norm {grad_norm}) {where}. Weights, "
+                "optimizer state and checkpoints are unchanged since the last good step. Lower "
+                "--lr, check --kl-coef and the reward, or raise --max-consecutive-skipped-steps."
+            )
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total, self.consecutive = state["total"], state["consecutive"]
+
+
+class OptimizerStep:
+    """``step(mini_batch) -> metrics``: the step of one mini-batch (see module docstring).
+    ``where()`` says where the run is, for the stop message."""
+
+    def __init__(self, stepper, kl_controller, scheduler, skips: SkipCounter, where):
+        self.stepper, self.kl_controller = stepper, kl_controller
+        self.scheduler, self.skips, self.where = scheduler, skips, where
+
+    def __call__(self, mini: dict) -> dict[str, float]:
+        if self.kl_controller is None:
+            prepared = self.stepper.step()
+            ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
+        else:
+            result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"])
+            ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
+        self.skips.count(ok, grad_norm, self.where())
+        if ok:
+            self.scheduler.step(1)
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        metrics["optimizer/skipped_steps"] = 0.0 if ok else 1.0
+        if grad_norm is not None:
+            metrics["grad/norm"] = float(grad_norm)
+        return metrics

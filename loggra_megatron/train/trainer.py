@@ -1,0 +1,238 @@
+"""The RL training loop behind ``pretrain_rl.py``: GRPO/PPO on a Megatron-Core policy.
+
+One RL step, on every rank of a DP × PP × TP grid (``docs/architecture.md``)::
+
+    prompts ─► experience (rollout, rewards, advantages, reference log-probs)
+            ─► actor.update_policy (PPO epochs × mini-batches: Megatron's schedule, then one
+               optimizer step each, through predicted-KL control when --kl-target is set)
+            ─► metrics (reduced over DP/PP) ─► checkpoint every --save-interval steps
+
+:class:`RLTrainer` wires the components built by :mod:`loggra_megatron.train.build` and owns
+the loop, the stop agreement (SIGTERM on any rank) and the checkpoint: the common state is
+``{name: component.state_dict()}`` of every stateful component.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.parallel import initialize_megatron
+from loggra_megatron.train import build
+from loggra_megatron.train.reporting import memory_metrics, reduce_metrics
+from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
+
+__all__ = ["RLTrainer", "TrainingStopped"]
+
+
+class RLTrainer:
+    """Builds the components of a run (:meth:`setup`) and runs the RL loop (:meth:`train`)."""
+
+    def __init__(self, cfg, host):
+        self.cfg, self.host = cfg, host
+        self.step = 0
+        """RL steps done (the checkpoint iteration)."""
+        self._sigterm = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> RLTrainer:
+        from megatron.core import parallel_state as ps
+
+        from loggra_megatron.metrics import MetricsLogger
+        from loggra_megatron.optim.megatron.stepper import MegatronStepper
+        from loggra_megatron.rl import AdaptiveKLCoefficient
+        from loggra_megatron.rl.actor import Actor
+        from loggra_megatron.rl.experience import ExperienceMaker
+        from loggra_megatron.train.warmup import SupervisedWarmup
+
+        cfg, host, p = self.cfg, self.host, self.cfg.parallel
+        self.device = initialize_megatron(p.tensor_model_parallel_size,
+                                          p.pipeline_model_parallel_size, cfg.training.seed,
+                                          p.device)  # fmt: skip
+        self.rank, self.dp_group = dist.get_rank(), ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self._log(*(f" {note}" for note in host.notes))
+        self.dataset = host.dataset
+        self.model_args = build.model_args(cfg, host.tokenizer)
+        self.policy = build.gpt_model(cfg, self.model_args, self.device, trainable=True)
+        self.reference = (build.gpt_model(cfg, self.model_args, self.device, trainable=False)
+                          if cfg.grpo.kl_coef > 0 else None)  # fmt: skip
+        self.optimizer = build.optimizer(cfg, self.policy)
+        self.scheduler = build.lr_scheduler(cfg, self.optimizer)
+        stepper = MegatronStepper(self.optimizer)
+        g = cfg.grpo
+        self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_coef_target, g.kl_coef_horizon)
+        self.kl_controller = build.kl_controller(cfg, self.optimizer, self.policy)
+        self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
+        step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
+                             lambda: f"at RL step {self.step + 1}")  # fmt: skip
+        self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
+        self.experience = ExperienceMaker(self.policy, self.reference, host.tokenizer,
+                                          host.reward_fn, cfg)  # fmt: skip
+        self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, self.dataset,
+                                       host.tokenizer, cfg, self.device,
+                                       ps.get_data_parallel_rank())  # fmt: skip
+        self._load()
+        self.metrics = MetricsLogger(
+            cfg.metrics_dir, rank=self.rank, total_steps=cfg.training.train_iters,
+            wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
+            tensorboard_dir=cfg.logging.tensorboard_dir, config=cfg.to_dict(),
+        )  # fmt: skip
+        self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def stateful(self) -> dict:
+        """The components whose state a checkpoint carries, by name."""
+        parts = {"data": self.dataset, "scheduler": self.scheduler, "kl_coef": self.kl_coef,
+                 "skipped_steps": self.skips, "warmup": self.warmup}  # fmt: skip
+        if self.kl_controller is not None:
+            parts["kl_controller"] = self.kl_controller
+        return parts
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> None:
+        cfg, resumed = self.cfg, self.cfg.start.resumes
+        saved_at = self._progress() if resumed else None
+        if not self.warmup.done:
+            self.warmup.run(self._stop_requested, self._log)
+            if self.warmup.done:
+                self.scheduler.step(0)  # the RL learning rate again
+        if self.warmup.done and (self.cfg.training.sft_iters or not resumed) and self.step == 0:
+            self._copy_policy_to_reference()  # the reference is the policy as RL starts
+        while self.warmup.done and self.step < cfg.training.train_iters:
+            if self._stop_requested():
+                break
+            metrics = self.rl_step()
+            self.step += 1
+            self.metrics.log(self.step, metrics)
+            interval = cfg.checkpoint.save_interval
+            if cfg.checkpoint.save and interval and self.step % interval == 0:
+                self.save()
+                saved_at = self._progress()
+        if cfg.checkpoint.save and saved_at != self._progress():  # the same on every rank
+            self.save()
+        self.metrics.close()
+
+    def rl_step(self) -> dict[str, float]:
+        cfg, t0 = self.cfg, time.perf_counter()
+        exp = self.experience.make(self._next_prompts(), self.step)
+        t_rollout = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo,
+                                           cfg.rollout.max_new_tokens, self.kl_coef.value)  # fmt: skip
+        t_train = time.perf_counter() - t1
+        metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group)
+        if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
+            self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
+        step_time = time.perf_counter() - t0
+        tokens = exp.num_tokens.to(torch.float64)
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(tokens, group=self.dp_group)
+        metrics.update(memory_metrics(self.optimizer, self.device))
+        metrics.update({
+            "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
+            "optimizer/skipped_steps_total": float(self.skips.total),
+            "data/dropped_prompts": float(self.host.dropped_prompts),
+            "time/step_s": step_time, "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "throughput/tokens_per_s": float(tokens) / step_time,
+        })  # fmt: skip
+        return metrics
+
+    def _next_prompts(self) -> list[dict]:
+        """This DP rank's prompts of the next RL step (resumable via the dataset state)."""
+        if not hasattr(self, "_batches"):
+            self._batches = self.dataset.batches(
+                self.cfg.grpo.prompts_per_step, dp_rank=dist.get_rank(self.dp_group),
+                dp_size=dist.get_world_size(self.dp_group),
+            )  # fmt: skip
+        return next(self._batches)
+
+    def _progress(self) -> tuple[int, int]:
+        return self.step, self.warmup.step
+
+    def _stop_requested(self) -> bool:
+        """Whether SIGTERM reached any rank; every rank learns it at the same step boundary
+        (one all-reduce), so all of them save and exit together. The answer is the agreed
+        one: a signal that lands during the all-reduce counts at the next boundary."""
+        flag = torch.tensor([float(self._sigterm)], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        agreed = flag.item() > 0
+        if agreed and not self._sigterm:
+            self._log(" SIGTERM on another rank: saving and exiting")
+        return agreed
+
+    def _on_sigterm(self, signum, frame) -> None:
+        print(f" SIGTERM on rank {self.rank}: saving at the next step boundary", flush=True)
+        self._sigterm = True
+
+    def _copy_policy_to_reference(self) -> None:
+        if self.reference is None:
+            return
+        with torch.no_grad():
+            policy = dict(self.policy.module.named_parameters())
+            for name, p in self.reference.named_parameters():
+                p.copy_(policy[name])
+
+    def _log(self, *lines: str) -> None:
+        if self.rank == 0:
+            for line in lines:
+                print(line, flush=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        """Checkpoint iteration ``step`` (collective). A refused save (non-finite values)
+        stops the run; the previous checkpoint stays the latest."""
+        from loggra_megatron.checkpointing import CheckpointError, save_checkpoint
+        from loggra_megatron.checkpointing.layout import MODEL_ARGS, RUN_CONFIG
+
+        root = self.cfg.checkpoint.save
+        common = {"step": self.step, "model_args": self.model_args.to_dict(),
+                  **{name: c.state_dict() for name, c in self.stateful().items()}}  # fmt: skip
+        run = {"flags": self.cfg.flags(), "step": self.step, "data": self.dataset.state_dict()}
+        try:
+            save_checkpoint(
+                root, self.step, [self.policy], self.optimizer, common, self._extra_models(),
+                files={RUN_CONFIG: json.dumps(run, indent=1, default=str) + "\n"},
+                checksums=self.cfg.checkpoint.checkpoint_checksums,
+            )  # fmt: skip
+        except CheckpointError as e:
+            raise TrainingStopped(str(e)) from None
+        if self.rank == 0:
+            self.model_args.save_json(os.path.join(root, MODEL_ARGS))
+        warmup = "" if self.warmup.done else f" (warm-up step {self.warmup.step})"
+        self._log(f" saved checkpoint {root} at step {self.step}{warmup}")
+
+    def _extra_models(self) -> dict | None:
+        return {"reference": [self.reference]} if self.reference is not None else None
+
+    def _load(self) -> None:
+        """Load what ``cfg.start`` says: a full resume, or the policy's weights only."""
+        from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
+
+        start, verify = self.cfg.start, self.cfg.checkpoint.checkpoint_checksums
+        if start.mode not in ("resume", "weights"):
+            return
+        try:
+            if start.mode == "weights":  # the fp32 masters must follow the loaded weights
+                load_checkpoint(start.checkpoint, [self.policy], None, verify=verify)
+                self.optimizer.reload_model_params()
+                return
+            common = load_checkpoint(start.checkpoint, [self.policy], self.optimizer,
+                                     extra_models=self._extra_models(), verify=verify)  # fmt: skip
+        except (CheckpointError, ValueError) as e:
+            raise TrainingStopped(str(e)) from None
+        self.step = common["step"]
+        for name, component in self.stateful().items():
+            if name in common:
+                component.load_state_dict(common[name])
+        if "warmup" not in common:  # older checkpoints: always taken after the warm-up
+            self.warmup.step = self.cfg.training.sft_iters
+        self._log(f" resumed from {start.checkpoint.path} at step {self.step}")

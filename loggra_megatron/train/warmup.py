@@ -1,0 +1,73 @@
+"""The supervised warm-up (``--sft-iters``): next-token training on the tasks' reference
+solutions, so that a model trained from scratch can earn rewards before RL.
+
+Each step takes a global batch of examples from the prompt stream, masks the prompt
+tokens out of the loss (:func:`~loggra_megatron.rl.actor.sft_loss_fn`) and takes one
+optimizer step at the constant ``--sft-lr`` (its own Megatron scheduler; the RL schedule is
+restored afterwards). It is resumable: it continues from ``step`` with the stream's saved
+position, and stops at a step boundary when asked (SIGTERM), leaving a consistent state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loggra_megatron.data.prompts import format_completion, prompt_ids
+from loggra_megatron.rl.actor import combine_micro_metrics, global_counts, sft_loss_fn
+
+
+class SupervisedWarmup:
+    def __init__(self, actor, stepper, skips, dataset, tokenizer, cfg, device, dp_rank: int):
+        self.actor, self.stepper, self.skips = actor, stepper, skips
+        self.dataset, self.tokenizer, self.device = dataset, tokenizer, device
+        self.training, self.optim = cfg.training, cfg.optimizer
+        self.width = cfg.model.seq_length
+        self.dp_rank = dp_rank
+        self.step = 0
+        """Warm-up steps done."""
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.training.sft_iters
+
+    def run(self, stop_requested, log) -> None:
+        """Steps until done or ``stop_requested()``; ``log(message)`` prints progress."""
+        from loggra_megatron.train.build import constant_lr_scheduler
+
+        t, dp = self.training, self.actor.dp
+        lr = t.sft_lr if t.sft_lr is not None else self.optim.lr
+        constant_lr_scheduler(self.actor.optimizer, lr, self.optim.weight_decay, t.sft_iters)
+        batches = self.dataset.batches(t.global_batch_size, dp_rank=self.dp_rank, dp_size=dp)
+        while not self.done:
+            if stop_requested():
+                return
+            tokens, mask = self._batch(next(batches))
+            n_tok, _ = global_counts(mask, len(tokens), self.actor.dp_group)
+            outs = self.actor.train_on({"tokens": tokens, "mask": mask}, sft_loss_fn(n_tok))
+            prepared = self.stepper.step()
+            self.skips.count(prepared.ok, prepared.grad_norm, f"at warm-up step {self.step + 1}")
+            self.step += 1
+            loss = combine_micro_metrics(outs, dp).get("loss/sft")
+            if loss is not None and self.step % 10 == 0:
+                log(f" sft {self.step:5d}/{t.sft_iters} | loss {loss:.4f}")
+        self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
+
+    def _batch(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [b, width + 1]`` (prompt, solution, EOS, padding) and the loss ``mask
+        [b, width]`` over the completion's targets."""
+        tok, width = self.tokenizer, self.width
+        tokens = torch.full((len(examples), width + 1), tok.pad, dtype=torch.long)
+        mask = torch.zeros(len(examples), width, dtype=torch.bool)
+        for i, e in enumerate(examples):
+            prompt = prompt_ids(tok, e["prompt"])
+            answer = tok.tokenize(format_completion(e["answer"], e["metadata"].get("solution")))
+            ids = (prompt + answer + [tok.eos])[: width + 1]
+            tokens[i, : len(ids)] = torch.tensor(ids)
+            mask[i, len(prompt) - 1 : len(ids) - 1] = True
+        return tokens.to(self.device), mask.to(self.device)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
