@@ -84,17 +84,6 @@ def lr_scheduler(cfg, optimizer):
     )  # fmt: skip
 
 
-def constant_lr_scheduler(optimizer, lr: float, weight_decay: float, steps: int):
-    """A constant-lr ``OptimizerParamScheduler`` (the supervised warm-up's)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    return OptimizerParamScheduler(
-        optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0,
-        lr_decay_steps=max(steps, 1), lr_decay_style="constant", start_wd=weight_decay,
-        end_wd=weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant",
-    )  # fmt: skip
-
-
 def kl_controller(cfg, optimizer, policy):
     """Predicted-KL step control over ``optimizer`` (None without ``--kl-target``)."""
     from megatron.core import parallel_state as ps

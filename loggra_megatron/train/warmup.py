@@ -3,8 +3,8 @@ solutions, so that a model trained from scratch can earn rewards before RL.
 
 Each step takes a global batch of examples from the prompt stream, masks the prompt
 tokens out of the loss (:func:`~loggra_megatron.rl.actor.sft_loss_fn`) and takes one
-optimizer step at the constant ``--sft-lr`` (its own Megatron scheduler; the RL schedule is
-restored afterwards). It is resumable: it continues from ``step`` with the stream's saved
+optimizer step at the constant ``--sft-lr`` (:class:`ConstantLR`; the RL schedule takes over
+again afterwards). It is resumable: it continues from ``step`` with the stream's saved
 position, and stops at a step boundary when asked (SIGTERM), leaving a consistent state.
 """
 
@@ -14,6 +14,20 @@ import torch
 
 from loggra_megatron.data.prompts import format_completion, prompt_ids
 from loggra_megatron.rl.actor import combine_micro_metrics, global_counts, sft_loss_fn
+
+
+class ConstantLR:
+    """The warm-up's learning-rate schedule: ``lr`` (× each group's ``lr_mult``) from now on.
+    Megatron's ``OptimizerParamScheduler`` cannot express it: it reads every group's
+    ``max_lr``, which Megatron sets to the RL ``--lr``."""
+
+    def __init__(self, optimizer, lr: float):
+        self.optimizer, self.lr = optimizer, lr
+        self.step()
+
+    def step(self, increment: int = 1) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * group.get("lr_mult", 1.0)
 
 
 class SupervisedWarmup:
@@ -32,11 +46,8 @@ class SupervisedWarmup:
 
     def run(self, stop_requested, log) -> None:
         """Steps until done or ``stop_requested()``; ``log(message)`` prints progress."""
-        from loggra_megatron.train.build import constant_lr_scheduler
-
         t, dp = self.training, self.actor.dp
-        lr = t.sft_lr if t.sft_lr is not None else self.optim.lr
-        constant_lr_scheduler(self.actor.optimizer, lr, self.optim.weight_decay, t.sft_iters)
+        ConstantLR(self.actor.optimizer, t.sft_lr if t.sft_lr is not None else self.optim.lr)
         batches = self.dataset.batches(t.global_batch_size, dp_rank=self.dp_rank, dp_size=dp)
         while not self.done:
             if stop_requested():
