@@ -74,7 +74,8 @@ METRIC_KEYS: dict[str, str] = {
     "loss/kl_ref": "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)",
     "reward/mean": "mean reward over the rollout batch",
     "reward/std": "standard deviation of the reward over the rollout batch",
-    "reward/accuracy": "fraction of responses judged correct by the verifier",
+    "reward/accuracy": "fraction of responses judged correct by the task (or, with --reward-fn, "
+    "by the function's verdict or reward ≥ --accuracy-threshold)",
     "kl/ref": "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model",
     "kl/predicted": "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe",
     "kl/predicted_committed": "predicted KL of the committed update η·Δθ (after backtracking)",
@@ -106,6 +107,10 @@ METRIC_KEYS: dict[str, str] = {
     "response/length_mean": "mean response length in tokens",
     "data/dropped_prompts": "prompts removed from the dataset at start-up because they leave "
     "no room for --max-new-tokens within --seq-length",
+    "eval/reward": "mean reward of greedy completions of the held-out prompts "
+    "(--eval-data-path; every --eval-interval steps)",
+    "eval/accuracy": "share of the held-out prompts answered correctly (the task's verdict)",
+    "time/eval_s": "wall time of the held-out evaluation, seconds",
 }
 
 # (metric key, progress-line label), in the order of the progress line.

@@ -3,12 +3,15 @@
 :func:`preflight` returns the host-side parts of a run, or raises
 :class:`~loggra_megatron.config.ConfigError` (exit status 2, nothing started or written):
 
-* the tokenizer (``--tokenizer-model``), checked against the vocabulary of the model in
-  ``--load``;
-* the reward function (``--reward-fn``; the user's module is imported here);
-* the prompt dataset (``--data-path`` or the built-in tasks). Prompts whose tokens leave no
-  room for ``--max-new-tokens`` within ``--seq-length`` are dropped here, counted
-  (``data/dropped_prompts``) and reported, so that no sequence ever exceeds the budget;
+* the tokenizer (``--tokenizer-type``, ``--tokenizer-model``), checked against the vocabulary
+  of the model in ``--load``, and how prompts are rendered (its chat template or the task's
+  plain template);
+* the task (``--task``) and its scoring: the task's reward and verdict, or ``--reward-fn``
+  (the user's module is imported here);
+* the prompt dataset (``--data-path`` or a task generator) and the held-out one
+  (``--eval-data-path``). Prompts whose tokens leave no room for ``--max-new-tokens`` within
+  ``--seq-length`` are dropped here, counted (``data/dropped_prompts``) and reported, so that
+  no sequence ever exceeds the budget;
 * on resume, that the dataset is the one the checkpoint's data position belongs to.
 """
 
@@ -16,9 +19,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loggra_megatron.config import ConfigError
+
+
+@dataclass
+class Scoring:
+    """How completions are scored: ``reward_fn`` and, when the task judges correctness
+    itself, ``is_correct`` (else a returned ``correct`` or reward ≥ ``threshold``)."""
+
+    reward_fn: object
+    is_correct: object | None
+    threshold: float
 
 
 @dataclass
@@ -26,66 +39,114 @@ class Preflight:
     """The host-side parts of a run."""
 
     tokenizer: object
-    reward_fn: object
+    task: object
+    renderer: object
+    """:class:`~loggra_megatron.data.prompts.PromptRenderer`: prompt → token ids."""
+    scoring: Scoring
     dataset: object
     """The prompt dataset, prompts over the length budget removed."""
     dropped_prompts: int
     """How many prompts were removed for length."""
-    notes: list[str]
+    eval_dataset: object = None
+    notes: list[str] = field(default_factory=list)
     """Messages for rank 0 to print (resume notes, dropped prompts)."""
 
 
 def preflight(cfg) -> Preflight:
-    from loggra_megatron.data.prompts import DatasetFormatError, PromptDataset, prompt_ids
-    from loggra_megatron.data.tokenizer import SentencePieceTokenizer
-    from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
+    from loggra_megatron.data.prompts import PromptRenderer
+    from loggra_megatron.tasks import TASKS
 
-    d, t = cfg.data, cfg.training
+    d = cfg.data
     if cfg.logging.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "--tensorboard-dir: the 'tensorboard' package is not installed "
             "(`pip install tensorboard`), or drop --tensorboard-dir"
         )
+    tokenizer = _tokenizer(cfg)
     try:
-        tokenizer = SentencePieceTokenizer(d.tokenizer_model)
+        task = TASKS[d.task](**d.task_knobs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--task {d.task}: {e}") from None
+    chat = tokenizer.has_chat_template if d.apply_chat_template is None else d.apply_chat_template
+    if chat and not tokenizer.has_chat_template:
+        raise ConfigError(f"--apply-chat-template: {d.tokenizer_model!r} has no chat template")
+    renderer = PromptRenderer(tokenizer, task, chat, d.system_prompt)
+    notes = list(cfg.start.notes)
+    dataset, dropped = _prompts(cfg, renderer, d.data_path, notes, "data")
+    eval_dataset = None
+    if d.eval_data_path is not None:
+        eval_dataset, _ = _prompts(cfg, renderer, d.eval_data_path, notes, "eval data")
+    _check_data_position(cfg, dataset)
+    return Preflight(tokenizer, task, renderer, _scoring(cfg, task), dataset, dropped,
+                     eval_dataset, notes)  # fmt: skip
+
+
+def _tokenizer(cfg):
+    from loggra_megatron.data.tokenizer import load_tokenizer
+
+    d = cfg.data
+    try:
+        tokenizer = load_tokenizer(d.tokenizer_model, d.tokenizer_type)
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     _check_vocab(cfg, tokenizer)
+    return tokenizer
+
+
+def _scoring(cfg, task) -> Scoring:
+    from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
+
+    d = cfg.data
+    if d.reward_fn is None:
+        return Scoring(task.reward, task.is_correct, d.accuracy_threshold)
     try:
-        reward_fn = load_reward_fn(d.reward_fn)
+        return Scoring(load_reward_fn(d.reward_fn), None, d.accuracy_threshold)
     except RewardSpecError as e:
         raise ConfigError(str(e)) from None
+
+
+def _prompts(cfg, renderer, spec, notes: list[str], what: str):
+    """The dataset of ``spec`` (files) or of the task generator, prompts over budget dropped."""
+    from loggra_megatron.data.prompts import DatasetFormatError, PromptDataset
+
+    d, seed = cfg.data, cfg.training.seed
+    flag = "--eval-data-path" if what == "eval data" else "--data-path"
     try:
         dataset = (
-            PromptDataset.from_jsonl(d.data_path, seed=t.seed)
-            if d.data_path
-            else PromptDataset.builtin(d.task, d.num_tasks, t.seed, **d.task_knobs)
+            PromptDataset.from_files(spec, seed=seed, prompt_key=d.prompt_key,
+                                     answer_key=d.answer_key)  # fmt: skip
+            if spec is not None
+            else PromptDataset.builtin(d.task, d.num_tasks, seed, **d.task_knobs)
         )
-    except (DatasetFormatError, ValueError) as e:
-        raise ConfigError(f"--data-path: {e}" if d.data_path else f"--task: {e}") from None
+    except (DatasetFormatError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{flag if spec else '--task'}: {e}") from None
+    if not renderer.chat and any(not isinstance(e["prompt"], str) for e in dataset.examples):
+        raise ConfigError(f"{flag}: chat-message prompts need --apply-chat-template (a tokenizer "
+                          "with a chat template)")  # fmt: skip
     budget = cfg.model.seq_length - cfg.rollout.max_new_tokens
-    lengths = {}
+    longest = 0
 
     def fits(example) -> bool:
-        lengths[example["prompt"]] = n = len(prompt_ids(tokenizer, example["prompt"]))
+        nonlocal longest
+        n = len(renderer.ids(example["prompt"]))
+        longest = max(longest, n)
         return n <= budget
 
     try:
         dataset, dropped = dataset.filtered(fits)
     except DatasetFormatError:
         raise ConfigError(
-            f"--seq-length: every prompt is longer than --seq-length {cfg.model.seq_length} − "
-            f"--max-new-tokens {cfg.rollout.max_new_tokens} = {budget} tokens"
+            f"--seq-length: every prompt of the {what} is longer than --seq-length "
+            f"{cfg.model.seq_length} − --max-new-tokens {cfg.rollout.max_new_tokens} = {budget} "
+            "tokens"
         ) from None
-    notes = list(cfg.start.notes)
     if dropped:
         notes.append(
-            f"data: dropped {len(dropped)} of {len(dataset) + len(dropped)} prompts longer than "
+            f"{what}: dropped {len(dropped)} of {len(dataset) + len(dropped)} prompts longer than "
             f"{budget} tokens (--seq-length {cfg.model.seq_length} − --max-new-tokens "
-            f"{cfg.rollout.max_new_tokens}; the longest has {max(lengths.values())})"
+            f"{cfg.rollout.max_new_tokens}; the longest has {longest})"
         )
-    _check_data_position(cfg, dataset)
-    return Preflight(tokenizer, reward_fn, dataset, len(dropped), notes)
+    return dataset, len(dropped)
 
 
 def _check_vocab(cfg, tokenizer) -> None:

@@ -112,12 +112,12 @@ def test_word_problem_answers_match_expressions():
 def test_jsonl_round_trip(tmp_path):
     tasks = generate_tasks("mixed", 30, seed=0)
     write_jsonl(tasks, tmp_path / "tasks.jsonl")
-    dataset = PromptDataset.from_jsonl(tmp_path / "tasks.jsonl")
+    dataset = PromptDataset.from_files(tmp_path / "tasks.jsonl")
     assert len(dataset) == 30 and dataset[5] == tasks[5]
     (tmp_path / "numeric.jsonl").write_text(
         '{"prompt": "p", "answer": 12}\n\n{"prompt": "q", "answer": -1.5}\n'
     )
-    assert [e["answer"] for e in PromptDataset.from_jsonl(tmp_path / "numeric.jsonl").examples] == [
+    assert [e["answer"] for e in PromptDataset.from_files(tmp_path / "numeric.jsonl").examples] == [
         "12",
         "-1.5",
     ]
@@ -133,17 +133,21 @@ def test_jsonl_round_trip(tmp_path):
         ('["p", "1"]', "expected a JSON object"),
         ('{"prompt": "p"}', "missing required field(s) ['answer']"),
         ('{"answer": "1"}', "missing required field(s) ['prompt']"),
-        ('{"prompt": 3, "answer": "1"}', "'prompt' must be a non-empty string"),
-        ('{"prompt": "p", "answer": true}', "'answer' must be a string or a number"),
-        ('{"prompt": "p", "answer": "1", "metadata": [1]}', "'metadata' must be an object"),
+        ('{"prompt": 3, "answer": "1"}', "column 'prompt' changed from string to number"),
+        ('{"prompt": "p", "answer": true}', "column 'answer' changed from string to boolean"),
+        ('{"prompt": "  ", "answer": "1"}', "'prompt' is empty"),
+        ('{"prompt": "p", "answer": "1", "metadata": {"a": [1]}, "x": 1}', None),  # valid
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
     path = tmp_path / "data.jsonl"
     good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"})
     path.write_text(f"{good}\n\n{bad_line}\n{good}\n")
+    if message is None:
+        assert len(PromptDataset.from_files(path)) == 3
+        return
     with pytest.raises(DatasetFormatError) as e:
-        PromptDataset.from_jsonl(path)
+        PromptDataset.from_files(path)
     assert str(e.value).startswith(f"{path}:3: ")
     assert message in str(e.value)
 
@@ -153,15 +157,15 @@ def test_jsonl_non_utf8_byte_names_file_and_line(tmp_path):
     good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}).encode()
     path.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n')
     with pytest.raises(DatasetFormatError, match=rf"^{path}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
-        PromptDataset.from_jsonl(path)
+        PromptDataset.from_files(path)
 
 
 def test_jsonl_missing_and_empty_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--data-path"):
-        PromptDataset.from_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="no JSONL or Parquet files"):
+        PromptDataset.from_files(tmp_path / "nope.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DatasetFormatError, match="no examples"):
-        PromptDataset.from_jsonl(tmp_path / "empty.jsonl")
+        PromptDataset.from_files(tmp_path / "empty.jsonl")
 
 
 def _global_batches(dataset, gbs, dp_size, num_batches, start_index=None):

@@ -140,12 +140,34 @@ def read_hf_config(load_dir: str | os.PathLike) -> dict[str, Any] | None:
         return json.load(f)
 
 
+EXTRA_STATE = "_extra_state"
+"""Transformer Engine's per-module extra state (FP8 scaling metadata): a model built with
+``--transformer-impl transformer_engine`` has it, a checkpoint written with the local spec
+does not (and the other way round); it starts fresh when absent."""
+
+
 def load_megatron_checkpoint(
     model: torch.nn.Module, load_dir: str | os.PathLike, strict: bool = True
 ) -> None:
-    """Load this rank's chunk of ``model`` in place from the dist checkpoint ``load_dir``."""
+    """Load this rank's chunk of ``model`` in place from the dist checkpoint ``load_dir``.
+
+    Transformer Engine ``_extra_state`` entries the checkpoint does not have (it was written
+    with the local layer spec) are left as the model has them; any other missing tensor is
+    an error (with ``strict``)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     ckpt_dir = resolve_checkpoint_dir(load_dir)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)
-    model.load_state_dict(state["model"], strict=strict)
+    state, _, absent = dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, ckpt_dir, strict=StrictHandling.RETURN_UNEXPECTED
+    )
+    lacking = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    if lacking and strict:
+        raise ValueError(f"{ckpt_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}")
+    result = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+    if strict and (missing or result.unexpected_keys):
+        raise ValueError(
+            f"{ckpt_dir}: the loaded state does not fit the model (missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]})"
+        )

@@ -1,53 +1,111 @@
-"""Settings of the prompt data, the tokenizer and the reward."""
+"""Settings of the prompt data, the tokenizer, the task and its reward, and evaluation."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from loggra_megatron.config import check_fields, one_of, positive, reject
+from loggra_megatron.config import at_least, check_fields, one_of, positive, reject
+from loggra_megatron.data.files import data_files
+from loggra_megatron.data.tokenizer import TOKENIZER_TYPES
 from loggra_megatron.tasks import TASKS
+
+ARITHMETIC_TASKS = ("arithmetic", "mixed")
+"""The tasks --task-digits and --task-operators apply to."""
 
 
 @dataclass
 class DataConfig:
-    """Where prompts come from, how they are tokenized, and how completions are scored."""
+    """Where prompts come from, how they are tokenized and asked, and how completions are
+    scored."""
 
+    tokenizer_type: str | None = None
+    """SentencePieceTokenizer | HuggingFaceTokenizer (default: HuggingFaceTokenizer for a
+    directory, SentencePieceTokenizer for a file)."""
     tokenizer_model: str | None = None
-    """sentencepiece model (train one with tools/train_tokenizer.py)."""
+    """A sentencepiece .model file (tools/train_tokenizer.py) or a Hugging Face tokenizer
+    directory (tokenizer.json, tokenizer_config.json)."""
+    apply_chat_template: bool | None = None
+    """Render prompts with the tokenizer's chat template (default: when it has one)."""
+    system_prompt: str | None = None
+    """A system message first in every chat prompt (with the chat template)."""
+    task: str | None = None
+    """arithmetic | word_problems | mixed (generated) | jsonl | math (from --data-path);
+    default: jsonl with --data-path, else arithmetic."""
     data_path: str | None = None
-    """JSONL prompts with prompt, answer and optional metadata (default: built-in tasks)."""
-    task: str = "arithmetic"
-    """Built-in verifiable tasks: arithmetic | word_problems | mixed."""
+    """JSONL or Parquet prompt files: a file, a directory of shards or a glob."""
+    prompt_key: str = "prompt"
+    """The prompt column: a string, or a list of chat messages {role, content}."""
+    answer_key: str = "answer"
+    """The reference-answer column (a string or a number)."""
     num_tasks: int = 10000
-    """Built-in tasks generated."""
-    task_digits: int = 2
-    """Digits per operand of the built-in arithmetic tasks."""
-    task_operators: str = "+-*"
-    """Operators of the built-in arithmetic tasks (a subset of +-*)."""
-    reward_fn: str = "default"
-    """default | exact_match_numeric | format | module:function | file.py:function."""
+    """Generated tasks (arithmetic, word_problems, mixed)."""
+    task_digits: int | None = None
+    """Digits per operand of the arithmetic tasks (arithmetic, mixed; default 2)."""
+    task_operators: str | None = None
+    """Operators of the arithmetic tasks, a subset of +-* (arithmetic, mixed; default +-*)."""
+    reward_fn: str | None = None
+    """Replace the task's reward: exact_match_numeric | format | default | module:function |
+    file.py:function (a response is then correct when the function says so, or its reward is
+    at least --accuracy-threshold)."""
     accuracy_threshold: float = 1.0
-    """A response counts as correct (reward/accuracy) when its reward is at least this, unless
-    the reward function returns {"reward": r, "correct": bool}."""
+    """With --reward-fn: the reward a response needs to count as correct (reward/accuracy)."""
+    format_reward: float = 0.0
+    """math task: the reward of a final answer (\\boxed{} or ####) that is wrong."""
+    eval_data_path: str | None = None
+    """Held-out prompt files (as --data-path): greedy completions scored every --eval-interval
+    RL steps (eval/accuracy, eval/reward), no training on them."""
+    eval_interval: int = 0
+    """Evaluate every N RL steps (0: never)."""
+    eval_samples: int | None = None
+    """Evaluate at most this many held-out prompts (default: all)."""
 
     def __post_init__(self):
+        if self.task is None:
+            self.task = "jsonl" if self.data_path else "arithmetic"
         check_fields(self, [
+            ("tokenizer_type", one_of(*TOKENIZER_TYPES), f"one of {', '.join(TOKENIZER_TYPES)}"),
             ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
             ("num_tasks", positive, ">= 1"), ("task_digits", positive, ">= 1"),
             ("task_operators", lambda o: bool(o) and not set(o) - set("+-*"),
              "a non-empty subset of +-*"),
+            ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
+            ("eval_interval", at_least(0), ">= 0 (0: never)"), ("eval_samples", positive, ">= 1"),
         ])  # fmt: skip
+        self._check_paths()
+        needs_data = TASKS[self.task].needs_data
+        if needs_data and self.data_path is None:
+            reject("task", self.task, "reads its prompts from --data-path; give one")
+        if not needs_data and self.data_path is not None:
+            reject("data_path", self.data_path, f"--task {self.task} generates its prompts; use "
+                   "--task jsonl or math for a data file")  # fmt: skip
+        for name in ("task_digits", "task_operators"):
+            if getattr(self, name) is not None and self.task not in ARITHMETIC_TASKS:
+                reject(name, getattr(self, name), f"applies to --task {' or '.join(ARITHMETIC_TASKS)}, "
+                       f"not {self.task}")  # fmt: skip
+        if self.format_reward and self.task != "math":
+            reject("format_reward", self.format_reward, "applies to --task math")
+        if self.eval_interval and self.eval_data_path is None:
+            reject("eval_interval", self.eval_interval, "needs --eval-data-path")
+
+    def _check_paths(self) -> None:
         if self.tokenizer_model is None:
-            reject("tokenizer_model", None, "required (train one with tools/train_tokenizer.py)")
-        if not os.path.isfile(self.tokenizer_model):
-            reject("tokenizer_model", self.tokenizer_model, "no such file")
-        if self.data_path is not None and not os.path.isfile(self.data_path):
-            reject("data_path", self.data_path, "no such file")
+            reject("tokenizer_model", None, "required (train one with tools/train_tokenizer.py, "
+                   "or give a Hugging Face tokenizer directory)")  # fmt: skip
+        if not os.path.exists(self.tokenizer_model):
+            reject("tokenizer_model", self.tokenizer_model, "no such file or directory")
+        for name in ("data_path", "eval_data_path"):
+            spec = getattr(self, name)
+            if spec is not None:
+                try:
+                    data_files(spec)
+                except FileNotFoundError as e:
+                    reject(name, spec, str(e))
 
     @property
     def task_knobs(self) -> dict:
-        """Difficulty knobs of the built-in task generator."""
-        if self.task != "arithmetic":
-            return {}
-        return {"num_digits": self.task_digits, "operators": self.task_operators}
+        """Knobs of the task: the arithmetic ones given, the math format reward."""
+        if self.task == "math":
+            return {"format_reward": self.format_reward}
+        knobs = {"num_digits": self.task_digits, "operators": self.task_operators}
+        return {k: v for k, v in knobs.items() if v is not None}

@@ -1,27 +1,22 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""Prompt datasets for RL: a JSONL file or the built-in task generator, the prompt template
-and the answer format, and deterministic, resumable global batches for data-parallel ranks.
+"""Prompts for RL: how a question is shown to the policy, the answer format, and
+deterministic, resumable global batches of examples for data-parallel ranks.
 
-**Prompt template and answer format.** A task's question is shown to the policy as::
+**Prompt and answer format.** Without a chat template a task's question is shown as::
 
     Question: What is 37 + 48?
     Answer:
 
 and the completion must end its reasoning with the final answer on a line of its own,
-GSM8K style::
+GSM8K style (``" 37 + 48 = 85.\n#### 85"``). The answer marker is ``####`` followed by a
+number; the rewards (:mod:`loggra_megatron.tasks.rewards`) read the number after the *first*
+marker. With a chat template (:class:`PromptRenderer`, ``--apply-chat-template``) the user
+message is the question and the task's instruction (:data:`INSTRUCTION` for numeric
+answers), rendered by the tokenizer's own template with the assistant turn opened; a
+dataset prompt may also be a list of chat messages, used as is.
 
-     37 + 48 = 85.
-    #### 85
-
-The answer marker is ``####`` followed by a number (optionally negative, with ``,``
-thousands separators or a decimal point). The rewards (:mod:`loggra_megatron.tasks.rewards`)
-read the number after the *first* marker, so a policy that rambles on after its answer,
-or lists several candidates, is graded on the first one. :data:`INSTRUCT_TEMPLATE` spells
-the format out for instruction-tuned models.
-
-**JSONL input** (``--data-path``): one JSON object per line with ``prompt`` (non-empty
-string), ``answer`` (string or number) and an optional ``metadata`` object; blank lines are
-skipped. Malformed input raises :class:`DatasetFormatError` naming ``file:line``.
+**Data** (``--data-path``): JSONL or Parquet files (:mod:`loggra_megatron.data.files`), or
+the built-in task generators (:mod:`loggra_megatron.tasks`).
 
 **Batches.** The dataset is an infinite stream of epochs; epoch ``e`` visits the examples
 in the order of a permutation drawn from ``(seed, e)``. Global batch ``k`` is stream
@@ -34,30 +29,32 @@ checkpoint.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from loggra_megatron.data.files import DatasetFormatError, _example, read_examples
+
 ANSWER_MARKER = "####"
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
-INSTRUCT_TEMPLATE = (
-    "Question: {prompt}\n"
-    f'Think step by step, then give the final answer on its own line as "{ANSWER_MARKER} <number>".\n'
-    "Answer:"
+INSTRUCTION = (
+    f'Think step by step, then give the final answer on its own line as "{ANSWER_MARKER} <number>".'
 )
+
+__all__ = ["DatasetFormatError", "PromptDataset", "PromptRenderer"]
 
 
 def format_prompt(prompt: str, template: str = PROMPT_TEMPLATE) -> str:
-    """The text the policy is conditioned on for question ``prompt``."""
+    """The text the policy is conditioned on for question ``prompt`` (no chat template)."""
     return template.format(prompt=prompt)
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The token ids the policy is conditioned on: BOS + the templated question."""
-    return [tokenizer.bos, *tokenizer.tokenize(format_prompt(prompt))]
+def prompt_text(prompt) -> str:
+    """The question of a prompt: the string, or the last user message of a chat."""
+    if isinstance(prompt, str):
+        return prompt
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
 
 
 def format_answer(answer: str) -> str:
@@ -80,71 +77,47 @@ def task_texts(tasks: Sequence[dict]) -> list[str]:
     ]
 
 
-class DatasetFormatError(ValueError):
-    """A malformed prompt dataset; the message starts with ``file:line:``."""
+class PromptRenderer:
+    """The token ids the policy is conditioned on for a prompt (string or chat messages).
 
+    ``chat``: render with the tokenizer's chat template (``system_prompt`` first, unless the
+    messages bring their own); otherwise BOS (if the tokenizer has one) + the task's
+    template filled with the question."""
 
-def _validate(record, where: str) -> dict:
-    if not isinstance(record, dict):
-        raise DatasetFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    missing = [k for k in ("prompt", "answer") if k not in record]
-    if missing:
-        raise DatasetFormatError(
-            f"{where}: missing required field(s) {missing} (have {sorted(record)}); "
-            "each line needs 'prompt' and 'answer', and may have 'metadata'"
-        )
-    prompt, answer, metadata = record["prompt"], record["answer"], record.get("metadata", {})
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise DatasetFormatError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise DatasetFormatError(f"{where}: 'answer' must be a string or a number, got {answer!r}")
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise DatasetFormatError(f"{where}: 'answer' must be finite, got {answer!r}")
-    if isinstance(answer, str) and not answer.strip():
-        raise DatasetFormatError(f"{where}: 'answer' is empty")
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict):
-        raise DatasetFormatError(f"{where}: 'metadata' must be an object, got {metadata!r}")
-    return {"prompt": prompt, "answer": str(answer), "metadata": metadata}
+    def __init__(self, tokenizer, task, chat: bool, system_prompt: str | None = None):
+        self.tokenizer, self.task, self.chat = tokenizer, task, chat
+        self.system_prompt = system_prompt
 
+    def messages(self, prompt) -> list[dict]:
+        messages = list(prompt) if isinstance(prompt, list) else [
+            {"role": "user", "content": self.task.user_message(prompt)}
+        ]  # fmt: skip
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
 
-def load_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read and validate a prompt JSONL file; raises :class:`DatasetFormatError` naming
-    ``file:line`` for the first malformed line."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data-path {path!r}: no such file")
-    examples = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetFormatError(
-                    f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetFormatError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            examples.append(_validate(record, f"{path}:{lineno}"))
-    if not examples:
-        raise DatasetFormatError(f"{path}: no examples (the file is empty)")
-    return examples
+    def ids(self, prompt) -> list[int]:
+        tok = self.tokenizer
+        if self.chat:
+            return tok.tokenize(tok.render_chat(self.messages(prompt)))
+        if not isinstance(prompt, str):
+            raise ValueError("a chat-message prompt needs --apply-chat-template")
+        bos = [] if tok.bos is None else [tok.bos]
+        return bos + tok.tokenize(format_prompt(prompt, self.task.template))
 
 
 class PromptDataset:
     """Examples ``{"prompt", "answer", "metadata"}`` and their resumable batch stream.
 
-    Build with :meth:`from_jsonl` (``--data-path``), :meth:`builtin` (the offline
+    Build with :meth:`from_files` (``--data-path``), :meth:`builtin` (the offline
     generator) or directly from a list of example dicts. ``seed`` fixes the epoch orders.
     """
 
     def __init__(self, examples: Sequence[dict], *, seed: int = 0, source: str = "<memory>"):
-        self.examples = [_validate(e, f"{source}:example {i}") for i, e in enumerate(examples)]
+        self.examples = [
+            _example(e, "prompt", "answer", lambda i=i: f"{source}: example {i}")
+            for i, e in enumerate(examples)
+        ]
         if not self.examples:
             raise DatasetFormatError(f"{source}: no examples")
         self.seed = int(seed)
@@ -167,8 +140,13 @@ class PromptDataset:
         return subset, dropped
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike, *, seed: int = 0) -> PromptDataset:
-        return cls(load_jsonl(path), seed=seed, source=os.fspath(path))
+    def from_files(
+        cls, spec: str | os.PathLike, *, seed: int = 0, prompt_key: str = "prompt",
+        answer_key: str = "answer",
+    ) -> PromptDataset:  # fmt: skip
+        """JSONL / Parquet files: a file, a directory or a glob (:mod:`.files`)."""
+        spec = os.fspath(spec)
+        return cls(read_examples(spec, prompt_key, answer_key), seed=seed, source=spec)
 
     @classmethod
     def builtin(cls, kind: str, n: int, seed: int, **difficulty) -> PromptDataset:

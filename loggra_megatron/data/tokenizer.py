@@ -1,5 +1,7 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""A SentencePiece tokenizer (``--tokenizer-model``) and a trainer for small ones.
+"""Tokenizers (``--tokenizer-type``, ``--tokenizer-model``): a SentencePiece model and a
+trainer for small ones; :func:`load_tokenizer` also opens Hugging Face tokenizer directories
+(:mod:`loggra_megatron.data.hf_tokenizer`).
 
 :class:`SentencePieceTokenizer` wraps a ``.model`` file with the interface the RL stack
 uses (Megatron's tokenizer vocabulary): ``tokenize``, ``detokenize``, ``vocab_size``,
@@ -102,8 +104,41 @@ class SentencePieceTokenizer:
     def unk(self) -> int:
         return self._sp.unk_id()
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a completion."""
+        return (self.eos,)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def render_chat(self, messages: list[dict]) -> str:
+        raise ValueError(
+            f"{self.model_path}: a sentencepiece model has no chat template; use a Hugging Face "
+            "tokenizer directory (--tokenizer-type HuggingFaceTokenizer) for chat prompts"
+        )
+
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+"""Megatron-LM's ``--tokenizer-type`` names this stack reads."""
+
+
+def load_tokenizer(path: str, kind: str | None = None):
+    """``--tokenizer-model`` as ``kind`` (default: a directory is a Hugging Face tokenizer,
+    a file a sentencepiece model). Raises ``ValueError`` naming the flag."""
+    kind = kind or ("HuggingFaceTokenizer" if os.path.isdir(path) else "SentencePieceTokenizer")
+    if kind == "HuggingFaceTokenizer":
+        from loggra_megatron.data.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(path)
+    try:
+        return SentencePieceTokenizer(path)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
 
 
 def train_tokenizer(

@@ -3,12 +3,12 @@
 :class:`ExperienceMaker` runs the phases on one DP rank (every TP/PP rank of a model replica
 takes part in the generation and the log-prob forwards with the same tokens):
 
-1. the rank's prompts are rendered (:func:`~loggra_megatron.data.prompts.prompt_ids`) and
-   each is sampled ``num_generations`` times by the policy's KV-cached generator
-   (:func:`~loggra_megatron.rollout.generate_rollout`; the sampling log-probs are the PPO
-   "old" log-probs);
-2. completions are decoded and scored by the reward function; a response is correct when its
-   reward reaches ``--accuracy-threshold`` or the function says so
+1. the rank's prompts are rendered (:class:`~loggra_megatron.data.prompts.PromptRenderer`:
+   the chat template or the task's plain template) and each is sampled ``num_generations``
+   times by the policy's KV-cached generator (:func:`~loggra_megatron.rollout.
+   generate_rollout`; it stops at any of the tokenizer's stop ids and never samples a padded
+   vocabulary row; the sampling log-probs are the PPO "old" log-probs);
+2. completions are decoded and scored: the task's reward and verdict, or ``--reward-fn``
    (:func:`~loggra_megatron.tasks.rewards.compute_rewards`);
 3. group-relative advantages (each prompt's group lives on one rank);
 4. the frozen reference model's log-probs, when there is one (``--kl-coef`` > 0).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loggra_megatron.data.prompts import prompt_ids
+from loggra_megatron.data.prompts import prompt_text
 from loggra_megatron.rl.losses import group_advantages
 from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
 
@@ -62,25 +62,20 @@ class Experience:
 class ExperienceMaker:
     """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
 
-    def __init__(self, policy, reference, tokenizer, reward_fn, cfg):
+    def __init__(self, policy, reference, host, cfg):
         self.policy, self.reference = policy, reference
-        self.tokenizer, self.reward_fn = tokenizer, reward_fn
-        self.rollout, self.grpo, self.data = cfg.rollout, cfg.grpo, cfg.data
+        self.tokenizer, self.renderer, self.scoring = host.tokenizer, host.renderer, host.scoring
+        self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.seed = cfg.training.seed
 
     def make(self, examples: list[dict], step: int) -> Experience:
         """Experience of RL step ``step + 1`` from this rank's ``examples``."""
-        from loggra_megatron.rollout import compute_log_probs, generate_rollout
+        from loggra_megatron.rollout import compute_log_probs
 
-        tok, n = self.tokenizer, self.grpo.num_generations
-        prompts = [prompt_ids(tok, e["prompt"]) for e in examples]
-        rollout = generate_rollout(
-            self.policy, [p for p in prompts for _ in range(n)],
-            max_new_tokens=self.rollout.max_new_tokens, temperature=self.rollout.temperature,
-            top_p=self.rollout.top_p, eos_id=tok.eos, pad_id=tok.pad, seed=self.seed, step=step,
-        )  # fmt: skip
+        n = self.grpo.num_generations
         group = [e for e in examples for _ in range(n)]
-        rewards, correct = self._score(rollout, group, step)
+        rollout = self.generate(group, step, self.rollout.temperature)
+        rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
         advantages = group_advantages(
             rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
         )
@@ -99,23 +94,33 @@ class ExperienceMaker:
             },
         )  # fmt: skip
 
-    def _score(self, rollout, group: list[dict], step: int) -> tuple[torch.Tensor, list[bool]]:
-        tok = self.tokenizer
-        # Ids of padded vocabulary rows (TP / divisibility padding) have no piece: as
-        # Megatron-LM's text generation does, they decode as unknown tokens.
-        responses = rollout.tokens.masked_fill(rollout.tokens >= tok.vocab_size, tok.unk)
+    def generate(self, examples: list[dict], step: int, temperature: float):
+        """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`)."""
+        from loggra_megatron.rollout import generate_rollout
+
+        tok, r = self.tokenizer, self.rollout
+        return generate_rollout(
+            self.policy, [self.renderer.ids(e["prompt"]) for e in examples],
+            max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
+            eos_id=tok.stop_ids, pad_id=tok.pad, seed=self.seed, step=step,
+            vocab_size=tok.vocab_size,
+        )  # fmt: skip
+
+    def score(self, rollout, group: list[dict], where: str) -> tuple[torch.Tensor, list[bool]]:
+        """``(rewards [B], correct)`` of the rollout's completions of ``group``'s examples."""
+        tok, scoring = self.tokenizer, self.scoring
         completions = [
             tok.detokenize(row[int(p) : int(p) + int(n)].tolist())
             for row, p, n in zip(
-                responses, rollout.prompt_lengths, rollout.response_lengths, strict=True
+                rollout.tokens, rollout.prompt_lengths, rollout.response_lengths, strict=True
             )
         ]
-        args = ([e["prompt"] for e in group], completions, [e["answer"] for e in group])
+        args = ([prompt_text(e["prompt"]) for e in group], completions, [e["answer"] for e in group])
         try:
             rewards, correct = compute_rewards(
-                self.reward_fn, *args, [e["metadata"] for e in group], self.data.accuracy_threshold
-            )
+                scoring.reward_fn, *args, [e["metadata"] for e in group], scoring.threshold,
+                scoring.is_correct,
+            )  # fmt: skip
         except RewardFunctionError as e:
-            where = f" at RL step {step + 1} (dataset prompt index {group[e.index]['index']})"
-            raise e.at(where) from None
+            raise e.at(f"{where} (dataset prompt index {group[e.index]['index']})") from None
         return torch.tensor(rewards), correct

@@ -206,16 +206,17 @@ def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, 
     return out[:, -1, :].float() if last else None
 
 
-def _next_tokens(logits, next_ids, *, temperature, top_p, generator):
-    """On the last stage: TP rank 0 samples from the gathered ``[B, V]`` logits and
-    broadcasts the ids over TP; every TP rank computes their untempered log-probs from its
-    own vocabulary shard. Returns ``(ids [B], log-probs [B])``."""
+def _next_tokens(logits, next_ids, *, temperature, top_p, generator, vocab_size):
+    """On the last stage: TP rank 0 samples from the gathered ``[B, V]`` logits (rows from
+    ``vocab_size`` on masked out) and broadcasts the ids over TP; every TP rank computes
+    their untempered log-probs from its own vocabulary shard. Returns ``(ids, log-probs)``."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     if tp_rank == 0:
-        next_ids = sample_tokens(logits, temperature, top_p, generator)
+        allowed = logits if vocab_size is None else logits[:, :vocab_size]
+        next_ids = sample_tokens(allowed, temperature, top_p, generator)
     if tp > 1:
         dist.broadcast(next_ids, src=ps.get_tensor_model_parallel_src_rank(), group=tp_group)
     shard = logits.shape[-1] // tp
@@ -267,6 +268,7 @@ def generate_rollout(
     seed: int = 0,
     step: int = 0,
     use_kv_cache: bool = True,
+    vocab_size: int | None = None,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; see the module docstring.
 
@@ -274,6 +276,7 @@ def generate_rollout(
     it is put in eval mode and restored. ``prompts`` is a list of token-id lists, or a
     right-padded ``[B, P]`` tensor with ``prompt_lengths [B]`` (default: all ``P``).
     ``eos_id``: stop token id(s). ``seed``/``step`` (with the DP rank) seed the sampler.
+    ``vocab_size``: ids from it on (the padded rows of the embedding) are never sampled.
     ``use_kv_cache=False`` recomputes the whole prefix every step (a reference for tests).
     """
     from megatron.core import parallel_state as ps
@@ -298,7 +301,8 @@ def generate_rollout(
     generator = None
     if last and dist.get_rank(tp_group) == 0 and temperature > 0:
         generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device)
-    sample = partial(_next_tokens, temperature=temperature, top_p=top_p, generator=generator)
+    sample = partial(_next_tokens, temperature=temperature, top_p=top_p, generator=generator,
+                     vocab_size=vocab_size)  # fmt: skip
 
     log_probs = torch.zeros(batch, total - 1, dtype=torch.float32, device=device)
     response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)

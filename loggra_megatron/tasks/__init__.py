@@ -1,6 +1,8 @@
-"""Built-in verifiable tasks (offline, seeded) and rewards.
+"""Tasks: built-in verifiable task generators (offline, seeded), data-file tasks (``jsonl``,
+``math``), and rewards.
 
-:data:`TASKS` is the registry behind ``--task``; :func:`generate_tasks` builds examples.
+:data:`TASKS` is the registry behind ``--task``; :func:`generate_tasks` builds examples of a
+generated task.
 Rewards and the ``--reward-fn`` loader: :mod:`loggra_megatron.tasks.rewards`.
 """
 
@@ -12,6 +14,8 @@ from collections.abc import Iterable
 
 from loggra_megatron.tasks.arithmetic import ArithmeticTask
 from loggra_megatron.tasks.base import Task
+from loggra_megatron.tasks.jsonl import DataFileTask
+from loggra_megatron.tasks.math import MathTask
 from loggra_megatron.tasks.mixed import MixedTask
 from loggra_megatron.tasks.word_problems import WordProblemTask
 
@@ -19,6 +23,8 @@ TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "word_problems": WordProblemTask,
     "mixed": MixedTask,
+    "jsonl": DataFileTask,
+    "math": MathTask,
 }
 """``--task`` name → task class (one line per task)."""
 
@@ -27,8 +33,9 @@ __all__ = ["TASKS", "Task", "generate_tasks", "write_jsonl"]
 
 def generate_tasks(kind: str, n: int, seed: int, **knobs) -> list[dict]:
     """``n`` examples of task ``kind``, a pure function of the arguments."""
-    if kind not in TASKS:
-        raise ValueError(f"unknown task kind {kind!r}; expected one of {tuple(TASKS)}")
+    if kind not in TASKS or TASKS[kind].needs_data:
+        generated = tuple(k for k, t in TASKS.items() if not t.needs_data)
+        raise ValueError(f"unknown task kind {kind!r}; expected one of {generated}")
     return TASKS[kind](**knobs).generate(n, seed)
 
 

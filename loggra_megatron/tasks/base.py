@@ -1,12 +1,18 @@
-"""The interface of a built-in task: a seeded generator of verifiable examples.
+"""The interface of a task: where its examples come from, how a question is asked, what a
+reference completion is, and how a completion is scored.
 
-A task is constructed from its difficulty knobs (validated in ``__init__``, ``ValueError``
-or ``TypeError`` naming the knob) and generates examples ``{"prompt": str, "answer": str,
-"metadata": dict}`` from a ``random.Random``. ``generate(n, seed)`` is a pure function of
-its arguments: the same seed gives the same list on every platform, and the first ``k``
-examples of ``n`` equal ``generate(k, seed)``. ``metadata`` holds at least ``kind``,
-``expression`` (a Python expression over the numbers that evaluates to the answer) and
-``solution`` (a short worked solution, used by the supervised warm-up).
+* **Examples.** A generated task is constructed from its difficulty knobs (validated in
+  ``__init__``, ``ValueError`` or ``TypeError`` naming the knob) and generates examples
+  ``{"prompt": str, "answer": str, "metadata": dict}`` from a ``random.Random``;
+  ``generate(n, seed)`` is a pure function of its arguments (the first ``k`` examples of
+  ``n`` equal ``generate(k, seed)``). ``metadata`` holds at least ``kind``, ``expression``
+  and ``solution`` (a short worked solution). A task with ``needs_data`` reads
+  ``--data-path`` instead (prompts may be strings or lists of chat messages).
+* **Asking.** Without a chat template the prompt is ``template`` filled with the question;
+  with one, the user message is the question followed by ``instruction``.
+* **Scoring.** ``reward`` (a float, or ``{"reward", "correct"}``) and ``is_correct`` (what
+  ``reward/accuracy`` and ``eval/accuracy`` count). The default is the numeric answer after
+  ``####`` (:mod:`loggra_megatron.tasks.rewards`).
 
 Adding a task: one file with a :class:`Task` subclass, one line in
 :data:`loggra_megatron.tasks.TASKS` (see ``docs/architecture.md``).
@@ -17,12 +23,21 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from loggra_megatron.data.prompts import INSTRUCTION, PROMPT_TEMPLATE, format_completion
+from loggra_megatron.tasks.rewards import default_reward, exact_match_numeric
+
 
 class Task:
-    """A built-in task; subclasses set ``KNOBS`` (defaults) and implement :meth:`example`."""
+    """A task; generated ones set ``KNOBS`` (defaults) and implement :meth:`example`."""
 
     KNOBS: ClassVar[dict[str, Any]] = {}
     """Difficulty knobs and their defaults."""
+    needs_data: ClassVar[bool] = False
+    """Examples come from --data-path, not from :meth:`generate`."""
+    template: ClassVar[str] = PROMPT_TEMPLATE
+    """The prompt of a question without a chat template (``{prompt}`` is the question)."""
+    instruction: ClassVar[str] = INSTRUCTION
+    """Appended to the question in the user message of a chat template."""
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(self.KNOBS))
@@ -43,3 +58,18 @@ class Task:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         rng = random.Random(seed)
         return [self.example(rng) for _ in range(n)]
+
+    # ------------------------------------------------------------------ asking and scoring
+    def user_message(self, question: str) -> str:
+        """The user turn of a chat template for ``question``."""
+        return f"{question}\n{self.instruction}" if self.instruction else question
+
+    def reference_completion(self, example: dict) -> str:
+        """A correct completion (supervised warm-up)."""
+        return format_completion(example["answer"], example["metadata"].get("solution"))
+
+    def reward(self, prompt: str, completion: str, answer: str, metadata: dict) -> float:
+        return default_reward(prompt, completion, answer, metadata)
+
+    def is_correct(self, prompt: str, completion: str, answer: str, metadata: dict) -> bool:
+        return exact_match_numeric(prompt, completion, answer, metadata) == 1.0

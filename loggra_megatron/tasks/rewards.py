@@ -200,10 +200,12 @@ def compute_rewards(
     answers: Sequence[str],
     metadatas: Sequence[dict] | None = None,
     accuracy_threshold: float = 1.0,
+    is_correct: RewardFn | None = None,
 ) -> tuple[list[float], list[bool]]:
     """``(rewards, correct)`` of ``fn`` on each sample; raises :class:`RewardFunctionError`
     if ``fn`` raises (``sys.exit`` included) or returns anything but a finite real number
-    or ``{"reward": number, "correct": bool}``."""
+    or ``{"reward": number, "correct": bool}``. ``correct`` comes from ``is_correct`` (a
+    task's verdict) when given, else from the returned dict, else reward ≥ threshold."""
     n = len(prompts)
     if metadatas is None:
         metadatas = [{}] * n
@@ -216,27 +218,31 @@ def compute_rewards(
     rewards, correct = [], []
     for i in range(n):
 
-        def fail(problem: str, tb: str = "", i=i) -> RewardFunctionError:
-            return RewardFunctionError(_fn_name(fn), i, prompts[i], problem, tb)
+        def fail(problem: str, tb: str = "", i=i, f=fn) -> RewardFunctionError:
+            return RewardFunctionError(_fn_name(f), i, prompts[i], problem, tb)
 
-        try:
-            value = fn(prompts[i], completions[i], answers[i], metadatas[i])
-        except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run silently
-            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised"
-            raise fail(what, tb) from e
-        is_correct = None
+        def call(f, i=i):
+            try:
+                return f(prompts[i], completions[i], answers[i], metadatas[i])
+            except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run
+                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+                what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised"
+                raise fail(what, tb, f=f) from e
+
+        value = call(fn)
+        verdict = bool(call(is_correct)) if is_correct is not None else None
         if isinstance(value, dict):
             if "reward" not in value:
                 raise fail(f"returned a dict without a 'reward' key: {value!r}")
-            is_correct = value.get("correct")
-            if is_correct is not None and not isinstance(is_correct, bool):
-                raise fail(f"returned 'correct': {is_correct!r} (need a bool)")
+            said = value.get("correct")
+            if said is not None and not isinstance(said, bool):
+                raise fail(f"returned 'correct': {said!r} (need a bool)")
+            verdict = said if verdict is None else verdict
             value = value["reward"]
         if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
             value = value.item()  # 0-d torch / numpy value
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise fail(f"returned {value!r} (need a finite float)")
         rewards.append(float(value))
-        correct.append(float(value) >= accuracy_threshold if is_correct is None else is_correct)
+        correct.append(float(value) >= accuracy_threshold if verdict is None else verdict)
     return rewards, correct

@@ -49,6 +49,7 @@ class RLTrainer:
         from loggra_megatron.rl import AdaptiveKLCoefficient
         from loggra_megatron.rl.actor import Actor
         from loggra_megatron.rl.experience import ExperienceMaker
+        from loggra_megatron.train.evaluation import Evaluator
         from loggra_megatron.train.warmup import SupervisedWarmup
 
         cfg, host, p = self.cfg, self.host, self.cfg.parallel
@@ -73,10 +74,10 @@ class RLTrainer:
         step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
         self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
-        self.experience = ExperienceMaker(self.policy, self.reference, host.tokenizer,
-                                          host.reward_fn, cfg)  # fmt: skip
-        self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, self.dataset,
-                                       host.tokenizer, cfg, self.device,
+        self.experience = ExperienceMaker(self.policy, self.reference, host, cfg)
+        self.evaluator = (Evaluator(self.experience, host.eval_dataset, cfg, self.dp_group)
+                          if host.eval_dataset is not None else None)  # fmt: skip
+        self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, host, cfg, self.device,
                                        ps.get_data_parallel_rank())  # fmt: skip
         self._load()
         self.metrics = MetricsLogger(
@@ -111,6 +112,8 @@ class RLTrainer:
                 break
             metrics = self.rl_step()
             self.step += 1
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                metrics.update(self.evaluator.run(self.step))
             self.metrics.log(self.step, metrics)
             interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and interval and self.step % interval == 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from loggra_megatron.data.prompts import format_completion, prompt_ids
 from loggra_megatron.rl.actor import combine_micro_metrics, global_counts, sft_loss_fn
 
 
@@ -31,9 +30,10 @@ class ConstantLR:
 
 
 class SupervisedWarmup:
-    def __init__(self, actor, stepper, skips, dataset, tokenizer, cfg, device, dp_rank: int):
+    def __init__(self, actor, stepper, skips, host, cfg, device, dp_rank: int):
         self.actor, self.stepper, self.skips = actor, stepper, skips
-        self.dataset, self.tokenizer, self.device = dataset, tokenizer, device
+        self.dataset, self.device = host.dataset, device
+        self.tokenizer, self.renderer, self.task = host.tokenizer, host.renderer, host.task
         self.training, self.optim = cfg.training, cfg.optimizer
         self.width = cfg.model.seq_length
         self.dp_rank = dp_rank
@@ -64,14 +64,14 @@ class SupervisedWarmup:
         self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
 
     def _batch(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens [b, width + 1]`` (prompt, solution, EOS, padding) and the loss ``mask
-        [b, width]`` over the completion's targets."""
+        """``tokens [b, width + 1]`` (prompt, the task's reference completion, EOS, padding)
+        and the loss ``mask [b, width]`` over the completion's targets."""
         tok, width = self.tokenizer, self.width
         tokens = torch.full((len(examples), width + 1), tok.pad, dtype=torch.long)
         mask = torch.zeros(len(examples), width, dtype=torch.bool)
         for i, e in enumerate(examples):
-            prompt = prompt_ids(tok, e["prompt"])
-            answer = tok.tokenize(format_completion(e["answer"], e["metadata"].get("solution")))
+            prompt = self.renderer.ids(e["prompt"])
+            answer = tok.tokenize(self.task.reference_completion(e))
             ids = (prompt + answer + [tok.eos])[: width + 1]
             tokens[i, : len(ids)] = torch.tensor(ids)
             mask[i, len(prompt) - 1 : len(ids) - 1] = True

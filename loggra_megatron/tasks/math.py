@@ -1,0 +1,67 @@
+"""``math``: competition-style problems from ``--data-path`` with answers checked by
+``math-verify`` (symbolic equivalence: ``1/2`` = ``0.5`` = ``\\frac{1}{2}``).
+
+The final answer of a completion is the content of its last ``\\boxed{...}`` (braces
+balanced), else the text after its first ``####`` up to the end of that line. The reward
+is 1 when math-verify finds it equivalent to the reference answer, ``--format-reward``
+(default 0) when there is a final answer that is wrong, 0 without one; ``is_correct`` is the
+equivalence. The chat instruction asks for ``\\boxed{}``, as Qwen's math models are trained to
+answer.
+"""
+
+from __future__ import annotations
+
+from loggra_megatron.data.prompts import ANSWER_MARKER
+from loggra_megatron.tasks.base import Task
+
+BOXED = "\\boxed{"
+
+
+def extract_final_answer(completion: str) -> str | None:
+    """The last ``\\boxed{...}`` content, else the rest of the line after ``####``."""
+    start = completion.rfind(BOXED)
+    if start >= 0:
+        depth, i = 1, start + len(BOXED)
+        for j in range(i, len(completion)):
+            depth += {"{": 1, "}": -1}.get(completion[j], 0)
+            if depth == 0:
+                return completion[i:j].strip() or None
+        return None
+    if ANSWER_MARKER in completion:
+        rest = completion.split(ANSWER_MARKER, 1)[1].strip().splitlines()
+        return rest[0].strip() if rest and rest[0].strip() else None
+    return None
+
+
+def equivalent(predicted: str, answer: str) -> bool:
+    """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``."""
+    from math_verify import parse, verify
+
+    def as_math(text: str):
+        text = text.strip()
+        return parse(text if text.startswith("$") else f"${text}$")
+
+    gold = as_math(answer)
+    return bool(gold) and verify(gold, as_math(predicted))
+
+
+class MathTask(Task):
+    needs_data = True
+    template = "Problem: {prompt}\nSolution:"
+    instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+    KNOBS = {"format_reward": 0.0}
+
+    def reference_completion(self, example: dict) -> str:
+        solution = example["metadata"].get("solution")
+        boxed = f"The answer is \\boxed{{{example['answer']}}}."
+        return f" {solution}\n{boxed}" if solution else f" {boxed}"
+
+    def reward(self, prompt, completion, answer, metadata) -> float:
+        predicted = extract_final_answer(completion)
+        if predicted is None:
+            return 0.0
+        return 1.0 if equivalent(predicted, answer) else float(self.knobs["format_reward"])
+
+    def is_correct(self, prompt, completion, answer, metadata) -> bool:
+        predicted = extract_final_answer(completion)
+        return predicted is not None and equivalent(predicted, answer)

@@ -1,0 +1,48 @@
+"""Held-out evaluation (``--eval-data-path``, ``--eval-interval``): greedy completions of the
+held-out prompts, scored by the task, no training on them.
+
+Each DP rank takes every DP-th prompt (all TP/PP ranks of a replica take the same ones and
+generate together), in chunks of the rank's rollout batch; the sums of reward and of correct
+answers are all-reduced over DP, so ``eval/reward`` and ``eval/accuracy`` are means over all
+evaluated prompts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class Evaluator:
+    def __init__(self, experience, dataset, cfg, dp_group):
+        self.experience, self.dp_group = experience, dp_group
+        samples = cfg.data.eval_samples or len(dataset)
+        dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.examples = [{**dataset[i], "index": i} for i in range(min(samples, len(dataset)))]
+        self.mine = self.examples[rank::dp]
+        self.chunk = max(1, cfg.grpo.rollout_batch_size // dp)
+        self.interval = cfg.data.eval_interval
+
+    def due(self, step: int) -> bool:
+        return bool(self.interval) and step % self.interval == 0
+
+    @torch.no_grad()
+    def run(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        totals = torch.zeros(3, dtype=torch.float64)  # reward, correct, count
+        for i in range(0, len(self.mine), self.chunk):
+            group = self.mine[i : i + self.chunk]
+            rollout = self.experience.generate(group, step, temperature=0.0)
+            rewards, correct = self.experience.score(rollout, group, f" in the eval at step {step}")
+            totals += torch.tensor([float(rewards.sum()), float(sum(correct)), len(group)],
+                                   dtype=torch.float64)  # fmt: skip
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+        count = max(float(totals[2]), 1.0)
+        return {
+            "eval/reward": float(totals[0]) / count,
+            "eval/accuracy": float(totals[1]) / count,
+            "time/eval_s": time.perf_counter() - t0,
+        }

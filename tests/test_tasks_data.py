@@ -1,0 +1,114 @@
+"""Tasks as one unit (data, prompt, reward, verdict), the math verifier, and prompt files in
+JSONL and Parquet (chat-message prompts, shards, errors naming file and row)."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rl_runs import tiny_argv
+
+from loggra_megatron.arguments import parse_args
+from loggra_megatron.data.files import DatasetFormatError, read_examples
+from loggra_megatron.tasks import TASKS, generate_tasks
+from loggra_megatron.tasks.math import MathTask, extract_final_answer
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1/2 + 1/2?"}]
+
+
+# ---------------------------------------------------------------- the math verifier
+@pytest.mark.parametrize(
+    ("completion", "answer", "correct"),
+    [
+        ("so it is \\boxed{\\frac{1}{2}}.", "0.5", True),
+        ("\\boxed{0.5}", "1/2", True),
+        ("#### 1/2\nmore text", "\\frac{1}{2}", True),
+        ("\\boxed{\\frac{2}{4}}", "1/2", True),
+        ("first \\boxed{3} then \\boxed{4}", "4", True),  # the last box counts
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", True),
+        ("\\boxed{3}", "4", False),
+        ("\\boxed{\\frac{1}{3}}", "0.33", False),
+        ("the answer is 4", "4", False),  # no final-answer format
+        ("\\boxed{4", "4", False),  # unbalanced
+    ],
+)
+def test_math_verify_reward_table(completion, answer, correct):
+    task = MathTask(format_reward=0.1)
+    assert task.is_correct("q", completion, answer, {}) is correct
+    formatted = extract_final_answer(completion) is not None
+    expected = 1.0 if correct else (0.1 if formatted else 0.0)
+    assert task.reward("q", completion, answer, {}) == expected
+
+
+def test_math_reference_completion_is_correct():
+    task = MathTask()
+    example = {"prompt": "What is 3/4 of 2?", "answer": "3/2", "metadata": {"solution": "3/4 * 2"}}
+    completion = task.reference_completion(example)
+    assert "\\boxed{3/2}" in completion and task.is_correct("", completion, "3/2", {})
+
+
+# ---------------------------------------------------------------- task flags
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"task": "word_problems", "task-digits": 3}, "--task-digits=3: applies to --task"),
+        ({"task": "math"}, "--task='math': reads its prompts from --data-path"),
+        ({"task": "arithmetic", "data-path": "DATA"}, "--task arithmetic generates its prompts"),
+        ({"format-reward": 0.1}, "--format-reward=0.1: applies to --task math"),
+        ({"eval-interval": 5}, "--eval-interval=5: needs --eval-data-path"),
+        ({"tokenizer-type": "GPT2Tokenizer"}, "--tokenizer-type"),
+    ],
+)
+def test_task_settings_that_do_not_apply_are_refused(tokenizer, tmp_path, flags, needle, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "p", "answer": "1"}\n')
+    flags = {k: (data if v == "DATA" else v) for k, v in flags.items()}
+    with pytest.raises(SystemExit):
+        parse_args(tiny_argv(tokenizer, **flags))
+    assert needle in capsys.readouterr().err
+
+
+def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
+    cfg = parse_args(tiny_argv(tokenizer, task="mixed", **{"task-digits": 1,
+                                                           "task-operators": "+"}))  # fmt: skip
+    tasks = generate_tasks("mixed", 200, seed=0, **cfg.data.task_knobs)
+    arithmetic = [t for t in tasks if t["metadata"]["kind"] == "arithmetic"]
+    assert arithmetic and all(len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"])
+    assert all(set(t["metadata"]["operators"]) == {"+"} for t in arithmetic)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "p", "answer": "1"}\n')
+    assert parse_args(tiny_argv(tokenizer, **{"data-path": data})).data.task == "jsonl"
+    assert TASKS["jsonl"].needs_data and TASKS["math"].needs_data
+
+
+# ---------------------------------------------------------------- prompt files
+def test_parquet_and_jsonl_with_chat_messages_shards_and_extra_columns(tmp_path):
+    rows = [{"prompt": MESSAGES, "answer": "1", "level": 3},
+            {"prompt": MESSAGES, "answer": "2", "level": 5}]  # fmt: skip
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), shards / "part-0.parquet")
+    (shards / "part-1.jsonl").write_text(json.dumps({"question": "3+4?", "solution": 7}) + "\n")
+    parquet = read_examples(str(shards / "part-0.parquet"))
+    assert parquet[0] == {"prompt": MESSAGES, "answer": "1", "metadata": {"level": 3}}
+    both = read_examples(str(shards / "*.parquet"))
+    assert len(both) == 2
+    with pytest.raises(DatasetFormatError, match=r"part-1.jsonl:1: missing required field"):
+        read_examples(str(shards))  # a directory: every shard, the JSONL one lacks 'prompt'
+    mixed = read_examples(str(shards / "part-1.jsonl"), prompt_key="question",
+                          answer_key="solution")  # fmt: skip
+    assert mixed == [{"prompt": "3+4?", "answer": "7", "metadata": {}}]
+
+
+def test_a_bad_parquet_row_names_file_and_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2"},
+            {"prompt": "", "answer": "3"}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DatasetFormatError, match=rf"^{path}: row 3: 'prompt' is empty"):
+        read_examples(str(path))
+    bad_messages = tmp_path / "msgs.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user"}], "answer": "1"}]),
+                   bad_messages)  # fmt: skip
+    with pytest.raises(DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"):
+        read_examples(str(bad_messages))
