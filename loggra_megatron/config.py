@@ -97,8 +97,8 @@ def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> Non
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = _base_type(hints[f.name])
-            if kind is bool:  # --flag (and --no-flag when the default is on)
-                action = argparse.BooleanOptionalAction if f.default else "store_true"
+            if kind is bool:  # --flag (and --no-flag when the default is on or automatic)
+                action = "store_true" if f.default is False else argparse.BooleanOptionalAction
                 group.add_argument(
                     flag(f.name), dest=f.name, action=action, default=None, help=docs.get(f.name)
                 )

@@ -136,9 +136,8 @@ def _prompts(cfg, renderer, spec, notes: list[str], what: str):
         dataset, dropped = dataset.filtered(fits)
     except DatasetFormatError:
         raise ConfigError(
-            f"--seq-length: every prompt of the {what} is longer than --seq-length "
-            f"{cfg.model.seq_length} − --max-new-tokens {cfg.rollout.max_new_tokens} = {budget} "
-            "tokens"
+            f"--seq-length: every prompt is longer than --seq-length {cfg.model.seq_length} − "
+            f"--max-new-tokens {cfg.rollout.max_new_tokens} = {budget} tokens ({what})"
         ) from None
     if dropped:
         notes.append(

@@ -68,6 +68,12 @@ def test_task_settings_that_do_not_apply_are_refused(tokenizer, tmp_path, flags,
     assert needle in capsys.readouterr().err
 
 
+def test_chat_template_switch_is_automatic_or_explicit(tokenizer):
+    assert parse_args(tiny_argv(tokenizer)).data.apply_chat_template is None  # automatic
+    no = parse_args([*tiny_argv(tokenizer), "--no-apply-chat-template"])
+    assert no.data.apply_chat_template is False
+
+
 def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
     cfg = parse_args(tiny_argv(tokenizer, task="mixed", **{"task-digits": 1,
                                                            "task-operators": "+"}))  # fmt: skip
