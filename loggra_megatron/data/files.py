@@ -46,7 +46,7 @@ def read_examples(spec: str, prompt_key: str = "prompt", answer_key: str = "answ
     for path in data_files(spec):
         rows, where = _read_rows(path)
         for i, row in enumerate(rows):
-            examples.append(_example(row, prompt_key, answer_key, lambda i=i, w=where: w(i)))
+            examples.append(example_from_row(row, prompt_key, answer_key, lambda i=i, w=where: w(i)))
     if not examples:
         raise DatasetFormatError(f"{spec}: no examples")
     return examples
@@ -111,7 +111,9 @@ def _json_type(value) -> str:
             dict: "object", type(None): "null"}[type(value)]  # fmt: skip
 
 
-def _example(row: dict, prompt_key: str, answer_key: str, where) -> dict:
+def example_from_row(row: dict, prompt_key: str, answer_key: str, where) -> dict:
+    """The validated example ``{"prompt", "answer", "metadata"}`` of one row; ``where()``
+    names the row in an error."""
     missing = [k for k in (prompt_key, answer_key) if row.get(k) is None]
     if missing:
         raise DatasetFormatError(

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from loggra_megatron.data.files import DatasetFormatError, _example, read_examples
+from loggra_megatron.data.files import DatasetFormatError, example_from_row, read_examples
 
 ANSWER_MARKER = "####"
 PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
@@ -115,7 +115,7 @@ class PromptDataset:
 
     def __init__(self, examples: Sequence[dict], *, seed: int = 0, source: str = "<memory>"):
         self.examples = [
-            _example(e, "prompt", "answer", lambda i=i: f"{source}: example {i}")
+            example_from_row(e, "prompt", "answer", lambda i=i: f"{source}: example {i}")
             for i, e in enumerate(examples)
         ]
         if not self.examples:
