@@ -102,9 +102,10 @@ def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_pa
 
 
 def _workers(proc) -> dict[int, psutil.Process]:
-    """torchrun's worker processes by RANK."""
+    """torchrun's worker processes by RANK (its direct children: a worker's own children,
+    e.g. a checkpoint writer, inherit RANK too)."""
     out = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
+    for child in psutil.Process(proc.pid).children(recursive=False):
         try:
             rank = child.environ().get("RANK")
         except psutil.Error:
@@ -209,3 +210,22 @@ def test_host_side_problems_exit_2_before_any_process_group(tokenizer, tmp_path,
         pretrain_rl.main(tiny_argv(tokenizer, **flags, **{"output-dir": tmp_path / "o"}))
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not dist.is_initialized() and not (tmp_path / "o").exists()
+
+
+def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
+    """SIGKILL one worker right after a save (torchrun ends the job); relaunching the same
+    auto-resume command (--load = --save) continues from the newest complete checkpoint, and
+    metrics.jsonl holds every step once."""
+    save = tmp_path / "ckpt"
+    flags = {"train-iters": 6, "save": save, "load": save, "save-interval": 1}
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    for line in proc.stdout:
+        if line.startswith(" saved checkpoint") and "at step 2" in line:
+            _workers(proc)[1].send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    resumed = torchrun(tiny_argv(tokenizer, **flags))
+    assert " resumed from " in resumed.stdout
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, 7))
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6

@@ -22,9 +22,13 @@ them into the live model and optimizer: a refused load changes nothing.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
+import threading
+import time
 from dataclasses import replace
+from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
@@ -130,6 +134,31 @@ def _optimizer_sharded_state_dict(optimizer, model_sd, is_loading: bool) -> list
     ]
 
 
+def _exit_with_parent() -> None:
+    """Manager-process initializer: a watchdog thread that ends the process once its parent
+    (the training rank) is gone, even after a SIGKILL."""
+
+    def watch(ppid: int) -> None:
+        while os.getppid() == ppid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, args=(os.getppid(),), daemon=True).start()
+
+
+def _orphan_safe_writer_queue() -> None:
+    """Megatron's ``torch_dist`` writer reports through a queue of a ``multiprocessing``
+    Manager it spawns on first use (``filesystem_async._results_queue``, megatron-core
+    0.16-0.19). That process outlives a killed rank forever; start it here with a watchdog
+    instead, so that kill -9 of a rank leaves no process behind."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=_exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -157,6 +186,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
+    _orphan_safe_writer_queue()
     dist_checkpointing.save(state, tmp)
     _barrier()
     if _rank() == 0:
