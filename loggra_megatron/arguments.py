@@ -209,3 +209,30 @@ def _cross_section_problems(cfg: RunConfig):
     if cfg.kl_control.enabled and not m.bf16:
         yield ("--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
                "16-bit weights while the fp32 master weights keep the current ones)")
+    yield from _gpu_only_problems(cfg, tp)
+
+
+def _on_gpu(cfg) -> bool:
+    return cfg.parallel.device == "cuda" or (
+        cfg.parallel.device == "auto" and torch.cuda.is_available()
+    )
+
+
+def _te_layers(cfg) -> bool:
+    impl = cfg.model.transformer_impl
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    return impl == "transformer_engine" or (impl == "auto" and _on_gpu(cfg) and has_te)
+
+
+def _gpu_only_problems(cfg, tp: int):
+    """Settings that only Transformer Engine layers or a GPU can run."""
+    if cfg.model.sequence_parallel and tp == 1:
+        yield ("--sequence-parallel: splits the sequence over the TP ranks; it needs "
+               "--tensor-model-parallel-size > 1")  # fmt: skip
+    elif cfg.model.sequence_parallel and not _te_layers(cfg):
+        yield ("--sequence-parallel: needs Transformer Engine layers (--transformer-impl "
+               "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
+               "('sequence parallel not supported by torch LayerNorm')")  # fmt: skip
+    if cfg.rollout.rollout_engine == "dynamic" and not _on_gpu(cfg):
+        yield ("--rollout-engine: Megatron-Core's dynamic inference engine runs on CUDA only "
+               "(docs/rollouts.md); use static (or auto) on CPU")  # fmt: skip

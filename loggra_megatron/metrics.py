@@ -98,7 +98,13 @@ METRIC_KEYS: dict[str, str] = {
     "memory/kl_control_bytes": "extra memory of predicted-KL control (stored reference "
     "+ candidate peak)",
     "time/step_s": "wall time of the whole step (rollout + train + control), seconds",
-    "time/rollout_s": "wall time of rollout generation and rewards, seconds",
+    "memory/kv_cache_bytes": "rollout KV cache of this rank: the largest chunk's static "
+    "cache (--inference-max-tokens), or the dynamic engine's buffer; mean over DP ranks",
+    "time/experience_s": "wall time of the experience: rollout generation, rewards and "
+    "reference log-probs, seconds",
+    "time/rollout_s": "wall time of rollout generation (sampling) alone, seconds",
+    "throughput/rollout_tokens_per_s": "generated tokens per second of generation, summed "
+    "over the DP ranks (they generate side by side)",
     "time/train_s": "wall time of forward/backward and the optimizer step, seconds",
     "time/kl_control_s": "wall time of predicted-KL control (probe forwards), seconds",
     "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "

@@ -29,10 +29,11 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
     return argv
 
 
-def torchrun(argv, nproc=2, check=True, timeout=600):
-    """``torchrun --nproc-per-node nproc pretrain_rl.py argv``; the finished process."""
+def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
+    """``torchrun --nproc-per-node nproc script argv`` (a path under the repository); the
+    finished process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
+           "--standalone", os.path.join(ROOT, script), *argv]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(

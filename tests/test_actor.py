@@ -22,11 +22,13 @@ def _grpo_batch():
     }
 
 
-def _one_grpo_step(rank):
-    """Weight deltas of one GRPO step (SGD, so Δ = −lr·grad) with the trainer's loss path."""
+def _one_grpo_step(rank, pad_to: int = 1):
+    """Weight deltas of one GRPO step (SGD, so Δ = −lr·grad) with the trainer's loss path;
+    ``pad_to``: micro-batches right-padded as the schedule pads them for FP8 / SP."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from loggra_megatron.model.forward import pad_micro_batch
     from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
     from loggra_megatron.rl.config import GRPOConfig
 
@@ -40,7 +42,9 @@ def _one_grpo_step(rank):
     batch = _grpo_batch()
     loss_fn = grpo_loss_fn(GRPOConfig(), max_len=SEQ, kl_coef=0.1,
                            num_tokens=float(batch["mask"].sum()), num_seqs=float(BATCH))  # fmt: skip
-    outs = forward_backward(ddp, opt, split_micro(batch, 4), loss_fn, dp=1)
+    micro = [pad_micro_batch(b, pad_to) for b in split_micro(batch, 4)]
+    assert all((b["tokens"].shape[1] - 1) % pad_to == 0 for b in micro)
+    outs = forward_backward(ddp, opt, micro, loss_fn, dp=1)
     ok, _, _ = opt.step()
     assert ok
     return {
@@ -74,3 +78,30 @@ def test_one_grpo_step_at_tp2_updates_the_weights_as_tp1():
         assert ref.norm() > 0, name
         err = ((_gather(tp2, name) - ref).norm() / ref.norm()).item()
         assert err < 2e-5, f"{name}: TP=2 update differs from TP=1 by {err:.2e} (relative)"
+
+
+def test_padding_for_fp8_and_sequence_parallel_changes_no_update():
+    """Micro-batches padded to 16 positions (FP8 GEMM alignment; SEQ is 8) carry no loss:
+    the same loss and weight updates as unpadded, to round-off."""
+    (plain,) = run_distributed(_one_grpo_step, 1)
+    (padded,) = run_distributed(_one_grpo_step, 1, pad_to=16)
+    assert abs(padded["loss"] - plain["loss"]) < 1e-6
+    for name, ref in plain["delta"].items():
+        torch.testing.assert_close(padded["delta"][name], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_sequence_multiple():
+    """TP under sequence parallelism, 16 under FP8 (32 for MXFP8), their lcm together."""
+    from types import SimpleNamespace
+
+    from loggra_megatron.model.forward import fp8_alignment, sequence_multiple
+
+    def cfg(sp=False, tp=1, fp8=None, recipe="delayed"):
+        return SimpleNamespace(sequence_parallel=sp, tensor_model_parallel_size=tp, fp8=fp8,
+                               fp8_recipe=recipe)  # fmt: skip
+
+    assert sequence_multiple(cfg()) == 1
+    assert sequence_multiple(cfg(sp=True, tp=8)) == 8
+    assert sequence_multiple(cfg(tp=8, fp8="hybrid")) == 16
+    assert sequence_multiple(cfg(sp=True, tp=3, fp8="hybrid")) == 48
+    assert fp8_alignment(cfg(fp8="e4m3", recipe="Fp8Recipe.mxfp8")) == 32

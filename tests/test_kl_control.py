@@ -265,3 +265,46 @@ def _fp32_refused(rank):
 
 def test_fp32_models_are_refused_with_a_clear_error():
     assert run_distributed(_fp32_refused, 1) == [True]
+
+
+def _kept_vs_probe_forward(rank, estimator):
+    """The probe reference kept from a GRPO training forward (ReferenceCollector) against the
+    controller's own probe forward at the same weights, then a step with the kept one."""
+    from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
+    from loggra_megatron.rl.config import GRPOConfig
+
+    torch.manual_seed(0)
+    ddp, opt = _build("loggra")
+    from megatron.core import parallel_state as ps
+
+    config = KLControlConfig(kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator)
+    ctl = PredictedKLController(config, opt, gpt_probe_forward(ddp),  # the trainer's forward
+                                ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                                ps.get_pipeline_model_parallel_group())  # fmt: skip
+    tokens = _local(TOKENS)
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.ones(len(tokens), SEQ, dtype=torch.bool)
+    mask[:, :3] = False
+    batch = {"tokens": tokens, "mask": mask, "old": -4.0 + torch.zeros(len(tokens), SEQ),
+             "adv": torch.randn(len(tokens), generator=gen)}  # fmt: skip
+    loss_fn = grpo_loss_fn(GRPOConfig(), SEQ, 0.0, float(mask.sum()) * 2, float(len(tokens)) * 2)
+    keep = ctl.reference_collector(len(tokens))
+    forward_backward(ddp, opt, split_micro(batch, 1), keep.wrap(loss_fn), dp=2)
+    kept = keep.result()
+    probe, _ = ctl.config.probe_split(len(tokens))
+    own = ctl.as_reference(ctl.forward((tokens[probe], mask[probe])))
+    result = ctl.step_minibatch(tokens, mask, reference=kept)
+    return kept, own, result.metrics
+
+
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator):
+    """Predicted-KL control without its own reference forward: the training forward's
+    logits (or their log-probs) of the probe rows equal what the probe forward computes,
+    and the controller steps with them (here scaling the step to a tiny target)."""
+    for kept, own, metrics in run_distributed(_kept_vs_probe_forward, 2, estimator):
+        assert kept.logits.shape == own.logits.shape
+        assert kept.logits.ndim == (3 if estimator == "full" else 2)
+        torch.testing.assert_close(kept.logits, own.logits, atol=1e-6, rtol=0)
+        assert torch.equal(kept.targets, own.targets) and torch.equal(kept.mask, own.mask)
+        assert metrics["kl/predicted"] > 1e-4 and 0 < metrics["kl/step_scale"] < 1

@@ -64,6 +64,19 @@ from loggra_megatron.metrics import METRIC_KEYS, read_metrics
         ({"overlap-param-gather": True, "no-use-distributed-optimizer": True}, 1,
          "--overlap-param-gather"),
         ({"min-lr": 1.0}, 1, "--min-lr"),
+        # GPU readiness: recompute, sequence parallelism, rollout engines
+        ({"recompute-granularity": "full"}, 1, "--recompute-granularity"),  # no method
+        ({"recompute-method": "uniform"}, 1, "--recompute-method"),  # not full
+        ({"recompute-granularity": "selective", "recompute-num-layers": 1}, 1,
+         "--recompute-num-layers"),
+        ({"recompute-granularity": "some"}, 1, "--recompute-granularity"),
+        ({"sequence-parallel": True}, 1, "--sequence-parallel"),  # TP = 1
+        ({"sequence-parallel": True, "tensor-model-parallel-size": 2}, 2,
+         "--sequence-parallel"),  # the local spec refuses it
+        ({"rollout-engine": "dynamic", "device": "cpu"}, 1, "--rollout-engine"),
+        ({"rollout-engine": "paged"}, 1, "--rollout-engine"),
+        ({"inference-max-tokens": 0}, 1, "--inference-max-tokens"),
+        ({"log-prob-micro-batch-size": 0}, 1, "--log-prob-micro-batch-size"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):
@@ -121,6 +134,45 @@ def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     assert any(r["grad/norm"] > 0 for r in rows)  # the digit reward gives a real signal
     assert all(0 < r["kl/step_scale"] <= 1 for r in rows)
     assert all(r["kl/realized"] is not None for r in rows)
+
+
+def _same_numbers(a_dir, b_dir, keys, rel=0.0):
+    for a, b in zip(read_metrics(a_dir), read_metrics(b_dir), strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=rel), (a["step"], key)
+
+
+def test_activation_recompute_changes_no_number(tokenizer, tmp_path):
+    """--recompute-granularity full (uniform, every layer) and selective (core attention)
+    train exactly as without recompute: same losses, KL and rewards (1 process, fp32)."""
+    runs = {
+        "plain": {},
+        "full": {"recompute-granularity": "full", "recompute-method": "uniform",
+                 "recompute-num-layers": 1},
+        "selective": {"recompute-granularity": "selective"},
+    }  # fmt: skip
+    for name, flags in runs.items():
+        torchrun(tiny_argv(tokenizer, **flags, **{"kl-coef": 0.01, "output-dir": tmp_path / name}),
+                 nproc=1)  # fmt: skip
+    keys = ("loss/total", "loss/policy", "kl/ref", "reward/mean", "grad/norm")
+    for name in ("full", "selective"):
+        _same_numbers(tmp_path / "plain", tmp_path / name, keys, rel=1e-6)
+
+
+def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(tokenizer, tmp_path):
+    """Greedy rollouts: a KV budget of 2 rows (--inference-max-tokens) and reference
+    log-probs one sequence at a time (--log-prob-micro-batch-size 1) give the rollouts,
+    rewards and KL of one big batch; the logged KV cache shrinks from 16 rows to 4 (rows of
+    32 tokens: the longest prompt, 20, plus 12 new)."""
+    common = {"temperature": 0, "kl-coef": 0.01}
+    torchrun(tiny_argv(tokenizer, **common, **{"output-dir": tmp_path / "whole"}), nproc=1)
+    bounded = {"inference-max-tokens": 2 * 64, "log-prob-micro-batch-size": 1}
+    torchrun(tiny_argv(tokenizer, **common, **bounded, **{"output-dir": tmp_path / "b"}), nproc=1)
+    _same_numbers(tmp_path / "whole", tmp_path / "b", ("reward/mean", "response/length_mean"))
+    _same_numbers(tmp_path / "whole", tmp_path / "b", ("kl/ref", "loss/total"), rel=1e-5)
+    for whole, b in zip(read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "b"), strict=True):
+        assert b["memory/kv_cache_bytes"] * 4 == whole["memory/kv_cache_bytes"]
+        assert b["throughput/rollout_tokens_per_s"] > 0 and b["time/rollout_s"] > 0
 
 
 @pytest.mark.parametrize("optimizer", ["loggra", "adam"])

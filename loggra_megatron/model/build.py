@@ -11,18 +11,40 @@ argument*, not from ``TransformerConfig``; it is passed explicitly.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+import torch
+
 from loggra_megatron.model.args import GPTModelArgs
+
+
+def fused_kernels(device_type: str, use_te: bool) -> dict[str, bool]:
+    """Megatron's fused kernels for a run on ``device_type`` with or without Transformer
+    Engine layers, as Megatron-LM switches them on by default; each only where its kernel
+    exists: on CPU none; on CUDA the TorchScript bias-SwiGLU and bias-dropout-add fusions,
+    TE's fused RoPE (TE layers), the fused masked softmax (TE attention, or Megatron's
+    ``scaled_*_softmax_cuda`` extensions for the local spec) and the fused weight-gradient
+    accumulation into ``main_grad`` (apex's ``fused_weight_gradient_mlp_cuda``, which
+    Megatron's own output layer needs even with TE)."""
+    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+             "masked_softmax_fusion", "gradient_accumulation_fusion")  # fmt: skip
+    if device_type != "cuda":
+        return dict.fromkeys(names, False)
+    has = importlib.util.find_spec
+    return dict(
+        bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=use_te,
+        masked_softmax_fusion=use_te or has("scaled_upper_triang_masked_softmax_cuda") is not None,
+        gradient_accumulation_fusion=has("fused_weight_gradient_mlp_cuda") is not None,
+    )  # fmt: skip
 
 
 def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
     """Megatron-Core :class:`TransformerConfig` for ``args`` at the current TP/PP sizes.
 
-    Fusions that need CUDA/Apex kernels are off (``bias_activation_fusion``,
-    ``masked_softmax_fusion``, ``persist_layer_norm``, ``gradient_accumulation_fusion``,
-    ``apply_rope_fusion``, ``bias_dropout_fusion``); ``overrides`` (any TransformerConfig
-    field, e.g. ``sequence_parallel=True``, ``use_cpu_initialization=True``) win.
+    Kernel fusions are off (CPU-safe); :func:`fused_kernels` gives the ones to switch on
+    for a GPU. ``overrides`` (any TransformerConfig field, e.g. ``sequence_parallel=True``,
+    ``use_cpu_initialization=True``, the fusions) win.
     """
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -85,8 +107,8 @@ def build_gpt_model(
         vp_stage: virtual pipeline stage of this chunk, if interleaving.
         config_overrides: forwarded to :func:`transformer_config_from_args`.
 
-    The parameters are created where Megatron-Core creates them (CPU with
-    ``use_cpu_initialization=True``, else the current CUDA device). The padded vocabulary is
+    The model lives on the host with ``use_cpu_initialization=True``, else on the current
+    CUDA device (all of it, as Megatron-LM's ``get_model`` moves it). The padded vocabulary is
     ``args.padded_vocab_size(tp)``. With the local spec the norm weights are always fp32
     (``torch.nn.RMSNorm`` ignores ``params_dtype``); for bf16/fp16 wrap the model in Megatron's
     ``Float16Module`` or call ``.to(args.torch_dtype)``, as the converters do.
@@ -122,7 +144,7 @@ def build_gpt_model(
             qk_layernorm=args.qk_layernorm, normalization=args.normalization
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size(tp),
@@ -138,6 +160,11 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    if not config.use_cpu_initialization and torch.cuda.is_available():
+        # As Megatron-LM's get_model: what Megatron-Core does not place itself (the local
+        # spec's torch.nn.RMSNorm, buffers) is created on the host; move all of it.
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def wrap_ddp(model, use_distributed_optimizer: bool = True, **ddp_overrides: Any):

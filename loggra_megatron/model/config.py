@@ -10,6 +10,8 @@ from loggra_megatron.config import at_least, check_fields, one_of, positive, rej
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 ARCHITECTURE = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "rotary_base", "untie_embeddings_and_output_weights",
@@ -48,6 +50,17 @@ class ModelConfig:
     """Transformer Engine FP8 recipe: delayed | tensorwise | mxfp8 | blockwise."""
     transformer_impl: str = "auto"
     """local (plain PyTorch) | transformer_engine | auto (TE on GPU when installed)."""
+    recompute_granularity: str | None = None
+    """Activation recompute: full (whole layers, with --recompute-method) | selective (the
+    core attention only, Megatron's default module list)."""
+    recompute_method: str | None = None
+    """With full recompute: uniform (every --recompute-num-layers layers as one checkpoint)
+    | block (the first --recompute-num-layers layers of each pipeline stage)."""
+    recompute_num_layers: int | None = None
+    """Layers per checkpoint (uniform) or recomputed layers per stage (block)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: norms, dropout and residuals split over TP ranks
+    along the sequence (needs --tensor-model-parallel-size > 1)."""
 
     @property
     def ffn_size(self) -> int:
@@ -64,7 +77,13 @@ class ModelConfig:
             ("fp8_recipe", one_of(*FP8_RECIPES), f"one of {', '.join(FP8_RECIPES)}"),
             ("transformer_impl", one_of(*TRANSFORMER_IMPLS),
              f"one of {', '.join(TRANSFORMER_IMPLS)}"),
+            ("recompute_granularity", one_of(*RECOMPUTE_GRANULARITIES),
+             f"one of {', '.join(RECOMPUTE_GRANULARITIES)}"),
+            ("recompute_method", one_of(*RECOMPUTE_METHODS),
+             f"one of {', '.join(RECOMPUTE_METHODS)}"),
+            ("recompute_num_layers", positive, ">= 1"),
         ])  # fmt: skip
+        self._check_recompute()
         if self.hidden_size % self.num_attention_heads:
             reject("hidden_size", self.hidden_size,
                    f"must be divisible by --num-attention-heads {self.num_attention_heads}")
@@ -76,6 +95,32 @@ class ModelConfig:
                    "--transformer-impl transformer_engine (or auto), not local")
         if self.fp8_format is not None and not self.bf16:
             reject("fp8_format", self.fp8_format, "FP8 training needs --bf16")
+
+    def _check_recompute(self) -> None:
+        """Megatron-LM's rules: full recompute needs a method and a layer count; selective
+        takes neither."""
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            reject("recompute_granularity", "full", "needs --recompute-method {uniform,block} "
+                   "and --recompute-num-layers N (e.g. uniform 1: every layer)")
+        if not full and self.recompute_method is not None:
+            reject("recompute_method", self.recompute_method,
+                   "applies to --recompute-granularity full only")
+        if not full and self.recompute_num_layers is not None:
+            reject("recompute_num_layers", self.recompute_num_layers,
+                   "applies to --recompute-granularity full only")
+
+    def transformer_overrides(self) -> dict:
+        """The ``TransformerConfig`` fields these settings set beyond the architecture:
+        FP8, activation recompute and sequence parallelism."""
+        out: dict = dict(sequence_parallel=self.sequence_parallel)
+        if self.fp8_format:
+            out.update(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe)
+        if self.recompute_granularity:
+            out.update(recompute_granularity=self.recompute_granularity,
+                       recompute_method=self.recompute_method,
+                       recompute_num_layers=self.recompute_num_layers)  # fmt: skip
+        return out
 
     def model_args(self, vocab_size: int):
         """The :class:`~loggra_megatron.model.args.GPTModelArgs` of a model made from scratch."""

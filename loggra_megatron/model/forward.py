@@ -10,12 +10,20 @@ through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is 
 * :func:`forward_map` — forward-only, ``fn(micro_batch, logits)`` applied on the last
   pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages.
 
+Shapes the kernels need. With sequence parallelism the sequence is split over the TP ranks,
+and Transformer Engine's FP8 GEMMs need the token count ``b·s`` to be a multiple of 16 (32
+for MXFP8; ``megatron.core.fp8_utils.get_fp8_align_size``). :func:`run_schedule` pads every
+micro-batch on the right to the :func:`sequence_multiple` of the model: the extra positions
+are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference log-probs), so
+they carry no loss; causal attention keeps them out of the real positions' logits.
+
 :func:`token_log_probs` is ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits with
 Megatron's TP group and vocabulary offset (:mod:`loggra_megatron.rl.kl`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -49,13 +57,51 @@ def token_log_probs(
     return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
 
 
+def fp8_alignment(config) -> int:
+    """The token count Transformer Engine's FP8 GEMMs need a multiple of (1 without FP8)."""
+    if not config.fp8:
+        return 1
+    return 32 if str(config.fp8_recipe).endswith("mxfp8") else 16
+
+
+def sequence_multiple(config) -> int:
+    """What the fed length ``s`` of a micro-batch must be a multiple of, for a model with
+    Megatron ``TransformerConfig`` ``config``: TP under sequence parallelism, and the FP8
+    alignment under FP8 (both: their least common multiple)."""
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return math.lcm(multiple, fp8_alignment(config))
+
+
+def pad_micro_batch(batch: dict, multiple: int) -> dict:
+    """``batch`` with ``tokens [b, s + 1]`` and its ``[b, s, ...]`` tensors right-padded so
+    that ``s`` is a multiple of ``multiple`` (zeros: no token, no mask, no loss)."""
+    tokens = batch["tokens"]
+    seq = tokens.shape[1] - 1
+    extra = -seq % multiple
+    if extra == 0:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and (
+            key == "tokens" or value.shape[1] == seq
+        ):
+            pad = value.new_zeros((value.shape[0], extra, *value.shape[2:]))
+            value = torch.cat([value, pad], dim=1)
+        out[key] = value
+    return out
+
+
 def run_schedule(
     model, forward_step: Callable, micro: list[dict], *, forward_only: bool,
     collect_non_loss_data: bool = False,
 ) -> list:  # fmt: skip
-    """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk)."""
+    """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk), each
+    micro-batch padded to the model's :func:`sequence_multiple`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
+    multiple = sequence_multiple(get_model_config(model))
+    micro = [pad_micro_batch(b, multiple) for b in micro]
     tokens = micro[0]["tokens"]
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro), model=[model],

@@ -189,6 +189,10 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         of Megatron's grad buffer); see :meth:`set_model_grads`."""
         self.model_grad_scale = 1.0
         """Clipping coefficient still to be applied to :attr:`model_grads`."""
+        self._candidates: dict | None = None
+        """This step's sketches (and refreshed bases) by weight, kept from the first
+        :meth:`write_candidate` for the later trials and the commit; see
+        :meth:`clear_candidate_cache`."""
         super().__init__(params, **defaults)
         group = self.param_groups[0]
         if any(g["residual_scale"] > 0 for g in self.param_groups):
@@ -241,6 +245,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         main params whose ``.grad`` is None; each is converted to fp32 (and multiplied by
         :attr:`model_grad_scale`, reset here to 1) only when its weight is updated."""
         self.model_grads, self.model_grad_scale = grads, 1.0
+        self._candidates = None
 
     def _raw_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         return p.grad if p.grad is not None else self.model_grads.get(p)
@@ -283,40 +288,56 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """
         return self._run(commit=False, write=write, scale=scale)
 
+    def clear_candidate_cache(self) -> None:
+        """Forget the sketches kept by :meth:`write_candidate` (new gradients are coming;
+        :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper` calls it when it
+        prepares a step, and a commit clears it)."""
+        self._candidates = None
+
     def _run(self, commit: bool, write=None, scale: float = 1.0) -> bool:
         """One step (``commit``) or one candidate, weight by weight in canonical order so
-        that every rank issues the same collectives and transients stay per weight."""
+        that every rank issues the same collectives and transients stay per weight.
+
+        The first candidate of a step keeps each weight's sketch ``S = G Q`` (and the
+        refreshed basis and moments on a refresh step): later candidates (other η) and the
+        commit reuse them, so a step's gradient is projected once and its collectives
+        (non-finite check, split-row all-gather and all-reduces) run once, however many
+        trials predicted-KL control makes. The cache is ``[touched rows, r]`` per weight,
+        the size of one Adam moment."""
         held = [
             (p, g, self.state[p] if p in self.state else self._init_state(p, g))
             for g in self.param_groups
             for p in g["params"]
             if self._raw_grad(p) is not None
         ]
-        if self._any_nonfinite([self._raw_grad(p) for p, _, _ in held]):
+        cache = self._candidates
+        if cache is None:
+            cache = {"ok": not self._any_nonfinite([self._raw_grad(p) for p, _, _ in held])}
+            if not commit:
+                self._candidates = cache
+        elif commit:
+            self._candidates = None
+        if not cache["ok"]:
             if commit:
                 for _, _, state in held:
                     state["nonfinite_skips"] += 1
                 self.num_skipped_steps += 1
+                self._candidates = None
             return False
         refresh = needs_refresh(self.num_steps, self._settings)
-        needs_rows = refresh and self._projection.uses_gradient
-        full_split_rows = self._gather_split_rows() if needs_rows else {}
         step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
             p = self._held.get(w)
             if p is not None and self._raw_grad(p) is None:
                 p = None  # frozen this step: joins the collectives with zeros
-            state = self.state[p] if p is not None else None
-            grad = self._grad(p).view(-1) if p is not None else None  # this weight's slice
-            basis_and_moments = None
-            if refresh:
-                basis_and_moments = self._refreshed(w, layout, grad, state, full_split_rows)
-            elif p is not None:
-                basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
-            sketch = self._exact_sketch(layout, grad, basis_and_moments)
-            del grad
+            if w not in cache:
+                cache[w] = self._project(w, layout, p, refresh, cache)
+            basis_and_moments, sketch = cache[w]
+            if commit:
+                del cache[w]
             if p is None:
                 continue
+            state = self.state[p]
             basis, exp_avg, exp_avg_sq = basis_and_moments
             if commit and refresh:
                 keys = ("basis", "exp_avg", "exp_avg_sq")
@@ -355,6 +376,19 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             self.num_steps += 1
             self.model_grads = {}  # views of grad buffers that are about to be zeroed
         return True
+
+    def _project(self, w, layout, p, refresh: bool, cache: dict):
+        """``(basis and moments, sketch)`` of weight ``w`` this step (collective)."""
+        if refresh and self._projection.uses_gradient and "split_rows" not in cache:
+            cache["split_rows"] = self._gather_split_rows()
+        state = self.state[p] if p is not None else None
+        grad = self._grad(p).view(-1) if p is not None else None  # this weight's slice
+        basis_and_moments = None
+        if refresh:
+            basis_and_moments = self._refreshed(w, layout, grad, state, cache.get("split_rows", {}))
+        elif p is not None:
+            basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
+        return basis_and_moments, self._exact_sketch(layout, grad, basis_and_moments)
 
     def _any_nonfinite(self, grads) -> bool:
         """Whether any rank of the consensus group holds a non-finite gradient: one fused

@@ -38,8 +38,10 @@ SUMMED_KEYS = ("optimizer/skipped_steps",)
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
-    """``(valid tokens, sequences)`` of a mini-batch summed over the DP group."""
-    counts = torch.tensor([float(mask.sum()), float(num_seqs)], dtype=torch.float64)
+    """``(valid tokens, sequences)`` of a mini-batch summed over the DP group (reduced on
+    the mask's device: NCCL takes no host tensors)."""
+    counts = torch.tensor([float(mask.sum()), float(num_seqs)], dtype=torch.float64,
+                          device=mask.device)  # fmt: skip
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)
     return float(counts[0]), float(counts[1])
@@ -119,8 +121,10 @@ class Actor:
     """Trains the policy: mini-batches of ``global_batch_size / DP`` sequences, each run as
     micro-batches through Megatron's schedule and followed by one optimizer step.
 
-    ``optimizer_step(mini_batch) -> metrics`` takes the step (plain or under predicted-KL
-    control, skips counted; see :class:`~loggra_megatron.train.steps.OptimizerStep`)."""
+    ``optimizer_step(mini_batch, reference) -> metrics`` takes the step (plain or under
+    predicted-KL control, skips counted; see :class:`~loggra_megatron.train.steps.
+    OptimizerStep`); its ``reference_collector`` keeps KL control's probe reference from the
+    mini-batch's training forward."""
 
     def __init__(self, policy, optimizer, optimizer_step, dp_group, training):
         self.policy, self.optimizer, self.optimizer_step = policy, optimizer, optimizer_step
@@ -138,8 +142,10 @@ class Actor:
                 mini = {k: v[start : start + self.per_rank] for k, v in batch.items()}
                 n_tok, n_seq = global_counts(mini["mask"], self.per_rank, self.dp_group)
                 loss_fn = grpo_loss_fn(grpo, max_len, kl_coef, n_tok, n_seq)
-                outs = self.train_on(mini, loss_fn)
-                step_metrics = self.optimizer_step(mini)
+                # KL control's probe reference at θ comes from this training forward
+                keep = self.optimizer_step.reference_collector(len(mini["tokens"]))
+                outs = self.train_on(mini, loss_fn if keep is None else keep.wrap(loss_fn))
+                step_metrics = self.optimizer_step(mini, keep.result() if keep else None)
                 for key, value in combine_micro_metrics(outs, self.dp).items():
                     sums[key] = sums.get(key, 0.0) + value
                 for key, value in step_metrics.items():

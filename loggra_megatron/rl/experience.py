@@ -19,6 +19,7 @@ trains on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,14 +60,33 @@ class Experience:
         return batch
 
 
+def rollout_engine(name: str, device) -> str:
+    """``--rollout-engine``: ``auto`` is the dynamic engine on GPU, the static one on CPU."""
+    if name == "auto":
+        return "dynamic" if device.type == "cuda" else "static"
+    return name
+
+
 class ExperienceMaker:
     """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
 
     def __init__(self, policy, reference, host, cfg):
+        from megatron.core.utils import get_model_config
+
+        from loggra_megatron.model.forward import fp8_alignment
+
         self.policy, self.reference = policy, reference
         self.tokenizer, self.renderer, self.scoring = host.tokenizer, host.renderer, host.scoring
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.seed = cfg.training.seed
+        t = cfg.training
+        self.log_prob_micro_batch_size = t.log_prob_micro_batch_size or t.micro_batch_size
+        self.device = next(policy.parameters()).device
+        self.engine = rollout_engine(cfg.rollout.rollout_engine, self.device)
+        self.row_multiple = fp8_alignment(get_model_config(policy))
+        self.last_stats: dict[str, float] = {}
+        """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
+        last :meth:`generate`."""
 
     def make(self, examples: list[dict], step: int) -> Experience:
         """Experience of RL step ``step + 1`` from this rank's ``examples``."""
@@ -75,13 +95,15 @@ class ExperienceMaker:
         n = self.grpo.num_generations
         group = [e for e in examples for _ in range(n)]
         rollout = self.generate(group, step, self.rollout.temperature)
+        generated = self.last_stats
         rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
         advantages = group_advantages(
             rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
         )
         ref = None
         if self.reference is not None:
-            ref = compute_log_probs(self.reference, rollout.tokens)
+            ref = compute_log_probs(self.reference, rollout.tokens,
+                                    micro_batch_size=self.log_prob_micro_batch_size)  # fmt: skip
         return Experience(
             tokens=rollout.tokens, response_mask=rollout.response_mask,
             old_log_probs=rollout.log_probs, advantages=advantages, ref_log_probs=ref,
@@ -91,20 +113,38 @@ class ExperienceMaker:
                 "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
                 "reward/accuracy": sum(correct) / len(correct),
                 "response/length_mean": rollout.response_lengths.float().mean().item(),
+                **generated,
             },
         )  # fmt: skip
 
     def generate(self, examples: list[dict], step: int, temperature: float):
-        """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`)."""
-        from loggra_megatron.rollout import generate_rollout
+        """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`) from
+        the ``--rollout-engine``, its KV cache bounded by ``--inference-max-tokens``."""
+        from loggra_megatron.rollout.engine import generate_chunked, kv_cache_bytes
 
         tok, r = self.tokenizer, self.rollout
-        return generate_rollout(
-            self.policy, [self.renderer.ids(e["prompt"]) for e in examples],
-            max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
-            eos_id=tok.stop_ids, pad_id=tok.pad, seed=self.seed, step=step,
-            vocab_size=tok.vocab_size,
-        )  # fmt: skip
+        prompts = [self.renderer.ids(e["prompt"]) for e in examples]
+        kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
+                      eos_id=tok.stop_ids, pad_id=tok.pad, seed=self.seed, step=step,
+                      vocab_size=tok.vocab_size)  # fmt: skip
+        t0 = time.perf_counter()
+        if self.engine == "dynamic":
+            from loggra_megatron.rollout.dynamic import generate_rollout_dynamic
+
+            rollout = generate_rollout_dynamic(self.policy, prompts, max_tokens=r.inference_max_tokens,
+                                               **kwargs)  # fmt: skip
+            budget = r.inference_max_tokens or len(prompts) * (
+                max(map(len, prompts)) + r.max_new_tokens
+            )
+            kv_bytes = kv_cache_bytes(self.policy, 1, budget)  # the engine's paged buffer
+        else:
+            rollout, kv_bytes = generate_chunked(self.policy, prompts, row_multiple=self.row_multiple,
+                                                 max_tokens=r.inference_max_tokens, **kwargs)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        tokens = float(rollout.response_lengths.sum())
+        self.last_stats = {"time/rollout_s": seconds, "memory/kv_cache_bytes": float(kv_bytes),
+                           "throughput/rollout_tokens_per_s": tokens / max(seconds, 1e-9)}  # fmt: skip
+        return rollout
 
     def score(self, rollout, group: list[dict], where: str) -> tuple[torch.Tensor, list[bool]]:
         """``(rewards [B], correct)`` of the rollout's completions of ``group``'s examples."""

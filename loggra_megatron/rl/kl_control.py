@@ -73,6 +73,58 @@ ProbeForward = Callable[[Any], "ProbeOutput | None"]
 """Runs the (pipelined) forward of a batch; ``ProbeOutput`` on the last stage, else None."""
 
 
+class _OnLastStage:
+    def __repr__(self) -> str:
+        return "REFERENCE_ON_LAST_STAGE"
+
+
+REFERENCE_ON_LAST_STAGE = _OnLastStage()
+"""What a pipeline stage other than the last passes as ``reference`` when the last stage
+passes its kept reference: every stage then skips the reference forward together."""
+
+
+class ReferenceCollector:
+    """Keeps the probe rows' reference at θ from the *training* forward of a mini-batch, so
+    that :meth:`PredictedKLController.step` needs no forward of its own for it.
+
+    :meth:`wrap` a loss function ``loss_fn(micro_batch, logits)``: it runs on the last
+    pipeline stage for each micro-batch in order and keeps, of the rows among the first
+    ``rows`` of the mini-batch, the logits (``full`` estimator) or their token log-probs
+    (``k1``/``k2``/``k3``; computed at once, so only ``[rows, s]`` floats stay). The
+    training forward is the same model at the same weights (no dropout in RL fine-tuning),
+    so this is the reference the probe forward would compute.
+    """
+
+    def __init__(self, controller: PredictedKLController, rows: int):
+        self.controller, self.rows = controller, rows
+        self._seen, self._parts = 0, []
+
+    def wrap(self, loss_fn):
+        def keeping(batch, logits):
+            lo, b = self._seen, batch["tokens"].shape[0]
+            self._seen += b
+            take = min(b, max(0, self.rows - lo))
+            if take:
+                seq = batch["mask"].shape[1]
+                with torch.no_grad():
+                    self._parts.append(self.controller.as_reference(ProbeOutput(
+                        logits.detach()[:take, :seq], batch["tokens"][:take, 1 : seq + 1],
+                        batch["mask"][:take],
+                    )))  # fmt: skip
+            return loss_fn(batch, logits)
+
+        return keeping
+
+    def result(self):
+        """The reference of the probe rows (last stage), :data:`REFERENCE_ON_LAST_STAGE`
+        elsewhere."""
+        if not self._parts:
+            return REFERENCE_ON_LAST_STAGE
+        parts = self._parts
+        return ProbeOutput(*(torch.cat([getattr(p, f) for p in parts])
+                             for f in ("logits", "targets", "mask")))  # fmt: skip
+
+
 def gpt_probe_forward(model) -> ProbeForward:
     """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
     forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
@@ -81,7 +133,8 @@ def gpt_probe_forward(model) -> ProbeForward:
 
     def forward(batch) -> ProbeOutput | None:
         tokens, mask = batch
-        out = forward_map(model, [{"tokens": tokens}], lambda b, logits: logits)
+        seq = tokens.shape[1] - 1  # the schedule may pad the length (FP8, SP): cut back
+        out = forward_map(model, [{"tokens": tokens}], lambda b, logits: logits[:, :seq])
         if out is None:
             return None
         targets = tokens[:, 1:]
@@ -141,25 +194,35 @@ class PredictedKLController:
         self.num_steps, self.num_skipped_steps = state["num_steps"], state["num_skipped_steps"]
 
     # ------------------------------------------------------------------ public
-    def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor) -> StepResult:
+    def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor, reference=None):
         """:meth:`step` with this mini-batch's probe and held-out sequences
-        (:meth:`KLControlConfig.probe_split`)."""
+        (:meth:`KLControlConfig.probe_split`); ``reference``: from a
+        :meth:`reference_collector` of this mini-batch."""
         probe, holdout = self.config.probe_split(len(tokens))
         held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
-        return self.step((tokens[probe], mask[probe]), held)
+        return self.step((tokens[probe], mask[probe]), held, reference)
+
+    def reference_collector(self, num_sequences: int) -> ReferenceCollector:
+        """A :class:`ReferenceCollector` of the probe rows of a mini-batch of
+        ``num_sequences`` (its result goes to :meth:`step_minibatch`)."""
+        return ReferenceCollector(self, self.config.probe_split(num_sequences)[0].stop)
 
     def step(self, probe_batch, holdout_batch=None, reference: ProbeOutput | None = None):
         """Megatron's ``optimizer.step()`` with the update scaled to the KL target.
 
         ``reference`` may pass the probe batch's logits at the current weights if the
-        caller already has them (e.g. kept from the training forward), saving a forward.
-        Returns a :class:`StepResult`.
+        caller already has them (e.g. kept from the training forward by a
+        :class:`ReferenceCollector`), saving a forward; stages other than the last then
+        pass :data:`REFERENCE_ON_LAST_STAGE`. Returns a :class:`StepResult`.
         """
         cfg = self.config
         t_start = time.perf_counter()
         interval = cfg.kl_realized_interval
         realized_due = holdout_batch is not None and interval and self.num_steps % interval == 0
-        ref = self._reference(probe_batch) if reference is None else self._as_reference(reference)
+        if reference is None:
+            ref = self._reference(probe_batch)
+        else:
+            ref = None if reference is REFERENCE_ON_LAST_STAGE else self.as_reference(reference)
         ref_holdout = self._reference(holdout_batch) if realized_due else None
         ref_bytes = _bytes(ref) + _bytes(ref_holdout)
         t_control = time.perf_counter() - t_start
@@ -217,12 +280,14 @@ class PredictedKLController:
     @torch.no_grad()
     def _reference(self, batch):
         """What the KL needs from the current policy: logits (full) or token log-probs."""
-        return self._as_reference(self.forward(batch))
+        return self.as_reference(self.forward(batch))
 
-    def _as_reference(self, out: ProbeOutput | None):
+    def as_reference(self, out: ProbeOutput | None):
+        """What the KL needs of the probe's output at θ: the logits (``full``), else the
+        sampled tokens' log-probs (``[b, s]``; an output that already holds them is kept)."""
         if out is None:
             return None
-        if self.config.kl_estimator == "full":
+        if self.config.kl_estimator == "full" or out.logits.ndim == 2:
             return out
         logp = vocab_parallel_log_probs(
             out.logits, out.targets, self._vocab_start(out), self.tp_group

@@ -107,9 +107,13 @@ class Rollout:
     truncated: torch.Tensor
 
 
-def sampling_generator(seed: int, step: int, rank: int, device=None) -> torch.Generator:
-    """A generator seeded by a hash of ``(seed, step, rank)`` (stable across runs/platforms)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
+def sampling_generator(
+    seed: int, step: int, rank: int, device=None, chunk: int = 0
+) -> torch.Generator:
+    """A generator seeded by a hash of ``(seed, step, rank[, chunk])`` (stable across runs
+    and platforms; chunk 0 is the stream of an unchunked rollout)."""
+    key = f"{seed}/{step}/{rank}" + (f"/{chunk}" if chunk else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     gen = torch.Generator(device=device if device is not None else "cpu")
     gen.manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits: manual_seed wants int64
     return gen
@@ -233,6 +237,10 @@ def _generation_mode(model) -> Iterator[None]:
 
     Like Megatron's ``set_model_to_sequence_parallel`` (which the static controller uses), but
     it restores each module's own previous flag instead of setting them all back to True.
+    Under FP8 the first forward recasts Transformer Engine's cached FP8 weights
+    (``MegatronModule.set_is_first_microbatch``, as Megatron's schedule does for the first
+    micro-batch): without it the rollout would sample from the weights of before the last
+    optimizer step.
     """
     from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
@@ -243,6 +251,9 @@ def _generation_mode(model) -> Iterator[None]:
         saved += [(m, a, getattr(m, a)) for m in modules for a in _SP_ATTRS if hasattr(m, a)]
         saved.append((config, "sequence_parallel", True))
     model.eval()
+    inner = unwrap_model(model)
+    if hasattr(inner, "set_is_first_microbatch"):
+        inner.set_is_first_microbatch()
     try:
         for owner, attr, _ in saved[1:]:
             setattr(owner, attr, False)
@@ -269,6 +280,8 @@ def generate_rollout(
     step: int = 0,
     use_kv_cache: bool = True,
     vocab_size: int | None = None,
+    row_multiple: int = 1,
+    chunk: int = 0,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt; see the module docstring.
 
@@ -278,6 +291,9 @@ def generate_rollout(
     ``eos_id``: stop token id(s). ``seed``/``step`` (with the DP rank) seed the sampler.
     ``vocab_size``: ids from it on (the padded rows of the embedding) are never sampled.
     ``use_kv_cache=False`` recomputes the whole prefix every step (a reference for tests).
+    ``row_multiple``: the batch is padded with finished rows (copies of the longest prompt)
+    to a multiple of this, e.g. 16 for FP8 GEMMs; they are not returned. ``chunk``: index of
+    this batch in a chunked rollout (its own sampling stream).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
@@ -287,6 +303,11 @@ def generate_rollout(
     config = get_model_config(model)
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
+    real_rows, extra = buf.shape[0], -buf.shape[0] % row_multiple
+    if extra:  # finished rows that only fill the GEMMs: the longest prompt, so no shorter prefill
+        longest = int(lengths.argmax())
+        buf = torch.cat([buf, buf[longest].expand(extra, -1)])
+        lengths = torch.cat([lengths, lengths[longest].expand(extra)])
     batch, max_prompt = buf.shape[0], int(lengths.max())
     total = max_prompt + max_new_tokens
     buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
@@ -300,7 +321,7 @@ def generate_rollout(
     )  # fmt: skip
     generator = None
     if last and dist.get_rank(tp_group) == 0 and temperature > 0:
-        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device)
+        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device, chunk)
     sample = partial(_next_tokens, temperature=temperature, top_p=top_p, generator=generator,
                      vocab_size=vocab_size)  # fmt: skip
 
@@ -308,6 +329,7 @@ def generate_rollout(
     response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)
     gen_len = torch.zeros(batch, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
+    done[real_rows:] = True
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)
     context = StaticInferenceContext(batch, total) if use_kv_cache else None
 
@@ -337,7 +359,9 @@ def generate_rollout(
 
     if pp > 1:
         dist.broadcast(log_probs, src=pp_last_rank, group=pp_group)
-    return _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped)
+    n = real_rows
+    return _trimmed_rollout(buf[:n], log_probs[:n], response_mask[:n], lengths[:n], gen_len[:n],
+                            stopped[:n])  # fmt: skip
 
 
 def _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped) -> Rollout:
@@ -367,9 +391,8 @@ def compute_log_probs(
     Right padding is harmless (causal attention); mask the result with the rollout's
     ``response_mask``. Returns the log-probs on the last pipeline stage, ``None`` on others.
     """
-    from megatron.core.utils import get_model_config, unwrap_model
+    from megatron.core.utils import unwrap_model
 
-    config = get_model_config(model)
     device = next(model.parameters()).device
     tokens = tokens.to(device=device, dtype=torch.long)
     batch, length = tokens.shape
@@ -377,11 +400,8 @@ def compute_log_probs(
         raise ValueError("need sequences of length >= 2")
     mbs = min(micro_batch_size or batch, batch)
     num_micro = -(-batch // mbs)
-    seq = length - 1
-    if config.sequence_parallel:  # the sequence is split over TP ranks: pad to a multiple
-        seq = -(-seq // config.tensor_model_parallel_size) * config.tensor_model_parallel_size
-    padded = tokens.new_zeros(num_micro * mbs, seq + 1)
-    padded[:batch, :length] = tokens
+    padded = tokens.new_zeros(num_micro * mbs, length)  # the schedule pads the length
+    padded[:batch] = tokens
     micro = [{"tokens": padded[i : i + mbs]} for i in range(0, len(padded), mbs)]
     vocab = unwrap_model(model).vocab_size
     out = forward_map(

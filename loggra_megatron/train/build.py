@@ -33,13 +33,12 @@ def gpt_model(cfg, args, device, trainable: bool):
     from megatron.core.transformer.module import Float16Module
 
     from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
-    from loggra_megatron.model.build import build_gpt_model, wrap_ddp
+    from loggra_megatron.model.build import build_gpt_model, fused_kernels, wrap_ddp
 
-    m = cfg.model
-    overrides = dict(use_cpu_initialization=device.type == "cpu")
-    if m.fp8_format:
-        overrides.update(fp8=m.fp8_format, fp8_recipe=m.fp8_recipe)
-    model = build_gpt_model(args, use_te=use_transformer_engine(cfg, device), **overrides)
+    m, use_te = cfg.model, use_transformer_engine(cfg, device)
+    overrides = dict(use_cpu_initialization=device.type == "cpu",
+                     **fused_kernels(device.type, use_te), **m.transformer_overrides())  # fmt: skip
+    model = build_gpt_model(args, use_te=use_te, **overrides)
     if cfg.start.mode == "converted":
         load_megatron_checkpoint(model, cfg.start.converted_dir)
     if m.bf16:

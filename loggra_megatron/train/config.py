@@ -15,6 +15,9 @@ class TrainingConfig:
     """RL steps (each: rollout, rewards, then --ppo-epochs passes of optimizer steps)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
+    log_prob_micro_batch_size: int | None = None
+    """Sequences per micro-batch of the forward-only passes (reference log-probs; default:
+    --micro-batch-size)."""
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks."""
     seed: int = 1234
@@ -30,6 +33,7 @@ class TrainingConfig:
     def __post_init__(self):
         check_fields(self, [
             ("train_iters", at_least(0), ">= 0"), ("micro_batch_size", positive, ">= 1"),
+            ("log_prob_micro_batch_size", positive, ">= 1"),
             ("global_batch_size", positive, ">= 1"), ("seed", at_least(0), ">= 0"),
             ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
             ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),

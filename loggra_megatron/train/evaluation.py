@@ -31,15 +31,17 @@ class Evaluator:
     @torch.no_grad()
     def run(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        totals = torch.zeros(3, dtype=torch.float64)  # reward, correct, count
+        totals = torch.zeros(3, dtype=torch.float64)  # reward, correct, count (host)
         for i in range(0, len(self.mine), self.chunk):
             group = self.mine[i : i + self.chunk]
             rollout = self.experience.generate(group, step, temperature=0.0)
             rewards, correct = self.experience.score(rollout, group, f" in the eval at step {step}")
             totals += torch.tensor([float(rewards.sum()), float(sum(correct)), len(group)],
                                    dtype=torch.float64)  # fmt: skip
-        if dist.get_world_size(self.dp_group) > 1:
+        if dist.get_world_size(self.dp_group) > 1:  # on the device: NCCL takes no host tensors
+            totals = totals.to(self.experience.device)
             dist.all_reduce(totals, group=self.dp_group)
+            totals = totals.cpu()
         count = max(float(totals[2]), 1.0)
         return {
             "eval/reward": float(totals[0]) / count,

@@ -15,21 +15,22 @@ REDUCED_KEYS = (
 """Keys every rank joins the reduction of, even where it has no value (PP stages)."""
 
 
-def reduce_metrics(local: dict[str, float], pp_group, dp_group) -> dict[str, float]:
+def reduce_metrics(local: dict[str, float], pp_group, dp_group, device) -> dict[str, float]:
     """Means over DP of the per-rank metrics; the loss terms live on the last PP stage and
-    are summed over PP (other stages contribute zeros). Collective over both groups."""
+    are summed over PP (other stages contribute zeros). Collective over both groups, on
+    ``device`` (NCCL takes no host tensors)."""
     keys = set(REDUCED_KEYS) | set(local)
     if dist.get_world_size(pp_group) > 1:  # the loss keys exist on the last stage only
         gathered = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(gathered, sorted(keys), group=pp_group)
         keys = set().union(*gathered)
     keys = sorted(keys)
-    values = torch.tensor([float(local.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    present = torch.tensor([float(k in local) for k in keys], dtype=torch.float64)
-    stacked = torch.stack([values, present])
+    stacked = torch.tensor([[float(local.get(k, 0.0)) for k in keys],
+                            [float(k in local) for k in keys]], dtype=torch.float64, device=device)  # fmt: skip
     for group in (pp_group, dp_group):
         if dist.get_world_size(group) > 1:
             dist.all_reduce(stacked, group=group)
+    stacked = stacked.cpu()
     return {
         k: float(stacked[0, i] / stacked[1, i]) for i, k in enumerate(keys) if stacked[1, i] > 0
     }

@@ -55,12 +55,19 @@ class OptimizerStep:
         self.stepper, self.kl_controller = stepper, kl_controller
         self.scheduler, self.skips, self.where = scheduler, skips, where
 
-    def __call__(self, mini: dict) -> dict[str, float]:
+    def reference_collector(self, num_sequences: int):
+        """Under predicted-KL control, a collector that keeps the probe's reference from the
+        training forward of a mini-batch (pass its result to the call); else None."""
+        if self.kl_controller is None:
+            return None
+        return self.kl_controller.reference_collector(num_sequences)
+
+    def __call__(self, mini: dict, reference=None) -> dict[str, float]:
         if self.kl_controller is None:
             prepared = self.stepper.step()
             ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
         else:
-            result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"])
+            result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"], reference)
             ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
         self.skips.count(ok, grad_norm, self.where())
         if ok:

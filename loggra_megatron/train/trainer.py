@@ -126,12 +126,15 @@ class RLTrainer:
     def rl_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
         exp = self.experience.make(self._next_prompts(), self.step)
-        t_rollout = time.perf_counter() - t0
+        t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
         updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo,
                                            cfg.rollout.max_new_tokens, self.kl_coef.value)  # fmt: skip
         t_train = time.perf_counter() - t1
-        metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group)
+        metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group,
+                                 self.device)  # fmt: skip
+        if "throughput/rollout_tokens_per_s" in metrics:  # DP ranks generate side by side
+            metrics["throughput/rollout_tokens_per_s"] *= dist.get_world_size(self.dp_group)
         if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
         step_time = time.perf_counter() - t0
@@ -143,7 +146,7 @@ class RLTrainer:
             "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
             "optimizer/skipped_steps_total": float(self.skips.total),
             "data/dropped_prompts": float(self.host.dropped_prompts),
-            "time/step_s": step_time, "time/rollout_s": t_rollout, "time/train_s": t_train,
+            "time/step_s": step_time, "time/experience_s": t_experience, "time/train_s": t_train,
             "throughput/tokens_per_s": float(tokens) / step_time,
         })  # fmt: skip
         return metrics

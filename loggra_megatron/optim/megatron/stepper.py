@@ -83,6 +83,10 @@ class MegatronStepper:
     def prepare(self) -> PreparedGrads:
         """Main grads ready, norm computed, grads clipped; collective over the grad-stats
         group. Returns whether the step may be committed."""
+        for leaf in self.leaves:  # new gradients: sketches kept from the last step are stale
+            clear = getattr(getattr(leaf, "optimizer", None), "clear_candidate_cache", None)
+            if clear is not None:
+                clear()
         if self.optimizer.prepare_grads():  # fp16 overflow (the loss scaler was updated)
             return PreparedGrads(False, math.nan)
         if len(self.leaves) == 1:

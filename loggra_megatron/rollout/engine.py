@@ -1,0 +1,103 @@
+"""The rollout engines behind ``--rollout-engine``, with the KV cache bounded by
+``--inference-max-tokens``.
+
+Static engine (CPU and GPU): :func:`~loggra_megatron.rollout.generate.generate_rollout`,
+Megatron's static-batch scheme, whose KV cache holds ``rows × (P + N)`` tokens for ``rows``
+prompts of longest length ``P`` and ``N = --max-new-tokens``. :func:`generate_chunked` runs
+it over chunks of ``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``), so the
+cache never holds more than ``max(M, P + N)`` tokens::
+
+    KV bytes per rank = 2 (K, V) · layers of the stage · c · (P + N)
+                        · (query groups / TP) · kv_channels · bytes per element
+
+(:func:`kv_cache_bytes`, the layout of Megatron's ``StaticInferenceContext``). Each chunk is
+generated as its own static batch and the chunks are concatenated (right-padded to the
+longest). At temperature 0 the tokens equal those of one big batch (greedy decoding is
+row-wise; ``tests/test_rollout_engine.py``); at temperature > 0 each chunk draws from its
+own generator seeded by ``(seed, step, DP rank, chunk)``, so the draws depend on the chunking
+but not their distribution.
+
+Dynamic engine (GPU): :mod:`loggra_megatron.rollout.dynamic`, Megatron-Core's
+``DynamicInferenceEngine`` (paged KV cache of ``M`` tokens, continuous batching).
+
+Under FP8 every decode step is a GEMM over ``rows`` tokens, which Transformer Engine needs
+to be a multiple of 16 (32 for MXFP8): chunks are padded with finished rows
+(``generate_rollout(row_multiple=...)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loggra_megatron.rollout.generate import Rollout, generate_rollout
+
+__all__ = ["chunk_rows", "concat_rollouts", "generate_chunked", "kv_cache_bytes"]
+
+
+def chunk_rows(num_rows: int, row_tokens: int, max_tokens: int | None) -> int:
+    """Rows per chunk: all of them without a bound, else as many as fit ``max_tokens`` (at
+    least one)."""
+    if max_tokens is None:
+        return num_rows
+    return max(1, min(num_rows, max_tokens // row_tokens))
+
+
+def kv_cache_bytes(model, rows: int, length: int) -> int:
+    """Bytes of the static KV cache of ``rows × length`` tokens on this rank (this pipeline
+    stage's layers, this TP rank's KV heads)."""
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    config = get_model_config(model)
+    layers = len(unwrap_model(model).decoder.layers)
+    groups = config.num_query_groups or config.num_attention_heads
+    heads = max(1, groups // config.tensor_model_parallel_size)
+    dtype = config.params_dtype if config.params_dtype is not None else torch.float32
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * rows * length * heads * config.kv_channels * item
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """The rows of ``parts`` as one :class:`Rollout`, right-padded to the longest."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.tokens.shape[1] for p in parts)
+
+    def cat(name: str, fill, shift: int = 0) -> torch.Tensor:
+        rows = []
+        for p in parts:
+            x = getattr(p, name)
+            extra = width - shift - x.shape[1]
+            rows.append(torch.cat([x, x.new_full((x.shape[0], extra), fill)], dim=1))
+        return torch.cat(rows)
+
+    return Rollout(
+        tokens=cat("tokens", pad_id), log_probs=cat("log_probs", 0.0, 1),
+        response_mask=cat("response_mask", False, 1), token_mask=cat("token_mask", False),
+        prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
+        response_lengths=torch.cat([p.response_lengths for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+    )  # fmt: skip
+
+
+def generate_chunked(
+    model, prompts: list[list[int]], *, max_new_tokens: int, max_tokens: int | None = None,
+    row_multiple: int = 1, step: int = 0, **sampling,
+) -> tuple[Rollout, int]:  # fmt: skip
+    """:func:`generate_rollout` over chunks of rows that fit ``max_tokens`` KV-cache tokens.
+
+    ``sampling``: the other keyword arguments of :func:`generate_rollout`. Returns the
+    rollout of all ``prompts`` and the KV-cache bytes of the largest chunk on this rank.
+    """
+    row_tokens = max(len(p) for p in prompts) + max_new_tokens
+    rows = chunk_rows(len(prompts), row_tokens, max_tokens)
+    parts, peak = [], 0
+    for chunk, lo in enumerate(range(0, len(prompts), rows)):
+        part = prompts[lo : lo + rows]
+        width = max(len(p) for p in part) + max_new_tokens
+        padded_rows = -(-len(part) // row_multiple) * row_multiple
+        peak = max(peak, kv_cache_bytes(model, padded_rows, width))
+        parts.append(generate_rollout(
+            model, part, max_new_tokens=max_new_tokens, step=step, chunk=chunk,
+            row_multiple=row_multiple, **sampling,
+        ))  # fmt: skip
+    return concat_rollouts(parts, sampling.get("pad_id", 0)), peak
