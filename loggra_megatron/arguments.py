@@ -233,6 +233,10 @@ def _gpu_only_problems(cfg, tp: int):
         yield ("--sequence-parallel: needs Transformer Engine layers (--transformer-impl "
                "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
                "('sequence parallel not supported by torch LayerNorm')")  # fmt: skip
-    if cfg.rollout.rollout_engine == "dynamic" and not _on_gpu(cfg):
-        yield ("--rollout-engine: Megatron-Core's dynamic inference engine runs on CUDA only "
-               "(docs/rollouts.md); use static (or auto) on CPU")  # fmt: skip
+    if cfg.rollout.rollout_engine == "dynamic":
+        from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
+
+        reason = "it runs on CUDA only" if not _on_gpu(cfg) else dynamic_engine_unavailable()
+        if reason is not None:
+            yield (f"--rollout-engine: Megatron-Core's dynamic inference engine cannot run "
+                   f"here ({reason}; docs/rollouts.md); use static or auto")  # fmt: skip

@@ -60,11 +60,20 @@ class Experience:
         return batch
 
 
-def rollout_engine(name: str, device) -> str:
-    """``--rollout-engine``: ``auto`` is the dynamic engine on GPU, the static one on CPU."""
-    if name == "auto":
-        return "dynamic" if device.type == "cuda" else "static"
-    return name
+def rollout_engine(name: str, policy) -> tuple[str, str | None]:
+    """``--rollout-engine`` and a note: ``auto`` is Megatron-Core's dynamic engine where it
+    can run (CUDA, flash-attn, einops), else the static one; ``dynamic`` where it cannot
+    run is an error (preflight refuses it on CPU)."""
+    from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
+
+    if name == "static":
+        return name, None
+    reason = dynamic_engine_unavailable(policy)
+    if name == "dynamic" and reason is not None:
+        raise RuntimeError(f"--rollout-engine dynamic: {reason}")
+    if reason is not None:
+        return "static", None if "CUDA" in reason else f"--rollout-engine auto: static ({reason})"
+    return "dynamic", None
 
 
 class ExperienceMaker:
@@ -82,7 +91,7 @@ class ExperienceMaker:
         t = cfg.training
         self.log_prob_micro_batch_size = t.log_prob_micro_batch_size or t.micro_batch_size
         self.device = next(policy.parameters()).device
-        self.engine = rollout_engine(cfg.rollout.rollout_engine, self.device)
+        self.engine, self.engine_note = rollout_engine(cfg.rollout.rollout_engine, policy)
         self.row_multiple = fp8_alignment(get_model_config(policy))
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
@@ -129,14 +138,13 @@ class ExperienceMaker:
                       vocab_size=tok.vocab_size)  # fmt: skip
         t0 = time.perf_counter()
         if self.engine == "dynamic":
-            from loggra_megatron.rollout.dynamic import generate_rollout_dynamic
+            from loggra_megatron.rollout.dynamic import generate_rollout_dynamic, kv_cache_tokens
 
             rollout = generate_rollout_dynamic(self.policy, prompts, max_tokens=r.inference_max_tokens,
                                                **kwargs)  # fmt: skip
-            budget = r.inference_max_tokens or len(prompts) * (
-                max(map(len, prompts)) + r.max_new_tokens
-            )
-            kv_bytes = kv_cache_bytes(self.policy, 1, budget)  # the engine's paged buffer
+            tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens,
+                                     r.inference_max_tokens)  # fmt: skip
+            kv_bytes = kv_cache_bytes(self.policy, 1, tokens)  # the engine's paged buffer
         else:
             rollout, kv_bytes = generate_chunked(self.policy, prompts, row_multiple=self.row_multiple,
                                                  max_tokens=r.inference_max_tokens, **kwargs)  # fmt: skip
