@@ -4,6 +4,7 @@ Run with torchrun (CPU/gloo here, NCCL on GPUs)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed_optimizer.py
     torchrun --nproc-per-node 2 benchmarks/bench_distributed_optimizer.py --tp 2
+    torchrun --nproc-per-node 8 benchmarks/bench_distributed_optimizer.py --device cuda
 
 Prints, for each optimizer, the per-rank optimizer-state bytes (``state_bytes``: Adam's
 moments / LoGRA's sketches and bases, not the fp32 master params both keep) and the
@@ -38,10 +39,18 @@ def parse_args():
     ap.add_argument("--rank", type=int, default=None, help="LoGRA rank (default hidden/8)")
     ap.add_argument("--update-interval", type=int, default=200)
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)")  # fmt: skip
     return ap.parse_args()
 
 
-def run(args, kind: str) -> dict:
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU, so that host timers measure its work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args, kind: str, device: torch.device) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer, state_bytes
@@ -64,19 +73,24 @@ def run(args, kind: str) -> dict:
         opt = get_loggra_optimizer(config, [ddp])
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+    tokens = tokens.to(device)  # the same ids on every device
     step_times, opt_times = [], []
     inner_step = opt.optimizer.step
 
     def timed_inner_step(*a, **kw):
+        _sync(device)
         t0 = time.perf_counter()
         out = inner_step(*a, **kw)
+        _sync(device)
         opt_times.append(time.perf_counter() - t0)
         return out
 
     opt.optimizer.step = timed_inner_step
     for i in range(2 + args.steps):
+        _sync(device)
         t0 = time.perf_counter()
         train_step(ddp, opt, tokens)
+        _sync(device)
         if i >= 2:
             step_times.append(time.perf_counter() - t0)
     return {
@@ -93,10 +107,9 @@ def main() -> None:
 
     from loggra_megatron.parallel import initialize_megatron
 
-    initialize_megatron(
-        tensor_model_parallel_size=args.tp
-    )  # CPU mode + gloo without a GPU, NCCL with one
-    results = {kind: run(args, kind) for kind in ("dense", "loggra")}
+    # CPU mode + gloo on CPU, NCCL on GPU; the model is built on the returned device
+    device = initialize_megatron(tensor_model_parallel_size=args.tp, device=args.device)
+    results = {kind: run(args, kind, device) for kind in ("dense", "loggra")}
     rows = [results[k] for k in ("dense", "loggra")]
     all_rows = [None] * dist.get_world_size()
     dist.all_gather_object(all_rows, rows)
@@ -106,7 +119,8 @@ def main() -> None:
             f"# bench_distributed_optimizer: {args.layers} layers, hidden {args.hidden}, "
             f"ffn {args.ffn}, heads {args.heads}/{args.kv_groups} kv, vocab {args.vocab}, "
             f"rank {args.rank or args.hidden // 8}, world {dist.get_world_size()} "
-            f"(TP={args.tp}, DP={dp}), {rows[0]['params'] / 1e6:.1f}M params per TP rank"
+            f"(TP={args.tp}, DP={dp}), {rows[0]['params'] / 1e6:.1f}M params per TP rank, "
+            f"{device.type}"
         )
         print("\n| rank | dense state (MiB) | LoGRA state (MiB) | state ratio | "
               "opt.step dense (ms) | opt.step LoGRA (ms) | ratio | train step ratio |")  # fmt: skip

@@ -1,6 +1,7 @@
 """Predicted-KL step control: overhead, and predicted vs realized KL.
 
     torchrun --nproc-per-node 2 benchmarks/bench_kl_control.py
+    torchrun --nproc-per-node 8 benchmarks/bench_kl_control.py --device cuda
 
 1. Overhead: median controller time (``time/kl_control_s``: reference forwards, candidate
    updates, probe forwards; realized-KL measurement off) as a fraction of a training step
@@ -36,7 +37,15 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     ap.add_argument("--run-steps", type=int, default=20, help="steps of the honesty run")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)")  # fmt: skip
     return ap.parse_args()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU, so that host timers measure its work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def build(args):
@@ -85,17 +94,21 @@ def main() -> None:
 
     from loggra_megatron.parallel import initialize_megatron
 
-    initialize_megatron()  # CPU mode + gloo without a GPU, NCCL with one
+    # CPU mode + gloo on CPU, NCCL on GPU; the model is built on the returned device
+    device = initialize_megatron(device=args.device)
     dp_rank = parallel_state.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(100 + dp_rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens = tokens.to(device)  # the same ids on every device
 
     ddp, opt = build(args)
     base = []
     for i in range(args.steps + 1):
+        _sync(device)
         t0 = time.perf_counter()
         backward(ddp, opt, tokens)
         opt.step()
+        _sync(device)
         if i:
             base.append(time.perf_counter() - t0)
     t_base = statistics.median(base)
@@ -132,7 +145,8 @@ def main() -> None:
         ratio = (r / p).mean().item()
         print(
             f"# bench_kl_control: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
-            f"seq {args.seq}, {args.batch} seqs/rank, DP={dist.get_world_size()}, bf16, LoGRA"
+            f"seq {args.seq}, {args.batch} seqs/rank, DP={dist.get_world_size()}, bf16, LoGRA, "
+            f"{device.type}"
         )
         print(f"\nbaseline step (fwd+bwd+opt): {1e3 * t_base:.0f} ms")
         print("\n| probe fraction | controller time / step | target |")

@@ -140,3 +140,77 @@ def test_readme_has_build_and_8_gpu_torchrun_lines():
     }  # fmt: skip
     assert expected <= flags, expected - flags
     assert "--optimizer loggra" in run[1] and "--fp8-format hybrid" in run[1]
+
+
+# ---------------------------------------------------------------------- the 8-GPU commands
+def _readme() -> str:
+    with open(os.path.join(DOCKER, "README.md")) as f:
+        return f.read()
+
+
+def _command(text: str, start: str) -> list[str]:
+    """The shell words of the (backslash-continued) command that begins with ``start``."""
+    m = re.search(re.escape(start) + r"((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert m, f"no {start!r} command"
+    return shlex.split(m[1].replace("\\\n", " "))
+
+
+def _flags(words: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for word in words:
+        if word.startswith("--"):
+            key = word
+            out[key] = []
+        else:
+            out[key].append(word)
+    return out
+
+
+def test_readme_trains_with_transformer_engine_and_a_realistic_sequence_length():
+    text = _readme()
+    run = _flags(_command(text, "torchrun --nproc-per-node 8 pretrain_rl.py"))
+    assert run["--transformer-impl"] == ["transformer_engine"]
+    assert int(run["--seq-length"][0]) >= 4096
+    assert int(run["--max-new-tokens"][0]) < int(run["--seq-length"][0])
+    assert "--sequence-parallel" in run and run["--recompute-granularity"] == ["full"]
+    before = text.split("torchrun --nproc-per-node 8 pretrain_rl.py")[0]
+    assert before.rstrip().endswith("export CUDA_DEVICE_MAX_CONNECTIONS=1")
+
+
+def test_readme_converts_a_large_model_with_one_process_per_tp_rank():
+    text = _readme()
+    m = re.search(r"torchrun --nproc-per-node (\d+) tools/convert_checkpoint\.py", text)
+    assert m, "the conversion must run under torchrun (one process per TP shard)"
+    conv = _flags(_command(text, m[0]))
+    run = _flags(_command(text, "torchrun --nproc-per-node 8 pretrain_rl.py"))
+    tp = run["--tensor-model-parallel-size"]
+    assert conv["--direction"] == ["hf-to-megatron"] and conv["--tensor-model-parallel-size"] == tp
+    assert m[1] == tp[0]
+    assert not re.search(r"^python tools/convert_checkpoint\.py", text, re.M)
+
+
+def test_readme_estimate_has_the_training_memory_flags_and_fits_80gb(capsys):
+    """The README's estimate takes the torchrun command's memory flags (same names, same
+    values); for the 27B configuration it fits an 80 GB H100 with >= 5 GiB to spare."""
+    import importlib.util
+    import json
+
+    text = _readme()
+    est_words = _command(text, "python tools/estimate_memory.py")
+    est = _flags(est_words)
+    run = _flags(_command(text, "torchrun --nproc-per-node 8 pretrain_rl.py"))
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory_cli", os.path.join(REPO, "tools", "estimate_memory.py")
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    modelled = set(cli.build_parser()._option_string_actions)
+    for flag, values in run.items():
+        if flag in modelled:
+            assert est.get(flag) == values, f"{flag}: estimate {est.get(flag)}, run {values}"
+    est_words[est_words.index("--hf-config") + 1] = os.path.join(
+        REPO, "tools", "configs", "llama-style-27b.json"
+    )
+    assert cli.main([*est_words, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["loggra"]["total"] <= 79.1 - 5 and res["loggra"]["fits"]

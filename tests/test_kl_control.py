@@ -278,7 +278,9 @@ def _kept_vs_probe_forward(rank, estimator):
     from megatron.core import parallel_state as ps
 
     config = KLControlConfig(kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator)
-    ctl = PredictedKLController(config, opt, gpt_probe_forward(ddp),  # the trainer's forward
+    k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
+    forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
+    ctl = PredictedKLController(config, opt, forward,
                                 ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
                                 ps.get_pipeline_model_parallel_group())  # fmt: skip
     tokens = _local(TOKENS)
@@ -300,8 +302,9 @@ def _kept_vs_probe_forward(rank, estimator):
 @pytest.mark.parametrize("estimator", ["k3", "full"])
 def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator):
     """Predicted-KL control without its own reference forward: the training forward's
-    logits (or their log-probs) of the probe rows equal what the probe forward computes,
-    and the controller steps with them (here scaling the step to a tiny target)."""
+    logits (or their log-probs) of the probe rows equal what the probe forward computes
+    (for k3 in micro-batches of one row, returning log-probs only), and the controller
+    steps with them (here scaling the step to a tiny target)."""
     for kept, own, metrics in run_distributed(_kept_vs_probe_forward, 2, estimator):
         assert kept.logits.shape == own.logits.shape
         assert kept.logits.ndim == (3 if estimator == "full" else 2)

@@ -211,8 +211,8 @@ def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenize
 
 
 def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
-    """The 8-GPU launch script's flags are valid (FP8, and Transformer Engine where it is not
-    installed, are refused here only for lack of a GPU stack)."""
+    """The 8-GPU launch script's flags are valid (FP8, Transformer Engine where it is not
+    installed and sequence parallelism are refused here only for lack of a GPU stack)."""
     with open(os.path.join(ROOT, "examples", "h100_8gpu", "train_27b_loggra.sh")) as f:
         script = f.read()
     body = script.split("pretrain_rl.py", 1)[1].split('"$@"')[0]
@@ -235,7 +235,12 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
         assert "--transformer-impl: transformer_engine is not installed" in capsys.readouterr().err
         i = argv.index("--transformer-impl")
         argv = argv[:i] + argv[i + 2 :]
+    with pytest.raises(SystemExit):  # TE layers only (the local spec refuses it)
+        parse_args(argv, world_size=8)
+    assert "--sequence-parallel: needs Transformer Engine layers" in capsys.readouterr().err
+    argv.remove("--sequence-parallel")
     cfg = parse_args(argv, world_size=8)
+    assert cfg.rollout.inference_max_tokens and cfg.model.recompute_granularity == "full"
     assert cfg.parallel.tensor_model_parallel_size == 8 and cfg.kl_control.kl_target == 0.01
     assert cfg.model.num_attention_heads == 40  # the converted model's, not the flag default
 

@@ -14,6 +14,15 @@ small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
         --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 \\
         --vocab-size 128256 --untie-embeddings-and-output-weights --world-size 8 ...
 
+The step flags are ``pretrain_rl.py``'s, same names and meaning, so a launch script's memory
+flags can be passed as they are (``examples/h100_8gpu/train_27b_loggra.sh`` lists its
+command): ``--sequence-parallel``, ``--recompute-granularity/-method/-num-layers``,
+``--bf16 --fp8-format``, ``--grad-reduce-in-bf16``, ``--prompts-per-step`` x
+``--num-generations`` (the rollout batch, / DP), ``--inference-max-tokens`` (the KV budget:
+min(rollout rows x --seq-length, it) tokens), ``--log-prob-micro-batch-size`` (the
+reference forward), ``--global-batch-size``, ``--kl-target --kl-probe-fraction
+--kl-estimator`` (the probe) and ``--kl-coef`` (0: no reference model).
+
 Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 80`` means the 80 GiB of an A100/H100 80GB
 (PyTorch can allocate about 79.1 GiB of it). Invalid input exits with status 2 and a message
 naming the flag.
@@ -24,21 +33,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
 from loggra_megatron.memory.model import (
     GiB,
-    MemoryBreakdown,
     MemoryConfigError,
     ParallelConfig,
     RLStepConfig,
     TransformerShape,
     estimate_rl_step_memory,
-    max_rollout_batch_size,
-    num_parameters,
 )
+from loggra_megatron.memory.report import report
 from loggra_megatron.optim.registry import OPTIMIZERS
+
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 _SHAPE_FLAGS = (
     "num_layers",
@@ -49,21 +60,6 @@ _SHAPE_FLAGS = (
     "kv_channels",
     "vocab_size",
 )
-_LABELS = {
-    "weights": "weights",
-    "fp8_weight_cache": "fp8 weight cache (TE)",
-    "grads": "grads",
-    "master_params": "master params (fp32)",
-    "optimizer_state": "optimizer state",
-    "reference_model": "reference model",
-    "runtime_overhead": "runtime overhead",
-    "kv_cache": "rollout: KV cache",
-    "rollout_logits": "rollout: logits",
-    "activations": "training: activations",
-    "logits": "training: logits",
-    "kl_probe_logits": "kl control: probe logits",
-    "main_grad_copies": "optimizer: fp32 grad copies",
-}
 
 
 def _int(minimum: int):
@@ -79,14 +75,22 @@ def _int(minimum: int):
     return parse
 
 
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+def _number(allow_zero: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not (value >= 0 if allow_zero else value > 0):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if allow_zero else '>'} 0, got {value}"
+            )
+        return value
+
+    return parse
+
+
+_float = _number()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,17 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--data-parallel-size", type=pos, default=None)
     dp.add_argument("--world-size", type=pos, default=None, help="GPUs; DP = world / (TP·PP)")
     par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument(
+        "--use-distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ZeRO-1: master params and optimizer state split over DP",
+    )
 
-    s = p.add_argument_group("step")
+    s = p.add_argument_group("step (pretrain_rl.py's names)")
     s.add_argument("--micro-batch-size", type=pos, default=1)
     s.add_argument("--seq-length", type=pos, default=4096, help="prompt + response tokens")
+    s.add_argument("--max-new-tokens", type=pos, default=None, help="counts the prefill")
     s.add_argument("--num-microbatches", type=pos, default=None, help="default: >= PP")
-    prec = s.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true", help="bf16 params (default)")
-    prec.add_argument(
-        "--fp8-format", choices=["hybrid", "e4m3"], default=None, help="FP8 GEMMs (TE, Hopper)"
+    s.add_argument(
+        "--global-batch-size", type=pos, default=None, help="sets micro-batches and KL probe"
     )
+    s.add_argument("--bf16", action="store_true", help="bf16 params (the default)")
+    s.add_argument("--fp8-format", choices=["hybrid", "e4m3"], help="FP8 GEMMs (TE, Hopper)")
+    s.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")
+    s.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="auto")
     s.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default="fp32")
+    s.add_argument("--grad-reduce-in-bf16", action="store_true", help="= --main-grads-dtype bf16")
+    s.add_argument("--loggra-fp32-grad-copy", action="store_true")
     s.add_argument(
         "--optimizer",
         choices=list(OPTIMIZERS),
@@ -142,12 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32", help="Adam")
     s.add_argument("--no-reference-model", action="store_true")
     s.add_argument(
-        "--recompute-granularity",
-        choices=["full", "selective"],
-        default=None,
-        help="full: store layer inputs only (with --recompute-method uniform "
-        "--recompute-num-layers 1)",
+        "--kl-coef", type=_number(allow_zero=True), default=None, help="0: no reference model"
     )
+    s.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    s.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute (default uniform)",
+    )
+    s.add_argument("--recompute-num-layers", type=pos, default=None, help="default 1")
     s.add_argument(
         "--recompute-activations",
         action="store_true",
@@ -157,15 +176,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollout-batch-size",
         type=nonneg,
         default=None,
-        help="sequences generated concurrently per model replica (KV cache); "
-        "default: --micro-batch-size; 0: rollouts generated elsewhere",
+        help="sequences generated per model replica and RL step; default: --prompts-per-step "
+        "x --num-generations / DP, else --micro-batch-size; 0: rollouts generated elsewhere",
     )
+    s.add_argument("--prompts-per-step", type=pos, default=None, help="over all DP ranks")
+    s.add_argument("--num-generations", type=pos, default=4)
+    s.add_argument("--rollout-engine", choices=["auto", "static", "dynamic"], default="auto")
+    s.add_argument(
+        "--inference-max-tokens",
+        type=pos,
+        default=None,
+        help="rollout KV budget in tokens: min(rows x seq-length, this)",
+    )
+    s.add_argument("--log-prob-micro-batch-size", type=pos, default=None, help="reference forward")
     s.add_argument(
         "--kl-probe-sequences",
         type=nonneg,
-        default=0,
-        help="predicted-KL control's probe sequences per step and replica (0: off)",
+        default=None,
+        help="predicted-KL control's probe sequences per step and replica (0: off); "
+        "default: from --kl-target and --kl-probe-fraction",
     )
+    s.add_argument("--kl-target", type=_float, default=None, help="turns the KL probe on")
+    s.add_argument("--kl-probe-fraction", type=_float, default=0.125)
     s.add_argument("--kl-estimator", choices=["full", "k1", "k2", "k3"], default="full")
     s.add_argument("--gpu-memory-gb", type=_float, default=80.0, help="GiB per GPU")
     s.add_argument(
@@ -234,109 +266,80 @@ def _configs(args, parser) -> tuple[TransformerShape, ParallelConfig, RLStepConf
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     parallel.check(model)
+    return model, parallel, _step(args, parser, dp)
+
+
+def _per_replica(args, parser, flag: str, total: int, dp: int) -> int:
+    if total % dp:
+        parser.error(f"argument {flag}: {total} is not divisible by the DP size {dp}")
+    return total // dp
+
+
+def _step(args, parser, dp: int) -> RLStepConfig:
+    """The RL step of pretrain_rl.py's flags (the same names and defaults where they exist)."""
+    err = parser.error
+    if args.recompute_granularity != "full" and (
+        args.recompute_method or args.recompute_num_layers
+    ):
+        err("argument --recompute-method: applies to --recompute-granularity full only")
     recompute = args.recompute_granularity or (
         "selective" if args.recompute_activations else "none"
     )
+    if args.fp8_format and args.transformer_impl == "local":
+        err("argument --fp8-format: FP8 needs --transformer-impl transformer_engine (or auto)")
     if args.runtime_overhead_gb < 0:
-        parser.error("argument --runtime-overhead-gb: must be >= 0")
-    step = RLStepConfig(
+        err("argument --runtime-overhead-gb: must be >= 0")
+    if args.kl_coef and args.no_reference_model:
+        err("argument --kl-coef: > 0 needs the reference model (drop --no-reference-model)")
+    reference = not args.no_reference_model and args.kl_coef != 0
+    rollout = args.micro_batch_size if args.rollout_batch_size is None else args.rollout_batch_size
+    if args.prompts_per_step is not None:
+        if args.rollout_batch_size is not None:
+            err("argument --rollout-batch-size: not allowed with --prompts-per-step")
+        total = args.prompts_per_step * args.num_generations
+        rollout = _per_replica(args, parser, "--prompts-per-step", total, dp)
+    step_seqs = rollout  # sequences per optimizer step and replica
+    num_micro = args.num_microbatches
+    if args.global_batch_size is not None:
+        if args.prompts_per_step is not None and total % args.global_batch_size:
+            err(f"argument --global-batch-size: must divide the rollout batch {total}")
+        step_seqs = _per_replica(args, parser, "--global-batch-size", args.global_batch_size, dp)
+        if step_seqs % args.micro_batch_size:
+            err("argument --global-batch-size: not a multiple of --micro-batch-size x DP")
+        num_micro = num_micro or step_seqs // args.micro_batch_size
+    probe = args.kl_probe_sequences
+    if probe is None:  # KLControlConfig.probe_split: ceil(fraction x step), at least one
+        probe = 0
+        if args.kl_target is not None:
+            if not step_seqs:
+                err("argument --kl-target: give --global-batch-size (the probe is a fraction)")
+            probe = min(step_seqs, max(1, math.ceil(args.kl_probe_fraction * step_seqs)))
+    return RLStepConfig(
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
         precision="fp8" if args.fp8_format else "bf16",
-        main_grads_dtype=args.main_grads_dtype,
+        main_grads_dtype="bf16" if args.grad_reduce_in_bf16 else args.main_grads_dtype,
         optimizer=args.optimizer,
         loggra_rank=args.loggra_rank,
         loggra_min_dim=args.loggra_min_dim,
         exp_avg_dtype=args.exp_avg_dtype,
         exp_avg_sq_dtype=args.exp_avg_sq_dtype,
-        reference_model=not args.no_reference_model,
+        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+        distributed_optimizer=args.use_distributed_optimizer,
+        reference_model=reference,
         recompute_granularity=recompute,
-        rollout_batch_size=(
-            args.micro_batch_size if args.rollout_batch_size is None else args.rollout_batch_size
-        ),
-        num_microbatches=args.num_microbatches,
-        kl_probe_sequences=args.kl_probe_sequences,
+        recompute_method=args.recompute_method or "uniform",
+        recompute_num_layers=args.recompute_num_layers or 1,
+        rollout_batch_size=rollout,
+        inference_max_tokens=args.inference_max_tokens,
+        rollout_engine="dynamic" if args.rollout_engine == "auto" else args.rollout_engine,
+        max_new_tokens=args.max_new_tokens,
+        log_prob_micro_batch_size=args.log_prob_micro_batch_size,
+        num_microbatches=num_micro,
+        kl_probe_sequences=probe,
         kl_estimator=args.kl_estimator,
         runtime_overhead_bytes=int(args.runtime_overhead_gb * GiB),
     )
-    return model, parallel, step
-
-
-def _gib(x: int) -> str:
-    return f"{x / GiB:.2f}"
-
-
-def _report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
-    dense, loggra = results["adam"], results["loggra"]
-    step = steps["loggra"]
-    t, p, d = (
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        parallel.data_parallel_size,
-    )
-    pdt = "fp32" if step.precision == "fp32" else "bf16"
-    lines = [
-        f"model     {source}: {num_parameters(model) / 1e9:.2f} B params, {model.num_layers} "
-        f"layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}"
-        f"{' (SwiGLU)' if model.swiglu else ''}, {model.num_attention_heads} heads / "
-        f"{model.num_query_groups} KV groups x {model.kv_channels}, vocab {model.vocab_size} "
-        f"(padded {model.padded_vocab_size(t)}), "
-        f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings",
-        f"parallel  TP {t} x PP {p} x DP {d} = {parallel.world_size} GPUs"
-        f"{', sequence parallel' if parallel.sequence_parallel else ''}; distributed optimizer "
-        f"(ZeRO-1); stage {dense.stage} of {p} is the most loaded "
-        f"({dense.num_parameters / 1e9:.3f} B params/GPU)"
-        + (" ; virtual stages ignored" if parallel.virtual_pipeline_model_parallel_size else ""),
-        f"step      {step.precision}, {'fp32' if step.grad_bytes == 4 else 'bf16'} grads, micro-batch "
-        f"{step.micro_batch_size} x {step.seq_length} tokens, recompute "
-        f"{step.recompute_granularity}, reference model "
-        f"{'on' if step.reference_model else 'off'}, rollout batch {step.rollout_batch_size}"
-        + (
-            f", KL probe {step.kl_probe_sequences} seqs ({step.kl_estimator})"
-            if step.kl_probe_sequences
-            else ""
-        ),
-        "",
-    ]
-    mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
-    header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
-    header += f"{f'LoGRA r={step.loggra_rank}' + mark['loggra']:>20}{'LoGRA - Adam':>14}"
-    lines += [header, "-" * len(header)]
-    gdt = "fp32" if step.grad_bytes == 4 else "bf16"
-    suffix = {"weights": f" ({pdt})", "grads": f" ({gdt})"}
-    suffix["reference_model"] = f" ({pdt})"
-    suffix["optimizer_state"] = " (/DP)" if d > 1 else ""
-    suffix["master_params"] = " (/DP)" if d > 1 else ""
-
-    def row(label, a, b):
-        diff = f"{(b - a) / GiB:+.2f}" if a != b else ""
-        return f"{label:<28}{_gib(a):>20}{_gib(b):>20}{diff:>14}".rstrip()
-
-    dt, lt = dense.terms(), loggra.terms()
-    for key in MemoryBreakdown.STATIC:
-        if dt[key] or lt[key]:
-            lines.append(row(_LABELS[key] + suffix.get(key, ""), dt[key], lt[key]))
-    lines.append(row("  static", dense.static_bytes, loggra.static_bytes))
-    for key in MemoryBreakdown.TRANSIENT:
-        if dt[key] or lt[key]:
-            lines.append(row(_LABELS[key], dt[key], lt[key]))
-    lines.append(f"{'peak phase':<28}{dense.peak_phase:>20}{loggra.peak_phase:>20}")
-    lines.append("-" * len(header))
-    saved = 100.0 * (dense.total_bytes - loggra.total_bytes) / dense.total_bytes
-    lines.append(
-        row("TOTAL per GPU", dense.total_bytes, loggra.total_bytes) + f"  ({saved:.1f}% saved)"
-    )
-
-    def verdict(b: MemoryBreakdown) -> str:
-        left = (gpu_bytes - b.total_bytes) / GiB
-        return f"yes ({left:.2f} free)" if left >= 0 else f"NO (over by {-left:.2f})"
-
-    gb = gpu_bytes / GiB
-    lines.append(f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}")
-    cap = {k: max_rollout_batch_size(model, parallel, steps[k], gpu_bytes) for k in mark}
-    cap_s = {k: "none" if v is None else str(v) for k, v in cap.items()}
-    lines.append(f"{'max rollout batch that fits':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             opt: {
                 **{k: v / GiB for k, v in b.terms().items()},
                 "total": b.total_bytes / GiB,
+                "peak_phase": b.peak_phase,
+                "phases": {k: v / GiB for k, v in b.phases().items()},
                 "fits": b.fits(gpu_bytes),
                 "stage": b.stage,
             }
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"unit": "GiB", **out}, indent=2))
         return 0
     print(
-        _report(
+        report(
             model, parallel, steps, results, gpu_bytes, args.hf_config or "flags", step.optimizer
         )
     )

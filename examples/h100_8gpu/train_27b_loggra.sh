@@ -1,31 +1,61 @@
 #!/usr/bin/env bash
 # GRPO of a 27B-class Llama/Qwen-style policy on ONE 8×H100/H200 node with LoGRA and
-# predicted-KL step control (bf16 + FP8 via Transformer Engine on Hopper).
+# predicted-KL step control (bf16 + FP8 via Transformer Engine on Hopper), TP=8 with sequence
+# parallelism, full activation recompute, and the rollout KV cache bounded by
+# --inference-max-tokens (32 of the 64 sequences of 16k tokens at once). --rollout-engine
+# auto is Megatron-Core's dynamic engine on GPU; --rollout-engine static (this project's
+# loop, in chunks of 32 rows) keeps the same KV budget.
 #
-# Expected memory (tools/estimate_memory.py, docs/memory.md; TP=8, 16k tokens, 64
-# concurrent rollouts, full recompute, reference on GPU): dense Adam ~96.9 GiB/GPU (does not
-# fit 80 GB), LoGRA rank 128 ~74.4 GiB/GPU (fits). With FP8, TE keeps extra FP8 weight
-# copies (~+5.9 GiB): lower --prompts-per-step or --max-new-tokens if it gets tight.
-# --grad-reduce-in-bf16 halves the grad buffer (-6.3 GiB/GPU; LoGRA reads bf16 grads without
-# Megatron's fp32 copy) at the price of accumulating the 64 micro-batches' grads in bf16.
+# Expected memory per GPU, from the project's estimator (a model, not a measurement; see
+# docs/memory.md), for tools/configs/llama-style-27b.json and the memory flags below:
+#
+#   python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
+#       --world-size 8 --gpu-memory-gb 79.1 --tensor-model-parallel-size 8 \
+#       --pipeline-model-parallel-size 1 --bf16 --fp8-format hybrid --fp8-recipe delayed \
+#       --transformer-impl transformer_engine --sequence-parallel \
+#       --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
+#       --seq-length 16384 --max-new-tokens 15360 --rollout-engine auto \
+#       --inference-max-tokens 524288 --prompts-per-step 8 --num-generations 8 \
+#       --global-batch-size 64 --micro-batch-size 1 --log-prob-micro-batch-size 4 \
+#       --optimizer loggra --loggra-rank 128 --kl-target 0.01 --kl-estimator k3 \
+#       --kl-probe-fraction 0.125 --kl-coef 0.001
+#
+# prints (GiB per GPU): LoGRA r=128 69.54 total, "yes (9.56 free)" of the 79.1 GiB PyTorch
+# can allocate on an H100 80GB; dense Adam 92.01 ("NO (over by 12.91)"). Static 51.34 (LoGRA)
+# vs 73.82 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + fp32 masters
+# 12.57 + optimizer state 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00
+# runtime. Transient phases (one at a time): rollout 18.19 (the peak: KV cache 16.00 for 524288
+# tokens + prefill 2.16), KL control 9.46 (probe in micro-batches of 4 sequences: logits
+# 7.88 + activations 1.59), reference log-probs 9.46, training 3.64.
+# The same command without --inference-max-tokens prints a KV cache of 32.00 (all 64
+# sequences of 16k tokens at once) and LoGRA 87.73 ("NO"). tests/test_gpu_scripts.py re-runs
+# both on the flags of this file.
+# Not measured on GPUs yet: benchmarks/gpu/h200_check.sh is the first check.
 #
 # Inputs: a converted checkpoint (tools/convert_checkpoint.py --direction hf-to-megatron
-# --tensor-model-parallel-size 8) and its sentencepiece tokenizer.
+# --tensor-model-parallel-size 8, under torchrun with 8 CPU processes) and its tokenizer.
 set -euo pipefail
+REPO=${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 CKPT=${CKPT:?converted Megatron checkpoint (tools/convert_checkpoint.py)}
-TOKENIZER=${TOKENIZER:?sentencepiece .model}
+TOKENIZER=${TOKENIZER:?sentencepiece .model or a Hugging Face tokenizer directory}
 DATA=${DATA:?JSONL with prompt/answer}
 OUT=${OUT:-runs/grpo_27b}
+# Megatron needs one hardware queue per device so that TP/SP communication overlaps compute
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 # Relaunching resumes this run; the first launch starts from the converted model.
 LOAD="$CKPT"
 [ -f "$OUT/latest_checkpointed_iteration.txt" ] && LOAD="$OUT"
 
-torchrun --nproc-per-node 8 pretrain_rl.py \
+torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --load "$LOAD" --tokenizer-model "$TOKENIZER" --data-path "$DATA" \
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 \
     --bf16 --fp8-format hybrid --fp8-recipe delayed --transformer-impl transformer_engine \
+    --sequence-parallel \
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
     --seq-length 16384 --max-new-tokens 15360 \
+    --rollout-engine auto --inference-max-tokens 524288 \
     --prompts-per-step 8 --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
+    --log-prob-micro-batch-size 4 \
     --train-iters 500 --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0 \
     --optimizer loggra --loggra-rank 128 --loggra-update-interval 200 \
     --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 \

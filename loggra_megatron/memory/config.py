@@ -16,6 +16,8 @@ from loggra_megatron.optim.registry import OPTIMIZERS
 GiB = 1024**3
 PRECISIONS = ("fp32", "bf16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+ROLLOUT_ENGINES = ("static", "dynamic")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -161,10 +163,30 @@ class RLStepConfig:
     exp_avg_dtype: str = "fp32"
     """Dense Adam's first moment (bf16: Megatron's precision-aware optimizer). LoGRA: fp32."""
     exp_avg_sq_dtype: str = "fp32"
+    loggra_fp32_grad_copy: bool = False
+    """With 16-bit grads: Megatron copies every grad shard to fp32 for LoGRA too
+    (``--loggra-fp32-grad-copy``) instead of LoGRA converting one weight at a time."""
+    distributed_optimizer: bool = True
+    """Megatron's ZeRO-1: master params and optimizer state split over DP."""
     reference_model: bool = True
     recompute_granularity: str = "none"
+    recompute_method: str = "uniform"
+    """Full recompute: ``uniform`` (checkpoint every ``recompute_num_layers`` layers) or
+    ``block`` (recompute the first ``recompute_num_layers`` layers of each stage)."""
+    recompute_num_layers: int = 1
     rollout_batch_size: int = 0
-    """Sequences generated concurrently per model replica (KV cache); 0: rollouts elsewhere."""
+    """Sequences generated per model replica and RL step (KV cache); 0: rollouts elsewhere."""
+    inference_max_tokens: int | None = None
+    """``--inference-max-tokens``: bound on the rollout KV cache in tokens (None: the whole
+    rollout batch at once)."""
+    rollout_engine: str = "static"
+    """``static`` (chunks of whole rows) or ``dynamic`` (a paged buffer of
+    ``inference_max_tokens`` tokens)."""
+    max_new_tokens: int | None = None
+    """Response tokens; prompts are then at most ``seq_length − max_new_tokens`` and the
+    rollout's prefill is counted (None: prefill not counted)."""
+    log_prob_micro_batch_size: int | None = None
+    """Sequences per forward-only micro-batch (reference log-probs); None: micro_batch_size."""
     num_microbatches: int | None = None
     """Micro-batches per step; None: at least the PP size (1F1B steady state)."""
     kl_probe_sequences: int = 0
@@ -176,14 +198,50 @@ class RLStepConfig:
         _positive(self, "micro_batch_size", "seq_length", "loggra_rank", "loggra_min_dim")
         _positive(self, "rollout_batch_size", "runtime_overhead_bytes", allow_zero=True)
         _positive(self, "kl_probe_sequences", allow_zero=True)
+        _positive(self, "recompute_num_layers")
         _choice(self, "kl_estimator", ("full", "k1", "k2", "k3"))
-        if self.num_microbatches is not None:
-            _positive(self, "num_microbatches")
+        for name in ("num_microbatches", "inference_max_tokens", "log_prob_micro_batch_size"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.max_new_tokens is not None:
+            _positive(self, "max_new_tokens")
+            if self.max_new_tokens >= self.seq_length:
+                raise MemoryConfigError(
+                    "max_new_tokens",
+                    f"{self.max_new_tokens} must be below seq_length {self.seq_length} "
+                    "(prompt + response)",
+                )
         _choice(self, "precision", PRECISIONS)
         _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "recompute_granularity", RECOMPUTE)
+        _choice(self, "recompute_method", RECOMPUTE_METHODS)
+        _choice(self, "rollout_engine", ROLLOUT_ENGINES)
         for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             _choice(self, name, tuple(DTYPE_BYTES))
+
+    @property
+    def log_prob_rows(self) -> int:
+        """Sequences per forward-only micro-batch."""
+        return self.log_prob_micro_batch_size or self.micro_batch_size
+
+    @property
+    def rollout_kv_tokens(self) -> int:
+        """Tokens the rollout KV cache holds at once: ``min(B·s, M)`` for ``B`` rollout rows
+        of full length ``s`` and ``M = inference_max_tokens`` (at least one row; the
+        dynamic engine's paged buffer is ``M`` tokens whatever the batch)."""
+        full = self.rollout_batch_size * self.seq_length
+        if self.inference_max_tokens is None or not full:
+            return full
+        if self.rollout_engine == "dynamic":
+            return self.inference_max_tokens
+        return min(full, max(self.inference_max_tokens, self.seq_length))
+
+    @property
+    def rollout_rows(self) -> int:
+        """Sequences decoded at once (a chunk of the rollout batch under a KV budget)."""
+        if not self.rollout_batch_size:
+            return 0
+        return min(self.rollout_batch_size, max(1, self.rollout_kv_tokens // self.seq_length))
 
     @property
     def param_bytes(self) -> int:

@@ -22,6 +22,14 @@ from loggra_megatron.memory.config import (
     TransformerShape,
     ceil_div,
 )
+from loggra_megatron.memory.transient import (
+    activation_bytes,
+    activation_bytes_per_layer,
+    forward_activation_bytes,
+    kv_cache_bytes,
+    logits_bytes,
+    rollout_kv_cache_bytes,
+)
 from loggra_megatron.optim.registry import sketches_shape
 
 __all__ = [
@@ -35,6 +43,7 @@ __all__ = [
     "activation_bytes",
     "activation_bytes_per_layer",
     "estimate_rl_step_memory",
+    "forward_activation_bytes",
     "grad_bytes",
     "is_sketched",
     "kv_cache_bytes",
@@ -44,6 +53,7 @@ __all__ = [
     "master_param_bytes",
     "num_parameters",
     "optimizer_state_bytes",
+    "rollout_kv_cache_bytes",
     "stage_parameters",
     "weight_bytes",
 ]
@@ -198,74 +208,6 @@ def optimizer_state_bytes(
     return total
 
 
-# ---------------------------------------------------------------------- activations etc.
-def _t_sp(parallel: ParallelConfig) -> int:
-    return parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
-
-
-def activation_bytes_per_layer(
-    model: TransformerShape, parallel: ParallelConfig, micro_batch_size: int, seq_length: int
-) -> int:
-    """Saved activations of one transformer layer for one micro-batch (module docstring)."""
-    sb, t = seq_length * micro_batch_size, parallel.tensor_model_parallel_size
-    h, f, a, g, d = (
-        model.hidden_size,
-        model.ffn_hidden_size,
-        model.num_attention_heads,
-        model.num_query_groups,
-        model.kv_channels,
-    )
-    replicated = 2 * sb * 4 * h
-    split = 2 * sb * (a * d + 2 * g * d) + 2 * sb * a * d + 4 * sb * a
-    split += 2 * sb * (2 * f + f) if model.swiglu else 2 * sb * (f + f)
-    if model.qk_layernorm:
-        split += 2 * sb * (a * d + g * d)
-    return ceil_div(replicated, _t_sp(parallel)) + ceil_div(split, t)
-
-
-def activation_bytes(
-    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int = 0
-) -> int:
-    """Activations held at the peak of the backward pass on PP stage ``stage`` (1F1B)."""
-    p = parallel.pipeline_model_parallel_size
-    layers = model.num_layers // p
-    in_flight = p - stage
-    if step.num_microbatches is not None:
-        in_flight = min(in_flight, step.num_microbatches)
-    sb = step.micro_batch_size * step.seq_length
-    per_layer = activation_bytes_per_layer(model, parallel, step.micro_batch_size, step.seq_length)
-    layer_input = ceil_div(2 * sb * model.hidden_size, _t_sp(parallel))
-    if step.recompute_granularity == "full":
-        total = in_flight * layers * layer_input + per_layer
-    else:
-        total = in_flight * layers * per_layer
-    if stage == p - 1:  # final-norm input and output-layer input
-        total += 2 * layer_input
-    return total
-
-
-def logits_bytes(
-    model: TransformerShape, parallel: ParallelConfig, tokens: int, copies: int = 2
-) -> int:
-    """fp32 vocab-parallel logits of ``tokens`` positions, ``copies`` times (+ log-softmax)."""
-    t = parallel.tensor_model_parallel_size
-    return tokens * (model.padded_vocab_size(t) // t) * 4 * copies
-
-
-def kv_cache_bytes(
-    model: TransformerShape,
-    parallel: ParallelConfig,
-    batch: int,
-    seq_length: int,
-    bytes_per_value: int = 2,
-) -> int:
-    """K and V of every layer of one PP stage for ``batch`` sequences of ``seq_length``."""
-    t, p = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    layers = model.num_layers // p
-    kv_heads = model.num_query_groups // t
-    return batch * seq_length * layers * 2 * kv_heads * model.kv_channels * bytes_per_value
-
-
 # ---------------------------------------------------------------------- the estimate
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -287,6 +229,11 @@ class MemoryBreakdown:
     logits: int
     kl_probe_logits: int = 0
     main_grad_copies: int = 0
+    reference_fp8_weight_cache: int = 0
+    prefill_activations: int = 0
+    log_prob_activations: int = 0
+    log_prob_logits: int = 0
+    kl_probe_activations: int = 0
 
     STATIC = (
         "weights",
@@ -295,13 +242,22 @@ class MemoryBreakdown:
         "master_params",
         "optimizer_state",
         "reference_model",
+        "reference_fp8_weight_cache",
         "runtime_overhead",
     )
-    ROLLOUT = ("kv_cache", "rollout_logits")
+    ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations")
+    LOG_PROBS = ("log_prob_activations", "log_prob_logits")
     TRAINING = ("activations", "logits")
-    KL_CONTROL = ("kl_probe_logits",)
+    KL_CONTROL = ("kl_probe_activations", "kl_probe_logits")
     OPTIMIZER_STEP = ("main_grad_copies",)
-    TRANSIENT = (*ROLLOUT, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
+    TRANSIENT = (*ROLLOUT, *LOG_PROBS, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
+    PHASES = {
+        "rollout": ROLLOUT,
+        "log-probs": LOG_PROBS,
+        "training": TRAINING,
+        "kl control": KL_CONTROL,
+        "optimizer step": OPTIMIZER_STEP,
+    }
 
     def terms(self) -> dict[str, int]:
         """Every term, in display order."""
@@ -309,13 +265,8 @@ class MemoryBreakdown:
         return {k: getattr(self, k) for k in keys}
 
     def phases(self) -> dict[str, int]:
-        """Transient bytes of each phase."""
-        return {
-            "rollout": self.rollout_bytes,
-            "training": self.training_bytes,
-            "kl control": self.kl_probe_logits,
-            "optimizer step": self.main_grad_copies,
-        }
+        """Transient bytes of each phase (the phases never overlap)."""
+        return {name: sum(getattr(self, k) for k in keys) for name, keys in self.PHASES.items()}
 
     @property
     def static_bytes(self) -> int:
@@ -323,11 +274,11 @@ class MemoryBreakdown:
 
     @property
     def rollout_bytes(self) -> int:
-        return sum(getattr(self, k) for k in self.ROLLOUT)
+        return self.phases()["rollout"]
 
     @property
     def training_bytes(self) -> int:
-        return sum(getattr(self, k) for k in self.TRAINING)
+        return self.phases()["training"]
 
     @property
     def peak_phase(self) -> str:
@@ -347,26 +298,44 @@ def main_grad_copy_bytes(params: list[ParamSpec], step: RLStepConfig, dp: int = 
     if step.grad_bytes == 4:
         return 0  # Megatron's .float() of an fp32 grad is a view
     shards = [ceil_div(s.numel, dp) for s in params]
-    if OPTIMIZERS[step.optimizer].grads_per_weight:
+    if OPTIMIZERS[step.optimizer].grads_per_weight and not step.loggra_fp32_grad_copy:
         return 4 * max(shards, default=0)  # one weight at a time (optim/megatron/model_grads.py)
     if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype):
         return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
     return 4 * sum(shards)
 
 
+def _rollout_terms(model, parallel, step, last: bool, kv_bytes: int) -> dict[str, int]:
+    rows = step.rollout_rows
+    prefill = 0
+    if step.max_new_tokens is not None:  # prompts of at most s − N tokens, SP off
+        prompt = step.seq_length - step.max_new_tokens
+        prefill = forward_activation_bytes(model, parallel, rows, prompt, sequence_parallel=False)
+    t = parallel.tensor_model_parallel_size
+    return {
+        "kv_cache": rollout_kv_cache_bytes(model, parallel, step, kv_bytes),
+        # last-position logits, gathered over TP (full vocabulary), fp32 + softmax
+        "rollout_logits": rows * model.padded_vocab_size(t) * 4 * 2 if last else 0,
+        "prefill_activations": prefill,
+    }
+
+
 def _stage_breakdown(
     model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int
 ) -> MemoryBreakdown:
     params = stage_parameters(model, parallel, stage)
-    dp = parallel.data_parallel_size
+    dp = parallel.data_parallel_size if step.distributed_optimizer else 1
     last = stage == parallel.pipeline_model_parallel_size - 1
     linear = [s for s in params if s.kind == "linear"]
     ref_bytes = 4 if step.precision == "fp32" else 2
+    fp8, ref, seq = step.precision == "fp8", step.reference_model, step.seq_length
+    probe = step.kl_probe_sequences
+    probe_rows = min(probe, step.log_prob_rows)
     return MemoryBreakdown(
         stage=stage,
-        num_parameters=sum(s.numel for s in params),
+        num_parameters=sum(p.numel for p in params),
         weights=weight_bytes(params, step.param_bytes),
-        fp8_weight_cache=weight_bytes(linear, 2) if step.precision == "fp8" else 0,
+        fp8_weight_cache=weight_bytes(linear, 2) if fp8 else 0,
         grads=grad_bytes(params, step.grad_bytes),
         master_params=0 if step.precision == "fp32" else master_param_bytes(params, dp),
         optimizer_state=optimizer_state_bytes(
@@ -378,26 +347,29 @@ def _stage_breakdown(
             exp_avg_bytes=DTYPE_BYTES[step.exp_avg_dtype],
             exp_avg_sq_bytes=DTYPE_BYTES[step.exp_avg_sq_dtype],
         ),
-        reference_model=weight_bytes(params, ref_bytes) if step.reference_model else 0,
+        reference_model=weight_bytes(params, ref_bytes) if ref else 0,
+        # forward only: TE caches the FP8 weight without its transpose
+        reference_fp8_weight_cache=weight_bytes(linear, 1) if fp8 and ref else 0,
         runtime_overhead=step.runtime_overhead_bytes,
-        kv_cache=kv_cache_bytes(
-            model, parallel, step.rollout_batch_size, step.seq_length, ref_bytes
+        **_rollout_terms(model, parallel, step, last, ref_bytes),
+        log_prob_activations=(
+            forward_activation_bytes(model, parallel, step.log_prob_rows, seq) if ref else 0
         ),
-        rollout_logits=logits_bytes(model, parallel, step.rollout_batch_size) if last else 0,
+        log_prob_logits=(
+            logits_bytes(model, parallel, step.log_prob_rows * seq) if ref and last else 0
+        ),
         activations=activation_bytes(model, parallel, step, stage),
-        logits=(
-            logits_bytes(model, parallel, step.micro_batch_size * step.seq_length) if last else 0
-        ),
+        logits=logits_bytes(model, parallel, step.micro_batch_size * seq) if last else 0,
+        # the probe runs in micro-batches of the log-prob micro-batch size; the full
+        # estimator keeps every probe row's logits, the k-estimators one micro-batch's
+        kl_probe_activations=forward_activation_bytes(model, parallel, probe_rows, seq),
         kl_probe_logits=(
-            logits_bytes(
-                model,
-                parallel,
-                step.kl_probe_sequences * step.seq_length,
-                copies=6 if step.kl_estimator == "full" else 2,
-            )
-            if last
-            else 0
-        ),
+            logits_bytes(model, parallel, probe * seq, copies=6)
+            if step.kl_estimator == "full"
+            else logits_bytes(model, parallel, probe_rows * seq, copies=2)
+        )
+        if last
+        else 0,
         main_grad_copies=main_grad_copy_bytes(params, step, dp),
     )
 
@@ -421,7 +393,10 @@ def max_rollout_batch_size(
     model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, gpu_bytes: int
 ) -> int | None:
     """Most sequences the rollout can generate concurrently within ``gpu_bytes`` per GPU
-    (``step.rollout_batch_size`` ignored); None if the step does not fit even without rollout."""
+    (``step.rollout_batch_size`` and ``inference_max_tokens`` ignored: the largest useful
+    KV budget is this times ``seq_length``); None if the step does not fit even without
+    rollout."""
+    step = dataclasses.replace(step, inference_max_tokens=None, rollout_engine="static")
 
     def fits(batch: int) -> bool:
         s = dataclasses.replace(step, rollout_batch_size=batch)
@@ -431,6 +406,8 @@ def max_rollout_batch_size(
         return None
     lo, hi = 0, 1
     while fits(hi):
+        if hi > 2**40:  # a model whose KV cache costs nothing
+            raise MemoryConfigError("seq_length", "the rollout's KV cache does not grow")
         lo, hi = hi, 2 * hi
     while hi - lo > 1:  # fits(lo) and not fits(hi)
         mid = (lo + hi) // 2

@@ -62,7 +62,7 @@ class ProbeOutput:
     """What the probe forward returns on the last pipeline stage."""
 
     logits: torch.Tensor
-    """``[b, s, V/TP]`` vocab-parallel logits."""
+    """``[b, s, V/TP]`` vocab-parallel logits, or ``[b, s]`` log-probs of the targets."""
     targets: torch.Tensor
     """``[b, s]`` the tokens that were sampled at each position."""
     mask: torch.Tensor
@@ -125,21 +125,37 @@ class ReferenceCollector:
                              for f in ("logits", "targets", "mask")))  # fmt: skip
 
 
-def gpt_probe_forward(model) -> ProbeForward:
+def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: bool = False):
     """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
     forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
-    under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``."""
-    from loggra_megatron.model.forward import forward_map
+    under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
+    of ``micro_batch_size`` rows (default: all). ``log_probs``: return the sampled tokens'
+    log-probs ``[b, s]`` instead of the logits (the k-estimators), so that only one
+    micro-batch's logits exist at a time."""
+    from megatron.core.utils import unwrap_model
+
+    from loggra_megatron.model.forward import forward_map, token_log_probs
+
+    vocab = unwrap_model(model).vocab_size
 
     def forward(batch) -> ProbeOutput | None:
         tokens, mask = batch
-        seq = tokens.shape[1] - 1  # the schedule may pad the length (FP8, SP): cut back
-        out = forward_map(model, [{"tokens": tokens}], lambda b, logits: logits[:, :seq])
+        rows, seq = tokens.shape[0], tokens.shape[1] - 1
+        mbs = min(micro_batch_size or rows, rows)
+        padded = tokens.new_zeros(-(-rows // mbs) * mbs, seq + 1)  # equal micro-batches (PP)
+        padded[:rows] = tokens
+
+        def keep(b, logits):  # the schedule may pad the length (FP8, SP): cut back
+            logits = logits[:, :seq]
+            return token_log_probs(logits, b["tokens"][:, 1:], vocab) if log_probs else logits
+
+        out = forward_map(model, [{"tokens": padded[i : i + mbs]}
+                                  for i in range(0, len(padded), mbs)], keep)  # fmt: skip
         if out is None:
             return None
         targets = tokens[:, 1:]
         mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
-        return ProbeOutput(out[0], targets, mask)
+        return ProbeOutput(torch.cat(out)[:rows], targets, mask)
 
     return forward
 
@@ -307,9 +323,7 @@ class PredictedKLController:
             if self.config.kl_estimator == "full":
                 per_token = vocab_parallel_kl(ref.logits, out.logits, self.tp_group)
             else:
-                logp = vocab_parallel_log_probs(
-                    out.logits, out.targets, self._vocab_start(out), self.tp_group
-                )
+                logp = self.as_reference(out).logits  # [b, s] log-probs
                 per_token = sampled_kl(ref.logits, logp, self.config.kl_estimator)
             mask = out.mask.to(per_token.dtype)
             totals = torch.stack([(per_token * mask).sum(), mask.sum()]).to(totals.device)

@@ -91,7 +91,10 @@ def kl_controller(cfg, optimizer, policy):
 
     if not cfg.kl_control.enabled:
         return None
+    t = cfg.training
+    forward = gpt_probe_forward(policy, t.log_prob_micro_batch_size or t.micro_batch_size,
+                                log_probs=cfg.kl_control.kl_estimator != "full")  # fmt: skip
     return PredictedKLController(
-        cfg.kl_control, optimizer, gpt_probe_forward(policy), ps.get_tensor_model_parallel_group(),
+        cfg.kl_control, optimizer, forward, ps.get_tensor_model_parallel_group(),
         ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
     )  # fmt: skip

@@ -1,0 +1,133 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""The table ``tools/estimate_memory.py`` prints: dense Adam and LoGRA side by side, every
+term, each phase's total, the verdict and the largest rollout that fits."""
+
+from __future__ import annotations
+
+from loggra_megatron.memory.model import (
+    GiB,
+    MemoryBreakdown,
+    RLStepConfig,
+    max_rollout_batch_size,
+    num_parameters,
+)
+
+__all__ = ["report"]
+
+LABELS = {
+    "weights": "weights",
+    "fp8_weight_cache": "fp8 weight cache (TE)",
+    "grads": "grads",
+    "master_params": "master params (fp32)",
+    "optimizer_state": "optimizer state",
+    "reference_model": "reference model",
+    "reference_fp8_weight_cache": "reference fp8 cache (TE)",
+    "runtime_overhead": "runtime overhead",
+    "kv_cache": "rollout: KV cache",
+    "rollout_logits": "rollout: logits",
+    "prefill_activations": "rollout: prefill",
+    "log_prob_activations": "log-probs: activations",
+    "log_prob_logits": "log-probs: logits",
+    "activations": "training: activations",
+    "logits": "training: logits",
+    "kl_probe_activations": "kl control: activations",
+    "kl_probe_logits": "kl control: probe logits",
+    "main_grad_copies": "optimizer: fp32 grad copies",
+}
+
+
+def _gib(x: int) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
+    """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}``)."""
+    dense, loggra = results["adam"], results["loggra"]
+    step = steps["loggra"]
+    t, p, d = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.data_parallel_size,
+    )
+    pdt = "fp32" if step.precision == "fp32" else "bf16"
+    lines = [
+        f"model     {source}: {num_parameters(model) / 1e9:.2f} B params, {model.num_layers} "
+        f"layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}"
+        f"{' (SwiGLU)' if model.swiglu else ''}, {model.num_attention_heads} heads / "
+        f"{model.num_query_groups} KV groups x {model.kv_channels}, vocab {model.vocab_size} "
+        f"(padded {model.padded_vocab_size(t)}), "
+        f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings",
+        f"parallel  TP {t} x PP {p} x DP {d} = {parallel.world_size} GPUs"
+        f"{', sequence parallel' if parallel.sequence_parallel else ''}; distributed optimizer "
+        f"(ZeRO-1); stage {dense.stage} of {p} is the most loaded "
+        f"({dense.num_parameters / 1e9:.3f} B params/GPU)"
+        + (" ; virtual stages ignored" if parallel.virtual_pipeline_model_parallel_size else ""),
+        f"step      {step.precision}, {'fp32' if step.grad_bytes == 4 else 'bf16'} grads, micro-batch "
+        f"{step.micro_batch_size} x {step.seq_length} tokens, recompute {_recompute(step)}, "
+        f"reference model {'on' if step.reference_model else 'off'}"
+        + (f" (log-prob micro-batch {step.log_prob_rows})" if step.reference_model else "")
+        + (
+            f", KL probe {step.kl_probe_sequences} seqs ({step.kl_estimator})"
+            if step.kl_probe_sequences
+            else ""
+        ),
+        f"rollout   {step.rollout_batch_size} seqs per replica, {step.rollout_engine} engine, "
+        f"KV cache of {step.rollout_kv_tokens} tokens ({step.rollout_rows} rows at once"
+        + (
+            f", --inference-max-tokens {step.inference_max_tokens})"
+            if step.inference_max_tokens
+            else ")"
+        ),
+        "",
+    ]
+    mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
+    header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
+    header += f"{f'LoGRA r={step.loggra_rank}' + mark['loggra']:>20}{'LoGRA - Adam':>14}"
+    lines += [header, "-" * len(header)]
+    gdt = "fp32" if step.grad_bytes == 4 else "bf16"
+    suffix = {"weights": f" ({pdt})", "grads": f" ({gdt})"}
+    suffix["reference_model"] = f" ({pdt})"
+    suffix["optimizer_state"] = " (/DP)" if d > 1 else ""
+    suffix["master_params"] = " (/DP)" if d > 1 else ""
+
+    def row(label, a, b):
+        diff = f"{(b - a) / GiB:+.2f}" if a != b else ""
+        return f"{label:<28}{_gib(a):>20}{_gib(b):>20}{diff:>14}".rstrip()
+
+    dt, lt = dense.terms(), loggra.terms()
+    for key in MemoryBreakdown.STATIC:
+        if dt[key] or lt[key]:
+            lines.append(row(LABELS[key] + suffix.get(key, ""), dt[key], lt[key]))
+    lines.append(row("  static", dense.static_bytes, loggra.static_bytes))
+    dp_, lp_ = dense.phases(), loggra.phases()
+    for phase, keys in MemoryBreakdown.PHASES.items():
+        for key in keys:
+            if dt[key] or lt[key]:
+                lines.append(row(LABELS[key], dt[key], lt[key]))
+        if len(keys) > 1 and (dp_[phase] or lp_[phase]):
+            lines.append(row(f"  {phase}", dp_[phase], lp_[phase]))
+    lines.append(f"{'peak phase':<28}{dense.peak_phase:>20}{loggra.peak_phase:>20}")
+    lines.append("-" * len(header))
+    saved = 100.0 * (dense.total_bytes - loggra.total_bytes) / dense.total_bytes
+    lines.append(
+        row("TOTAL per GPU", dense.total_bytes, loggra.total_bytes) + f"  ({saved:.1f}% saved)"
+    )
+
+    def verdict(b: MemoryBreakdown) -> str:
+        left = (gpu_bytes - b.total_bytes) / GiB
+        return f"yes ({left:.2f} free)" if left >= 0 else f"NO (over by {-left:.2f})"
+
+    gb = gpu_bytes / GiB
+    lines.append(f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}")
+    cap = {k: max_rollout_batch_size(model, parallel, steps[k], gpu_bytes) for k in mark}
+    cap_s = {k: "none" if v is None else str(v) for k, v in cap.items()}
+    lines.append(f"{'max rollout rows at once':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
+    budget = {k: "none" if v is None else str(v * step.seq_length) for k, v in cap.items()}
+    lines.append(f"{'  = KV budget (tokens)':<28}{budget['adam']:>20}{budget['loggra']:>20}")
+    return "\n".join(lines)
+
+
+def _recompute(step: RLStepConfig) -> str:
+    if step.recompute_granularity != "full":
+        return step.recompute_granularity
+    return f"full ({step.recompute_method}, {step.recompute_num_layers} layers)"
