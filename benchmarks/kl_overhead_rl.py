@@ -1,0 +1,105 @@
+"""Predicted-KL control's cost in a whole RL run: the tiny CPU example with and without
+``--kl-target``, side by side in one invocation.
+
+    python benchmarks/kl_overhead_rl.py                       # 3 repeats each, 30 RL steps
+    python benchmarks/kl_overhead_rl.py --repeats 5 --json out.json
+
+Each repeat runs ``examples/tiny_cpu/run.sh``'s ``pretrain_rl.py`` command (2 processes,
+its tokenizer, its 200-step supervised warm-up, then ``--train-iters`` GRPO steps with
+LoGRA), once as the example has it (``--kl-target 0.02``) and once without ``--kl-target``,
+alternating so that machine noise hits both alike. Reported, over the RL steps after the
+first ``--skip`` (warm-up of caches and allocator):
+
+* tokens/s: the median over steps of ``throughput/tokens_per_s`` in each run, then the
+  median over the repeats, and the ratio controlled / plain;
+* the controller's share of a step: ``time/kl_control_s / time/step_s`` per step (median and
+  90th percentile over all controlled steps), which is independent of the VM's run-to-run
+  noise (about 10 % here);
+* the controller's honesty on the same steps: how many were scaled (η < 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+EXAMPLE = [
+    "--task", "arithmetic", "--num-tasks", "20000", "--task-digits", "1",
+    "--task-operators", "+-", "--num-layers", "4", "--hidden-size", "128",
+    "--num-attention-heads", "4", "--seq-length", "64", "--bf16", "--sft-iters", "200",
+    "--sft-lr", "3e-3", "--prompts-per-step", "16", "--num-generations", "8",
+    "--max-new-tokens", "16", "--global-batch-size", "64", "--micro-batch-size", "32",
+    "--lr", "1e-4", "--lr-warmup-iters", "5", "--optimizer", "loggra", "--loggra-rank", "16",
+    "--loggra-min-dim", "32", "--loggra-update-interval", "50", "--kl-coef", "0.01",
+    "--kl-ref-estimator", "k3",
+]  # fmt: skip
+"""``examples/tiny_cpu/run.sh``'s flags, less ``--kl-target``, ``--train-iters`` and saving."""
+
+
+def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[str]) -> list:
+    out = os.path.join(workdir, name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(ROOT, "pretrain_rl.py"), "--tokenizer-model", tokenizer, *EXAMPLE,
+           "--train-iters", str(train_iters), "--output-dir", out, *extra]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    from loggra_megatron.metrics import read_metrics
+
+    return read_metrics(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--train-iters", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=3, help="first RL steps left out")
+    ap.add_argument("--kl-target", type=float, default=0.02)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kl_overhead_") as tmp:
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"),
+                        "--builtin-tasks", "20000", "--seed", "0", "--vocab-size", "256",
+                        "--output-prefix", os.path.join(tmp, "tok")], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        tok = os.path.join(tmp, "tok.model")
+        runs = {"plain": [], "controlled": []}
+        for i in range(args.repeats):
+            for name, extra in (("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])):
+                rows = run(tmp, tok, f"{name}{i}", args.train_iters, extra)[args.skip :]
+                runs[name].append(rows)
+                tps = statistics.median(r["throughput/tokens_per_s"] for r in rows)
+                print(f"repeat {i + 1} {name:10s}: {tps:8.0f} tokens/s", flush=True)
+    tps = {k: statistics.median(statistics.median(r["throughput/tokens_per_s"] for r in rows)
+                                for rows in v) for k, v in runs.items()}  # fmt: skip
+    shares = sorted(r["time/kl_control_s"] / r["time/step_s"]
+                    for rows in runs["controlled"] for r in rows)  # fmt: skip
+    scaled = [r["kl/step_scale"] < 1 for rows in runs["controlled"] for r in rows]
+    result = {
+        "tokens_per_s": tps, "ratio": tps["controlled"] / tps["plain"],
+        "kl_control_share_median": statistics.median(shares),
+        "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
+        "scaled_steps": sum(scaled) / len(scaled), "steps": len(shares),
+        "repeats": args.repeats, "train_iters": args.train_iters, "skip": args.skip,
+    }  # fmt: skip
+    print(f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
+          f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
+          f"(ratio {result['ratio']:.3f}, {100 * (1 - result['ratio']):+.1f} % cost)")
+    print(f"time/kl_control_s / time/step_s over {len(shares)} steps: median "
+          f"{100 * result['kl_control_share_median']:.1f} %, p90 "
+          f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
+          f"{100 * result['scaled_steps']:.0f} %")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
