@@ -67,3 +67,28 @@ def test_memory_rl_counts_megatrons_fp32_grad_copies_and_loggras_one_weight():
     assert loggra["step_grads"] == 4 * max(v * h, 2 * f * h)  # the largest weight, alone
     assert loggra["state"] < dense["state"]
     assert loggra["peak"] < dense["peak"]
+
+
+def test_bench_rollout_smoke(tmp_path):
+    """``benchmarks/bench_rollout.py`` at a tiny size (greedy, whole batch vs 1/2 of its KV
+    tokens): both variants in the JSON, positive rates, the budget halves the KV cache and
+    the chunked greedy tokens equal the whole batch's."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rollout.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rollout.py"), "--model",
+           "tiny", "--rows", "4", "--prompt-min", "2", "--prompt-max", "5", "--max-new-tokens",
+           "3", "--repeats", "1", "--fractions", "2", "--modes", "greedy", "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"old", "new 1/2"}
+    for r in results.values():
+        assert r["mode"] == "greedy" and r["generated_tokens"] == 4 * 3
+        assert r["tokens_per_s"] > 0 and r["median_seconds"] > 0 and r["kv_bytes"] > 0
+        assert r["peak_bytes"] >= 0 and r["rss_before_bytes"] > 0
+        assert r["tokens_identical_to_old"]
+    old, new = results["old"], results["new 1/2"]
+    assert old["max_tokens"] is None and old["rows_per_chunk"] == 4
+    assert new["rows_per_chunk"] == 2 and new["kv_bytes"] <= old["kv_bytes"] / 2
