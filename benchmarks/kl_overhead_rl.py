@@ -7,7 +7,7 @@
 Each repeat runs ``examples/tiny_cpu/run.sh``'s ``pretrain_rl.py`` command (2 processes,
 its tokenizer, its 200-step supervised warm-up, then ``--train-iters`` GRPO steps with
 LoGRA), once as the example has it (``--kl-target 0.02``) and once without ``--kl-target``,
-alternating so that machine noise hits both alike. Reported, over the RL steps after the
+alternating in ABBA order so that machine noise and drift hit both alike. Reported, over the RL steps after the
 first ``--skip`` (warm-up of caches and allocator):
 
 * tokens/s: the median over steps of ``throughput/tokens_per_s`` in each run, then the
@@ -15,7 +15,10 @@ first ``--skip`` (warm-up of caches and allocator):
 * the controller's share of a step: ``time/kl_control_s / time/step_s`` per step (median and
   90th percentile over all controlled steps), which is independent of the VM's run-to-run
   noise (about 10 % here);
-* the controller's honesty on the same steps: how many were scaled (η < 1).
+* the controller's honesty on the same steps: how many were scaled (η < 1);
+* the median seconds per step of the rollout, the training phase (which contains the
+  controller) and the whole step, per arm: the rollout does the same work in both arms, so
+  its difference is the machine's noise.
 """
 
 from __future__ import annotations
@@ -71,19 +74,25 @@ def main() -> None:
                        stdout=subprocess.DEVNULL)  # fmt: skip
         tok = os.path.join(tmp, "tok.model")
         runs = {"plain": [], "controlled": []}
-        for i in range(args.repeats):
-            for name, extra in (("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])):
+        arms = [("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])]
+        for i in range(args.repeats):  # ABBA: each arm goes first in every other repeat
+            for name, extra in arms if i % 2 == 0 else arms[::-1]:
                 rows = run(tmp, tok, f"{name}{i}", args.train_iters, extra)[args.skip :]
                 runs[name].append(rows)
                 tps = statistics.median(r["throughput/tokens_per_s"] for r in rows)
                 print(f"repeat {i + 1} {name:10s}: {tps:8.0f} tokens/s", flush=True)
     tps = {k: statistics.median(statistics.median(r["throughput/tokens_per_s"] for r in rows)
                                 for rows in v) for k, v in runs.items()}  # fmt: skip
+    phases = {  # median over all kept steps: where the time (and the noise) goes
+        k: {key: statistics.median(r[key] for rows in v for r in rows)
+            for key in ("time/rollout_s", "time/train_s", "time/step_s")}
+        for k, v in runs.items()
+    }  # fmt: skip
     shares = sorted(r["time/kl_control_s"] / r["time/step_s"]
                     for rows in runs["controlled"] for r in rows)  # fmt: skip
     scaled = [r["kl/step_scale"] < 1 for rows in runs["controlled"] for r in rows]
     result = {
-        "tokens_per_s": tps, "ratio": tps["controlled"] / tps["plain"],
+        "tokens_per_s": tps, "ratio": tps["controlled"] / tps["plain"], "phases_s": phases,
         "kl_control_share_median": statistics.median(shares),
         "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
         "scaled_steps": sum(scaled) / len(scaled), "steps": len(shares),
@@ -96,6 +105,8 @@ def main() -> None:
           f"{100 * result['kl_control_share_median']:.1f} %, p90 "
           f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
           f"{100 * result['scaled_steps']:.0f} %")  # fmt: skip
+    for name, times in phases.items():
+        print(f"{name:10s} median s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

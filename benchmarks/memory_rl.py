@@ -1,26 +1,32 @@
-"""Peak memory of one RL training step, dense Adam vs LoGRA, measured side by side.
+"""Peak memory of one RL step, dense Adam vs LoGRA, each in its best setting, side by side.
 
-    python benchmarks/memory_rl.py                 # CPU: tensor accounting (below)
+    python benchmarks/memory_rl.py                 # CPU: tensor accounting + allocation events
     python benchmarks/memory_rl.py --device cuda   # GPU: torch.cuda.max_memory_allocated
     python benchmarks/memory_rl.py --device cuda --fp8 hybrid   # + Transformer Engine FP8
 
-One GRPO step of the same bf16 Megatron GPT policy (fp32 master weights and Megatron's
-distributed optimizer, DP = 1) and one micro-batch of forward + backward + optimizer
-step; the optimizer is the only difference. Four settings are measured, because they
-decide how large a share of the step the optimizer state is: grad buffers in fp32
-(Megatron's default) or bf16, and a frozen bf16 reference model resident (GRPO/PPO with
-a KL-to-reference term) or absent (``--kl-coef 0``, as in DAPO and Dr. GRPO).
+One RL step of the same bf16 Megatron GPT policy (Megatron's distributed optimizer, DP = 1):
+a **rollout** (``--rollout-rows`` prompts, ``--new-tokens`` tokens (default ``--seq``/2)
+sampled after each with the KV cache), the frozen reference's **log-probs** of those rows,
+and the **training** step (forward + backward of one micro-batch at a time + optimizer
+step); the optimizer and its memory settings are the only differences. Each optimizer is
+measured in every legal setting of the knobs that decide how large a share of the step its
+state is (grad buffers in fp32, Megatron's default, or bf16; for LoGRA also fp32 master
+weights or bf16 weights + int16 remainders, ``--loggra-param-remainders``), with the
+reference model resident (GRPO/PPO with a KL-to-reference term) or absent (``--kl-coef 0``:
+DAPO, Dr. GRPO); the summary compares **best with best** for each reference setting.
 
-Accounting on CPU (no allocator statistics there): the peak of a step is taken as the
-persistent tensors (policy weights, grad buffers, fp32 masters, optimizer state, reference
-weights; each storage counted once) plus the activations autograd saves for backward
-during the step (``saved_tensors_hooks``; storages already counted, such as the weights
-that linear layers save, are not counted again), all alive at the end of the forward,
-or, if larger, the fp32 main-param gradients that Megatron's optimizer creates when it
-steps (copies of bf16 grad buffers; free with fp32 buffers, which they view; LoGRA
-converts bf16 shards one weight at a time, so it counts its largest conversion). Other
-transients (inside the optimizer step, of the no-grad reference forward) and allocator
-caching are not included; the GPU path uses the allocator's own peak instead.
+Accounting on CPU (no allocator statistics there): the peak of a step is the persistent
+tensors (policy weights, grad buffers, fp32 masters or remainders, optimizer state,
+reference weights; each storage counted once) plus the largest transient of the three
+phases. A phase's transient is the peak of the bytes it allocates and has not yet freed,
+from the CPU allocator's own events (``torch.profiler`` with ``profile_memory=True``:
+every allocation and free, temporaries inside ops included), leaving out what gloo
+allocates inside collectives (its CPU reduce-scatter clones the whole grad buffer; NCCL
+does not). One term of the training phase is also computed by tensor accounting, as a
+cross-check: the fp32 main-param gradients Megatron's optimizer creates (copies of bf16
+grad buffers; free with fp32 buffers, which they view; LoGRA converts bf16 shards one
+weight at a time, so it counts its largest conversion). Allocator caching is not
+included; the GPU path uses the allocator's own peak instead.
 
 Shape: a Llama-style model (hidden 512, 8 layers, short sequences, micro-batch 1), so that,
 as for a 27B policy with recompute at TP=8, the persistent per-parameter state dominates
@@ -30,8 +36,12 @@ the step rather than activations; rank = hidden/8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -45,18 +55,6 @@ def storage_bytes(tensors) -> int:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Records every tensor autograd saves for backward (the activations a step holds)."""
-
-    def __init__(self):
-        self.saved = []
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        self.saved.append(t)
-        return t
 
 
 class MainGrads:
@@ -86,7 +84,48 @@ class MainGrads:
         del self.inner.step  # back to the class's method
 
 
-def build(kind: str, args, bf16_grads: bool, with_reference: bool):
+class AllocationPeak:
+    """Peak bytes allocated and not yet freed during the block, from the CPU allocator's
+    events (``torch.profiler`` with ``profile_memory=True``: every allocation and free, with
+    its address and time). Blocks allocated inside a collective are left out, with their
+    frees: gloo's CPU reduce-scatter clones the whole grad buffer, which NCCL does not; so
+    are frees of blocks allocated before the block."""
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self.profile.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        collectives = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
+                       and e.get("name", "").startswith(("c10d::", "gloo:"))]  # fmt: skip
+        memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+        live = self.peak = 0
+        seen, left_out = set(), set()
+        for e in memory:
+            nbytes, addr = e["args"]["Bytes"], e["args"]["Addr"]
+            if nbytes > 0 and any(lo <= e["ts"] <= hi for lo, hi in collectives):
+                left_out.add(addr)
+            elif nbytes > 0:
+                seen.add(addr)
+                live += nbytes
+                self.peak = max(self.peak, live)
+            elif addr in seen:
+                seen.discard(addr)
+                live += nbytes
+            else:
+                left_out.discard(addr)
+
+
+def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: bool = False):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
@@ -103,23 +142,33 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool):
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
     config = LoGRAOptimizerConfig(
-        **base, loggra_rank=args.hidden // 8, loggra_fp32_grad_copy=args.loggra_fp32_grad_copy
-    )
+        **base, loggra_rank=args.hidden // 8, loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+        loggra_param_remainders=remainders,
+    )  # fmt: skip
     return policy, reference, get_loggra_optimizer(config, [policy])
 
 
-def one_rl_step(policy, reference, optimizer, tokens) -> None:
-    """Reference log-probs, then forward + backward of the policy and the optimizer step."""
-    from loggra_megatron.rollout import compute_log_probs
+PHASES = ("rollout", "log_probs", "training")
+
+
+def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.nullcontext):
+    """Rollout (KV-cached sampling), the reference's log-probs, then forward + backward of
+    the policy (one micro-batch at a time) and the optimizer step. ``phase(name)`` wraps
+    each phase."""
+    from loggra_megatron.rollout import compute_log_probs, generate_rollout
     from loggra_megatron.testing import train_step
 
-    if reference is not None:
-        compute_log_probs(reference, tokens)
-    train_step(policy, optimizer, tokens)
+    with phase("rollout"):
+        generate_rollout(policy, prompts, max_new_tokens=tokens.shape[1] - 1 - prompts.shape[1])
+    with phase("log_probs"):
+        if reference is not None:
+            compute_log_probs(reference, tokens, micro_batch_size=1)
+    with phase("training"):
+        train_step(policy, optimizer, tokens, num_microbatches=tokens.shape[0])
 
 
 def persistent_tensors(policy, reference, optimizer):
-    """Weights, grad buffers, fp32 masters, optimizer state and the reference model."""
+    """Weights, grad buffers, fp32 masters (or remainders), optimizer state, reference."""
     yield from policy.parameters()
     yield from reference.parameters() if reference is not None else ()
     for buffer in policy.buffers:
@@ -130,55 +179,70 @@ def persistent_tensors(policy, reference, optimizer):
         yield from group["params"]
     for state in optimizer.optimizer.state.values():
         yield from state.values()
+    yield from getattr(optimizer.optimizer, "param_remainders", {}).values()
 
 
-def measure(kind: str, args, bf16_grads: bool, with_reference: bool) -> dict:
+def measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders=False) -> dict:
     """Build, measure, and free (so that the next measurement starts from nothing)."""
     try:
-        return _measure(kind, args, bf16_grads, with_reference)
+        return _measure(kind, args, bf16_grads, with_reference, remainders)
     finally:
         gc.collect()  # Megatron's DDP hooks form reference cycles
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
 
-def _measure(kind: str, args, bf16_grads: bool, with_reference: bool) -> dict:
+def _measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: bool) -> dict:
     from loggra_megatron.optim import state_bytes
 
-    policy, reference, optimizer = build(kind, args, bf16_grads, with_reference)
+    policy, reference, optimizer = build(kind, args, bf16_grads, with_reference, remainders)
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab, (1, args.seq + 1), generator=gen).to(args.device)
-    one_rl_step(policy, reference, optimizer, tokens)  # allocate the optimizer state
+    rows, prompt = args.rollout_rows, args.seq - args.new_tokens
+    tokens = torch.randint(0, args.vocab, (rows, args.seq + 1), generator=gen).to(args.device)
+    prompts = tokens[:, :prompt]
+    step = lambda **kw: one_rl_step(policy, reference, optimizer, prompts, tokens, **kw)  # noqa: E731
+    step()  # allocate the optimizer state
     times = []
     for _ in range(args.timed_steps):
         t0 = time.perf_counter()
-        one_rl_step(policy, reference, optimizer, tokens)
+        step()
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     result = {"state": state_bytes(optimizer), "step_s": statistics.median(times)}
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        one_rl_step(policy, reference, optimizer, tokens)
+        step()
         return {**result, "peak": torch.cuda.max_memory_allocated()}
-    activations, main_grads = SavedActivations(), MainGrads(optimizer)
-    with activations, main_grads:
-        one_rl_step(policy, reference, optimizer, tokens)
+    peaks = {}
+
+    @contextlib.contextmanager
+    def phase(name):
+        gc.collect()
+        with AllocationPeak() as allocated:
+            yield
+        peaks[name] = allocated.peak
+
+    main_grads = MainGrads(optimizer)
+    with main_grads:
+        step(phase=phase)
     persistent = list(persistent_tensors(policy, reference, optimizer))
     base = storage_bytes(persistent)
-    saved = storage_bytes(persistent + activations.saved) - base  # weights are saved too
     step_grads = storage_bytes(persistent + main_grads.grads) - base
     step_grads += main_grads.largest_converted
-    return {**result, "activations": saved, "step_grads": step_grads,
-            "peak": base + max(saved, step_grads)}  # fmt: skip
+    return {**result, "persistent": base, **peaks, "step_grads": step_grads,
+            "peak": base + max(peaks.values())}  # fmt: skip
 
 
-SETTINGS = (  # (grad buffers in bf16, frozen reference model resident)
-    (False, True),  # Megatron's default fp32 grads; GRPO/PPO with a KL-to-reference term
-    (True, True),  # bf16 grad buffers (pretrain_rl.py --grad-reduce-in-bf16)
-    (False, False),  # --kl-coef 0 (DAPO / Dr. GRPO): no reference model at all
-    (True, False),
-)
+SETTINGS = {  # optimizer: its legal settings, (grad buffers in bf16, masters as remainders)
+    "dense": ((False, False), (True, False)),
+    "loggra": ((False, False), (True, False), (False, True), (True, True)),
+}
+
+
+def setting_name(kind: str, bf16_grads: bool, remainders: bool) -> str:
+    name = f"{'bf16' if bf16_grads else 'fp32'} grads"
+    return name + (", remainders" if remainders else (", fp32 masters" if kind == "loggra" else ""))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,16 +252,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=64, help="prompt + response tokens")
+    ap.add_argument("--new-tokens", type=int, help="response tokens (default: seq/2)")
+    ap.add_argument("--rollout-rows", type=int, default=8,
+                    help="sequences sampled at once (the KV cache) and trained on")  # fmt: skip
+    ap.add_argument("--reference", choices=["both", "yes", "no"], default="both",
+                    help="settings with the frozen reference model resident, absent, or both")  # fmt: skip
     ap.add_argument("--loggra-fp32-grad-copy", action="store_true",
                     help="ablation: let Megatron copy bf16 grads to fp32 for LoGRA too")  # fmt: skip
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--fp8", choices=["hybrid", "e4m3"],
                     help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)")  # fmt: skip
-    ap.add_argument("--timed-steps", type=int, default=3)
+    ap.add_argument("--timed-steps", type=int, default=2)
     args = ap.parse_args(argv)
     if args.fp8 and args.device != "cuda":
         ap.error("--fp8 needs --device cuda (a Hopper GPU with Transformer Engine)")
+    args.new_tokens = args.new_tokens or args.seq // 2
+    if not 0 < args.new_tokens < args.seq:
+        ap.error(f"--new-tokens: must be in [1, --seq {args.seq})")
     return args
 
 
@@ -208,26 +280,37 @@ def main() -> None:
     initialize_megatron(device=args.device)
     gib = 2**30
     print(f"# memory_rl: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, vocab "
-          f"{args.vocab}, seq {args.seq}, micro-batch 1, bf16 + fp32 masters, LoGRA rank "
-          f"{args.hidden // 8}, "
+          f"{args.vocab}, rollout {args.rollout_rows} x ({args.seq - args.new_tokens} + {args.new_tokens})"
+          f" tokens, micro-batch 1, bf16, LoGRA rank {args.hidden // 8}, "
           f"{f'FP8 {args.fp8}, ' if args.fp8 else ''}"
           f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}{args.device}")  # fmt: skip
-    print("\n| grads | reference | GiB | dense Adam | LoGRA | LoGRA / dense | saved |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for bf16_grads, with_reference in SETTINGS:
-        dense = measure("dense", args, bf16_grads, with_reference)
-        loggra = measure("loggra", args, bf16_grads, with_reference)
-        setting = f"| {'bf16' if bf16_grads else 'fp32'} | {'yes' if with_reference else 'no'} "
-        rows = (("state", "optimizer state"), ("activations", "saved activations"),
-                ("step_grads", "fp32 main grads (optimizer phase)"),
-                ("peak", "**peak step memory**"))  # fmt: skip
-        for key, name in rows:
-            if key in dense:
-                d, g = dense[key] / gib, loggra[key] / gib
-                ratio = f"{g / d:.3f} | {100 * (1 - g / d):.1f} %" if d else "– | –"
-                print(f"{setting}| {name} | {d:.3f} | {g:.3f} | {ratio} |")
-        d, g = dense["step_s"], loggra["step_s"]  # median of --timed-steps
-        print(f"{setting}| step time (s) | {d:.3f} | {g:.3f} | {g / d:.2f} | – |")
+    columns = [("state", "optimizer state"), ("persistent", "persistent"),
+               *((p, f"{p} phase") for p in PHASES), ("step_grads", "fp32 main grads"),
+               ("peak", "**peak**")]  # fmt: skip
+    if args.device == "cuda":
+        columns = [("state", "optimizer state"), ("peak", "**peak**")]
+    print(f"\n| optimizer | setting | reference | {' | '.join(n for _, n in columns)} | step (s) |")
+    print("|---|---|---|" + "---:|" * (len(columns) + 1))
+    best = {}
+    references = {"both": (True, False), "yes": (True,), "no": (False,)}[args.reference]
+    for with_reference in references:
+        for kind, settings in SETTINGS.items():
+            for bf16_grads, remainders in settings:
+                r = measure(kind, args, bf16_grads, with_reference, remainders)
+                name = setting_name(kind, bf16_grads, remainders)
+                cells = " | ".join(f"{r[key] / gib:.3f}" for key, _ in columns)
+                print(f"| {kind} | {name} | {'yes' if with_reference else 'no'} | {cells} | "
+                      f"{r['step_s']:.3f} |", flush=True)  # fmt: skip
+                key = (kind, with_reference)
+                if key not in best or r["peak"] < best[key][1]["peak"]:
+                    best[key] = (name, r)
+    print("\n| reference | dense Adam's best (GiB) | LoGRA's best (GiB) | LoGRA / dense | saved |")
+    print("|---|---|---|---:|---:|")
+    for with_reference in references:
+        (dn, d), (gn, g) = best[("dense", with_reference)], best[("loggra", with_reference)]
+        ratio = g["peak"] / d["peak"]
+        print(f"| {'yes' if with_reference else 'no'} | {d['peak'] / gib:.3f} ({dn}) | "
+              f"{g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |")  # fmt: skip
 
 
 if __name__ == "__main__":

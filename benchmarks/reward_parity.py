@@ -32,6 +32,8 @@ CONFIGS = {
     "LoGRA + KL control": [*LOGRA, "--kl-target", "{kl_target}"],
     "GaLore-style svd": [*LOGRA, "--loggra-projection", "svd"],
     "LoGRA, bf16 grads": [*LOGRA, "--grad-reduce-in-bf16"],  # the 45 %-memory setting
+    # + masters as bf16 weights and int16 remainders: the best-memory setting
+    "LoGRA, bf16 grads, remainders": [*LOGRA, "--grad-reduce-in-bf16", "--loggra-param-remainders"],
     # stress: 10x the learning rate, with and without the controller
     "dense Adam, lr 1e-3": ["--optimizer", "adam", "--lr", "1e-3"],
     "LoGRA, lr 1e-3": [*LOGRA, "--lr", "1e-3"],

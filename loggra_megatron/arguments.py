@@ -191,6 +191,15 @@ def _cross_section_problems(cfg: RunConfig):
         yield f"--min-lr: {opt.min_lr} is above --lr {opt.lr}"
     if opt.grad_reduce_in_bf16 and not m.bf16:
         yield "--grad-reduce-in-bf16: bf16 gradients need --bf16 parameters"
+    if lg.loggra_param_remainders:
+        if not OPTIMIZERS[opt.optimizer].sketched:
+            yield "--loggra-param-remainders: applies to --optimizer loggra"
+        elif not (m.bf16 and opt.use_distributed_optimizer):
+            yield ("--loggra-param-remainders: keeps the fp32 masters of bf16 weights in the "
+                   "distributed optimizer; needs --bf16 and --use-distributed-optimizer")  # fmt: skip
+        elif lg.loggra_fp32_grad_copy:
+            yield ("--loggra-param-remainders: the masters are bf16 weights + remainders, "
+                   "which take no fp32 gradient copy; drop --loggra-fp32-grad-copy")  # fmt: skip
     if t.global_batch_size % (t.micro_batch_size * dp):
         yield (f"--global-batch-size: {t.global_batch_size} must be a multiple of "
                f"--micro-batch-size × data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip

@@ -106,7 +106,7 @@ METRIC_KEYS: dict[str, str] = {
     "throughput/rollout_tokens_per_s": "generated tokens per second of generation, summed "
     "over the DP ranks (they generate side by side)",
     "time/train_s": "wall time of forward/backward and the optimizer step, seconds",
-    "time/kl_control_s": "wall time of predicted-KL control (probe forwards), seconds",
+    "time/kl_control_s": "wall time of predicted-KL control, summed over the step's updates, seconds",
     "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "
     "second of step time",
     "lr": "learning rate of the step (before the η scaling)",

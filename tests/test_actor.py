@@ -105,3 +105,29 @@ def test_sequence_multiple():
     assert sequence_multiple(cfg(tp=8, fp8="hybrid")) == 16
     assert sequence_multiple(cfg(sp=True, tp=3, fp8="hybrid")) == 48
     assert fp8_alignment(cfg(fp8="e4m3", recipe="Fp8Recipe.mxfp8")) == 32
+
+
+def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
+    """With 2 optimizer updates per RL step, ``time/kl_control_s`` adds up (it is compared
+    with ``time/step_s``), skipped steps are counted, and the rest are means."""
+    from types import SimpleNamespace
+
+    from loggra_megatron.rl.actor import Actor
+
+    per_update = iter([{"time/kl_control_s": 0.25, "kl/step_scale": 1.0, "optimizer/skipped_steps": 0.0},
+                       {"time/kl_control_s": 0.5, "kl/step_scale": 0.5, "optimizer/skipped_steps": 1.0}])  # fmt: skip
+    class Step:
+        reference_collector = staticmethod(lambda n: None)
+
+        def __call__(self, mini, reference):
+            return next(per_update)
+
+    actor = Actor(None, None, Step(), None, SimpleNamespace(micro_batch_size=1, global_batch_size=4))
+    actor.train_on = lambda mini, loss_fn: [{"loss/total": 1.0}]
+    batch = _grpo_batch()
+    grpo = SimpleNamespace(ppo_epochs=1, kl_ref_estimator="k3", clip_low=0.2, clip_high=0.2,
+                           loss_aggregation="token_mean")  # fmt: skip
+    metrics = actor.update_policy(batch, grpo, SEQ, 0.0)  # 8 sequences, 4 per update
+    assert metrics["time/kl_control_s"] == 0.75
+    assert metrics["optimizer/skipped_steps"] == 1.0
+    assert metrics["kl/step_scale"] == 0.75

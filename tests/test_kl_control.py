@@ -293,19 +293,28 @@ def _kept_vs_probe_forward(rank, estimator):
     keep = ctl.reference_collector(len(tokens))
     forward_backward(ddp, opt, split_micro(batch, 1), keep.wrap(loss_fn), dp=2)
     kept = keep.result()
-    probe, _ = ctl.config.probe_split(len(tokens))
-    own = ctl.as_reference(ctl.forward((tokens[probe], mask[probe])))
+    _, holdout = ctl.config.probe_split(len(tokens))  # kl/realized is due: probe + held-out
+    own = ctl.as_reference(ctl.forward((tokens[: holdout.stop], mask[: holdout.stop])))
+    forwards = []
+    ctl.forward = lambda batch: forwards.append(len(batch[0])) or forward(batch)
     result = ctl.step_minibatch(tokens, mask, reference=kept)
-    return kept, own, result.metrics
+    return kept, own, result.metrics, forwards, holdout
 
 
 @pytest.mark.parametrize("estimator", ["k3", "full"])
 def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator):
-    """Predicted-KL control without its own reference forward: the training forward's
-    logits (or their log-probs) of the probe rows equal what the probe forward computes
-    (for k3 in micro-batches of one row, returning log-probs only), and the controller
-    steps with them (here scaling the step to a tiny target)."""
-    for kept, own, metrics in run_distributed(_kept_vs_probe_forward, 2, estimator):
+    """Predicted-KL control without its own reference forwards: the training forward's
+    logits (or their log-probs) of the probe and held-out rows equal what the probe forward
+    computes (for k3 in micro-batches of one row, returning log-probs only), and the
+    controller steps with them (here scaling the step to a tiny target): its only forwards
+    are the candidates' on the probe and the realized KL's on the held-out rows."""
+    results = run_distributed(_kept_vs_probe_forward, 2, estimator)
+    for kept, own, metrics, forwards, holdout in results:
+        probe_rows, held_rows = holdout.start, holdout.stop - holdout.start
+        assert forwards[-1] == held_rows and set(forwards[:-1]) == {probe_rows}
+        # η = 1, the scaled η and its backtracks, then the realized KL: no reference forward
+        assert len(forwards) == 3 + metrics["kl/backtracks"]
+        assert metrics["kl/realized"] >= 0
         assert kept.logits.shape == own.logits.shape
         assert kept.logits.ndim == (3 if estimator == "full" else 2)
         torch.testing.assert_close(kept.logits, own.logits, atol=1e-6, rtol=0)

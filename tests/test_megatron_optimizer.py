@@ -7,7 +7,13 @@ fall in the middle of a row, which is the hard case for exact DP sharding.
 import pytest
 import torch
 
-from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
+from loggra_megatron.testing import (
+    run_distributed,
+    tiny_bf16_gpt_model,
+    tiny_gpt_model,
+    train_step,
+    wrap_ddp,
+)
 
 HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
 TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -258,13 +264,7 @@ def test_config_rejects_bad_loggra_fields():
 
 def _bf16_model():
     """The tiny model in bf16 (norms included), wrapped in Megatron's Float16Module."""
-    model = tiny_gpt_model(
-        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
-        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-    )  # fmt: skip
-    model.bfloat16()
-    return model
+    return tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
 
 
 def _bf16_identity_vs_dense(rank, kind):

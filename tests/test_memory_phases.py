@@ -183,6 +183,28 @@ def test_loggra_fp32_grad_copy_and_no_distributed_optimizer():
     assert plain.master_params == master_param_bytes(params, 1) > zero1.master_params
 
 
+def test_masters_as_remainders_and_the_kl_trial_backup():
+    """--loggra-param-remainders halves LoGRA's masters (2 bytes per element of the DP shard,
+    as ShardedLoGRAAdamW's int16 remainders; tests/test_param_remainders.py checks the real
+    bytes) and adds the bf16 weight backup to the KL-control phase; dense Adam's masters
+    halve only with Megatron's precision-aware optimizer (bf16 moments)."""
+    model, par = TransformerShape(**SMALL), ParallelConfig(data_parallel_size=2)
+    params = stage_parameters(model, par, 0)
+    shard = sum(-(-p.numel // 2) for p in params)
+    step = RLStepConfig(seq_length=8, runtime_overhead_bytes=0, kl_probe_sequences=1)
+    rem = dataclasses.replace(step, loggra_param_remainders=True)
+    base, halved = (estimate_rl_step_memory(model, par, s) for s in (step, rem))
+    assert base.master_params == 4 * shard and halved.master_params == 2 * shard
+    assert base.kl_weight_backup == 0 and halved.kl_weight_backup == 2 * shard
+    assert halved.phases()["kl control"] == base.phases()["kl control"] + 2 * shard
+    no_probe = dataclasses.replace(rem, kl_probe_sequences=0)
+    assert estimate_rl_step_memory(model, par, no_probe).kl_weight_backup == 0
+    dense = dataclasses.replace(rem, optimizer="adam")
+    assert estimate_rl_step_memory(model, par, dense).master_params == 4 * shard
+    aware = dataclasses.replace(dense, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    assert estimate_rl_step_memory(model, par, aware).master_params == 2 * shard
+
+
 def _cli_json(capsys, argv):
     assert _cli_module().main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -218,6 +240,9 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     # --grad-reduce-in-bf16 = bf16 grad buffers; without --kl-target no probe
     bf16 = _cli_json(capsys, [*EXAMPLE_LIKE[:-6], "--grad-reduce-in-bf16"])["loggra"]
     assert bf16["grads"] == pytest.approx(res["grads"] / 2) and bf16["kl_probe_logits"] == 0
+    rem = _cli_json(capsys, [*EXAMPLE_LIKE, "--loggra-param-remainders"])
+    assert rem["loggra"]["master_params"] == pytest.approx(res["master_params"] / 2)
+    assert rem["adam"]["master_params"] == pytest.approx(res["master_params"])
     more = _cli_json(capsys, [*EXAMPLE_LIKE, "--inference-max-tokens", "1048576"])["loggra"]
     assert more["kv_cache"] == pytest.approx(32.0)  # 64 rows of 16k: the whole batch
 

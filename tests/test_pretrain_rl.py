@@ -77,6 +77,11 @@ from loggra_megatron.metrics import METRIC_KEYS, read_metrics
         ({"rollout-engine": "paged"}, 1, "--rollout-engine"),
         ({"inference-max-tokens": 0}, 1, "--inference-max-tokens"),
         ({"log-prob-micro-batch-size": 0}, 1, "--log-prob-micro-batch-size"),
+        ({"loggra-param-remainders": True}, 1, "--loggra-param-remainders"),  # needs --bf16
+        ({"loggra-param-remainders": True, "bf16": True, "optimizer": "adam"}, 1,
+         "--loggra-param-remainders"),
+        ({"loggra-param-remainders": True, "bf16": True, "loggra-fp32-grad-copy": True}, 1,
+         "--loggra-param-remainders"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, flag, capsys):
@@ -175,12 +180,18 @@ def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(tokenizer
         assert b["throughput/rollout_tokens_per_s"] > 0 and b["time/rollout_s"] > 0
 
 
-@pytest.mark.parametrize("optimizer", ["loggra", "adam"])
-def test_resume_equals_uninterrupted(tokenizer, tmp_path, optimizer):
+@pytest.mark.parametrize(
+    ("optimizer", "memory"),
+    [("loggra", {}), ("adam", {}),
+     ("loggra", {"loggra-param-remainders": True, "grad-reduce-in-bf16": True})],
+    ids=["loggra", "adam", "loggra-remainders-bf16-grads"],
+)  # fmt: skip
+def test_resume_equals_uninterrupted(tokenizer, tmp_path, optimizer, memory):
     """DP=2 with KL control: save at step 2, resume, and every metric of steps 3-4 equals
-    the uninterrupted run's (dense Adam's distributed optimizer could not save before)."""
+    the uninterrupted run's (dense Adam's distributed optimizer could not save before;
+    with masters kept as remainders the weights are the masters' 16 upper bits)."""
     common = {"train-iters": 4, "bf16": True, "kl-coef": 0.01, "kl-target": 0.05,
-              "loggra-update-interval": 3, "optimizer": optimizer}  # fmt: skip
+              "loggra-update-interval": 3, "optimizer": optimizer, **memory}  # fmt: skip
     full = tmp_path / "full"
     torchrun(tiny_argv(tokenizer, **common, save=full))
     part = tmp_path / "part"

@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-reduce-in-bf16", action="store_true", help="= --main-grads-dtype bf16")
     s.add_argument("--loggra-fp32-grad-copy", action="store_true")
     s.add_argument(
+        "--loggra-param-remainders",
+        action="store_true",
+        help="LoGRA: fp32 masters as bf16 weights + int16 remainders (2 B instead of 4)",
+    )
+    s.add_argument(
         "--optimizer",
         choices=list(OPTIMIZERS),
         default="loggra",
@@ -153,7 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--loggra-rank", type=pos, default=128)
     s.add_argument("--loggra-min-dim", type=pos, default=64)
-    s.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32", help="Adam")
+    s.add_argument(
+        "--exp-avg-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dense Adam; bf16 = Megatron's --use-precision-aware-optimizer (TE FusedAdam, "
+        "which also keeps the masters as remainders)",
+    )
     s.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32", help="Adam")
     s.add_argument("--no-reference-model", action="store_true")
     s.add_argument(
@@ -325,6 +336,7 @@ def _step(args, parser, dp: int) -> RLStepConfig:
         exp_avg_dtype=args.exp_avg_dtype,
         exp_avg_sq_dtype=args.exp_avg_sq_dtype,
         loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+        loggra_param_remainders=args.loggra_param_remainders,
         distributed_optimizer=args.use_distributed_optimizer,
         reference_model=reference,
         recompute_granularity=recompute,

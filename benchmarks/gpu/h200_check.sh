@@ -173,7 +173,7 @@ PY
 
 rl dynamic
 SHAPE=(--device cuda --layers 16 --hidden 2048 --ffn 5632 --heads 16 --vocab 32000 --seq 2048
-       --timed-steps 2)
+       --new-tokens 64 --rollout-rows 8 --reference yes --timed-steps 1)
 SHAPE+=("${MEM_EXTRA[@]}")
 section memory_bf16 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}"
 grep -E '^(#|\||$)' "$WORK/logs/memory_bf16.log" >>"$RESULTS" 2>/dev/null

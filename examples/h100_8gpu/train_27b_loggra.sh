@@ -17,19 +17,20 @@
 #       --seq-length 16384 --max-new-tokens 15360 --rollout-engine auto \
 #       --inference-max-tokens 524288 --prompts-per-step 8 --num-generations 8 \
 #       --global-batch-size 64 --micro-batch-size 1 --log-prob-micro-batch-size 4 \
-#       --optimizer loggra --loggra-rank 128 --kl-target 0.01 --kl-estimator k3 \
-#       --kl-probe-fraction 0.125 --kl-coef 0.001
+#       --optimizer loggra --loggra-rank 128 --loggra-param-remainders --kl-target 0.01 \
+#       --kl-estimator k3 --kl-probe-fraction 0.125 --kl-coef 0.001
 #
-# prints (GiB per GPU): LoGRA r=128 69.54 total, "yes (9.56 free)" of the 79.1 GiB PyTorch
-# can allocate on an H100 80GB; dense Adam 92.01 ("NO (over by 12.91)"). Static 51.34 (LoGRA)
-# vs 73.82 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + fp32 masters
-# 12.57 + optimizer state 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00
-# runtime. Transient phases (one at a time): rollout 18.19 (the peak: KV cache 16.00 for 524288
-# tokens + prefill 2.16), KL control 9.46 (probe in micro-batches of 4 sequences: logits
-# 7.88 + activations 1.59), reference log-probs 9.46, training 3.64.
-# The same command without --inference-max-tokens prints a KV cache of 32.00 (all 64
-# sequences of 16k tokens at once) and LoGRA 87.73 ("NO"). tests/test_gpu_scripts.py re-runs
-# both on the flags of this file.
+# prints (GiB per GPU): LoGRA r=128 63.25 total, "yes (15.85 free)" of the 79.1 GiB PyTorch
+# can allocate on an H100 80GB; dense Adam 92.01 ("NO (over by 12.91)"). Static 45.06 (LoGRA)
+# vs 73.82 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + masters 6.29
+# (bf16 weights + int16 remainders, --loggra-param-remainders; dense 12.57) + optimizer state
+# 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime. Transient phases
+# (one at a time): rollout 18.19 (the peak: KV cache 16.00 for 524288 tokens + prefill 2.16),
+# KL control 15.75 (probe in micro-batches of 4 sequences: logits 7.88 + activations 1.59,
+# plus the 6.29 backup of the weights a trial overwrites), reference log-probs 9.46,
+# training 3.64. The same command without --inference-max-tokens prints a KV cache of 32.00
+# (all 64 sequences of 16k tokens at once) and LoGRA 81.44 ("NO"). tests/test_gpu_scripts.py
+# re-runs both on the flags of this file.
 # Not measured on GPUs yet: benchmarks/gpu/h200_check.sh is the first check.
 #
 # Inputs: a converted checkpoint (tools/convert_checkpoint.py --direction hf-to-megatron
@@ -57,7 +58,7 @@ torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --prompts-per-step 8 --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
     --log-prob-micro-batch-size 4 \
     --train-iters 500 --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0 \
-    --optimizer loggra --loggra-rank 128 --loggra-update-interval 200 \
+    --optimizer loggra --loggra-rank 128 --loggra-update-interval 200 --loggra-param-remainders \
     --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 \
     --kl-coef 0.001 --kl-ref-estimator k3 \
     --loss-aggregation token_mean --clip-low 0.2 --clip-high 0.28 \

@@ -166,6 +166,11 @@ class RLStepConfig:
     loggra_fp32_grad_copy: bool = False
     """With 16-bit grads: Megatron copies every grad shard to fp32 for LoGRA too
     (``--loggra-fp32-grad-copy``) instead of LoGRA converting one weight at a time."""
+    loggra_param_remainders: bool = False
+    """LoGRA keeps each 16-bit weight's fp32 master as the weight + an int16 remainder
+    (``--loggra-param-remainders``): 2 instead of 4 bytes per master element. Dense Adam
+    gets the same from Megatron's precision-aware optimizer (bf16 moments, whose
+    ``store_param_remainders`` is on by default)."""
     distributed_optimizer: bool = True
     """Megatron's ZeRO-1: master params and optimizer state split over DP."""
     reference_model: bool = True

@@ -42,6 +42,7 @@ __all__ = [
     "TransformerShape",
     "activation_bytes",
     "activation_bytes_per_layer",
+    "bytes_per_master",
     "estimate_rl_step_memory",
     "forward_activation_bytes",
     "grad_bytes",
@@ -165,9 +166,20 @@ def grad_bytes(params: list[ParamSpec], bytes_per_grad: int = 4) -> int:
     return bytes_per_grad * sum(s.numel for s in params)
 
 
-def master_param_bytes(params: list[ParamSpec], dp: int = 1) -> int:
-    """fp32 master params, each tensor's elements split over ``dp`` ranks."""
-    return 4 * sum(ceil_div(s.numel, dp) for s in params)
+def master_param_bytes(params: list[ParamSpec], dp: int = 1, bytes_per_master: int = 4) -> int:
+    """fp32 master params (or 2-byte remainders), each tensor's elements split over ``dp``
+    ranks."""
+    return bytes_per_master * sum(ceil_div(s.numel, dp) for s in params)
+
+
+def bytes_per_master(step: RLStepConfig) -> int:
+    """4 (fp32 masters), 2 (masters kept as the 16-bit weight + an int16 remainder: LoGRA's
+    ``--loggra-param-remainders``, Megatron's precision-aware optimizer) or 0 (fp32 model)."""
+    if step.precision == "fp32":
+        return 0
+    if OPTIMIZERS[step.optimizer].grads_per_weight:
+        return 2 if step.loggra_param_remainders else 4
+    return 2 if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype) else 4
 
 
 def is_sketched(spec: ParamSpec, min_dim: int = 64) -> bool:
@@ -234,6 +246,7 @@ class MemoryBreakdown:
     log_prob_activations: int = 0
     log_prob_logits: int = 0
     kl_probe_activations: int = 0
+    kl_weight_backup: int = 0
 
     STATIC = (
         "weights",
@@ -248,7 +261,7 @@ class MemoryBreakdown:
     ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations")
     LOG_PROBS = ("log_prob_activations", "log_prob_logits")
     TRAINING = ("activations", "logits")
-    KL_CONTROL = ("kl_probe_activations", "kl_probe_logits")
+    KL_CONTROL = ("kl_probe_activations", "kl_probe_logits", "kl_weight_backup")
     OPTIMIZER_STEP = ("main_grad_copies",)
     TRANSIENT = (*ROLLOUT, *LOG_PROBS, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
     PHASES = {
@@ -337,7 +350,7 @@ def _stage_breakdown(
         weights=weight_bytes(params, step.param_bytes),
         fp8_weight_cache=weight_bytes(linear, 2) if fp8 else 0,
         grads=grad_bytes(params, step.grad_bytes),
-        master_params=0 if step.precision == "fp32" else master_param_bytes(params, dp),
+        master_params=master_param_bytes(params, dp, bytes_per_master(step)),
         optimizer_state=optimizer_state_bytes(
             params,
             step.optimizer,
@@ -369,6 +382,10 @@ def _stage_breakdown(
             else logits_bytes(model, parallel, probe_rows * seq, copies=2)
         )
         if last
+        else 0,
+        # a trial overwrites the weights, which are half of each master with remainders
+        kl_weight_backup=2 * sum(ceil_div(p.numel, dp) for p in params)
+        if probe and bytes_per_master(step) == 2 and OPTIMIZERS[step.optimizer].grads_per_weight
         else 0,
         main_grad_copies=main_grad_copy_bytes(params, step, dp),
     )

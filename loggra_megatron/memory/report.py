@@ -8,6 +8,7 @@ from loggra_megatron.memory.model import (
     GiB,
     MemoryBreakdown,
     RLStepConfig,
+    bytes_per_master,
     max_rollout_batch_size,
     num_parameters,
 )
@@ -18,7 +19,7 @@ LABELS = {
     "weights": "weights",
     "fp8_weight_cache": "fp8 weight cache (TE)",
     "grads": "grads",
-    "master_params": "master params (fp32)",
+    "master_params": "masters",
     "optimizer_state": "optimizer state",
     "reference_model": "reference model",
     "reference_fp8_weight_cache": "reference fp8 cache (TE)",
@@ -32,6 +33,7 @@ LABELS = {
     "logits": "training: logits",
     "kl_probe_activations": "kl control: activations",
     "kl_probe_logits": "kl control: probe logits",
+    "kl_weight_backup": "kl control: weight backup",
     "main_grad_copies": "optimizer: fp32 grad copies",
 }
 
@@ -89,6 +91,10 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     suffix["reference_model"] = f" ({pdt})"
     suffix["optimizer_state"] = " (/DP)" if d > 1 else ""
     suffix["master_params"] = " (/DP)" if d > 1 else ""
+    masters = {bytes_per_master(steps[k]) for k in ("adam", "loggra")}
+    suffix["master_params"] += {frozenset({4}): " (fp32)", frozenset({2}): " (16-bit rem.)"}.get(
+        frozenset(masters), " (fp32 | rem.)"
+    )
 
     def row(label, a, b):
         diff = f"{(b - a) / GiB:+.2f}" if a != b else ""

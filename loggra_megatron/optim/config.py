@@ -85,6 +85,9 @@ class LoGRAConfig:
     loggra_fp32_grad_copy: bool = False
     """With --grad-reduce-in-bf16: let Megatron copy every gradient shard to fp32 before the
     step (4 bytes/param) instead of LoGRA converting one weight at a time."""
+    loggra_param_remainders: bool = False
+    """Keep each bf16 weight's fp32 master as the weight plus a 16-bit remainder (exact, 2
+    instead of 4 bytes/param; needs --bf16 and the distributed optimizer)."""
 
     def __post_init__(self):
         check_fields(self, [

@@ -37,6 +37,10 @@ depends only on row i of ``G``, so:
   optimizers hand this optimizer the bf16 shards instead (:meth:`ShardedLoGRAAdamW.
   set_model_grads`, with the clipping coefficient), and each one is converted to fp32
   when its weight comes up, so only one weight's fp32 gradient exists at a time.
+* **Master weights as remainders** (``param_remainders``): a bf16 shard param *is* the
+  model's weight and its fp32 master is that weight plus an int16 remainder
+  (:mod:`~loggra_megatron.optim.param_remainders`, exact); each weight's master is
+  rebuilt, updated and split back one weight at a time.
 * **Non-finite gradients** skip the whole step on every rank (one scalar all-reduce over
   the optimizer's grad-stats group), as Megatron does for fp16 overflow, so collectives
   and step counters never diverge.
@@ -46,8 +50,6 @@ element, which is how the integration is tested against Megatron's own Adam.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,82 +64,9 @@ from loggra_megatron.optim.loggra_adamw import (
     refreshed_state,
     validate_group,
 )
+from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.optim.projection import gaussian_test_matrix
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    """Where one sketched weight's optimizer shards live; identical on its DP ranks."""
-
-    shape: tuple[int, int]
-    """TP-local ``[m, n]`` of the model weight."""
-    rank: int
-    """Sketch rank r of this weight (already clamped)."""
-    seed: int
-    """Basis seed; equal on every DP and TP rank that shares the weight."""
-    dp_ranges: tuple[tuple[int, int], ...]
-    """Flat ``[start, end)`` of the weight held by each DP rank (``start == end``: none)."""
-    row_offset: int = 0
-    """Global row of local row 0 (``tp_rank·m`` for column-parallel weights)."""
-    global_rows: int = 0
-    """Rows of the Gaussian test matrix Ω (``tp·m`` column-parallel, else m); 0 means m."""
-    reduce_over_tp: bool = False
-    """Column-parallel: the basis is computed from the rows of all TP shards."""
-    glu_halves: bool = False
-    """Column-parallel gated FC1 (SwiGLU): each TP shard is ``[gate part; up part]``, so
-    local row j maps to global row ``t·m/2 + j`` (gate) or ``M/2 + t·m/2 + j − m/2`` (up)."""
-
-    @property
-    def omega_rows(self) -> int:
-        return self.global_rows or self.shape[0]
-
-    def global_row_index(self, lo: int, hi: int) -> torch.Tensor:
-        """Global (TP=1) row of each local row in ``[lo, hi)``: the rows of Ω to use."""
-        rows = torch.arange(lo, hi)
-        if not self.glu_halves:
-            return rows + self.row_offset
-        half, global_half = self.shape[0] // 2, self.omega_rows // 2
-        shard = self.row_offset // self.shape[0]
-        gate = rows < half
-        return torch.where(gate, shard * half + rows, global_half + shard * half + rows - half)
-
-    def touched_rows(self, dp_rank: int) -> tuple[int, int]:
-        start, end = self.dp_ranges[dp_rank]
-        n = self.shape[1]
-        return (start // n, -(-end // n)) if end > start else (0, 0)
-
-    def owned_rows(self, dp_rank: int) -> tuple[int, int]:
-        """Rows whose first element this rank holds (the owned rows partition W)."""
-        start, end = self.dp_ranges[dp_rank]
-        n = self.shape[1]
-        return (-(-start // n), -(-end // n)) if end > start else (0, 0)
-
-    def split_rows(self) -> list[int]:
-        """Rows touched by two or more DP ranks, ascending."""
-        n = self.shape[1]
-        return sorted({s // n for s, e in self.dp_ranges if e > s and s % n})
-
-
-@dataclass
-class _Pieces:
-    """A DP slice of a flattened ``[m, n]`` weight, cut at row boundaries."""
-
-    body_rows: tuple[int, int]  # local rows [lo, hi) held whole
-    body: torch.Tensor  # [hi - lo, n] view into the slice
-    partial: list[tuple[int, int, int, torch.Tensor]]  # (row, c0, c1, values view)
-
-
-def _cut_rows(flat: torch.Tensor, start: int, end: int, n: int) -> _Pieces:
-    partial, pos = [], start
-    if start % n:
-        hi = min(end, (start // n + 1) * n)
-        partial.append((start // n, start % n, start % n + hi - start, flat[: hi - start]))
-        pos = hi
-    full_end = max(pos, end // n * n)
-    body = flat[pos - start : full_end - start].view(-1, n)
-    if end > full_end:
-        partial.append((full_end // n, 0, end - full_end, flat[full_end - start :]))
-    return _Pieces((pos // n, full_end // n), body, partial)
+from loggra_megatron.optim.weight_layout import WeightLayout, cut_rows
 
 
 def _all_reduce_fn(group):
@@ -159,6 +88,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         dp_group: data-parallel group the slices are spread over (None: one rank).
         tp_dp_group: TP × DP group for column-parallel weights (None: no TP).
         consensus_group: group over which a non-finite gradient anywhere skips the step.
+        param_remainders: ``{bf16 shard param: int16 remainder}`` of params whose fp32
+            master is kept as remainders (the shard is a view of the model's weight).
         **defaults: LoGRAAdamW hyper-parameters.
     """
 
@@ -171,8 +102,10 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         dp_group=None,
         tp_dp_group=None,
         consensus_group=None,
+        param_remainders: dict[torch.Tensor, torch.Tensor] | None = None,
         **defaults,
     ):
+        self.param_remainders = param_remainders or {}
         self._all_layouts = all_layouts
         self._held = held
         self._index_of = {p: w for w, p in held.items()}
@@ -218,7 +151,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
     # ------------------------------------------------------------------ state
     def _init_state(self, p, group):
         if p not in self._index_of:
-            self.state[p] = state = dense_state(p)
+            self.state[p] = state = dense_state(p, torch.float32)
             state["step"].fill_(self.num_steps)
             return state
         layout = self._all_layouts[self._index_of[p]]
@@ -255,13 +188,41 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         return self._fp32(p, self._raw_grad(p))
 
     def _fp32(self, p: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        """``piece`` of ``p``'s raw gradient in fp32, clipped if it is a model grad."""
-        if p.grad is not None:
+        """``piece`` of ``p``'s raw gradient in fp32, clipped if it is a model grad (never
+        in place: an fp32 model grad is a view of the grad buffer)."""
+        if p.grad is not None or self.model_grad_scale == 1.0:
             return piece.float()
-        piece = piece.float()
-        if self.model_grad_scale != 1.0:
-            piece.mul_(self.model_grad_scale)
-        return piece
+        if piece.dtype == torch.float32:
+            return piece * self.model_grad_scale
+        return piece.float().mul_(self.model_grad_scale)  # the conversion is ours
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master weight of shard param ``p`` (a new tensor if it is kept as a
+        remainder, else ``p`` itself)."""
+        remainder = self.param_remainders.get(p)
+        return p.detach() if remainder is None else join_master(p.detach(), remainder)
+
+    def set_master(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        """Set the fp32 master weight of shard param ``p`` (and the bf16 weight)."""
+        remainder = self.param_remainders.get(p)
+        if remainder is None:
+            p.detach().copy_(master.view_as(p))
+        else:
+            store_master(p.detach(), remainder, master.detach().float().contiguous().clone())
+
+    def _target(self, p: torch.Tensor, commit: bool) -> torch.Tensor:
+        """The fp32 tensor an update is applied to: the master itself on a commit without
+        remainders, else a transient copy."""
+        master = self.master_of(p)
+        return master if (commit or p in self.param_remainders) else master.clone()
+
+    def _finish(self, p, target, commit: bool, write) -> None:
+        """Hand a candidate to ``write``, or store a committed master (``target`` is the
+        transient from :meth:`_target` and is consumed)."""
+        if not commit:
+            write(p, target)
+        elif p in self.param_remainders:
+            store_master(p.detach(), self.param_remainders[p], target)
 
     @property
     def num_nonfinite_skips(self) -> int:
@@ -348,30 +309,24 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             _, _, direction, step_size = adam_moments(
                 exp_avg, exp_avg_sq, sketch, step, group, inplace=commit
             )
-            target = p if commit else p.detach().clone()
+            target = self._target(p, commit)
             target.mul_(1 - scale * group["lr"] * group["weight_decay"])
             self._add_low_rank(
                 target, layout, direction, basis, -scale * step_size * group["scale"]
             )
-            if commit:
-                state["step"] += 1
-            else:
-                write(p, target)
+            state["step"] += int(commit)
+            self._finish(p, target, commit, write)
         for p, group, state in held:
             if p in self._index_of:
                 continue
-            grad = self._grad(p)
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
             _, _, direction, step_size = adam_moments(
-                exp_avg, exp_avg_sq, grad, step, group, inplace=commit
+                state["exp_avg"], state["exp_avg_sq"], self._grad(p), step, group, inplace=commit
             )
-            target = p if commit else p.detach().clone()
+            target = self._target(p, commit)
             target.mul_(1 - scale * group["lr"] * group["weight_decay"])
             target.add_(direction, alpha=-scale * step_size)
-            if commit:
-                state["step"] += 1
-            else:
-                write(p, target)
+            state["step"] += int(commit)
+            self._finish(p, target, commit, write)
         if commit:
             self.num_steps += 1
             self.model_grads = {}  # views of grad buffers that are about to be zeroed
@@ -415,7 +370,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         if grad is not None:
             basis = basis_and_moments[0]
             start, end = layout.dp_ranges[self._dp_rank]
-            pieces = _cut_rows(grad, start, end, layout.shape[1])
+            pieces = cut_rows(grad, start, end, layout.shape[1])
             s = torch.empty(basis_and_moments[1].shape, device=basis.device)
             s[pieces.body_rows[0] - lo : pieces.body_rows[1] - lo] = pieces.body @ basis
             for row, c0, c1, values in pieces.partial:
@@ -434,7 +389,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """``target += alpha · (direction Qᵀ)`` restricted to this rank's slice."""
         lo = layout.touched_rows(self._dp_rank)[0]
         start, end = layout.dp_ranges[self._dp_rank]
-        pieces = _cut_rows(target.view(-1), start, end, layout.shape[1])
+        pieces = cut_rows(target.view(-1), start, end, layout.shape[1])
         b0, b1 = pieces.body_rows
         pieces.body.addmm_(direction[b0 - lo : b1 - lo], basis.t(), alpha=alpha)
         for row, c0, c1, values in pieces.partial:
@@ -480,7 +435,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             if p is None or self._raw_grad(p) is None:
                 continue
             start, end = layout.dp_ranges[self._dp_rank]
-            for row, c0, c1, values in _cut_rows(  # converts only the split rows' pieces
+            for row, c0, c1, values in cut_rows(  # converts only the split rows' pieces
                 self._raw_grad(p).view(-1), start, end, layout.shape[1]
             ).partial:
                 o = offsets[(w, row)]
@@ -496,7 +451,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             return torch.zeros(0, n, device=self._device), (0, 0)
         lo, hi = layout.owned_rows(self._dp_rank)
         start, end = layout.dp_ranges[self._dp_rank]
-        pieces = _cut_rows(grad, start, end, n)
+        pieces = cut_rows(grad, start, end, n)
         rows = pieces.body
         if hi > pieces.body_rows[1]:  # the tail row is split and owned here
             rows = torch.cat([rows, full_split_rows[(w, hi - 1)].view(1, n)])

@@ -236,13 +236,14 @@ class LoGRAAdamW(torch.optim.Optimizer):
         install_basis(projection_of(group).local_basis(grad, r, seed, group), state, first)
 
 
-def dense_state(p: torch.Tensor) -> dict:
-    """Fresh AdamW state of a densely updated param (moments in the param's dtype)."""
+def dense_state(p: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
+    """Fresh AdamW state of a densely updated param (moments in ``dtype``, default the
+    param's)."""
     return {
         "step": torch.zeros((), dtype=torch.int64),
         "nonfinite_skips": torch.zeros((), dtype=torch.int64),
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg": torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
     }
 
 

@@ -33,8 +33,9 @@ from loggra_megatron.rl.losses import grpo_loss
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(micro_batch, logits) -> (share of the global loss, metrics)``."""
 
-SUMMED_KEYS = ("optimizer/skipped_steps",)
-"""Per-update metrics an RL step reports as totals over its updates (the others: means)."""
+SUMMED_KEYS = ("optimizer/skipped_steps", "time/kl_control_s")
+"""Per-update metrics an RL step reports as totals over its updates (the others: means):
+counts, and times that add up to a share of ``time/step_s``."""
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:

@@ -84,8 +84,9 @@ passes its kept reference: every stage then skips the reference forward together
 
 
 class ReferenceCollector:
-    """Keeps the probe rows' reference at θ from the *training* forward of a mini-batch, so
-    that :meth:`PredictedKLController.step` needs no forward of its own for it.
+    """Keeps the probe rows' reference at θ (and the held-out rows' when ``kl/realized`` is
+    due) from the *training* forward of a mini-batch, so that
+    :meth:`PredictedKLController.step` needs no forward of its own for them.
 
     :meth:`wrap` a loss function ``loss_fn(micro_batch, logits)``: it runs on the last
     pipeline stage for each micro-batch in order and keeps, of the rows among the first
@@ -213,33 +214,46 @@ class PredictedKLController:
     def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor, reference=None):
         """:meth:`step` with this mini-batch's probe and held-out sequences
         (:meth:`KLControlConfig.probe_split`); ``reference``: from a
-        :meth:`reference_collector` of this mini-batch."""
+        :meth:`reference_collector` of this mini-batch (the probe rows, and the held-out
+        rows when ``kl/realized`` is due)."""
         probe, holdout = self.config.probe_split(len(tokens))
         held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
-        return self.step((tokens[probe], mask[probe]), held, reference)
+        held_reference = None
+        if reference is not None and self._realized_due(held is not None):
+            held_reference = reference
+            if reference is not REFERENCE_ON_LAST_STAGE:
+                kept_all = reference.logits.shape[0] >= holdout.stop  # else: probe rows only
+                held_reference = _rows(reference, holdout) if kept_all else None
+                reference = _rows(reference, probe)
+        return self.step((tokens[probe], mask[probe]), held, reference, held_reference)
 
     def reference_collector(self, num_sequences: int) -> ReferenceCollector:
         """A :class:`ReferenceCollector` of the probe rows of a mini-batch of
-        ``num_sequences`` (its result goes to :meth:`step_minibatch`)."""
-        return ReferenceCollector(self, self.config.probe_split(num_sequences)[0].stop)
+        ``num_sequences`` and, when ``kl/realized`` is due at this step, of its held-out rows
+        (its result goes to :meth:`step_minibatch`)."""
+        probe, holdout = self.config.probe_split(num_sequences)
+        due = self._realized_due(holdout.stop > holdout.start)
+        return ReferenceCollector(self, holdout.stop if due else probe.stop)
 
-    def step(self, probe_batch, holdout_batch=None, reference: ProbeOutput | None = None):
+    def _realized_due(self, has_holdout: bool) -> bool:
+        interval = self.config.kl_realized_interval
+        return has_holdout and bool(interval) and self.num_steps % interval == 0
+
+    def step(self, probe_batch, holdout_batch=None, reference=None, holdout_reference=None):
         """Megatron's ``optimizer.step()`` with the update scaled to the KL target.
 
-        ``reference`` may pass the probe batch's logits at the current weights if the
-        caller already has them (e.g. kept from the training forward by a
-        :class:`ReferenceCollector`), saving a forward; stages other than the last then
-        pass :data:`REFERENCE_ON_LAST_STAGE`. Returns a :class:`StepResult`.
+        ``reference`` (``holdout_reference``) may pass the probe (held-out) batch's logits
+        at the current weights if the caller already has them (e.g. kept from the training
+        forward by a :class:`ReferenceCollector`), saving a forward; stages other than the
+        last then pass :data:`REFERENCE_ON_LAST_STAGE`. Returns a :class:`StepResult`.
         """
         cfg = self.config
         t_start = time.perf_counter()
-        interval = cfg.kl_realized_interval
-        realized_due = holdout_batch is not None and interval and self.num_steps % interval == 0
-        if reference is None:
-            ref = self._reference(probe_batch)
-        else:
-            ref = None if reference is REFERENCE_ON_LAST_STAGE else self.as_reference(reference)
-        ref_holdout = self._reference(holdout_batch) if realized_due else None
+        realized_due = self._realized_due(holdout_batch is not None)
+        ref = self._given_or_own_reference(reference, probe_batch)
+        ref_holdout = None
+        if realized_due:
+            ref_holdout = self._given_or_own_reference(holdout_reference, holdout_batch)
         ref_bytes = _bytes(ref) + _bytes(ref_holdout)
         t_control = time.perf_counter() - t_start
 
@@ -293,6 +307,11 @@ class PredictedKLController:
         return StepResult(True, grad_norm, num_zeros, metrics)
 
     # ------------------------------------------------------------------ internals
+    def _given_or_own_reference(self, reference, batch):
+        if reference is None:
+            return self._reference(batch)
+        return None if reference is REFERENCE_ON_LAST_STAGE else self.as_reference(reference)
+
     @torch.no_grad()
     def _reference(self, batch):
         """What the KL needs from the current policy: logits (full) or token log-probs."""
@@ -337,6 +356,10 @@ class PredictedKLController:
         with self.stepper.try_candidate(eta) as trial:
             kl = self._kl(batch, ref) if trial.ok else math.nan
         return kl, trial.peak_bytes
+
+
+def _rows(out: ProbeOutput, rows: slice) -> ProbeOutput:
+    return ProbeOutput(out.logits[rows], out.targets[rows], out.mask[rows])
 
 
 def _bytes(x) -> int:

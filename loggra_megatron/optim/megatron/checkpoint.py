@@ -7,7 +7,9 @@ override ``sharded_state_dict`` / ``load_state_dict`` with :class:`LoGRACheckpoi
 Format (``torch_dist``), one entry per model param this rank holds a slice of, under
 ``optimizer.loggra.pp{P}.tp{T}.{chunk}.{param name}``:
 
-* ``fp32_param`` and, for densely updated params, ``exp_avg`` / ``exp_avg_sq``: the
+* ``fp32_param`` (also with ``--loggra-param-remainders``: the master rebuilt from weight
+  and remainder, so the two modes load each other's checkpoints) and, for densely updated
+  params, ``exp_avg`` / ``exp_avg_sq``: the
   flattened ``[m·n]`` tensor, each DP rank writing its ``[start, end)`` slice;
 * sketched weights: ``exp_avg`` / ``exp_avg_sq`` as the flattened ``[m·r]`` sketch, each
   DP rank writing the rows it *owns* (rows whose first element it holds, a partition)
@@ -119,8 +121,11 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             replica = self._main_replica(layout)
             dp_replica = replica if layout is None else True
             numel = model_param.numel()
+            master = main.detach() if main not in inner.param_remainders else (
+                torch.empty(main.shape, device=main.device) if is_loading else inner.master_of(main)
+            )  # fmt: skip
             entry = {"fp32_param": _flat_sharded(
-                f"{prefix}.{key}.fp32_param", main.detach().view(-1), numel, start, dp_replica, is_loading
+                f"{prefix}.{key}.fp32_param", master.view(-1), numel, start, dp_replica, is_loading
             )}  # fmt: skip
             if layout is None:
                 for name in ("exp_avg", "exp_avg_sq"):
@@ -164,11 +169,17 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         for key, _, main, _ in self.loggra_params:
             saved = state_dict["param_state"][key]
             state = inner.state[main] if main in inner.state else inner.init_state_of(main)
-            main.view(-1).copy_(saved["fp32_param"])
+            inner.set_master(main, saved["fp32_param"])
             for name in ("exp_avg", "exp_avg_sq", "basis"):
                 if name in saved:
                     state[name].view(-1).copy_(saved[name])
             state["step"].fill_(inner.num_steps)
             state["nonfinite_skips"].fill_(inner.num_skipped_steps)
         # fp32 model params alias their main params; 16-bit model params come from the
-        # model checkpoint, so nothing is copied back to the model here.
+        # model checkpoint, so nothing is copied back to the model here, except with
+        # remainders: each DP rank has just written its shard of the bf16 weights (the
+        # masters rounded half away from zero, which a checkpoint saved with fp32 masters
+        # may have rounded to even), so the weights are all-gathered to agree again.
+        if inner.param_remainders:
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)

@@ -43,11 +43,12 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from loggra_megatron.config import ConfigError
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
-from loggra_megatron.optim.distributed import ShardedLoGRAAdamW, WeightLayout
+from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
 from loggra_megatron.optim.loggra_adamw import basis_seed
 from loggra_megatron.optim.megatron.leaves import loggra_class_for
-from loggra_megatron.optim.megatron.params import main_params_of
+from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, main_params_of
 from loggra_megatron.optim.projection import PROJECTIONS
+from loggra_megatron.optim.weight_layout import WeightLayout
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
 """Parameters whose name contains one of these are never sketched."""
@@ -64,9 +65,20 @@ class LoGRAOptimizerConfig(OptimizerConfig, LoGRAConfig):
         try:
             LoGRAConfig.__post_init__(self)
         except ConfigError as e:  # named as the Python field, not the flag
-            raise ValueError(f"LoGRAOptimizerConfig: invalid {e.field}={e.value!r}: {e.why}") from None
+            raise ValueError(
+                f"LoGRAOptimizerConfig: invalid {e.field}={e.value!r}: {e.why}"
+            ) from None
         if self.optimizer != "adam":
             raise ValueError(f"LoGRAOptimizerConfig: optimizer={self.optimizer!r}; LoGRA is Adam")
+        if self.loggra_param_remainders and not (
+            self.bf16 and self.use_distributed_optimizer and not self.loggra_fp32_grad_copy
+            and not self.log_num_zeros_in_grad and not self.use_precision_aware_optimizer
+        ):  # fmt: skip
+            raise ValueError(
+                "LoGRAOptimizerConfig: loggra_param_remainders needs bf16=True and "
+                "use_distributed_optimizer=True, and excludes loggra_fp32_grad_copy, "
+                "log_num_zeros_in_grad and use_precision_aware_optimizer"
+            )
 
     def loggra_kwargs(self, hidden_size: int) -> dict:
         """Keyword arguments for LoGRAAdamW (Adam's from the base fields)."""
@@ -118,7 +130,10 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
     for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(leaf, "optimizer", None) is None:
             continue  # a stub optimizer (no trainable params on this rank)
+        remainders = None
         if isinstance(leaf, DistributedOptimizer):
+            if config.loggra_param_remainders:
+                remainders = keep_masters_as_remainders(leaf)
             pairs, ranges, layouts, dp_group = _distributed_layouts(leaf, config, info, clamped)
         else:
             pairs, ranges, layouts, dp_group = _replicated_layouts(leaf, config, info, clamped)
@@ -133,6 +148,7 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
             dp_group=dp_group,
             tp_dp_group=_tp_dp_group(dp_group),
             consensus_group=leaf.get_grad_stats_parallel_group(),
+            param_remainders=remainders,
             **config.loggra_kwargs(hidden_size),
         )
         leaf.loggra_params = [

@@ -9,7 +9,11 @@ every shard at once: 4 bytes per parameter of this DP shard, alive through the o
 step, as large as the fp32 grad buffer the bf16 one was meant to save. LoGRA reads the
 gradients one weight at a time, so :class:`ModelGradsMixin` leaves the bf16 shards in
 the grad buffer and hands them to ``ShardedLoGRAAdamW.set_model_grads``; the step then
-holds at most one weight's fp32 gradient.
+holds at most one weight's fp32 gradient. Main params that are bf16 (their masters kept as
+remainders, ``--loggra-param-remainders``) get their gradients this way also from fp32
+grad buffers, and :class:`ModelGradsMixin` skips Megatron's main → model copy for them
+(the main param *is* the model's shard) and zeroes their remainders where Megatron copies
+model → main params (``reload_model_params``).
 
 What Megatron does to main grads is redone for those shards, on the same values:
 
@@ -75,7 +79,7 @@ class ModelGradsMixin(MegatronOptimizer):
         model_grads = {}
         for main, model, start, end in main_params_of(self):
             grad = model.main_grad.view(-1)[start:end]
-            if grad.dtype == torch.float32:
+            if grad.dtype == main.dtype == torch.float32:
                 main.grad = grad  # what Megatron's .float() returns: a view
             else:
                 main.grad = None
@@ -97,6 +101,19 @@ class ModelGradsMixin(MegatronOptimizer):
     def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:  # ≥ 0.19
         extra = self._model_grad_norms() if grad_norm_group is None else []
         return super().get_grads_for_grad_norm(grad_norm_group) + extra
+
+    def _copy_main_params_to_model_params(self) -> None:
+        if not self.optimizer.param_remainders:
+            super()._copy_main_params_to_model_params()
+        # else every main param is a view of its model param (bf16 shards with remainders,
+        # and Megatron's fp32 params): there is nothing to copy
+
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        if not self.optimizer.param_remainders:
+            super()._copy_model_params_to_main_params(state_dict)
+            return
+        for remainder in self.optimizer.param_remainders.values():
+            remainder.zero_()  # the masters become the model weights exactly
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = super().clip_grad_norm(clip_grad)

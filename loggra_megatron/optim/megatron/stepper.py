@@ -15,8 +15,9 @@ exposes the same phases, for the trainer and for predicted-KL control:
 * :meth:`~MegatronStepper.try_candidate` (predicted-KL control): the parameters the step
   would produce, scaled by η (``θ + η·Δθ``, :mod:`loggra_megatron.optim.candidate`), written
   into the 16-bit model weights only (the fp32 masters keep θ) and all-gathered over DP,
-  for one probe forward; fp32 params that share storage with their master are restored
-  when the trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back.
+  for one probe forward; params that share storage with their master (fp32 params, and
+  bf16 weights whose masters are kept as remainders) are backed up and restored when the
+  trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back.
 * :meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit),
   or nothing for a skipped step (the grads are zeroed by the next ``zero_grad_buffer``).
 
@@ -134,10 +135,11 @@ class MegatronStepper:
 
     # ------------------------------------------------------------------ candidate trials
     def require_separate_model_weights(self) -> None:
-        """Refuse models whose weights *are* their fp32 masters: a candidate could not be
-        tried on the model weights while the masters keep θ."""
+        """Refuse models whose weights *are* their fp32 masters (fp32 models): a candidate
+        could not be tried on the model weights while the masters keep θ. (bf16 weights
+        whose masters are kept as remainders are backed up for the trial, 2 bytes/param.)"""
         aliased = sum(main.numel() for _, main, model, _, _ in self._params
-                      if shares_storage(main, model))  # fmt: skip
+                      if main.dtype == torch.float32 and shares_storage(main, model))  # fmt: skip
         total = sum(model.numel() for _, _, model, _, _ in self._params) or 1
         if aliased > 0.01 * total:
             raise ValueError(

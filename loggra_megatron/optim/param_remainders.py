@@ -1,0 +1,65 @@
+"""fp32 master weights stored as the bf16 model weight plus a 16-bit remainder (exact).
+
+An fp32 number's bits are ``u = H·2¹⁶ + L`` (sign, exponent and 7 mantissa bits in ``H``,
+the low 16 mantissa bits in ``L``); bf16 is the upper half. Instead of a separate fp32
+master copy (4 bytes per parameter), the optimizer keeps
+
+    B = H + [L ≥ 2¹⁵]          the bf16 model weight itself (round half up in magnitude)
+    d = L − 2¹⁶·[L ≥ 2¹⁵]      an int16 remainder, d ∈ [−2¹⁵, 2¹⁵)
+
+and recovers the master exactly as ``u = B·2¹⁶ + d`` (two's-complement int32 arithmetic,
+so the same formula holds for negative numbers, whose bit patterns order by magnitude).
+The model weight is the master rounded to bf16 — to nearest, ties away from zero, where
+``Tensor.to(torch.bfloat16)`` breaks ties to even — so a step changes 2 + 2 bytes per
+parameter instead of 2 + 4, and the trajectory of the fp32 masters is bit for bit that of
+an fp32 master copy given the same gradients. Non-finite masters are not representable
+(a non-finite gradient skips the step before any master is touched).
+
+Megatron-Core does the same for its precision-aware optimizer (``store_param_remainders``,
+inside Transformer Engine's FusedAdam, GPU only); this module is the torch version that the
+LoGRA optimizer uses on any device. Tensors are processed one weight at a time: rebuilding a master
+allocates the fp32 master and nothing else, and storing one reuses the master's storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_HALF = 1 << 15
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bf16 weight, int16 remainder)`` of an fp32 ``master`` (new tensors)."""
+    if master.dtype != torch.float32:
+        raise TypeError(f"split_master needs an fp32 tensor, got {master.dtype}")
+    weight = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+    remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+    store_master(weight, remainder, master.detach().clone())
+    return weight, remainder
+
+
+def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master (a new tensor) of a bf16 ``weight`` and its int16 ``remainder``:
+    ``B·2¹⁶ + d`` in int32, one temporary of the master's size."""
+    if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise TypeError(
+            f"join_master needs bf16 weights and int16 remainders, got {weight.dtype} and "
+            f"{remainder.dtype}"
+        )
+    bits = weight.contiguous().view(torch.int16).to(torch.int32)  # sign-extended B
+    return bits.mul_(1 << 16).add_(remainder).view(torch.float32)
+
+
+def store_master(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:
+    """Write fp32 ``master`` into ``weight`` (bf16, in place, may be a view of the model's
+    parameter buffer) and ``remainder`` (int16, in place). ``master`` is **consumed** (its
+    storage is reused, so no temporary is allocated): pass a tensor the caller owns.
+
+    ``d`` is the low half of the bits read as int16 (``L`` when ``L < 2¹⁵``, else
+    ``L − 2¹⁶``: the int32 → int16 conversion wraps), and ``B = (u + 2¹⁵) >> 16``
+    (arithmetic shift; the carry is the rounding)."""
+    if master.dtype != torch.float32 or not master.is_contiguous():
+        raise TypeError("store_master needs a contiguous fp32 master")
+    bits = master.view(torch.int32).view(weight.shape)
+    remainder.copy_(bits)  # wraps to the low 16 bits
+    weight.view(torch.int16).copy_(bits.add_(_HALF).bitwise_right_shift_(16))

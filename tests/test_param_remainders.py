@@ -1,0 +1,242 @@
+"""fp32 master weights kept as bf16 weights + int16 remainders (--loggra-param-remainders).
+
+The claim is exactness: given the same gradients, the masters rebuilt from weight and
+remainder are bit for bit the fp32 masters of Megatron's layout, through refreshes,
+clipping, predicted-KL trials and checkpoints, while the fp32 copies are freed.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from loggra_megatron.optim.param_remainders import join_master, split_master, store_master
+from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, wrap_ddp
+
+HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
+
+
+def _ties(master: torch.Tensor) -> torch.Tensor:
+    """Elements whose low 16 bits are exactly half a bf16 ulp (where rounding rules differ)."""
+    return (master.contiguous().view(torch.int32) & 0xFFFF) == 0x8000
+
+
+def test_split_join_is_exact_and_rounds_to_nearest():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=gen) * torch.logspace(-30, 30, 100_000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.0e38, -3.0e38, 1.0, -1.0])])
+    bits = x.view(torch.int32)
+    x = torch.cat([x, (bits & ~0xFFFF | 0x8000).view(torch.float32)])  # forced ties
+    weight, remainder = split_master(x)
+    assert weight.dtype == torch.bfloat16 and remainder.dtype == torch.int16
+    assert torch.equal(join_master(weight, remainder).view(torch.int32), x.view(torch.int32))
+    ties = _ties(x)
+    assert ties.sum() >= 100_000
+    assert torch.equal(weight[~ties], x[~ties].to(torch.bfloat16))  # round to nearest
+    away = weight[ties].float().abs() > x[ties].abs()
+    assert away.all()  # ties away from zero (not to even)
+    error = (weight.float() - x).abs()
+    ulp = (weight.float().abs() * 2**-7).clamp_min(2**-133)
+    assert (error <= ulp / 2 * (1 + 1e-6)).all()
+    w, r = torch.empty_like(weight), torch.empty_like(remainder)
+    store_master(w, r, x)
+    assert torch.equal(w.view(torch.int16), weight.view(torch.int16)) and torch.equal(r, remainder)
+    with pytest.raises(TypeError, match="bf16 weights and int16 remainders"):
+        join_master(x, remainder)
+
+
+def _bf16_ddp(grad_reduce_in_fp32=True):
+    model = tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
+    return wrap_ddp(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
+
+
+def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder"):
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    config = LoGRAOptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, bf16=True, use_distributed_optimizer=True,
+        clip_grad=clip_grad, loggra_min_dim=1, loggra_rank=4, loggra_oversample=2,
+        loggra_update_interval=2, loggra_projection=projection,
+        loggra_param_remainders=remainders,
+    )  # fmt: skip
+    return get_loggra_optimizer(config, [ddp])
+
+
+def _set_grads(ddp, step: int) -> None:
+    """The same (DP-reduced) gradients on every run: written into Megatron's grad buffer."""
+    gen = torch.Generator().manual_seed(100 + step)
+    ddp.zero_grad_buffer()
+    for _, p in sorted(ddp.module.named_parameters()):
+        p.main_grad.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def _masters(opt) -> list[torch.Tensor]:
+    inner = opt.optimizer
+    return [inner.master_of(p).clone() for g in inner.param_groups for p in g["params"]]
+
+
+def _fixed_grad_steps(rank, remainders, grad_reduce_in_fp32, clip_grad):
+    """Three optimizer steps (refresh, plain, refresh) on fixed gradients."""
+    ddp = _bf16_ddp(grad_reduce_in_fp32)
+    opt = _optimizer(ddp, remainders, clip_grad)
+    inner = opt.optimizer
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    out = {"main_dtypes": {p.dtype for p in mains}, "steps": []}
+    for step in range(3):
+        _set_grads(ddp, step)
+        assert opt.step()[0]
+        out["steps"].append(_masters(opt))
+    out["weights"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    out["remainder_bytes"] = sum(r.numel() * 2 for r in inner.param_remainders.values())
+    out["master_bytes"] = sum(p.numel() * p.element_size() for p in mains)
+    out["shards"] = [p.clone() for p in mains]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("grad_reduce_in_fp32", "clip_grad"), [(True, 0.0), (False, 0.05)], ids=["fp32grads", "bf16grads-clip"]
+)
+def test_masters_are_bitwise_those_of_fp32_master_copies(grad_reduce_in_fp32, clip_grad):
+    fp32 = run_distributed(_fixed_grad_steps, 2, False, grad_reduce_in_fp32, clip_grad)
+    rem = run_distributed(_fixed_grad_steps, 2, True, grad_reduce_in_fp32, clip_grad)
+    for r in range(2):
+        assert fp32[r]["main_dtypes"] == {torch.float32}
+        assert rem[r]["main_dtypes"] == {torch.bfloat16}
+        assert rem[r]["remainder_bytes"] * 2 == fp32[r]["master_bytes"]  # 2 B instead of 4
+        for step in range(3):
+            for a, b in zip(rem[r]["steps"][step], fp32[r]["steps"][step], strict=True):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"step {step}"
+        last, first = rem[r]["steps"][2], rem[r]["steps"][0]
+        moved = sum((a != b).sum().item() for a, b in zip(last, first, strict=True))
+        assert moved > 1000  # the steps did change the masters
+        for shard, master in zip(rem[r]["shards"], rem[r]["steps"][2], strict=True):
+            ties = _ties(master)
+            assert torch.equal(shard[~ties], master[~ties].to(torch.bfloat16))
+    # the model weights (all-gathered over DP) agree with the fp32-master run but at ties
+    for name, w in fp32[0]["weights"].items():
+        differ = (rem[0]["weights"][name] != w).sum().item()
+        assert differ <= max(2, w.numel() // 10_000), name
+
+
+def _megatron_references_freed(rank):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from loggra_megatron.optim.megatron.params import keep_masters_as_remainders
+
+    ddp = _bf16_ddp()
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True)
+    (leaf,) = get_megatron_optimizer(config, [ddp]).chained_optimizers
+    masters = [weakref.ref(p) for g in leaf.shard_fp32_from_float16_groups for p in g]
+    remainders = keep_masters_as_remainders(leaf)
+    gc.collect()
+    alive = sum(ref() is not None for ref in masters)
+    return {"masters": len(masters), "alive": alive, "remainders": len(remainders)}
+
+
+def test_fp32_master_copies_are_freed():
+    for result in run_distributed(_megatron_references_freed, 2):
+        assert result["masters"] >= 5 and result["remainders"] == result["masters"]
+        assert result["alive"] == 0  # nothing in Megatron's optimizer still holds them
+
+
+def test_config_cross_checks():  # the flags' checks: tests/test_pretrain_rl.py
+    from loggra_megatron.optim import LoGRAOptimizerConfig
+
+    with pytest.raises(ValueError, match="loggra_param_remainders needs bf16"):
+        LoGRAOptimizerConfig(optimizer="adam", lr=1e-3, loggra_param_remainders=True)
+    with pytest.raises(ValueError, match="excludes loggra_fp32_grad_copy"):
+        LoGRAOptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
+                             loggra_param_remainders=True, loggra_fp32_grad_copy=True)  # fmt: skip
+
+
+TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _trained(rank, remainders, steps, save=None, load=None):
+    """bf16 GPT at DP=2 with real forward/backward; optional save after ``save[1]`` steps
+    or load before training. Returns weights and masters at the end (and after loading)."""
+    from megatron.core import parallel_state
+
+    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
+    from loggra_megatron.testing import train_step
+
+    ddp = _bf16_ddp(grad_reduce_in_fp32=False)
+    opt = _optimizer(ddp, remainders, clip_grad=1.0)
+    out = {}
+    if load is not None:
+        load_checkpoint(load, [ddp], opt)
+        out["loaded_masters"] = _masters(opt)
+        out["loaded_weights"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    batch = TOKENS[dp_rank::dp]
+    for step in range(steps):
+        assert train_step(ddp, opt, batch, num_microbatches=batch.shape[0])[1][0]
+        if save is not None and step + 1 == save[1]:
+            save_checkpoint(save[0], step + 1, [ddp], opt, common={"step": step + 1})
+            out["saved_masters"] = _masters(opt)
+    out["masters"] = _masters(opt)
+    out["weights"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    return out
+
+
+def _bitwise(a: list, b: list) -> bool:
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
+
+
+def test_save_resume_equals_uninterrupted_and_checkpoints_load_across_modes(tmp_path):
+    full = run_distributed(_trained, 2, True, 4)
+    ckpt, ckpt_fp32 = str(tmp_path / "rem"), str(tmp_path / "fp32")
+    run_distributed(_trained, 2, True, 2, save=(ckpt, 2))
+    resumed = run_distributed(_trained, 2, True, 2, load=ckpt)
+    for r in range(2):
+        assert _bitwise(resumed[r]["masters"], full[r]["masters"])
+        for name, w in full[r]["weights"].items():
+            assert torch.equal(resumed[r]["weights"][name], w), name
+    # a checkpoint of fp32 masters loads into remainders exactly (and back)
+    saved = run_distributed(_trained, 2, False, 2, save=(ckpt_fp32, 2))
+    into_rem = run_distributed(_trained, 2, True, 0, load=ckpt_fp32)
+    back = run_distributed(_trained, 2, False, 0, load=ckpt)
+    rem_saved = run_distributed(_trained, 2, True, 2)
+    for r in range(2):
+        assert _bitwise(into_rem[r]["loaded_masters"], saved[r]["saved_masters"])
+        assert _bitwise(back[r]["loaded_masters"], rem_saved[r]["masters"])
+        # each rank rounded its shard of the weights and the shards were all-gathered
+        for name, w in into_rem[r]["loaded_weights"].items():
+            assert torch.equal(w, into_rem[1 - r]["loaded_weights"][name]), name
+
+
+def _kl_trial(rank, trial: bool):
+    """A predicted-KL trial at η = 0.5, the weights restored, then a commit at η = 0.5."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    ddp = _bf16_ddp(grad_reduce_in_fp32=False)
+    opt = _optimizer(ddp, True, clip_grad=1.0)
+    stepper = MegatronStepper(opt)
+    stepper.require_separate_model_weights()  # bf16 weights + remainders are accepted
+    _set_grads(ddp, 0)
+    assert stepper.prepare().ok
+    before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    masters = _masters(opt)
+    out = {}
+    if trial:
+        with stepper.try_candidate(0.5) as t:
+            assert t.ok
+            out["changed"] = sum(
+                (p.detach() != before[n]).sum().item() for n, p in ddp.module.named_parameters()
+            )
+        stepper.restore_model_weights()
+        out["restored"] = all(
+            torch.equal(p.detach(), before[n]) for n, p in ddp.module.named_parameters()
+        ) and _bitwise(_masters(opt), masters)
+    stepper.commit(0.5)
+    out["masters"] = _masters(opt)
+    return out
+
+
+def test_kl_trial_restores_weights_and_masters_exactly():
+    tried = run_distributed(_kl_trial, 2, True)
+    direct = run_distributed(_kl_trial, 2, False)
+    for r in range(2):
+        assert tried[r]["changed"] > 1000 and tried[r]["restored"]
+        assert _bitwise(tried[r]["masters"], direct[r]["masters"])
