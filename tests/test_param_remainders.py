@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from loggra_megatron.optim.param_remainders import join_master, split_master, store_master
+from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, wrap_ddp
 
 HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
@@ -22,14 +22,18 @@ def _ties(master: torch.Tensor) -> torch.Tensor:
     return (master.contiguous().view(torch.int32) & 0xFFFF) == 0x8000
 
 
-def test_split_join_is_exact_and_rounds_to_nearest():
+def test_store_join_is_exact_and_rounds_to_nearest():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(100_000, generator=gen) * torch.logspace(-30, 30, 100_000)
     x = torch.cat([x, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.0e38, -3.0e38, 1.0, -1.0])])
     bits = x.view(torch.int32)
     x = torch.cat([x, (bits & ~0xFFFF | 0x8000).view(torch.float32)])  # forced ties
-    weight, remainder = split_master(x)
-    assert weight.dtype == torch.bfloat16 and remainder.dtype == torch.int16
+    # stored into views of larger buffers, as into the model's parameter buffer
+    buffer = torch.full((len(x) + 2,), 7.0, dtype=torch.bfloat16)
+    remainders = torch.full((len(x) + 2,), 7, dtype=torch.int16)
+    weight, remainder = buffer[1:-1], remainders[1:-1]
+    store_master(weight, remainder, x.clone())
+    assert buffer[[0, -1]].tolist() == [7.0, 7.0] and remainders[[0, -1]].tolist() == [7, 7]
     assert torch.equal(join_master(weight, remainder).view(torch.int32), x.view(torch.int32))
     ties = _ties(x)
     assert ties.sum() >= 100_000
@@ -39,9 +43,8 @@ def test_split_join_is_exact_and_rounds_to_nearest():
     error = (weight.float() - x).abs()
     ulp = (weight.float().abs() * 2**-7).clamp_min(2**-133)
     assert (error <= ulp / 2 * (1 + 1e-6)).all()
-    w, r = torch.empty_like(weight), torch.empty_like(remainder)
-    store_master(w, r, x)
-    assert torch.equal(w.view(torch.int16), weight.view(torch.int16)) and torch.equal(r, remainder)
+    with pytest.raises(TypeError, match="contiguous fp32 master"):
+        store_master(weight, remainder, x.double())
     with pytest.raises(TypeError, match="bf16 weights and int16 remainders"):
         join_master(x, remainder)
 

@@ -344,13 +344,17 @@ def _stage_breakdown(
     fp8, ref, seq = step.precision == "fp8", step.reference_model, step.seq_length
     probe = step.kl_probe_sequences
     probe_rows = min(probe, step.log_prob_rows)
+    masters = bytes_per_master(step)
+    # a KL trial overwrites LoGRA's bf16 weights, which are half of each master with
+    # remainders: it backs up this rank's shards (2 bytes per master element)
+    trial_backup = probe and masters == 2 and OPTIMIZERS[step.optimizer].grads_per_weight
     return MemoryBreakdown(
         stage=stage,
         num_parameters=sum(p.numel for p in params),
         weights=weight_bytes(params, step.param_bytes),
         fp8_weight_cache=weight_bytes(linear, 2) if fp8 else 0,
         grads=grad_bytes(params, step.grad_bytes),
-        master_params=master_param_bytes(params, dp, bytes_per_master(step)),
+        master_params=master_param_bytes(params, dp, masters),
         optimizer_state=optimizer_state_bytes(
             params,
             step.optimizer,
@@ -383,10 +387,7 @@ def _stage_breakdown(
         )
         if last
         else 0,
-        # a trial overwrites the weights, which are half of each master with remainders
-        kl_weight_backup=2 * sum(ceil_div(p.numel, dp) for p in params)
-        if probe and bytes_per_master(step) == 2 and OPTIMIZERS[step.optimizer].grads_per_weight
-        else 0,
+        kl_weight_backup=master_param_bytes(params, dp, 2) if trial_backup else 0,
         main_grad_copies=main_grad_copy_bytes(params, step, dp),
     )
 

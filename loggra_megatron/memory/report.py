@@ -92,9 +92,8 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     suffix["optimizer_state"] = " (/DP)" if d > 1 else ""
     suffix["master_params"] = " (/DP)" if d > 1 else ""
     masters = {bytes_per_master(steps[k]) for k in ("adam", "loggra")}
-    suffix["master_params"] += {frozenset({4}): " (fp32)", frozenset({2}): " (16-bit rem.)"}.get(
-        frozenset(masters), " (fp32 | rem.)"
-    )
+    kind = {4: " (fp32)", 2: " (16-bit rem.)"}.get(masters.pop()) if len(masters) == 1 else None
+    suffix["master_params"] += kind or " (fp32 | rem.)"
 
     def row(label, a, b):
         diff = f"{(b - a) / GiB:+.2f}" if a != b else ""

@@ -28,16 +28,6 @@ import torch
 _HALF = 1 << 15
 
 
-def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bf16 weight, int16 remainder)`` of an fp32 ``master`` (new tensors)."""
-    if master.dtype != torch.float32:
-        raise TypeError(f"split_master needs an fp32 tensor, got {master.dtype}")
-    weight = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
-    remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device)
-    store_master(weight, remainder, master.detach().clone())
-    return weight, remainder
-
-
 def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master (a new tensor) of a bf16 ``weight`` and its int16 ``remainder``:
     ``B·2¹⁶ + d`` in int32, one temporary of the master's size."""

@@ -121,9 +121,10 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             replica = self._main_replica(layout)
             dp_replica = replica if layout is None else True
             numel = model_param.numel()
-            master = main.detach() if main not in inner.param_remainders else (
-                torch.empty(main.shape, device=main.device) if is_loading else inner.master_of(main)
-            )  # fmt: skip
+            if is_loading and main in inner.param_remainders:  # an fp32 buffer to load into
+                master = torch.empty(main.shape, device=main.device)
+            else:
+                master = inner.master_of(main)
             entry = {"fp32_param": _flat_sharded(
                 f"{prefix}.{key}.fp32_param", master.view(-1), numel, start, dp_replica, is_loading
             )}  # fmt: skip
