@@ -8,7 +8,8 @@
    without control (forward + backward + optimizer step on the same batch), for probe
    fractions 1/16, 1/8, 1/4: with the controller's own reference forward (the library API)
    and with the reference kept from the training forward (what pretrain_rl.py does), plus
-   steps that are all scaled (η < 1: one more candidate trial, reusing LoGRA's sketches).
+   steps that are all scaled (η < 1: one more candidate trial, reusing LoGRA's sketches)
+   and steps with ``kl/realized`` on (the held-out rows join each trial's forward).
 2. Honesty: a short training run with the controller on (probe 1/8, the target cycled over
    a 16x range so that it scales most steps by different amounts), logging the KL predicted for the committed step
    (``kl/predicted_committed``) and the KL measured afterwards on held-out sequences
@@ -115,20 +116,26 @@ def main() -> None:
             base.append(time.perf_counter() - t0)
     t_base = statistics.median(base)
 
-    def controller_share(frac: float, kept: bool, target: float | None = 1e9) -> float:
+    mask = torch.ones(args.batch, args.seq, dtype=torch.bool, device=device)
+
+    def controller_share(frac: float, kept: bool, target: float | None = 1e9,
+                         realized: bool = False) -> float:  # fmt: skip
         """Median controller time / baseline step. ``kept``: the probe reference comes from
         the training forward, as in pretrain_rl.py (computed here outside the timer), else
         the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
-        quarter of the first step's KL, so that every step is scaled (η ≈ 1/2)."""
+        quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
+        ``realized``: ``kl/realized`` on the held-out rows every step (the default of
+        ``--kl-realized-interval``)."""
         ctl = controller(ddp, opt, kl_target=target or 1e9, kl_probe_fraction=frac,
-                         kl_realized_interval=0)  # fmt: skip
-        probe, _ = ctl.config.probe_split(args.batch)
+                         kl_realized_interval=int(realized))  # fmt: skip
+        probe, holdout = ctl.config.probe_split(args.batch)
+        rows = holdout.stop if realized else probe.stop  # what the training forward keeps
         times = []
         for i in range(args.steps + (target is None)):
             backward(ddp, opt, tokens)
-            ref = ctl.as_reference(ctl.forward((tokens[probe], None))) if kept else None
+            ref = ctl.as_reference(ctl.forward((tokens[:rows], mask[:rows]))) if kept else None
             _sync(device)
-            m = ctl.step((tokens[probe], None), reference=ref).metrics
+            m = ctl.step_minibatch(tokens, mask, reference=ref).metrics
             if target is None and i == 0:  # aim at a quarter of the raw step's KL
                 ctl.config.kl_target = m["kl/predicted"] / 4
                 continue
@@ -140,6 +147,7 @@ def main() -> None:
         for frac in (1 / 16, 1 / 8, 1 / 4)
     }
     scaled = controller_share(1 / 8, kept=True, target=None)  # η < 1: one more trial
+    checked = controller_share(1 / 8, kept=True, realized=True)  # held-out rows in the trial
 
     ddp, opt = build(args)
     ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)
@@ -174,6 +182,8 @@ def main() -> None:
             print(f"| 1/{round(1 / frac)} | {100 * own:.1f} % | {100 * kept:.1f} % "
                   f"| < 10 % at 1/8 |")  # fmt: skip
         print(f"| 1/8, every step scaled (η ≈ 1/2: one more trial) | | {100 * scaled:.1f} % | |")
+        print(f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
+              f"{100 * checked:.1f} % | |")  # fmt: skip
         print(
             f"\npredicted vs realized over {len(p)} steps (probe 1/8, held-out 1/8): "
             f"Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "

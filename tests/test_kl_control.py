@@ -135,6 +135,7 @@ def _controlled_vs_plain(rank, kind, steps=3, target=1e9):
                 metrics.append(res.metrics)
         out[mode] = _params(ddp)
         out["metrics"] = metrics
+        out["trials_are_commits"] = ctl.stepper.trials_are_commits
     return out
 
 
@@ -145,6 +146,8 @@ def test_below_target_the_controller_is_an_exact_no_op(kind):
             assert torch.equal(r["controlled"][k], v), k
         assert all(m["kl/step_scale"] == 1.0 and m["kl/predicted"] > 0 for m in r["metrics"])
         assert all("kl/realized" in m and m["kl/realized"] > 0 for m in r["metrics"])
+        # LoGRA's trials are its commits (kl/realized from the last trial); dense Adam's not
+        assert r["trials_are_commits"] == (kind == "loggra")
 
 
 def _predicted_vs_exact(rank):
@@ -221,7 +224,7 @@ def _nan_kl_skips(rank):
     def poisoned(tokens):
         out = forward(tokens)
         calls.append(1)
-        if len(calls) == 3 and out is not None:  # probe ref, holdout ref, then the candidate
+        if len(calls) == 2 and out is not None:  # probe + held-out ref, then the candidate
             out.logits[0, 0, 0] = float("nan")
         return out
 
@@ -307,16 +310,62 @@ def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estim
     logits (or their log-probs) of the probe and held-out rows equal what the probe forward
     computes (for k3 in micro-batches of one row, returning log-probs only), and the
     controller steps with them (here scaling the step to a tiny target): its only forwards
-    are the candidates' on the probe and the realized KL's on the held-out rows."""
+    are the candidates', each on the probe and the held-out rows (kl/realized is read off
+    the last one)."""
     results = run_distributed(_kept_vs_probe_forward, 2, estimator)
     for kept, own, metrics, forwards, holdout in results:
-        probe_rows, held_rows = holdout.start, holdout.stop - holdout.start
-        assert forwards[-1] == held_rows and set(forwards[:-1]) == {probe_rows}
-        # η = 1, the scaled η and its backtracks, then the realized KL: no reference forward
-        assert len(forwards) == 3 + metrics["kl/backtracks"]
+        assert set(forwards) == {holdout.stop}
+        # η = 1, the scaled η and its backtracks: no reference or realized forward
+        assert len(forwards) == 2 + metrics["kl/backtracks"]
         assert metrics["kl/realized"] >= 0
         assert kept.logits.shape == own.logits.shape
         assert kept.logits.ndim == (3 if estimator == "full" else 2)
         torch.testing.assert_close(kept.logits, own.logits, atol=1e-6, rtol=0)
         assert torch.equal(kept.targets, own.targets) and torch.equal(kept.mask, own.mask)
         assert metrics["kl/predicted"] > 1e-4 and 0 < metrics["kl/step_scale"] < 1
+
+
+def _realized(rank, estimator, folded: bool, forward_rows=None):
+    """One controlled step scaled to a small target; kl/realized from the last trial's
+    forward (folded) or from a forward after the commit (as for dense Adam); the KL forwards
+    in calls of ``forward_rows`` rows."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    if not folded:  # this worker process only
+        MegatronStepper.trials_are_commits = property(lambda self: False)
+    torch.manual_seed(0)
+    ddp, opt = _build("loggra", lr=5e-2)
+    ctl = _controller(ddp, opt, kl_target=1e-3, kl_probe_fraction=0.25, kl_estimator=estimator)
+    ctl.forward_rows = forward_rows
+    forwards = []
+    forward = ctl.forward
+    ctl.forward = lambda batch: forwards.append(len(batch)) or forward(batch)
+    batch = _local(TOKENS)
+    probe, holdout = ctl.config.probe_split(batch.shape[0])
+    _backward(ddp, opt, batch)
+    metrics = ctl.step(batch[probe], batch[holdout]).metrics
+    return metrics, forwards, _params(ddp)
+
+
+@pytest.mark.parametrize(("estimator", "rows"), [("full", None), ("k3", None), ("full", 1)])
+def test_realized_kl_from_the_last_trial_equals_a_forward_after_the_commit(estimator, rows):
+    """``rows``: the folded KLs in forwards of one row (as pretrain_rl.py does for ``full``
+    with micro-batches of one), against whole-batch forwards after the commit."""
+    folded = run_distributed(_realized, 2, estimator, True, rows)
+    after = run_distributed(_realized, 2, estimator, False)
+    for (m, forwards, params), (m_after, forwards_after, params_after) in zip(
+        folded, after, strict=True
+    ):
+        assert 0 < m["kl/step_scale"] < 1 and m["kl/step_scale"] == m_after["kl/step_scale"]
+        for name, w in params.items():
+            assert torch.equal(w, params_after[name]), name
+        # the same KL at the same committed weights
+        assert m["kl/realized"] == pytest.approx(m_after["kl/realized"], rel=1e-5)
+        assert m["kl/predicted"] == pytest.approx(m_after["kl/predicted"], rel=1e-5)
+        if rows == 1:  # the reference forward, then each trial in one-row calls
+            assert forwards[0] == 2 and set(forwards[1:]) == {1}
+            continue
+        # every forward on probe + held-out rows: one reference forward instead of two, the
+        # same trials, no realized forward
+        assert set(forwards) == {2} and set(forwards_after) == {1}
+        assert len(forwards) == len(forwards_after) - 2

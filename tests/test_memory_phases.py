@@ -165,7 +165,9 @@ def test_fp8_caches_prefill_and_kl_probe_terms():
     assert k.kl_probe_logits == logits_bytes(model, par, rows * s, copies=2)
     assert k.kl_probe_activations == forward_activation_bytes(model, par, rows, s)
     full = estimate_rl_step_memory(model, par, dataclasses.replace(probe, kl_estimator="full"))
-    assert full.kl_probe_logits == logits_bytes(model, par, 8 * s, copies=6)  # all kept
+    # every row's reference logits kept; one micro-batch's candidate logits and KL temporaries
+    assert full.kl_probe_logits == (logits_bytes(model, par, 8 * s, copies=1)
+                                    + logits_bytes(model, par, rows * s, copies=4))  # fmt: skip
     with pytest.raises(MemoryConfigError, match="max_new_tokens"):
         RLStepConfig(seq_length=128, max_new_tokens=128)
 
@@ -228,9 +230,9 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     step = RLStepConfig(
         seq_length=16384, precision="fp8", recompute_granularity="full",
         rollout_batch_size=64, inference_max_tokens=524288, max_new_tokens=15360,
-        log_prob_micro_batch_size=4, num_microbatches=64, kl_probe_sequences=8,
+        log_prob_micro_batch_size=4, num_microbatches=64, kl_probe_sequences=16,
         kl_estimator="k3", rollout_engine="dynamic",
-    )  # fmt: skip  # 16·8/DP rollouts, ceil(0.125·128/2) probe sequences
+    )  # fmt: skip  # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences
     b = estimate_rl_step_memory(model, par, step)
     assert res["total"] == pytest.approx(b.total_bytes / GiB)
     assert res["kv_cache"] == pytest.approx(16.0) and res["peak_phase"] == b.peak_phase
@@ -243,6 +245,13 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     rem = _cli_json(capsys, [*EXAMPLE_LIKE, "--loggra-param-remainders"])
     assert rem["loggra"]["master_params"] == pytest.approx(res["master_params"] / 2)
     assert rem["adam"]["master_params"] == pytest.approx(res["master_params"])
+    # full-vocab KL: the 8 held-out rows of kl/realized join the trial forward, their fp32
+    # reference logits (16k × V/8 each) kept
+    full = _cli_json(capsys, [*EXAMPLE_LIKE, "--kl-estimator", "full"])["loggra"]
+    no_check = _cli_json(capsys, [*EXAMPLE_LIKE, "--kl-estimator", "full",
+                                  "--kl-realized-interval", "0"])["loggra"]  # fmt: skip
+    held_reference = 8 * 16384 * model.padded_vocab_size(8) // 8 * 4 / GiB
+    assert full["kl_probe_logits"] - no_check["kl_probe_logits"] == pytest.approx(held_reference)
     more = _cli_json(capsys, [*EXAMPLE_LIKE, "--inference-max-tokens", "1048576"])["loggra"]
     assert more["kv_cache"] == pytest.approx(32.0)  # 64 rows of 16k: the whole batch
 

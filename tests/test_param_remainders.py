@@ -243,3 +243,34 @@ def test_kl_trial_restores_weights_and_masters_exactly():
     for r in range(2):
         assert tried[r]["changed"] > 1000 and tried[r]["restored"]
         assert _bitwise(tried[r]["masters"], direct[r]["masters"])
+
+
+def _trial_then_commit(rank, remainders: bool):
+    """Per step: the weights inside a trial at η, then the weights a commit at η leaves
+    (steps 0 and 2 refresh the basis; bf16 grads, clipped)."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    ddp = _bf16_ddp(grad_reduce_in_fp32=False)
+    stepper = MegatronStepper(_optimizer(ddp, remainders, clip_grad=0.05))
+    out = {"trials_are_commits": stepper.trials_are_commits, "steps": []}
+    for step, eta in enumerate((1.0, 0.37, 1.0)):
+        _set_grads(ddp, step)
+        assert stepper.prepare().ok
+        for _ in range(2):  # a second trial at the same η (the cached sketches) is the same
+            with stepper.try_candidate(eta) as trial:
+                assert trial.ok
+                tried = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        stepper.commit(eta)
+        committed = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        out["steps"].append((tried, committed))
+    return out
+
+
+@pytest.mark.parametrize("remainders", [False, True])
+def test_a_trial_at_eta_leaves_the_weights_a_commit_at_eta_does(remainders):
+    """What lets predicted-KL control read kl/realized off its last trial's forward."""
+    for out in run_distributed(_trial_then_commit, 2, remainders):
+        assert out["trials_are_commits"]
+        for tried, committed in out["steps"]:
+            for name, w in committed.items():
+                assert torch.equal(tried[name].view(torch.int16), w.view(torch.int16)), name

@@ -204,11 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--kl-probe-sequences",
         type=nonneg,
         default=None,
-        help="predicted-KL control's probe sequences per step and replica (0: off); "
-        "default: from --kl-target and --kl-probe-fraction",
+        help="sequences of each predicted-KL trial forward per step and replica: the probe "
+        "and, with --kl-realized-interval, the held-out set (0: off); default: from "
+        "--kl-target, --kl-probe-fraction and --kl-realized-interval",
     )
     s.add_argument("--kl-target", type=_float, default=None, help="turns the KL probe on")
     s.add_argument("--kl-probe-fraction", type=_float, default=0.125)
+    s.add_argument(
+        "--kl-realized-interval", type=nonneg, default=1,
+        help="kl/realized every N steps (0: never): its held-out rows join the trial forward",
+    )  # fmt: skip
     s.add_argument("--kl-estimator", choices=["full", "k1", "k2", "k3"], default="full")
     s.add_argument("--gpu-memory-gb", type=_float, default=80.0, help="GiB per GPU")
     s.add_argument(
@@ -319,12 +324,14 @@ def _step(args, parser, dp: int) -> RLStepConfig:
             err("argument --global-batch-size: not a multiple of --micro-batch-size x DP")
         num_micro = num_micro or step_seqs // args.micro_batch_size
     probe = args.kl_probe_sequences
-    if probe is None:  # KLControlConfig.probe_split: ceil(fraction x step), at least one
-        probe = 0
+    if probe is None:  # KLControlConfig.probe_split: ceil(fraction x step), at least one,
+        probe = 0  # then as many held-out sequences (as fit) when kl/realized is measured
         if args.kl_target is not None:
             if not step_seqs:
                 err("argument --kl-target: give --global-batch-size (the probe is a fraction)")
             probe = min(step_seqs, max(1, math.ceil(args.kl_probe_fraction * step_seqs)))
+            if args.kl_realized_interval:
+                probe = min(step_seqs, 2 * probe)
     return RLStepConfig(
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,

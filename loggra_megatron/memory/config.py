@@ -195,7 +195,8 @@ class RLStepConfig:
     num_microbatches: int | None = None
     """Micro-batches per step; None: at least the PP size (1F1B steady state)."""
     kl_probe_sequences: int = 0
-    """Predicted-KL control's probe sequences per model replica and step (0: control off)."""
+    """Sequences of each predicted-KL trial forward per model replica and step: the probe
+    and, when ``kl/realized`` is measured, the held-out set (0: control off)."""
     kl_estimator: str = "full"
     runtime_overhead_bytes: int = 2 * GiB
 

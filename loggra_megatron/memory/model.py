@@ -377,11 +377,14 @@ def _stage_breakdown(
         ),
         activations=activation_bytes(model, parallel, step, stage),
         logits=logits_bytes(model, parallel, step.micro_batch_size * seq) if last else 0,
-        # the probe runs in micro-batches of the log-prob micro-batch size; the full
-        # estimator keeps every probe row's logits, the k-estimators one micro-batch's
+        # the trial forward runs in micro-batches of the log-prob micro-batch size; the full
+        # estimator keeps every trial row's reference logits, and one micro-batch's
+        # candidate logits and KL temporaries (p_old, z_old − z_new, their product) at a
+        # time; the k-estimators one micro-batch's logits and log-softmax
         kl_probe_activations=forward_activation_bytes(model, parallel, probe_rows, seq),
         kl_probe_logits=(
-            logits_bytes(model, parallel, probe * seq, copies=6)
+            logits_bytes(model, parallel, probe * seq, copies=1)
+            + logits_bytes(model, parallel, probe_rows * seq, copies=4)
             if step.kl_estimator == "full"
             else logits_bytes(model, parallel, probe_rows * seq, copies=2)
         )

@@ -69,7 +69,7 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
         f"reference model {'on' if step.reference_model else 'off'}"
         + (f" (log-prob micro-batch {step.log_prob_rows})" if step.reference_model else "")
         + (
-            f", KL probe {step.kl_probe_sequences} seqs ({step.kl_estimator})"
+            f", KL trials on {step.kl_probe_sequences} seqs (probe + held-out, {step.kl_estimator})"
             if step.kl_probe_sequences
             else ""
         ),

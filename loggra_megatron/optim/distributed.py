@@ -137,6 +137,10 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
 
+    candidates_are_commits = True
+    """:meth:`write_candidate` at η hands out, bit for bit, the fp32 masters that a step at
+    ``lr·η`` stores (same sketch, same operations in the same order)."""
+
     def add_param_group(self, param_group: dict) -> None:
         """Register a group of shard params. Megatron's fp32 shards are views into its
         flat buffers (non-leaf tensors), which ``torch.optim.Optimizer.add_param_group``
@@ -259,24 +263,15 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """One step (``commit``) or one candidate, weight by weight in canonical order so
         that every rank issues the same collectives and transients stay per weight.
 
-        The first candidate of a step keeps each weight's sketch ``S = G Q`` (and the
-        refreshed basis and moments on a refresh step): later candidates (other η) and the
-        commit reuse them, so a step's gradient is projected once and its collectives
-        (non-finite check, split-row all-gather and all-reduces) run once, however many
-        trials predicted-KL control makes. The cache is ``[touched rows, r]`` per weight,
-        the size of one Adam moment."""
-        held = [
-            (p, g, self.state[p] if p in self.state else self._init_state(p, g))
-            for g in self.param_groups
-            for p in g["params"]
-            if self._raw_grad(p) is not None
-        ]
-        cache = self._candidates
-        if cache is None:
-            cache = {"ok": not self._any_nonfinite([self._raw_grad(p) for p, _, _ in held])}
-            if not commit:
-                self._candidates = cache
-        elif commit:
+        The first candidate of a step (or :meth:`project_gradients`) keeps each weight's
+        sketch ``S = G Q`` (and the refreshed basis and moments on a refresh step): later
+        candidates (other η) and the commit reuse them, so a step's gradient is projected
+        once and its collectives (non-finite check, split-row all-gather and all-reduces)
+        run once, however many trials predicted-KL control makes. The cache is
+        ``[touched rows, r]`` per weight, the size of one Adam moment."""
+        held = self._held_with_state()
+        cache = self._candidate_cache(held, keep=not commit)
+        if commit:
             self._candidates = None
         if not cache["ok"]:
             if commit:
@@ -288,9 +283,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         refresh = needs_refresh(self.num_steps, self._settings)
         step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
-            p = self._held.get(w)
-            if p is not None and self._raw_grad(p) is None:
-                p = None  # frozen this step: joins the collectives with zeros
+            p = self._stepped(w)
             if w not in cache:
                 cache[w] = self._project(w, layout, p, refresh, cache)
             basis_and_moments, sketch = cache[w]
@@ -306,31 +299,72 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                     state[key].copy_(value)
                 basis, exp_avg, exp_avg_sq = state["basis"], state["exp_avg"], state["exp_avg_sq"]
             group = self._group_of[p]
+            lr = group["lr"] * scale  # as a commit at lr·η computes it: trial == commit
             _, _, direction, step_size = adam_moments(
-                exp_avg, exp_avg_sq, sketch, step, group, inplace=commit
+                exp_avg, exp_avg_sq, sketch, step, group, inplace=commit, lr=lr
             )
             target = self._target(p, commit)
-            target.mul_(1 - scale * group["lr"] * group["weight_decay"])
-            self._add_low_rank(
-                target, layout, direction, basis, -scale * step_size * group["scale"]
-            )
+            target.mul_(1 - lr * group["weight_decay"])
+            self._add_low_rank(target, layout, direction, basis, -step_size * group["scale"])
             state["step"] += int(commit)
             self._finish(p, target, commit, write)
         for p, group, state in held:
             if p in self._index_of:
                 continue
+            lr = group["lr"] * scale
             _, _, direction, step_size = adam_moments(
-                state["exp_avg"], state["exp_avg_sq"], self._grad(p), step, group, inplace=commit
-            )
+                state["exp_avg"], state["exp_avg_sq"], self._grad(p), step, group,
+                inplace=commit, lr=lr,
+            )  # fmt: skip
             target = self._target(p, commit)
-            target.mul_(1 - scale * group["lr"] * group["weight_decay"])
-            target.add_(direction, alpha=-scale * step_size)
+            target.mul_(1 - lr * group["weight_decay"])
+            target.add_(direction, alpha=-step_size)
             state["step"] += int(commit)
             self._finish(p, target, commit, write)
         if commit:
             self.num_steps += 1
             self.model_grads = {}  # views of grad buffers that are about to be zeroed
         return True
+
+    @torch.no_grad()
+    def project_gradients(self) -> bool:
+        """Project this step's gradients now (every weight's sketch, and the refreshed bases
+        on a refresh step; collective) and keep them for the candidates and the commit, which
+        would otherwise compute them at the first of them (predicted-KL control calls it with
+        the other gradient preparation, so its timer holds only its own work). Returns False
+        if the step would be skipped."""
+        cache = self._candidate_cache(self._held_with_state(), keep=True)
+        if cache["ok"]:
+            refresh = needs_refresh(self.num_steps, self._settings)
+            for w, layout in enumerate(self._all_layouts):
+                if w not in cache:
+                    cache[w] = self._project(w, layout, self._stepped(w), refresh, cache)
+        return cache["ok"]
+
+    def _held_with_state(self) -> list[tuple[torch.Tensor, dict, dict]]:
+        """``(param, group, state)`` of every param held here that has a gradient."""
+        return [
+            (p, g, self.state[p] if p in self.state else self._init_state(p, g))
+            for g in self.param_groups
+            for p in g["params"]
+            if self._raw_grad(p) is not None
+        ]
+
+    def _candidate_cache(self, held, keep: bool) -> dict:
+        """This step's kept projections; a new cache (non-finite check: collective) if there
+        is none, kept for later candidates if ``keep``."""
+        cache = self._candidates
+        if cache is None:
+            cache = {"ok": not self._any_nonfinite([self._raw_grad(p) for p, _, _ in held])}
+            if keep:
+                self._candidates = cache
+        return cache
+
+    def _stepped(self, w: int) -> torch.Tensor | None:
+        """The shard of sketched weight ``w`` held here if it has a gradient this step (else
+        None: not held, or frozen; it joins the collectives with zeros)."""
+        p = self._held.get(w)
+        return p if p is not None and self._raw_grad(p) is not None else None
 
     def _project(self, w, layout, p, refresh: bool, cache: dict):
         """``(basis and moments, sketch)`` of weight ``w`` this step (collective)."""

@@ -282,10 +282,11 @@ def install_basis(q_raw: torch.Tensor, state: dict, first: bool) -> None:
         state[key].copy_(value)
 
 
-def adam_moments(exp_avg, exp_avg_sq, g, step: int, group: dict, inplace: bool):
+def adam_moments(exp_avg, exp_avg_sq, g, step: int, group: dict, inplace: bool, lr=None):
     """Adam's moments updated with ``g`` (a gradient or a sketch) at 1-based ``step``, the
     direction ``M / (√V̂ + ε)`` and the step size ``lr / (1 − β1^t)``, computed as torch's
-    AdamW does. In place for a step; on new tensors for a candidate that changes nothing.
+    AdamW does (``lr``: the group's unless given). In place for a step; on new tensors for a
+    candidate that changes nothing.
 
     Returns ``(exp_avg, exp_avg_sq, direction, step_size)``.
     """
@@ -297,7 +298,7 @@ def adam_moments(exp_avg, exp_avg_sq, g, step: int, group: dict, inplace: bool):
         m = exp_avg.lerp(g, 1 - beta1)
         v = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
-    return m, v, m / denom, group["lr"] / (1 - beta1**step)
+    return m, v, m / denom, (group["lr"] if lr is None else lr) / (1 - beta1**step)
 
 
 def validate_group(group: dict) -> None:

@@ -46,10 +46,24 @@ def store_master(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Te
     storage is reused, so no temporary is allocated): pass a tensor the caller owns.
 
     ``d`` is the low half of the bits read as int16 (``L`` when ``L < 2¹⁵``, else
-    ``L − 2¹⁶``: the int32 → int16 conversion wraps), and ``B = (u + 2¹⁵) >> 16``
-    (arithmetic shift; the carry is the rounding)."""
+    ``L − 2¹⁶``: the int32 → int16 conversion wraps), and ``B`` is
+    :func:`_rounded_high_half`."""
     if master.dtype != torch.float32 or not master.is_contiguous():
         raise TypeError("store_master needs a contiguous fp32 master")
     bits = master.view(torch.int32).view(weight.shape)
     remainder.copy_(bits)  # wraps to the low 16 bits
-    weight.view(torch.int16).copy_(bits.add_(_HALF).bitwise_right_shift_(16))
+    weight.view(torch.int16).copy_(_rounded_high_half(bits))
+
+
+def weight_of(master: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight :func:`store_master` writes for fp32 ``master`` (round to nearest,
+    ties away from zero), as a new tensor; ``master`` is **consumed**."""
+    if master.dtype != torch.float32 or not master.is_contiguous():
+        raise TypeError("weight_of needs a contiguous fp32 master")
+    return _rounded_high_half(master.view(torch.int32)).to(torch.int16).view(torch.bfloat16)
+
+
+def _rounded_high_half(bits: torch.Tensor) -> torch.Tensor:
+    """``B = (u + 2¹⁵) >> 16`` of int32 bits ``u``, in place (arithmetic shift; the carry is
+    the rounding)."""
+    return bits.add_(_HALF).bitwise_right_shift_(16)

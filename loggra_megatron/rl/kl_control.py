@@ -21,12 +21,18 @@ controller
    were.
 5. every ``kl_realized_interval`` steps, measures ``kl/realized`` at the committed weights
    on *held-out* sequences that were not in the probe: an honest check of the prediction.
+   With LoGRA's optimizers a trial at η leaves, bit for bit, the model weights that the
+   commit at η does (:attr:`~loggra_megatron.optim.megatron.stepper.MegatronStepper.
+   trials_are_commits`), so the held-out rows join each trial's forward (one forward of
+   probe + held-out rows) and the last trial's held-out KL is ``kl/realized``; other
+   optimizers (dense Adam) run one more forward after the commit.
 
 Estimators: ``full`` is the exact full-vocabulary KL per token (reference logits of the
 probe are kept: ``probe tokens × V/TP`` values); ``k1``/``k2``/``k3`` use the sampled
 tokens only (one log-prob per token is kept). Communication: per probe forward, the
 vocab-parallel reductions of :mod:`loggra_megatron.rl.kl` over TP (``[tokens]`` floats),
-then one all-reduce of ``[Σ KL, #tokens]`` over DP and one over PP, where the stages
+then one all-reduce of ``[Σ KL, #tokens]`` (per part: probe, held-out) over DP and one
+over PP, where the stages
 other than the last contribute zeros, so every stage applies the same η.
 
 Memory: the stored reference (above) plus one param's candidate at a time; no copy of the
@@ -177,6 +183,9 @@ class PredictedKLController:
         optimizer: a Megatron-Core optimizer (LoGRA's or dense Adam) with 16-bit params.
         forward: the probe forward (no grad) of the policy.
         tp_group, dp_group, pp_group: Megatron's process groups (None: size 1).
+        forward_rows: rows per call of ``forward`` when a KL is measured (None: all at
+            once), so that one call's logits and KL temporaries exist at a time (the
+            ``full`` estimator's are ``rows × s × V/TP`` floats, several times over).
     """
 
     def __init__(
@@ -187,12 +196,13 @@ class PredictedKLController:
         tp_group=None,
         dp_group=None,
         pp_group=None,
+        forward_rows: int | None = None,
     ):
         from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
         if not config.enabled:
             raise ValueError("PredictedKLController needs --kl-target")
-        self.config, self.forward = config, forward
+        self.config, self.forward, self.forward_rows = config, forward, forward_rows
         self.stepper = MegatronStepper(optimizer)
         self.stepper.require_separate_model_weights()
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
@@ -250,14 +260,26 @@ class PredictedKLController:
         cfg = self.config
         t_start = time.perf_counter()
         realized_due = self._realized_due(holdout_batch is not None)
-        ref = self._given_or_own_reference(reference, probe_batch)
+        # Trials that are commits (LoGRA): the held-out rows ride along in each trial's
+        # forward and the last trial's held-out KL is kl/realized, with no forward of its own.
+        fold = realized_due and self.stepper.trials_are_commits
         ref_holdout = None
-        if realized_due:
-            ref_holdout = self._given_or_own_reference(holdout_reference, holdout_batch)
+        if fold:  # one batch: the probe rows, then the held-out rows
+            batch, split = _cat_batches(probe_batch, holdout_batch), _num_rows(probe_batch)
+            if reference is None and holdout_reference is None:
+                ref = self._reference(batch)
+            else:
+                ref = _cat_outputs(self._given_or_own_reference(reference, probe_batch),
+                                   self._given_or_own_reference(holdout_reference, holdout_batch))  # fmt: skip
+        else:
+            batch, split = probe_batch, None
+            ref = self._given_or_own_reference(reference, probe_batch)
+            if realized_due:
+                ref_holdout = self._given_or_own_reference(holdout_reference, holdout_batch)
         ref_bytes = _bytes(ref) + _bytes(ref_holdout)
         t_control = time.perf_counter() - t_start
 
-        prepared = self.stepper.prepare()
+        prepared = self.stepper.prepare(project=True)  # work of the step, not of control
         grad_norm, num_zeros = prepared.grad_norm, prepared.num_zeros
         if not prepared.ok:  # fp16 overflow or a non-finite gradient norm
             self.num_skipped_steps += 1
@@ -265,12 +287,12 @@ class PredictedKLController:
             return StepResult(False, grad_norm, num_zeros, metrics)
 
         t0 = time.perf_counter()
-        kl_raw, peak = self._candidate_kl(probe_batch, ref, 1.0)
+        kl_raw, kl_held, peak = self._candidate_kl(batch, ref, 1.0, split)
         eta, kl_committed, backtracks = 1.0, kl_raw, 0
         if math.isfinite(kl_raw) and kl_raw > cfg.kl_target:
             eta = math.sqrt(cfg.kl_target / kl_raw)
-            while True:
-                kl_committed, _ = self._candidate_kl(probe_batch, ref, eta)
+            while True:  # the last trial is at the η that is committed
+                kl_committed, kl_held, _ = self._candidate_kl(batch, ref, eta, split)
                 ok = math.isfinite(kl_committed)
                 if ok and kl_committed <= cfg.kl_backtrack_tolerance * cfg.kl_target:
                     break
@@ -298,10 +320,12 @@ class PredictedKLController:
 
         self.stepper.commit(eta)
         self.num_steps += 1
-        if realized_due:
+        if fold:
+            metrics["kl/realized"] = kl_held
+        elif realized_due:
             t0 = time.perf_counter()
             self.stepper.sync_model_weights()
-            metrics["kl/realized"] = self._kl(holdout_batch, ref_holdout)
+            metrics["kl/realized"] = self._kl(holdout_batch, ref_holdout)[0]
             t_control += time.perf_counter() - t0
         metrics["time/kl_control_s"] = t_control
         return StepResult(True, grad_norm, num_zeros, metrics)
@@ -334,28 +358,74 @@ class PredictedKLController:
         return tp_rank * out.logits.shape[-1]
 
     @torch.no_grad()
-    def _kl(self, batch, ref) -> float:
-        """Mean per-token KL(reference ‖ current weights) over the batch's counted tokens."""
-        out = self.forward(batch)
-        totals = torch.zeros(2, device=self._device)
-        if out is not None:
+    def _kl(self, batch, ref, split: int | None = None) -> tuple[float, float | None]:
+        """Mean per-token KL(reference ‖ current weights) over the batch's counted tokens, of
+        rows ``[:split]`` and of rows ``[split:]`` (None without ``split``); forwards of
+        ``forward_rows`` rows, then one all-reduce of ``[Σ KL, #tokens]`` per part over DP,
+        then PP."""
+        rows = _num_rows(batch)
+        parts = [(0, rows)] if split is None else [(0, split), (split, rows)]
+        totals = torch.zeros(2 * len(parts), device=self._device)
+        step = self.forward_rows or rows
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            out = self.forward(_batch_rows(batch, slice(lo, hi)))
+            if out is None:  # a pipeline stage other than the last
+                continue
             if self.config.kl_estimator == "full":
-                per_token = vocab_parallel_kl(ref.logits, out.logits, self.tp_group)
+                chunk_ref = _rows(ref, slice(lo, hi))
+                per_token = vocab_parallel_kl(chunk_ref.logits, out.logits, self.tp_group)
             else:
                 logp = self.as_reference(out).logits  # [b, s] log-probs
-                per_token = sampled_kl(ref.logits, logp, self.config.kl_estimator)
+                per_token = sampled_kl(ref.logits[lo:hi], logp, self.config.kl_estimator)
             mask = out.mask.to(per_token.dtype)
-            totals = torch.stack([(per_token * mask).sum(), mask.sum()]).to(totals.device)
+            sums = []
+            for start, stop in parts:  # the part's rows within this chunk
+                r = slice(max(start, lo) - lo, max(min(stop, hi), lo) - lo)
+                sums += [(per_token[r] * mask[r]).sum(), mask[r].sum()]
+            totals += torch.stack(sums).to(totals.device)
         for group in (self.dp_group, self.pp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(totals, group=group)
-        return float(totals[0] / totals[1].clamp_min(1))
+        kl = (totals[0::2] / totals[1::2].clamp_min(1)).tolist()
+        return kl[0], (kl[1] if split is not None else None)
 
-    def _candidate_kl(self, batch, ref, eta: float) -> tuple[float, int]:
-        """Try ``θ + η·Δθ`` on the model weights and return (probe KL, peak transient bytes)."""
+    def _candidate_kl(self, batch, ref, eta: float, split: int | None = None):
+        """Try ``θ + η·Δθ`` on the model weights; ``(KL of rows [:split], KL of rows
+        [split:] or None, peak transient bytes)``."""
         with self.stepper.try_candidate(eta) as trial:
-            kl = self._kl(batch, ref) if trial.ok else math.nan
-        return kl, trial.peak_bytes
+            kl, kl_rest = self._kl(batch, ref, split) if trial.ok else (math.nan, math.nan)
+        return kl, kl_rest, trial.peak_bytes
+
+
+def _cat_batches(a, b):
+    """The rows of two batches of the probe forward as one batch: tensors are concatenated
+    along their first dimension, tuples element by element (``None`` stays ``None``)."""
+    if a is None and b is None:
+        return None
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b])
+    return tuple(_cat_batches(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _batch_rows(batch, rows: slice):
+    """Rows ``rows`` of a batch of the probe forward (tensors and tuples of them)."""
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch[rows]
+    return tuple(_batch_rows(x, rows) for x in batch)
+
+
+def _num_rows(batch) -> int:
+    return batch.shape[0] if isinstance(batch, torch.Tensor) else _num_rows(batch[0])
+
+
+def _cat_outputs(a: ProbeOutput | None, b: ProbeOutput | None) -> ProbeOutput | None:
+    if a is None:  # a pipeline stage other than the last
+        return None
+    return ProbeOutput(*(torch.cat([getattr(a, f), getattr(b, f)])
+                         for f in ("logits", "targets", "mask")))  # fmt: skip
 
 
 def _rows(out: ProbeOutput, rows: slice) -> ProbeOutput:

@@ -92,9 +92,11 @@ def kl_controller(cfg, optimizer, policy):
     if not cfg.kl_control.enabled:
         return None
     t = cfg.training
-    forward = gpt_probe_forward(policy, t.log_prob_micro_batch_size or t.micro_batch_size,
-                                log_probs=cfg.kl_control.kl_estimator != "full")  # fmt: skip
+    rows = t.log_prob_micro_batch_size or t.micro_batch_size
+    full = cfg.kl_control.kl_estimator == "full"  # logits kept: one micro-batch per call
+    forward = gpt_probe_forward(policy, rows, log_probs=not full)
     return PredictedKLController(
         cfg.kl_control, optimizer, forward, ps.get_tensor_model_parallel_group(),
         ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
+        forward_rows=rows if full else None,
     )  # fmt: skip

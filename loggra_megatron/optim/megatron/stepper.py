@@ -11,13 +11,17 @@ exposes the same phases, for the trainer and for predicted-KL control:
   bf16/fp32 (there is no loss scaler to catch it); here it skips the step instead. The norm
   is all-reduced over the optimizer's grad-stats group (model parallel × DP for the
   distributed optimizer; model parallel otherwise, where gradients are DP-identical), so
-  every rank takes the same decision and no collective diverges.
+  every rank takes the same decision and no collective diverges. With ``project=True``
+  (predicted-KL control) LoGRA's optimizers also project the gradients here, once, for
+  the trials and the commit.
 * :meth:`~MegatronStepper.try_candidate` (predicted-KL control): the parameters the step
   would produce, scaled by η (``θ + η·Δθ``, :mod:`loggra_megatron.optim.candidate`), written
   into the 16-bit model weights only (the fp32 masters keep θ) and all-gathered over DP,
   for one probe forward; params that share storage with their master (fp32 params, and
   bf16 weights whose masters are kept as remainders) are backed up and restored when the
-  trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back.
+  trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back. With LoGRA's
+  optimizers a trial at η *is* the commit at η, bit for bit
+  (:attr:`~MegatronStepper.trials_are_commits`).
 * :meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit),
   or nothing for a skipped step (the grads are zeroed by the next ``zero_grad_buffer``).
 
@@ -38,6 +42,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from loggra_megatron.optim.candidate import write_candidate
 from loggra_megatron.optim.megatron.params import main_params_of, shares_storage
+from loggra_megatron.optim.param_remainders import weight_of
 
 
 @dataclass
@@ -81,9 +86,11 @@ class MegatronStepper:
 
     # ------------------------------------------------------------------ Megatron's phases
     @torch.no_grad()
-    def prepare(self) -> PreparedGrads:
+    def prepare(self, project: bool = False) -> PreparedGrads:
         """Main grads ready, norm computed, grads clipped; collective over the grad-stats
-        group. Returns whether the step may be committed."""
+        group. Returns whether the step may be committed. ``project``: also project the
+        gradients now for LoGRA's optimizers (kept for the trials and the commit; a plain
+        step projects one weight at a time in the commit instead, holding less)."""
         for leaf in self.leaves:  # new gradients: sketches kept from the last step are stale
             clear = getattr(getattr(leaf, "optimizer", None), "clear_candidate_cache", None)
             if clear is not None:
@@ -105,7 +112,12 @@ class MegatronStepper:
                     )
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
         num_zeros = self.optimizer.count_zeros() if self._config.log_num_zeros_in_grad else None
-        return PreparedGrads(math.isfinite(grad_norm), grad_norm, num_zeros)
+        ok = math.isfinite(grad_norm)
+        if ok and project:
+            for leaf in self.leaves:
+                projector = getattr(getattr(leaf, "optimizer", None), "project_gradients", None)
+                ok = (projector() if projector is not None else True) and ok
+        return PreparedGrads(ok, grad_norm, num_zeros)
 
     @torch.no_grad()
     def commit(self, lr_scale: float = 1.0) -> None:
@@ -147,6 +159,16 @@ class MegatronStepper:
                 "the candidate update is tried on the model weights while the masters keep θ"
             )
 
+    @property
+    def trials_are_commits(self) -> bool:
+        """Whether the model weights inside :meth:`try_candidate` at η are, bit for bit, the
+        ones :meth:`commit` at η leaves (every inner optimizer computes its candidates as its
+        step does, e.g. LoGRA's, and the model weights are plain 16-bit tensors), so that a
+        forward in the last trial is a forward at the committed weights."""
+        exact = all(getattr(leaf.optimizer, "candidates_are_commits", False)
+                    for leaf in self.leaves if getattr(leaf, "optimizer", None) is not None)  # fmt: skip
+        return exact and all(type(model.data) is torch.Tensor for _, _, model, _, _ in self._params)
+
     @contextlib.contextmanager
     @torch.no_grad()
     def try_candidate(self, scale: float) -> Iterator[CandidateTrial]:
@@ -156,10 +178,15 @@ class MegatronStepper:
         backup = [main.detach().clone() for main in aliased]
         trial = CandidateTrial(True, sum(_nbytes(b) for b in backup))
         model_of = {main: (model, start, end) for _, main, model, start, end in self._params}
+        remainders = {main for leaf in self.leaves
+                      for main in getattr(getattr(leaf, "optimizer", None), "param_remainders",
+                                          ())}  # fmt: skip
 
         def write(main, candidate):
             trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + sum(map(_nbytes, backup)))
             model, start, end = model_of[main]
+            if main in remainders:  # rounded as a commit stores it (ties away from zero)
+                candidate = weight_of(candidate.contiguous())
             model.detach().view(-1)[start:end].copy_(candidate.view(-1))
 
         for leaf in self.leaves:
