@@ -11,7 +11,8 @@ alternating in ABBA order so that machine noise and drift hit both alike. Report
 first ``--skip`` (warm-up of caches and allocator):
 
 * tokens/s: the median over steps of ``throughput/tokens_per_s`` in each run, then the
-  median over the repeats, and the ratio controlled / plain;
+  median over the repeats, and the ratio controlled / plain; also the ratio within each
+  repeat (its two adjacent runs, which share the machine's drift) and their median;
 * the controller's share of a step: ``time/kl_control_s / time/step_s`` per step (median and
   90th percentile over all controlled steps), which is independent of the VM's run-to-run
   noise (about 10 % here);
@@ -91,8 +92,12 @@ def main() -> None:
     shares = sorted(r["time/kl_control_s"] / r["time/step_s"]
                     for rows in runs["controlled"] for r in rows)  # fmt: skip
     scaled = [r["kl/step_scale"] < 1 for rows in runs["controlled"] for r in rows]
+    per_run = {k: [statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v]
+               for k, v in runs.items()}  # fmt: skip
+    paired = [c / p for c, p in zip(per_run["controlled"], per_run["plain"], strict=True)]
     result = {
         "tokens_per_s": tps, "ratio": tps["controlled"] / tps["plain"], "phases_s": phases,
+        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
         "kl_control_share_median": statistics.median(shares),
         "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
         "scaled_steps": sum(scaled) / len(scaled), "steps": len(shares),
@@ -101,6 +106,8 @@ def main() -> None:
     print(f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
           f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
           f"(ratio {result['ratio']:.3f}, {100 * (1 - result['ratio']):+.1f} % cost)")
+    print("ratio within each repeat (adjacent runs): " + ", ".join(f"{r:.3f}" for r in paired)
+          + f"; median {result['paired_ratio_median']:.3f}")
     print(f"time/kl_control_s / time/step_s over {len(shares)} steps: median "
           f"{100 * result['kl_control_share_median']:.1f} %, p90 "
           f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
