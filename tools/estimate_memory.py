@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 
@@ -324,14 +323,21 @@ def _step(args, parser, dp: int) -> RLStepConfig:
             err("argument --global-batch-size: not a multiple of --micro-batch-size x DP")
         num_micro = num_micro or step_seqs // args.micro_batch_size
     probe = args.kl_probe_sequences
-    if probe is None:  # KLControlConfig.probe_split: ceil(fraction x step), at least one,
-        probe = 0  # then as many held-out sequences (as fit) when kl/realized is measured
+    if probe is None:  # the controller's own split: probe rows, then the held-out rows
+        probe = 0
         if args.kl_target is not None:
             if not step_seqs:
                 err("argument --kl-target: give --global-batch-size (the probe is a fraction)")
-            probe = min(step_seqs, max(1, math.ceil(args.kl_probe_fraction * step_seqs)))
-            if args.kl_realized_interval:
-                probe = min(step_seqs, 2 * probe)
+            from loggra_megatron.rl.config import KLControlConfig  # imports torch
+
+            try:
+                kl = KLControlConfig(kl_target=args.kl_target,
+                                     kl_probe_fraction=args.kl_probe_fraction,
+                                     kl_realized_interval=args.kl_realized_interval)  # fmt: skip
+            except ValueError as e:
+                err(str(e))
+            rows, holdout = kl.probe_split(step_seqs)
+            probe = holdout.stop if kl.kl_realized_interval else rows.stop
     return RLStepConfig(
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
