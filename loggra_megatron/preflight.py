@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 from loggra_megatron.config import ConfigError
+from loggra_megatron.megatron_version import untested_version_note
 
 
 @dataclass
@@ -72,6 +73,9 @@ def preflight(cfg) -> Preflight:
         raise ConfigError(f"--apply-chat-template: {d.tokenizer_model!r} has no chat template")
     renderer = PromptRenderer(tokenizer, task, chat, d.system_prompt)
     notes = list(cfg.start.notes)
+    version_note = untested_version_note()
+    if version_note is not None:
+        notes.insert(0, version_note)
     dataset, dropped = _prompts(cfg, renderer, d.data_path, notes, "data")
     eval_dataset = None
     if d.eval_data_path is not None:

@@ -1,8 +1,11 @@
 """The actor's GRPO update through Megatron's schedule: TP=2 gives TP=1's weights."""
 
+import pytest
 import torch
 
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
+
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 HIDDEN, HEADS, VOCAB, SEQ, BATCH = 32, 4, 64, 8, 8
 LR = 0.5

@@ -16,6 +16,8 @@ import pytest
 
 from loggra_megatron.testing import run_distributed
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "memory_rl.py")
 GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")

@@ -19,6 +19,8 @@ from loggra_megatron.checkpointing.layout import (
 )
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 OUTPUT = "output_layer.weight"
 
 

@@ -24,6 +24,8 @@ from loggra_megatron.convert.mapping import deinterleave_qkv, interleave_qkv
 from loggra_megatron.model.args import GPTModelArgs, pad_vocab_size
 from loggra_megatron.testing import run_distributed
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 transformers = pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

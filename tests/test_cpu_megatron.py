@@ -16,6 +16,8 @@ import torch
 from loggra_megatron import cpu
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 VOCAB, SEQ, STEPS = 64, 16, 5
 
 

@@ -11,6 +11,8 @@ from rl_runs import ENV, ROOT, tiny_argv, torchrun
 
 from loggra_megatron.model.build import fused_kernels
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 
 def _reports(report_dir) -> list[dict]:
     return [json.load(open(os.path.join(report_dir, f"rank{r}.json"))) for r in (0, 1)]

@@ -28,6 +28,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "h100_8gpu")
 SH = os.path.join(EXAMPLES, "train_27b_loggra.sh")

@@ -18,6 +18,8 @@ from loggra_megatron.data.tokenizer import load_tokenizer
 from loggra_megatron.metrics import read_metrics
 from loggra_megatron.testing import run_distributed
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 _spec = importlib.util.spec_from_file_location(
     "make_tiny_model", os.path.join(ROOT, "examples", "hf_model", "make_tiny_model.py")
 )

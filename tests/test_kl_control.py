@@ -11,6 +11,8 @@ from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 HIDDEN, HEADS, VOCAB, SEQ = 32, 4, 64, 8
 TOKENS = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(3))
 

@@ -46,6 +46,8 @@ from loggra_megatron.memory.model import (
 from loggra_megatron.optim import LoGRAAdamW, state_bytes
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
 CONFIGS = os.path.join(REPO, "tools", "configs")

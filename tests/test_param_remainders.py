@@ -14,6 +14,8 @@ import torch
 from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
 
 

@@ -13,6 +13,8 @@ from loggra_megatron.arguments import parse_args
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.metrics import METRIC_KEYS, read_metrics
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 
 # ---------------------------------------------------------------- rejected configurations
 @pytest.mark.parametrize(

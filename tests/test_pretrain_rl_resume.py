@@ -17,6 +17,8 @@ from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.metrics import read_metrics
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 COSINE = {"bf16": True, "kl-coef": 0.01, "train-iters": 4, "lr-decay-style": "cosine", "lr": 3e-3}
 
 

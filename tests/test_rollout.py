@@ -19,6 +19,8 @@ from loggra_megatron.rollout import (
 )
 from loggra_megatron.testing import run_distributed, tiny_gpt_model
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 VOCAB, MAX_SEQ, NEW, PAD = 64, 32, 6, 0
 PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14]]
 

@@ -10,6 +10,8 @@ from loggra_megatron.rollout import generate_rollout
 from loggra_megatron.rollout.engine import chunk_rows, generate_chunked, kv_cache_bytes
 from loggra_megatron.testing import run_distributed, tiny_gpt_model
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 VOCAB, MAX_SEQ, NEW, PAD = 64, 40, 8, 0
 PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14], [8, 8], [1, 2, 3, 4, 5, 6],
            [40, 41, 42], [7]]  # fmt: skip

@@ -10,6 +10,8 @@ from rl_runs import tiny_argv
 from loggra_megatron.metrics import read_metrics
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 
 def _params(module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in module.named_parameters()}

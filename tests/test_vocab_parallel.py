@@ -6,6 +6,8 @@ import torch
 from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.testing import run_distributed
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 VOCAB = 16
 
 

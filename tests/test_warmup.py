@@ -1,9 +1,12 @@
 """The supervised warm-up trains at --sft-lr, then RL runs at its own schedule."""
 
+import pytest
 from rl_runs import tiny_argv
 
 from loggra_megatron.metrics import read_metrics
 from loggra_megatron.testing import run_distributed
+
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 
 def _warmup_lrs(rank, argv):

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
 
     from loggra_megatron.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from loggra_megatron.megatron_version import untested_version_note
 
     if torch.distributed.is_initialized():  # reused group: no rank writes before all checked
         torch.distributed.barrier()
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if rank == 0:
             print(f"{opts.direction}: {opts.load} -> {opts.save} (TP={tp}, PP={pp})", flush=True)
+            if (note := untested_version_note()) is not None:
+                print(note, file=sys.stderr, flush=True)
         use_te = opts.transformer_impl == "transformer_engine"
         if opts.direction == "hf-to-megatron":
             overrides = {"make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by}

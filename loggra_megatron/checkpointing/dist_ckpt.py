@@ -52,11 +52,9 @@ from loggra_megatron.checkpointing.layout import (
     select_checkpoint,
     write_atomically,
 )
+from loggra_megatron.optim.megatron import optimizer_state
 
 MANIFEST_FORMAT = 1
-DENSE_OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-"""Megatron's dense DistributedOptimizer format (Megatron-LM's default): bucket-wise, fully
-parallel, reshardable over DP. megatron-core 0.16's own default cannot be saved."""
 
 
 def _rank() -> int:
@@ -97,41 +95,6 @@ def _fresh_buffers(sharded_state_dict: dict) -> dict:
 
     dict_list_map_inplace(fresh, sharded_state_dict)
     return sharded_state_dict
-
-
-def _leaf_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-@torch.no_grad()
-def _allocate_dense_state(leaf) -> None:
-    """Megatron's ``DistributedOptimizer.state_dict()`` needs an allocated inner state; a
-    fresh torch AdamW (no TE/apex) has none until its first step. Allocate it as Megatron
-    does (zero grads, one inner step) at lr 0, so no parameter changes; the load then
-    overwrites the placeholder state."""
-    inner = getattr(leaf, "optimizer", None)
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(inner.state):
-        return
-    if not hasattr(leaf, "_init_optimizer_states_with_dummy_values"):
-        return
-    lrs = [g["lr"] for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-    try:
-        leaf._init_optimizer_states_with_dummy_values()
-    finally:
-        for g, lr in zip(inner.param_groups, lrs, strict=True):
-            g["lr"] = lr
-
-
-def _optimizer_sharded_state_dict(optimizer, model_sd, is_loading: bool) -> list:
-    if is_loading:
-        for leaf in _leaf_optimizers(optimizer):
-            _allocate_dense_state(leaf)
-    return [
-        leaf.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DENSE_OPTIMIZER_SHARDING)
-        for leaf in _leaf_optimizers(optimizer)
-    ]
 
 
 def _exit_with_parent() -> None:
@@ -176,7 +139,7 @@ def save_checkpoint(
     model_sd = _model_sharded_state_dict(model_chunks)
     state = _model_sharded_state_dict(model_chunks, extra_models)
     if optimizer is not None:
-        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_sd, False)
+        state["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
     require_finite(state, f"refusing to save iteration {iteration} (the previous checkpoint "
                    "stays the latest)")  # fmt: skip
     state["common"] = common
@@ -231,34 +194,22 @@ def load_checkpoint(
     )  # fmt: skip
     path = ref.path
     saved = dist_checkpointing.load_common_state_dict(path)
-    leaves = _leaf_optimizers(optimizer) if optimizer is not None else []
     if optimizer is not None:
         if "optimizer" not in saved:
             raise CheckpointError(
                 f"checkpoint {path} has no optimizer state; load it with --no-load-optim"
             )
-        if len(saved["optimizer"]) != len(leaves):
-            raise CheckpointError(
-                f"checkpoint {path} has {len(saved['optimizer'])} optimizer(s), this run "
-                f"has {len(leaves)}: the model's parameter groups differ"
-            )
-        for leaf, leaf_saved in zip(leaves, saved["optimizer"], strict=True):
-            if hasattr(leaf, "check_compatible"):
-                leaf.check_compatible(leaf_saved.get("loggra"))
-            elif "loggra" in leaf_saved:
-                raise CheckpointError(
-                    f"checkpoint {path} holds LoGRA optimizer state but this run uses "
-                    "Megatron's dense Adam: resume with --optimizer loggra, or load the "
-                    "weights only with --no-load-optim"
-                )
+        optimizer_state.check_compatible(optimizer, saved["optimizer"], path)  # ValueError
     manifest = read_manifest(path)
     if manifest is not None and verify:
         verify_checksums(path, manifest)
     model_sd = _model_sharded_state_dict(model_chunks)
     request = _fresh_buffers(_model_sharded_state_dict(model_chunks, extra_models))
     if optimizer is not None:
-        request["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_sd, True)
+        request["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, True)
     loaded = dist_checkpointing.load(request, path)
+    if optimizer is not None:  # Megatron drops its padding; uninitialised there
+        optimizer_state.zero_padding(loaded["optimizer"])
     require_finite({k: v for k, v in loaded.items() if k != "common"},
                    f"refusing to load {path}")  # fmt: skip
     for i, chunk in enumerate(model_chunks):
@@ -269,23 +220,5 @@ def load_checkpoint(
             sd = {k.removeprefix(prefix): v for k, v in loaded[f"{name}{i}"].items()}
             _unwrap(chunk).load_state_dict(sd)
     if optimizer is not None:
-        with torch.no_grad():
-            for leaf, leaf_state in zip(leaves, loaded["optimizer"], strict=True):
-                leaf.load_state_dict(leaf_state)
-                _restore_torch_adam_step(leaf, leaf_state)
+        optimizer_state.load_state(optimizer, loaded["optimizer"])
     return loaded["common"]
-
-
-def _restore_torch_adam_step(leaf, leaf_state) -> None:
-    """Megatron's dense DistributedOptimizer keeps torch AdamW's step (CPU, no TE/apex) in
-    the saved param groups, but ``dp_reshardable`` then copies every param's placeholder
-    step over it; set each param's step from the param groups, as a tensor of its own."""
-    inner = getattr(leaf, "optimizer", None)
-    groups = leaf_state.get("optimizer", {}).get("param_groups", [])
-    steps = {g["step"] for g in groups if "step" in g}
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(steps) != 1:
-        return
-    (step,) = steps
-    for state in inner.state.values():
-        if "step" in state:
-            state["step"] = torch.tensor(float(step))
