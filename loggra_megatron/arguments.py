@@ -242,10 +242,23 @@ def _gpu_only_problems(cfg, tp: int):
         yield ("--sequence-parallel: needs Transformer Engine layers (--transformer-impl "
                "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
                "('sequence parallel not supported by torch LayerNorm')")  # fmt: skip
+    m = cfg.model
+    if m.fp8_format is not None and m.fp8_recipe == "mxfp8" and _on_gpu(cfg):
+        capability = torch.cuda.get_device_capability()
+        if capability < (10, 0):
+            yield (f"--fp8-recipe: mxfp8 needs a Blackwell GPU (compute capability 10.0+), "
+                   f"this one has {capability[0]}.{capability[1]}; use tensorwise (current "
+                   "scaling, docs/rollouts.md) or delayed")
     if cfg.rollout.rollout_engine == "dynamic":
         from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
 
         reason = "it runs on CUDA only" if not _on_gpu(cfg) else dynamic_engine_unavailable()
+        if reason is None and not m.bf16:
+            reason = "flash-attn takes fp16/bf16 only; add --bf16"
+        if reason is None and m.fp8_format is not None and m.fp8_recipe == "blockwise":
+            reason = ("blockwise FP8's weight workspace, first built under inference mode, "
+                      "keeps only the row-wise data training needs; use --fp8-recipe "
+                      "tensorwise")
         if reason is not None:
             yield (f"--rollout-engine: Megatron-Core's dynamic inference engine cannot run "
-                   f"here ({reason}; docs/rollouts.md); use static or auto")  # fmt: skip
+                   f"here ({reason}; docs/rollouts.md); use static or auto")

@@ -194,15 +194,14 @@ def audit_model(audit: DeviceAudit, model, what: str) -> None:
             audit.violations.append(f"{what} {name}: on the {tag_of(t) or 'unknown'} device")
 
 
-def main(report_dir: str, argv: list[str]) -> int:
-    """Run ``pretrain_rl.py argv --device cuda`` on the simulated device; write the report."""
+def run_pretrain_rl(audit: DeviceAudit, argv: list[str]) -> int:
+    """``pretrain_rl.py argv --device cuda`` on the simulated device (:func:`install` done),
+    the built models audited; returns the exit code."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import pretrain_rl
     from loggra_megatron.model import build as build_module
     from loggra_megatron.train import trainer as trainer_module
 
-    audit = DeviceAudit()
-    install(audit)
     setup = trainer_module.RLTrainer.setup
 
     def audited_setup(self):
@@ -216,15 +215,26 @@ def main(report_dir: str, argv: list[str]) -> int:
     # The fused kernels are TorchScript/torch.compile code for a real GPU (unit-tested apart)
     fused = build_module.fused_kernels
     build_module.fused_kernels = lambda device_type, use_te: fused("cpu", use_te)
-    code = 0
     try:
         pretrain_rl.main([*argv, "--device", "cuda"])
     except SystemExit as e:
-        code = e.code or 0
+        return e.code or 0
+    return 0
+
+
+def write_report(report_dir: str, report: dict) -> None:
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(report_dir, exist_ok=True)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"exit": code, "violations": audit.violations}, f, indent=1)
+        json.dump(report, f, indent=1)
+
+
+def main(report_dir: str, argv: list[str]) -> int:
+    """Run ``pretrain_rl.py argv --device cuda`` on the simulated device; write the report."""
+    audit = DeviceAudit()
+    install(audit)
+    code = run_pretrain_rl(audit, argv)
+    write_report(report_dir, {"exit": code, "violations": audit.violations})
     return 0
 
 

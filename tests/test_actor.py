@@ -94,7 +94,8 @@ def test_padding_for_fp8_and_sequence_parallel_changes_no_update():
 
 
 def test_sequence_multiple():
-    """TP under sequence parallelism, 16 under FP8 (32 for MXFP8), their lcm together."""
+    """TP under sequence parallelism, 16 under FP8 (32 for MXFP8), TP × 16 together: the
+    local sequence shard TE checks under SP must be aligned itself (issue 21, item 3)."""
     from types import SimpleNamespace
 
     from loggra_megatron.model.forward import fp8_alignment, sequence_multiple
@@ -108,6 +109,15 @@ def test_sequence_multiple():
     assert sequence_multiple(cfg(tp=8, fp8="hybrid")) == 16
     assert sequence_multiple(cfg(sp=True, tp=3, fp8="hybrid")) == 48
     assert fp8_alignment(cfg(fp8="e4m3", recipe="Fp8Recipe.mxfp8")) == 32
+    # TE's rule on the local [s/TP, b, h] shard, for every TP, micro-batch and length
+    for tp in (1, 2, 4, 8):
+        for recipe, align in (("delayed", 16), ("mxfp8", 32)):
+            multiple = sequence_multiple(cfg(sp=tp > 1, tp=tp, fp8="hybrid", recipe=recipe))
+            for s in range(1, 300):
+                padded = s + (-s % multiple)
+                for b in (1, 2, 3):
+                    assert (padded // tp * b) % 8 == 0 and padded % tp == 0
+                    assert (padded // tp) % align == 0, (tp, recipe, s)
 
 
 def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():

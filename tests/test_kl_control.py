@@ -272,12 +272,16 @@ def test_fp32_models_are_refused_with_a_clear_error():
     assert run_distributed(_fp32_refused, 1) == [True]
 
 
-def _kept_vs_probe_forward(rank, estimator):
+def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     """The probe reference kept from a GRPO training forward (ReferenceCollector) against the
     controller's own probe forward at the same weights, then a step with the kept one."""
     from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
     from loggra_megatron.rl.config import GRPOConfig
 
+    if pad_to > 1:  # the schedule pads as under FP8 / sequence parallelism (this worker)
+        import loggra_megatron.model.forward as forward_module
+
+        forward_module.sequence_multiple = lambda config: pad_to
     torch.manual_seed(0)
     ddp, opt = _build("loggra")
     from megatron.core import parallel_state as ps
@@ -306,15 +310,16 @@ def _kept_vs_probe_forward(rank, estimator):
     return kept, own, result.metrics, forwards, holdout
 
 
-@pytest.mark.parametrize("estimator", ["k3", "full"])
-def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator):
+@pytest.mark.parametrize(("estimator", "pad_to"), [("k3", 1), ("full", 1), ("k3", 16), ("full", 16)])
+def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator, pad_to):
     """Predicted-KL control without its own reference forwards: the training forward's
     logits (or their log-probs) of the probe and held-out rows equal what the probe forward
     computes (for k3 in micro-batches of one row, returning log-probs only), and the
     controller steps with them (here scaling the step to a tiny target): its only forwards
     are the candidates', each on the probe and the held-out rows (kl/realized is read off
-    the last one)."""
-    results = run_distributed(_kept_vs_probe_forward, 2, estimator)
+    the last one). ``pad_to=16``: the schedule pads the micro-batches (FP8, sequence
+    parallelism); the kept reference is cut back to the probe's length."""
+    results = run_distributed(_kept_vs_probe_forward, 2, estimator, pad_to)
     for kept, own, metrics, forwards, holdout in results:
         assert set(forwards) == {holdout.stop}
         # η = 1, the scaled η and its backtracks: no reference or realized forward

@@ -18,10 +18,11 @@ On CPU (megatron-core 0.16.1, ``loggra_megatron.cpu``'s CPU mode) the engine doe
    ``communication_utils._is_cuda`` asserting ``is_cuda`` on the broadcast logits.)
 
 The ``*_documented_failure`` tests pin that chain, so an upgrade that changes it shows. The
-other engine tests run the *real* engine, scheduler and driver on CPU with a test double for
-the flash-attn kernels (:func:`_varlen_attention`, :func:`_kvcache_attention`: plain-PyTorch
-paged attention), the Generator redirect and a no-op ``_is_cuda``, against the static engine
-on the same weights (TP=1, TP=2, PP=2). The ``gpu`` test runs the real kernels.
+other engine tests run the *real* engine, scheduler and driver on CPU, a bf16 model, with
+``tests/gpu_standins.py``'s flash-attn stand-in (plain-PyTorch paged attention that keeps
+flash-attn's fp16/bf16 rule), the Generator redirect, the Triton KV append off and a no-op
+``_is_cuda``, against the static engine on the same weights (TP=1, TP=2, PP=2). The ``gpu``
+test runs the real kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from loggra_megatron.rollout.dynamic import (
     restore_forwards,
     truncate_at_stop,
 )
-from loggra_megatron.testing import run_distributed, tiny_gpt_model
+from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, tiny_gpt_model
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -60,99 +61,6 @@ GEN_ERRORS = {
 }
 GEN_LINES = {"0.16.1": 75, "0.19.2": 251}  # TextGenerationController.__init__: torch.Generator
 FA_ERROR = ("ModuleNotFoundError", "No module named 'flash_attn'")
-
-
-# ---------------------------------------------------------------- CPU test double
-
-
-def _attend(q, k, v, scale):
-    """Causal attention of ``q [sq, hq, d]`` over ``k, v [sk, hk, d]`` (the last query sees
-    every key: bottom-right causal alignment, as flash-attn); GQA by head repetition."""
-    sq, hq, _ = q.shape
-    sk, hk, _ = k.shape
-    k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    future = torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
-
-
-def _paged(cache, block_ids, length):
-    """The first ``length`` tokens of one sequence from a ``[blocks, block_size, h, d]`` cache."""
-    used = block_ids[: -(-length // cache.shape[1])].long()
-    return cache[used].reshape(-1, *cache.shape[2:])[:length]
-
-
-def _full_window(window_size) -> None:
-    assert tuple(window_size) == (-1, -1), "the stand-in has no sliding window"
-
-
-def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale=None, causal=True, block_table=None, window_size=(-1, -1),
-                      return_attn_probs=False):  # fmt: skip
-    """``flash_attn_varlen_func`` with a paged KV cache (prefill / mixed steps)."""
-    _full_window(window_size)
-    assert causal and not return_attn_probs
-    out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
-    for i in range(len(cu_seqlens_q) - 1):
-        a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        n = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
-        if b > a and n > 0:
-            kv = [_paged(c, block_table[i], n) for c in (k, v)]
-            out[a:b] = _attend(q[a:b], *kv, scale)
-    return out
-
-
-def _kvcache_attention(q, k_cache, v_cache, cache_seqlens, causal=True, block_table=None,
-                       num_splits=0, softmax_scale=None, window_size=(-1, -1)):  # fmt: skip
-    """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, 1, h, d]``)."""
-    _full_window(window_size)
-    assert causal
-    out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
-    for i in range(min(q.shape[0], len(cache_seqlens))):
-        n = int(cache_seqlens[i])
-        if n > 0:
-            kv = [_paged(c, block_table[i], n) for c in (k_cache, v_cache)]
-            out[i] = _attend(q[i], *kv, scale)
-    return out
-
-
-class _TorchWithCpuGenerator(types.ModuleType):
-    """``torch`` for the controller's module, whose ``Generator(device=<cuda>)`` is on CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def Generator(device=None):  # noqa: N802
-        return torch.Generator("cpu")
-
-
-def _install_generator_redirect() -> None:
-    import megatron.core.inference.text_generation_controllers.text_generation_controller as tgc
-
-    tgc.torch = _TorchWithCpuGenerator("torch")
-
-
-def _install_cpu_test_double() -> None:
-    """Worker processes only: flash-attn stand-ins and the CPU redirects listed above."""
-    import megatron.core.inference.communication_utils as comm
-    import megatron.core.transformer.attention as attention
-
-    import loggra_megatron.rollout.dynamic as dynamic
-
-    dynamic.dynamic_engine_unavailable = lambda model=None: None  # CPU is fine with the double
-    _install_generator_redirect()
-    attention.is_fa_min_version = lambda *args, **kwargs: True
-    attention.flash_attn_varlen_func = _varlen_attention
-    attention.flash_attn_with_kvcache = _kvcache_attention
-    if attention.rearrange is None:  # 's b h d -> s b (h d)'
-        attention.rearrange = lambda t, pattern: t.reshape(*t.shape[:2], -1)
-    comm._is_cuda = lambda tensor: None
-    # 0.17+: Triton kernels (CUDA only) where a PyTorch path exists
-    import megatron.core.inference.contexts.dynamic_context as dynamic_context
-
-    dynamic_context.triton_append_key_value_cache = None
 
 
 # ---------------------------------------------------------------- the documented CPU failure
@@ -168,6 +76,8 @@ def _describe(exc: BaseException) -> dict:
 
 
 def _failure_worker(rank: int) -> dict:
+    import gpu_standins
+
     import loggra_megatron.rollout.dynamic as dynamic
 
     model = tiny_gpt_model(2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True)
@@ -176,7 +86,7 @@ def _failure_worker(rank: int) -> dict:
     dynamic.dynamic_engine_unavailable = lambda model=None: None  # go on into Megatron
     for key in ("as_is", "generator_redirected"):
         if key == "generator_redirected":
-            _install_generator_redirect()
+            gpu_standins.install_generator_redirect()
         try:
             generate_rollout_dynamic(model, PROMPTS, max_new_tokens=2, temperature=0.0)
             out[key] = None
@@ -235,6 +145,7 @@ def test_cpu_documented_failure_flash_attn(cpu_failure):
 def _load_pp_stage(model, full_state: dict) -> None:
     from megatron.core import parallel_state as ps
 
+    model = getattr(model, "module", model)  # Float16Module -> GPTModel
     per_stage = len(model.decoder.layers)
     offset = ps.get_pipeline_model_parallel_rank() * per_stage
     state = {}
@@ -248,9 +159,21 @@ def _load_pp_stage(model, full_state: dict) -> None:
 
 
 def _worker(rank: int, full_state: dict | None = None) -> dict:
+    import gpu_standins
+
+    import loggra_megatron.rollout.dynamic as dynamic
     import loggra_megatron.rollout.mcore_engine as mcore_engine
 
-    _install_cpu_test_double()
+    gpu_standins.install_flash_attn()
+    dynamic.dynamic_engine_unavailable = lambda model=None: None  # CPU, with the stand-ins
+    log_prob_rows = []
+    compute = dynamic.compute_log_probs
+
+    def rows_spy(model, tokens, micro_batch_size):  # rows per forward of the recompute
+        log_prob_rows.append(micro_batch_size)
+        return compute(model, tokens, micro_batch_size=micro_batch_size)
+
+    dynamic.compute_log_probs = rows_spy
     run, last_run = mcore_engine.run_engine, {}
 
     def spy(engine, num_requests):  # record what the engine did
@@ -261,8 +184,8 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         return out
 
     mcore_engine.run_engine = spy
-    model = tiny_gpt_model(2, 32, 4, VOCAB, MAX_SEQ, query_groups=2, use_cpu_initialization=True,
-                           init_method_std=0.3)  # fmt: skip
+    model = tiny_bf16_gpt_model(num_layers=2, hidden_size=32, heads=4, vocab=VOCAB, seq=MAX_SEQ,
+                                query_groups=2, init_method_std=0.3)  # flash-attn: bf16
     if full_state is not None:
         _load_pp_stage(model, full_state)
     model.train()
@@ -271,9 +194,10 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
 
     def dyn(key, prompts=PROMPTS, **kwargs):
         last_run.clear()
+        log_prob_rows.clear()
         out[key] = generate_rollout_dynamic(model, prompts, block_size_tokens=BLOCK,
                                             **{**gen, **kwargs})  # fmt: skip
-        out["runs"][key] = dict(last_run)
+        out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows))
 
     dyn("greedy", temperature=0.0)
     for m in (1, 12, 16):  # 1: raised to one sequence (3 blocks)
@@ -292,11 +216,16 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     dyn("small_vocab", vocab_size=5, **sample)
     dyn("top_p_tiny", top_p=1e-6, **sample)
     dyn("no_new", max_new_tokens=0)
+    dyn("log_prob_rows3", temperature=0.0, log_prob_micro_batch_size=3)
     out["training"] = model.training
+    greedy = out["greedy"]
+    recomputed = compute(model, greedy.tokens, micro_batch_size=1)
+    if recomputed is not None:  # the last pipeline stage
+        out["recomputed"] = torch.where(greedy.response_mask, recomputed.float(), 0.0)
     if torch.distributed.get_world_size() == 1:
         x = torch.randint(0, VOCAB, (2, len(PROMPTS[1]) + NEW))  # the engine's RoPE length
         model(x, torch.arange(x.shape[1]).expand_as(x), None, labels=x).float().mean().backward()
-        out["state_dict"] = model.state_dict()
+        out["state_dict"] = getattr(model, "module", model).state_dict()
     return out
 
 
@@ -320,7 +249,13 @@ def layout(request):
     return request.getfixturevalue(request.param)
 
 
-def _assert_same(a, b, atol: float = 1e-5) -> None:
+ENGINES_ATOL = 0.1
+"""The static engine's log-probs come from its KV-cached decode, the dynamic engine's from a
+recompute of the finished sequences: in bf16 they differ by rounding (their exactness is
+``test_dynamic_log_probs_are_the_policy_recompute``)."""
+
+
+def _assert_same(a, b, atol: float = ENGINES_ATOL) -> None:
     assert torch.equal(a.tokens, b.tokens)
     for f in ("response_mask", "token_mask", "prompt_lengths", "response_lengths", "truncated"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
@@ -364,7 +299,7 @@ def test_sampling_reproducible_masked_and_log_probs(layout):
         assert not torch.equal(r["sampled"].tokens, r["greedy"].tokens)
         small = r["small_vocab"]
         assert (small.tokens[small.token_mask & ~_prompt_mask(small)] < 5).all()
-        _assert_same(r["top_p_tiny"], r["greedy"])
+        _assert_same(r["top_p_tiny"], r["greedy"], atol=0.0)
         for key in ("sampled", "small_vocab"):
             rollout = r[key]
             mask = rollout.response_mask
@@ -380,6 +315,27 @@ def test_all_model_parallel_ranks_agree(tp2, pp2):
     for results in (tp2, pp2):
         for key in ("greedy", "bounded12", "sampled", "eos_second", "small_vocab"):
             _assert_same(results[0][key], results[1][key], atol=0.0)
+
+
+def test_dynamic_log_probs_are_the_policy_recompute(layout):
+    """The returned log-probs are exactly the untempered policy's on the finished sequences
+    (on every rank: broadcast from the last pipeline stage)."""
+    recomputed = [r["recomputed"] for r in layout if "recomputed" in r]
+    assert recomputed
+    for r in layout:
+        assert (r["greedy"].log_probs[r["greedy"].response_mask] < 0).all()
+        torch.testing.assert_close(r["greedy"].log_probs, recomputed[0], atol=0.0, rtol=0)
+
+
+def test_log_prob_recompute_runs_in_log_prob_micro_batches(layout):
+    """The old log-probs are recomputed in forwards of ``--log-prob-micro-batch-size`` rows,
+    bounded or not (the whole rollout at once would hold ``B × L × V/TP`` fp32 logits:
+    issue 21, item 2), with the same result."""
+    for r in layout:
+        runs = r["runs"]
+        assert runs["greedy"]["log_prob_rows"] == [1] and runs["bounded12"]["log_prob_rows"] == [1]
+        assert runs["log_prob_rows3"]["log_prob_rows"] == [3]
+        _assert_same(r["log_prob_rows3"], r["greedy"], atol=1e-2)
 
 
 def test_model_state_restored_and_trainable_after(layout):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from loggra_megatron.config import at_least, check_fields, one_of, positive, reject
 
 FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -46,8 +46,9 @@ class ModelConfig:
     """bf16 weights and activations with fp32 master weights."""
     fp8_format: str | None = None
     """FP8 on Hopper via Transformer Engine: hybrid | e4m3."""
-    fp8_recipe: str = "delayed"
-    """Transformer Engine FP8 recipe: delayed | tensorwise | mxfp8 | blockwise."""
+    fp8_recipe: str = "tensorwise"
+    """Transformer Engine FP8 recipe: tensorwise (current scaling, the RL default:
+    docs/rollouts.md) | delayed | mxfp8 (Blackwell) | blockwise (not with the dynamic engine)."""
     transformer_impl: str = "auto"
     """local (plain PyTorch) | transformer_engine | auto (TE on GPU when installed)."""
     recompute_granularity: str | None = None

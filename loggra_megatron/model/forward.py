@@ -11,11 +11,13 @@ through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is 
   pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages.
 
 Shapes the kernels need. With sequence parallelism the sequence is split over the TP ranks,
-and Transformer Engine's FP8 GEMMs need the token count ``b·s`` to be a multiple of 16 (32
-for MXFP8; ``megatron.core.fp8_utils.get_fp8_align_size``). :func:`run_schedule` pads every
-micro-batch on the right to the :func:`sequence_multiple` of the model: the extra positions
-are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference log-probs), so
-they carry no loss; causal attention keeps them out of the real positions' logits.
+and Transformer Engine's FP8 GEMMs need the token count of every operand a module sees to be
+a multiple of 16 (32 for MXFP8; ``megatron.core.fp8_utils.get_fp8_align_size``), the local
+sequence shard included. :func:`run_schedule` pads every micro-batch on the right to the
+:func:`sequence_multiple` of the model: the extra positions are ``tokens`` 0 and zeros in
+every ``[b, s]`` tensor (masks, old/reference log-probs), so they carry no loss; causal
+attention keeps them out of the real positions' logits. :func:`initialize_fp8_state` runs the
+one forward that makes TE's lazily created FP8 state before any inference-mode forward.
 
 :func:`token_log_probs` is ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits with
 Megatron's TP group and vocabulary offset (:mod:`loggra_megatron.rl.kl`).
@@ -23,7 +25,6 @@ Megatron's TP group and vocabulary offset (:mod:`loggra_megatron.rl.kl`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -66,21 +67,33 @@ def fp8_alignment(config) -> int:
 
 def sequence_multiple(config) -> int:
     """What the fed length ``s`` of a micro-batch must be a multiple of, for a model with
-    Megatron ``TransformerConfig`` ``config``: TP under sequence parallelism, and the FP8
-    alignment under FP8 (both: their least common multiple)."""
-    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return math.lcm(multiple, fp8_alignment(config))
+    Megatron ``TransformerConfig`` ``config``: TP under sequence parallelism, the FP8
+    alignment under FP8, and both at once TP × the alignment: under sequence parallelism TE
+    checks the *local* ``[s/TP, b, h]`` shard a column-parallel linear receives (before its
+    all-gather), so ``s/TP`` itself must be aligned whatever the micro-batch size."""
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return tp * fp8_alignment(config)
+
+
+UNPADDED_LENGTH = "unpadded_length"
+"""Key of a padded micro-batch that holds its length ``s`` before padding."""
+
+
+def unpadded_length(batch: dict) -> int:
+    """The fed length ``s`` of a micro-batch before :func:`pad_micro_batch` padded it."""
+    return batch.get(UNPADDED_LENGTH, batch["tokens"].shape[1] - 1)
 
 
 def pad_micro_batch(batch: dict, multiple: int) -> dict:
     """``batch`` with ``tokens [b, s + 1]`` and its ``[b, s, ...]`` tensors right-padded so
-    that ``s`` is a multiple of ``multiple`` (zeros: no token, no mask, no loss)."""
+    that ``s`` is a multiple of ``multiple`` (zeros: no token, no mask, no loss); the length
+    before padding is kept under :data:`UNPADDED_LENGTH`."""
     tokens = batch["tokens"]
     seq = tokens.shape[1] - 1
     extra = -seq % multiple
     if extra == 0:
         return batch
-    out = {}
+    out = {UNPADDED_LENGTH: unpadded_length(batch)}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and (
             key == "tokens" or value.shape[1] == seq
@@ -130,3 +143,21 @@ def forward_map(model, micro: list[dict], fn: Callable[[dict, torch.Tensor], obj
     finally:
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None
+
+
+def initialize_fp8_state(model) -> None:
+    """One forward-only pass of a one-row batch under ``no_grad`` (*not* inference mode), so
+    that Transformer Engine's FP8 state, which TE creates lazily at a module's first FP8
+    forward and never recreates (delayed-scaling scale and amax history, quantizers), is made
+    of normal tensors. Otherwise the first FP8 forward of a run can be the dynamic engine's,
+    under ``torch.inference_mode``, and the first recompute backward of the training step
+    fails writing into that state ("Inplace update to inference tensor outside
+    InferenceMode"). No-op without FP8; every rank of the model replica calls it."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    if not config.fp8:
+        return
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, sequence_multiple(config) + 1, dtype=torch.long, device=device)
+    forward_map(model, [{"tokens": tokens}], lambda batch, logits: None)

@@ -140,8 +140,13 @@ class ExperienceMaker:
         if self.engine == "dynamic":
             from loggra_megatron.rollout.dynamic import generate_rollout_dynamic, kv_cache_tokens
 
-            rollout = generate_rollout_dynamic(self.policy, prompts, max_tokens=r.inference_max_tokens,
-                                               **kwargs)  # fmt: skip
+            rollout = generate_rollout_dynamic(
+                self.policy,
+                prompts,
+                max_tokens=r.inference_max_tokens,
+                log_prob_micro_batch_size=self.log_prob_micro_batch_size,
+                **kwargs,
+            )
             tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens,
                                      r.inference_max_tokens)  # fmt: skip
             kv_bytes = kv_cache_bytes(self.policy, 1, tokens)  # the engine's paged buffer

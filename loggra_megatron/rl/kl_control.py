@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.model.forward import unpadded_length
 from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 
@@ -111,12 +112,12 @@ class ReferenceCollector:
             lo, b = self._seen, batch["tokens"].shape[0]
             self._seen += b
             take = min(b, max(0, self.rows - lo))
-            if take:
-                seq = batch["mask"].shape[1]
+            if take:  # the probe forward's length: the schedule's padding cut off
+                seq = unpadded_length(batch)
                 with torch.no_grad():
                     self._parts.append(self.controller.as_reference(ProbeOutput(
                         logits.detach()[:take, :seq], batch["tokens"][:take, 1 : seq + 1],
-                        batch["mask"][:take],
+                        batch["mask"][:take, :seq],
                     )))  # fmt: skip
             return loss_fn(batch, logits)
 
@@ -154,7 +155,9 @@ def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: boo
 
         def keep(b, logits):  # the schedule may pad the length (FP8, SP): cut back
             logits = logits[:, :seq]
-            return token_log_probs(logits, b["tokens"][:, 1:], vocab) if log_probs else logits
+            if not log_probs:
+                return logits
+            return token_log_probs(logits, b["tokens"][:, 1 : seq + 1], vocab)
 
         out = forward_map(model, [{"tokens": padded[i : i + mbs]}
                                   for i in range(0, len(padded), mbs)], keep)  # fmt: skip

@@ -38,12 +38,26 @@ __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 DEFAULT_BLOCK_SIZE = 256
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""flash-attn's kernels take these only."""
+
+
 def dynamic_engine_unavailable(model=None) -> str | None:
-    """Why Megatron-Core's dynamic engine cannot run on this process (``None``: it can):
-    it needs the model on CUDA and flash-attn's paged kernels (and einops)."""
+    """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
+    can): it needs the model on CUDA in fp16/bf16 (flash-attn's paged kernels take nothing
+    else), those kernels and einops, and no blockwise FP8 (whose weight workspace, first
+    built under inference mode, keeps only the row-wise data training then needs)."""
     on_cuda = model is None or next(model.parameters()).is_cuda
     if not (torch.cuda.is_available() and on_cuda):
         return "the dynamic engine needs CUDA (flash-attn paged attention)"
+    if model is not None:
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model)
+        if config.params_dtype not in FLASH_DTYPES:
+            return "flash-attn takes fp16/bf16 only: the dynamic engine needs --bf16"
+        if config.fp8 and str(config.fp8_recipe).endswith("blockwise"):
+            return "blockwise FP8 cannot run under the dynamic engine (--fp8-recipe)"
     return mcore_engine.missing_attention_kernels()
 
 
@@ -245,16 +259,16 @@ def _generate(
     return [generated[i] for i in range(len(lens))]
 
 
-def _policy_log_probs(model, rollout: Rollout, max_tokens: int | None) -> torch.Tensor:
-    """Untempered log-probs of the rollout's response tokens on every rank (0 elsewhere)."""
+def _policy_log_probs(model, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+    """Untempered log-probs of the rollout's response tokens on every rank (0 elsewhere), in
+    forwards of ``micro_batch_size`` rows (``--log-prob-micro-batch-size``)."""
     from megatron.core import parallel_state as ps
 
-    batch, width = rollout.tokens.shape
+    width = rollout.tokens.shape[1]
     log_probs = rollout.log_probs
     if width < 2 or not bool(rollout.response_mask.any()):
         return log_probs
-    mbs = batch if max_tokens is None else max(1, max_tokens // width)
-    out = compute_log_probs(model, rollout.tokens, micro_batch_size=mbs)
+    out = compute_log_probs(model, rollout.tokens, micro_batch_size=micro_batch_size)
     if out is not None:
         log_probs = torch.where(rollout.response_mask, out.float(), 0.0)
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -279,6 +293,7 @@ def generate_rollout_dynamic(
     max_tokens: int | None = None,
     prompt_lengths: torch.Tensor | None = None,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE,
+    log_prob_micro_batch_size: int = 1,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
     engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
@@ -288,6 +303,9 @@ def generate_rollout_dynamic(
     ``eos_id`` one or several stop ids; ``vocab_size``: ids from it on are never sampled).
     ``max_tokens``: KV-cache capacity in tokens (rounded up to whole blocks of
     ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at once).
+    ``log_prob_micro_batch_size``: rows per forward of the log-prob recompute after
+    generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
+    ``B × L × V/TP`` fp32 logits).
     Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
     model is in eval mode during the call and restored after; every rank of the model
     replica must call it alike.
@@ -296,8 +314,9 @@ def generate_rollout_dynamic(
     reason = dynamic_engine_unavailable(model)
     if reason is not None:
         raise RuntimeError(reason)
-    if (max_tokens is not None and max_tokens < 1) or block_size_tokens < 1:
-        raise ValueError("max_tokens and block_size_tokens must be positive")
+    sizes = (block_size_tokens, log_prob_micro_batch_size, 1 if max_tokens is None else max_tokens)
+    if min(sizes) < 1:
+        raise ValueError("max_tokens, block_size_tokens, log_prob_micro_batch_size: positive")
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
     stop_ids = _stop_list(eos_id)
@@ -309,5 +328,5 @@ def generate_rollout_dynamic(
                               block_size=block_size_tokens)  # fmt: skip
     cut = [truncate_at_stop(r, stop_ids) for r in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
-    rollout.log_probs = _policy_log_probs(model, rollout, max_tokens)
+    rollout.log_probs = _policy_log_probs(model, rollout, log_prob_micro_batch_size)
     return rollout

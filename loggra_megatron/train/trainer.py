@@ -45,6 +45,7 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
 
         from loggra_megatron.metrics import MetricsLogger
+        from loggra_megatron.model.forward import initialize_fp8_state
         from loggra_megatron.optim.megatron.stepper import MegatronStepper
         from loggra_megatron.rl import AdaptiveKLCoefficient
         from loggra_megatron.rl.actor import Actor
@@ -82,6 +83,9 @@ class RLTrainer:
         self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, host, cfg, self.device,
                                        ps.get_data_parallel_rank())  # fmt: skip
         self._load()
+        for model in (self.policy, self.reference):  # before any inference-mode forward
+            if model is not None:
+                initialize_fp8_state(model)
         self.metrics = MetricsLogger(
             cfg.metrics_dir, rank=self.rank, total_steps=cfg.training.train_iters,
             wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,

@@ -1,0 +1,339 @@
+"""CPU stand-ins that enforce what Transformer Engine and flash-attn enforce on a GPU, so that
+a GPU-only failure has a CPU test that fails first (neither library has a CPU build).
+
+Transformer Engine (FP8), as the TE 2.9-2.12 sources behave:
+
+* :class:`FP8ColumnParallelLinear` / :class:`FP8RowParallelLinear`: Megatron's local
+  tensor-parallel linears which, while the model's config has ``fp8``,
+
+  - check TE's FP8 GEMM shape rule (``transformer_engine.pytorch.utils.
+    assert_dim_for_fp8_exec``: the product of all dimensions but the last divisible by 8,
+    the last by 16) on the input the module *really* receives (under sequence parallelism a
+    column-parallel linear gets the local ``[s/TP, b, h]`` shard, before its all-gather) and
+    on its weight;
+  - create their FP8 meta state (scale, amax history) lazily at their first FP8 forward, as
+    TE's ``init_fp8_meta_tensors`` does: made under ``torch.inference_mode`` it is made of
+    inference tensors, and it is never made again;
+  - under delayed scaling, stash the meta in the first pass of full activation recompute
+    and copy it back *in place* when the pass is recomputed in the backward
+    (``get_old_fp8_meta_tensors_for_recompute``: ``amax_history.copy_``/``scale.copy_``),
+    which raises "Inplace update to inference tensor outside InferenceMode" on inference
+    tensors exactly as on a GPU (other recipes: no-op, as in TE);
+  - carry TE's ``is_first_microbatch`` flag (Megatron's ``set_is_first_microbatch``).
+* :func:`te_checkpoint`: Megatron's ``te_checkpoint`` (TE's ``checkpoint``), i.e.
+  ``tensor_parallel.checkpoint`` with the recompute phase visible to the linears.
+* :class:`SequenceParallelNorm`: TE's norms take sequence parallelism (their weight grads
+  all-reduced over TP by ``finalize_model_grads``); the local spec's torch norm refuses it.
+* :func:`prepare_model_for_fp8_inference`: Megatron's wrapper pads the token dimension of
+  every FP8 linear's input to a multiple of 16 for inference, and records the module.
+
+flash-attn (Megatron-Core's dynamic inference engine): its two paged kernels in plain
+PyTorch (:func:`varlen_attention`, :func:`kvcache_attention`), with flash-attn's dtype rule
+("FlashAttention only support fp16 and bf16 data type"), plus the CPU redirects the engine
+needs (a CUDA ``torch.Generator`` in the controller, the Triton KV append, ``_is_cuda``).
+
+``python tests/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
+``pretrain_rl.py --device cuda`` on the simulated CUDA device of ``tests/device_audit.py``
+(Hopper capability 9.0) with all of the above, and writes ``REPORT_DIR/rank<N>.json``:
+the exit code, the device audit's violations and the stand-ins' own record.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.machinery
+import math
+import sys
+import threading
+import types
+import weakref
+
+import torch
+from megatron.core import tensor_parallel
+
+FLASH_DTYPE_ERROR = "FlashAttention only support fp16 and bf16 data type"
+_phase = threading.local()  # .name: None | "checkpoint_forward" | "recompute"
+RECORD: dict[str, int] = collections.Counter()
+"""What the stand-ins saw: FP8 forwards checked, meta states created, recompute copies."""
+
+
+# ---------------------------------------------------------------- Transformer Engine
+
+
+def assert_dim_for_fp8_exec(*tensors: torch.Tensor) -> None:
+    """TE's rule for FP8 GEMM operands (``transformer_engine.pytorch.utils``)."""
+    for tensor in tensors:
+        assert math.prod(tensor.shape[:-1]) % 8 == 0 and tensor.shape[-1] % 16 == 0, (
+            "FP8 execution requires the product of all dimensions except the last to be "
+            "divisible by 8 and the last dimension to be divisible by 16, but got tensor with "
+            f"dims={list(tensor.size())}"
+        )
+
+
+@contextlib.contextmanager
+def _in_phase(name: str | None):
+    before = getattr(_phase, "name", None)
+    _phase.name = name
+    try:
+        yield
+    finally:
+        _phase.name = before
+
+
+def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_tracker, tp_group,
+                  *args, **kwargs):  # fmt: skip
+    """Megatron's ``te_checkpoint``: its ``CheckpointFunction`` runs the first pass under
+    ``no_grad`` and the recompute in the backward with grad on; the linears see which."""
+
+    def phased(*inputs):
+        name = "recompute" if torch.is_grad_enabled() else "checkpoint_forward"
+        with _in_phase(name):
+            return forward_func(*inputs)
+
+    return tensor_parallel.checkpoint(phased, distribute_saved_activations, *args, **kwargs)
+
+
+class _FP8Module:
+    """What the FP8 linears share (see the module docstring)."""
+
+    is_first_microbatch = True
+
+    def _fp8_prologue(self, inp: torch.Tensor) -> None:
+        if not self.config.fp8:
+            return
+        assert_dim_for_fp8_exec(inp, self.weight)
+        RECORD["fp8_forwards"] += 1
+        meta = self.__dict__.get("fp8_meta")
+        if meta is None:  # TE: init_fp8_meta_tensors at the first FP8 forward
+            device = self.weight.device
+            meta = {"scale": torch.ones(3, device=device),
+                    "amax_history": torch.zeros(16, 3, device=device),
+                    "stash": collections.deque()}  # fmt: skip
+            self.__dict__["fp8_meta"] = meta
+            RECORD["fp8_meta_created"] += 1
+            RECORD["fp8_meta_created_in_inference_mode"] += int(torch.is_inference_mode_enabled())
+        delayed = str(self.config.fp8_recipe).endswith("delayed")
+        phase = getattr(_phase, "name", None)
+        if delayed and phase == "checkpoint_forward":  # copy_fp8_meta_tensors_for_recompute
+            meta["stash"].append((meta["amax_history"].clone(), meta["scale"].clone()))
+        elif delayed and phase == "recompute":  # get_old_fp8_meta_tensors_for_recompute
+            amax, scale = meta["stash"].popleft()
+            meta["amax_history"].copy_(amax)
+            meta["scale"].copy_(scale)
+            RECORD["recompute_meta_copies"] += 1
+        self.is_first_microbatch = False
+
+
+class FP8ColumnParallelLinear(_FP8Module, tensor_parallel.ColumnParallelLinear):
+    def forward(self, input_, *args, **kwargs):
+        self._fp8_prologue(input_)  # the local SP shard: TE checks before its all-gather
+        return super().forward(input_, *args, **kwargs)
+
+
+class FP8RowParallelLinear(_FP8Module, tensor_parallel.RowParallelLinear):
+    def forward(self, input_, *args, **kwargs):
+        self._fp8_prologue(input_)
+        return super().forward(input_, *args, **kwargs)
+
+
+class SequenceParallelNorm:
+    """``WrappedTorchNorm`` without its refusal of sequence parallelism (TE's norms allow
+    it); the weight is marked ``sequence_parallel`` so its grad is all-reduced over TP."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+_WRAPPED = weakref.WeakSet()
+
+
+def prepare_model_for_fp8_inference(model):
+    """Megatron's wrapper (``fp8_utils``): pad the token dimension of each FP8 linear's input
+    to a multiple of 16 for inference, unpad the output; record the module."""
+    for module in model.modules():
+        if isinstance(module, _FP8Module) and module not in _WRAPPED:
+            module.forward = _padded_forward(module, module.forward)
+            _WRAPPED.add(module)
+    return model
+
+
+def _padded_forward(module, forward):
+    def padded(input_, *args, **kwargs):
+        tokens = input_.shape[0]
+        extra = -tokens % 16
+        if extra == 0:
+            return forward(input_, *args, **kwargs)
+        pad = input_.new_zeros((extra, *input_.shape[1:]))
+        out, bias = forward(torch.cat([input_, pad]), *args, **kwargs)
+        return out[:tokens], bias
+
+    return padded
+
+
+def _swap_classes(spec, swaps: dict) -> None:
+    """Replace module classes in a Megatron ``ModuleSpec`` tree, in place."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        spec.module = swaps.get(spec.module, spec.module)
+        _swap_classes(spec.submodules, swaps)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            if isinstance(value, type) and value in swaps:
+                setattr(spec, field.name, swaps[value])
+            else:
+                _swap_classes(value, swaps)
+
+
+def te_layer_spec(qk_layernorm: bool = False, **kwargs):
+    """Stands in for ``get_gpt_layer_with_transformer_engine_spec``: Megatron's local spec
+    with the FP8 linears and the sequence-parallel norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    _swap_classes(spec, {
+        tensor_parallel.ColumnParallelLinear: FP8ColumnParallelLinear,
+        tensor_parallel.RowParallelLinear: FP8RowParallelLinear,
+        WrappedTorchNorm: SequenceParallelNorm,
+    })  # fmt: skip
+    return spec
+
+
+def install_transformer_engine() -> None:
+    """Make ``--transformer-impl transformer_engine`` build the stand-in layers. Megatron-Core
+    is imported first, so its own TE detection stays False (nothing of TE is ever called)."""
+    import megatron.core.fp8_utils as fp8_utils
+    import megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper as w
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+    import megatron.core.transformer.transformer_block as block
+
+    fake = types.ModuleType("transformer_engine")
+    fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    sys.modules.setdefault("transformer_engine", fake)
+    specs.get_gpt_layer_with_transformer_engine_spec = te_layer_spec
+    block.te_checkpoint = te_checkpoint
+    block.LayerNormImpl = SequenceParallelNorm  # the final norm
+    fp8_utils.prepare_model_for_fp8_inference = prepare_model_for_fp8_inference
+    fp8_utils._fp8_inference_wrapped_modules = _WRAPPED
+    w.prepare_model_for_fp8_inference = prepare_model_for_fp8_inference
+
+
+# ---------------------------------------------------------------- flash-attn
+
+
+def _check_flash_dtype(*tensors: torch.Tensor) -> None:
+    if any(t.dtype not in (torch.float16, torch.bfloat16) for t in tensors):
+        raise RuntimeError(FLASH_DTYPE_ERROR)
+
+
+def _attend(q, k, v, scale):
+    """Causal attention of ``q [sq, hq, d]`` over ``k, v [sk, hk, d]`` (the last query sees
+    every key: bottom-right causal alignment, as flash-attn); GQA by head repetition."""
+    sq, hq, _ = q.shape
+    sk, hk, _ = k.shape
+    k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    pos = torch.arange(max(sk, sq), device=q.device)
+    future = pos[None, :sk] > pos[:sq, None] + (sk - sq)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+def _paged(cache, block_ids, length):
+    """The first ``length`` tokens of one sequence from a ``[blocks, block_size, h, d]`` cache."""
+    used = block_ids[: -(-length // cache.shape[1])].long()
+    return cache[used].reshape(-1, *cache.shape[2:])[:length]
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale=None, causal=True, block_table=None, window_size=(-1, -1),
+                     return_attn_probs=False):  # fmt: skip
+    """``flash_attn_varlen_func`` with a paged KV cache (prefill / mixed steps)."""
+    _check_flash_dtype(q, k, v)
+    assert causal and tuple(window_size) == (-1, -1) and not return_attn_probs
+    out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
+    for i in range(len(cu_seqlens_q) - 1):
+        a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        n = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+        if b > a and n > 0:
+            kv = [_paged(c, block_table[i], n) for c in (k, v)]
+            out[a:b] = _attend(q[a:b], *kv, scale)
+    return out
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, causal=True, block_table=None,
+                      num_splits=0, softmax_scale=None, window_size=(-1, -1)):  # fmt: skip
+    """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, 1, h, d]``)."""
+    _check_flash_dtype(q, k_cache, v_cache)
+    assert causal and tuple(window_size) == (-1, -1)
+    out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
+    for i in range(min(q.shape[0], len(cache_seqlens))):
+        n = int(cache_seqlens[i])
+        if n > 0:
+            kv = [_paged(c, block_table[i], n) for c in (k_cache, v_cache)]
+            out[i] = _attend(q[i], *kv, scale)
+    return out
+
+
+class _TorchWithCpuGenerator(types.ModuleType):
+    """``torch`` for the controller's module, whose ``Generator(device=<cuda>)`` is on CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def Generator(device=None):  # noqa: N802
+        return torch.Generator("cpu")
+
+
+def install_generator_redirect() -> None:
+    import megatron.core.inference.text_generation_controllers.text_generation_controller as tgc
+
+    tgc.torch = _TorchWithCpuGenerator("torch")
+
+
+def install_flash_attn() -> None:
+    """The flash-attn kernels above and the CPU redirects Megatron-Core's dynamic engine needs."""
+    import megatron.core.inference.communication_utils as comm
+    import megatron.core.inference.contexts.dynamic_context as dynamic_context
+    import megatron.core.transformer.attention as attention
+
+    install_generator_redirect()
+    attention.is_fa_min_version = lambda *args, **kwargs: True
+    attention.flash_attn_varlen_func = varlen_attention
+    attention.flash_attn_with_kvcache = kvcache_attention
+    if attention.rearrange is None:  # 's b h d -> s b (h d)'
+        attention.rearrange = lambda t, pattern: t.reshape(*t.shape[:2], -1)
+    comm._is_cuda = lambda tensor: None
+    dynamic_context.triton_append_key_value_cache = None  # 0.17+: Triton (CUDA only)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def main(report_dir: str, argv: list[str]) -> int:
+    """``pretrain_rl.py argv --device cuda`` on the simulated device with every stand-in."""
+    import device_audit
+
+    audit = device_audit.DeviceAudit()
+    device_audit.install(audit)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # Hopper
+    install_transformer_engine()
+    install_flash_attn()
+    code = device_audit.run_pretrain_rl(audit, argv)
+    report = {"exit": code, "violations": audit.violations, "record": dict(RECORD)}
+    device_audit.write_report(report_dir, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[3:]))

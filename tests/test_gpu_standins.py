@@ -1,0 +1,184 @@
+"""The GPU path on CPU through ``tests/gpu_standins.py`` (what Transformer Engine and flash-attn
+enforce): the 27B example's flag set end to end, and the first-step failures of issue 21,
+each of which fails here without its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from rl_runs import tiny_argv, torchrun
+
+from loggra_megatron.testing import run_distributed
+
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
+
+def _reports(report_dir) -> list[dict]:
+    return [json.load(open(os.path.join(report_dir, f"rank{r}.json"))) for r in (0, 1)]
+
+
+def _run(tmp_path, argv) -> tuple[list[dict], object]:
+    report = tmp_path / "report"
+    proc = torchrun([str(report), "--", *argv], script="tests/gpu_standins.py", check=False)
+    reports = _reports(report)
+    for rank, r in enumerate(reports):
+        assert r["exit"] == 0, f"rank {rank} exited {r['exit']}: {proc.stderr[-4000:]}"
+        assert r["violations"] == [], f"rank {rank}:\n" + "\n".join(r["violations"][:5])
+    return reports, proc
+
+
+# The flags of examples/h100_8gpu/train_27b_loggra.sh, scaled down to 2 CPU processes:
+# TP=2 with sequence parallelism, FP8 through TE layers, full recompute of every layer, the
+# dynamic engine with a KV budget, no supervised warm-up (the first FP8 forward of the run is
+# then the engine's, under inference mode), LoGRA with remainders, predicted-KL control (k3)
+# and a KL penalty.
+EXAMPLE_27B = {
+    "tensor-model-parallel-size": 2, "bf16": True, "fp8-format": "hybrid",
+    "transformer-impl": "transformer_engine", "sequence-parallel": True,
+    "recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1,
+    "rollout-engine": "auto", "inference-max-tokens": 64, "micro-batch-size": 1,
+    "log-prob-micro-batch-size": 2, "optimizer": "loggra", "loggra-param-remainders": True,
+    "kl-target": 0.01, "kl-estimator": "k3", "kl-coef": 0.001, "sft-iters": 0,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_path, recipe):
+    """Two RL steps with the example's flags (``--fp8-recipe`` delayed: the recompute writes
+    into TE's FP8 meta in place; tensorwise, the default: it does not) on the simulated CUDA
+    device: the dynamic engine is chosen and runs, every FP8 GEMM meets TE's shape rule, the
+    FP8 state is made outside inference mode (issue 21, item 1: the first recompute backward
+    raised "Inplace update to inference tensor outside InferenceMode"), every tensor is on
+    the device, and the step is trained and controlled."""
+    out = tmp_path / "out"
+    argv = tiny_argv(tokenizer, **EXAMPLE_27B, **{"fp8-recipe": recipe, "output-dir": out})
+    reports, proc = _run(tmp_path, argv)
+    assert "rollouts: dynamic engine" in proc.stdout
+    for r in reports:
+        record = r["record"]
+        assert record["fp8_forwards"] > 0 and record["fp8_meta_created"] == 16  # 2 models
+        assert record["fp8_meta_created_in_inference_mode"] == 0
+        assert (record.get("recompute_meta_copies", 0) > 0) == (recipe == "delayed")
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["kl/predicted"] > 0 and 0 < m["kl/step_scale"] <= 1 for m in lines)
+
+
+def test_fp32_run_on_a_gpu_chooses_the_static_engine(tokenizer, tmp_path):
+    """flash-attn takes fp16/bf16 only: without --bf16, ``--rollout-engine auto`` is the
+    static engine (issue 21, item 4: the dynamic engine was chosen and its attention
+    raised)."""
+    argv = tiny_argv(tokenizer, **{"rollout-engine": "auto", "output-dir": tmp_path / "out"})
+    _, proc = _run(tmp_path, argv)
+    assert "rollouts: static engine; --rollout-engine auto: static (flash-attn" in proc.stdout
+
+
+def _sp_fp8_step(rank, seq: int):
+    """One forward/backward through Megatron's schedule of the stand-in TE model at TP=4 with
+    sequence parallelism and FP8, micro-batch 1, ``seq`` tokens."""
+    import gpu_standins
+    from megatron.core import parallel_state as ps
+
+    from loggra_megatron.model.forward import run_schedule
+    from loggra_megatron.testing import tiny_bf16_gpt_model, wrap_ddp
+
+    gpu_standins.install_transformer_engine()
+    model = tiny_bf16_gpt_model(
+        num_layers=1, hidden_size=64, heads=4, vocab=64, seq=64, fp8="hybrid",
+        fp8_recipe="tensorwise", sequence_parallel=True, use_te=True,
+    )
+    ddp = wrap_ddp(model, use_distributed_optimizer=False)
+    tokens = torch.randint(0, 64, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        x = batch["tokens"][:, :-1]
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        out = model(x, positions, None, labels=batch["tokens"][:, 1:])
+        return out, lambda loss: (loss.float().mean(), {})
+
+    run_schedule(ddp, step, [{"tokens": tokens}], forward_only=False)
+    return ps.get_tensor_model_parallel_world_size(), dict(gpu_standins.RECORD)
+
+
+def test_sp_fp8_pads_the_local_shard_to_te_shape_rule_at_tp4():
+    """Under sequence parallelism TE checks the local [s/TP, b, h] shard a column-parallel
+    linear receives: at TP=4, micro-batch 1, 10 tokens padded to 16 left 4 rows per rank
+    (issue 21, item 3: 16 = lcm(TP, 16)); padded to TP × 16 they are 16."""
+    results = run_distributed(_sp_fp8_step, 4, 10, tp=4)
+    for tp, record in results:
+        assert tp == 4 and record["fp8_forwards"] > 0
+
+
+# ---------------------------------------------------------------- the stand-ins themselves
+
+
+def test_fp8_shape_rule_is_te_rule():
+    import gpu_standins
+
+    gpu_standins.assert_dim_for_fp8_exec(torch.empty(4, 2, 32), torch.empty(48, 64))
+    with pytest.raises(AssertionError, match="divisible by 8"):
+        gpu_standins.assert_dim_for_fp8_exec(torch.empty(4, 1, 64))  # the TP=4 shard of 16
+    with pytest.raises(AssertionError, match="divisible by 16"):
+        gpu_standins.assert_dim_for_fp8_exec(torch.empty(8, 40))
+
+
+def _meta_in_inference_mode(rank, warm_up: bool):
+    """A stand-in TE model at delayed scaling whose first FP8 forward runs under
+    inference_mode (or after a no_grad warm-up), then a training step with full recompute."""
+    import gpu_standins
+
+    from loggra_megatron.model.forward import initialize_fp8_state, run_schedule
+    from loggra_megatron.rollout.dynamic import _inference_state  # RoPE cache, FP8 casts
+    from loggra_megatron.testing import tiny_bf16_gpt_model, wrap_ddp
+
+    gpu_standins.install_transformer_engine()
+    model = tiny_bf16_gpt_model(
+        num_layers=1, hidden_size=64, heads=4, vocab=64, seq=32, fp8="hybrid",
+        fp8_recipe="delayed", recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1, use_te=True,
+    )
+    ddp = wrap_ddp(model, use_distributed_optimizer=False)
+    if warm_up:
+        initialize_fp8_state(ddp)
+    tokens = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).unsqueeze(0)
+    ddp.eval()
+    with _inference_state(ddp), torch.inference_mode():  # as the dynamic engine's step
+        ddp(tokens[:, :-1], positions, None)
+    ddp.train()
+
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        out = model(batch["tokens"][:, :-1], positions, None, labels=batch["tokens"][:, 1:])
+        return out, lambda loss: (loss.float().mean(), {})
+
+    try:
+        run_schedule(ddp, step, [{"tokens": tokens}], forward_only=False)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_fp8_meta_made_under_inference_mode_fails_the_recompute_as_on_a_gpu():
+    """The stand-in reproduces TE: FP8 meta made by a first forward under inference mode
+    cannot be written by the recompute's copy_; ``initialize_fp8_state`` before it fixes it."""
+    (error,) = run_distributed(_meta_in_inference_mode, 1, False)
+    assert error and "Inplace update to inference tensor outside InferenceMode" in error
+    assert run_distributed(_meta_in_inference_mode, 1, True) == [None]
+
+
+def test_flash_attn_standin_takes_fp16_and_bf16_only():
+    import gpu_standins
+
+    q = torch.randn(3, 2, 8)
+    cache = torch.randn(2, 4, 2, 8)
+    kwargs = dict(cache_seqlens=torch.tensor([3]), block_table=torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match=gpu_standins.FLASH_DTYPE_ERROR):
+        gpu_standins.kvcache_attention(q[None, :1], cache, cache, **kwargs)
+    out = gpu_standins.kvcache_attention(q[None, :1].bfloat16(), cache.bfloat16(),
+                                         cache.bfloat16(), **kwargs)  # fmt: skip
+    assert out.dtype == torch.bfloat16
