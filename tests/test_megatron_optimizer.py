@@ -220,6 +220,20 @@ def test_checkpoint_resume_equals_uninterrupted_and_reshards_over_dp(tmp_path):
     assert _max_rel_diff(resharded["params"], full[0]["params"]) <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["loggra", "dense"])
+def test_overlap_param_gather_saves_the_updated_weights(tmp_path, kind):
+    """With --overlap-param-gather the all-gather of the updated weights waits for the next
+    forward, so a rank's copy of the shards other DP ranks own is one step old: the save
+    gathers first (issue 21, risk 3), and save -> resume equals never stopping."""
+    full = run_distributed(_train, 2, kind, 4, overlap=True)
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 2, kind, 2, overlap=True, save=(ckpt, 2))
+    resumed = run_distributed(_train, 2, kind, 2, overlap=True, load=ckpt)
+    for r in range(2):
+        for k, v in full[r]["params"].items():
+            assert torch.equal(resumed[r]["params"][k], v), k
+
+
 def test_dense_adam_distributed_optimizer_saves_and_resumes_exactly(tmp_path):
     """Megatron's dense Adam (DistributedOptimizer, DP=2): save -> resume equals never
     stopping (megatron-core 0.16's default sharding could not be saved at all), and the

@@ -93,6 +93,59 @@ def test_bad_configuration_exits_2_naming_the_flag(tokenizer, overrides, world, 
     assert flag in capsys.readouterr().err
 
 
+@pytest.fixture
+def simulated_hopper(monkeypatch):
+    """A CUDA device of compute capability (9, 0) with Transformer Engine and flash-attn, as
+    far as start-up checks can tell (nothing runs on it)."""
+    import importlib.machinery
+    import types
+
+    import torch
+
+    import loggra_megatron.rollout.mcore_engine as mcore_engine
+
+    fake = types.ModuleType("transformer_engine")
+    fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(mcore_engine, "missing_attention_kernels", lambda: None)
+    return capability
+
+
+FP8 = {"bf16": True, "fp8-format": "hybrid", "transformer-impl": "transformer_engine"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "flag", "reason"),
+    [
+        ({**FP8, "fp8-recipe": "mxfp8"}, "--fp8-recipe", "Blackwell"),
+        ({"rollout-engine": "dynamic"}, "--rollout-engine", "fp16/bf16"),
+        ({**FP8, "fp8-recipe": "blockwise", "rollout-engine": "dynamic"}, "--rollout-engine",
+         "blockwise"),
+    ],
+)
+def test_what_the_gpu_or_engine_cannot_run_exits_2(
+    tokenizer, simulated_hopper, capsys, overrides, flag, reason
+):
+    """Refused before any process group on a Hopper GPU (issue 21, item 4 and risk 5): MXFP8
+    needs Blackwell, flash-attn takes fp16/bf16 only, blockwise FP8's workspace breaks under
+    the dynamic engine."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(tiny_argv(tokenizer, **overrides))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and flag in err and reason in err, err
+
+
+def test_what_the_gpu_and_engine_can_run_is_accepted(tokenizer, simulated_hopper):
+    cfg = parse_args(tiny_argv(tokenizer, **FP8, **{"rollout-engine": "dynamic"}))
+    assert cfg.model.fp8_recipe == "tensorwise"  # current scaling: the RL default
+    parse_args(tiny_argv(tokenizer, **FP8, **{"fp8-recipe": "blockwise"}))  # static engine
+    simulated_hopper[0] = (10, 0)  # Blackwell
+    parse_args(tiny_argv(tokenizer, **FP8, **{"fp8-recipe": "mxfp8"}))
+
+
 def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("hidden-size: 128\nnum_attention_heads: 8\nlr: 0.5\n")

@@ -3,7 +3,8 @@
 Save (:func:`save_checkpoint`, collective), with the layout of
 :mod:`loggra_megatron.checkpointing.layout`:
 
-1. every floating-point tensor is checked finite on every rank; a NaN/inf anywhere refuses
+1. the weights other DP ranks updated are gathered (``--overlap-param-gather`` defers it
+   to the next forward), then every floating-point tensor is checked finite on every rank; a NaN/inf anywhere refuses
    the save on all ranks (:class:`~loggra_megatron.checkpointing.integrity.CheckpointError`)
    before anything is written, so the last good checkpoint stays the latest;
 2. all ranks write ``iter_N.tmp`` (``torch_dist``), rank 0 adds the extra files (the run's
@@ -87,6 +88,16 @@ def _model_sharded_state_dict(model_chunks, extra_models=None) -> dict:
     return state
 
 
+def _gather_updated_params(model_chunks) -> None:
+    """With ``--overlap-param-gather`` the all-gather of the weights the optimizer updated
+    waits for the next forward, so this rank's copy of the shards other DP ranks own is one
+    step old: gather them now (collective), as the next forward would."""
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def _fresh_buffers(sharded_state_dict: dict) -> dict:
     """The same request with new, empty tensors, so a failed load leaves the model intact."""
 
@@ -136,6 +147,7 @@ def save_checkpoint(
     reference policy), ``common`` (picklable: step, data position, scheduler, ...) and
     ``files`` (``{name: text}``, written by rank 0 into the iteration directory).
     ``checksums=False`` records file sizes only. Returns the iteration directory."""
+    _gather_updated_params(model_chunks)
     model_sd = _model_sharded_state_dict(model_chunks)
     state = _model_sharded_state_dict(model_chunks, extra_models)
     if optimizer is not None:
