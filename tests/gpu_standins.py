@@ -81,8 +81,9 @@ def _in_phase(name: str | None):
         _phase.name = before
 
 
-def te_checkpoint(forward_func, distribute_saved_activations, get_rng_state_tracker, tp_group,
-                  *args, **kwargs):  # fmt: skip
+def te_checkpoint(
+    forward_func, distribute_saved_activations, get_rng_state_tracker, tp_group, *args, **kwargs
+):
     """Megatron's ``te_checkpoint``: its ``CheckpointFunction`` runs the first pass under
     ``no_grad`` and the recompute in the backward with grad on; the linears see which."""
 
@@ -107,9 +108,11 @@ class _FP8Module:
         meta = self.__dict__.get("fp8_meta")
         if meta is None:  # TE: init_fp8_meta_tensors at the first FP8 forward
             device = self.weight.device
-            meta = {"scale": torch.ones(3, device=device),
-                    "amax_history": torch.zeros(16, 3, device=device),
-                    "stash": collections.deque()}  # fmt: skip
+            meta = {
+                "scale": torch.ones(3, device=device),
+                "amax_history": torch.zeros(16, 3, device=device),
+                "stash": collections.deque(),
+            }
             self.__dict__["fp8_meta"] = meta
             RECORD["fp8_meta_created"] += 1
             RECORD["fp8_meta_created_in_inference_mode"] += int(torch.is_inference_mode_enabled())
@@ -200,11 +203,14 @@ def te_layer_spec(qk_layernorm: bool = False, **kwargs):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-    _swap_classes(spec, {
-        tensor_parallel.ColumnParallelLinear: FP8ColumnParallelLinear,
-        tensor_parallel.RowParallelLinear: FP8RowParallelLinear,
-        WrappedTorchNorm: SequenceParallelNorm,
-    })  # fmt: skip
+    _swap_classes(
+        spec,
+        {
+            tensor_parallel.ColumnParallelLinear: FP8ColumnParallelLinear,
+            tensor_parallel.RowParallelLinear: FP8RowParallelLinear,
+            WrappedTorchNorm: SequenceParallelNorm,
+        },
+    )
     return spec
 
 
@@ -254,9 +260,20 @@ def _paged(cache, block_ids, length):
     return cache[used].reshape(-1, *cache.shape[2:])[:length]
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale=None, causal=True, block_table=None, window_size=(-1, -1),
-                     return_attn_probs=False):  # fmt: skip
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=True,
+    block_table=None,
+    window_size=(-1, -1),
+    return_attn_probs=False,
+):
     """``flash_attn_varlen_func`` with a paged KV cache (prefill / mixed steps)."""
     _check_flash_dtype(q, k, v)
     assert causal and tuple(window_size) == (-1, -1) and not return_attn_probs
@@ -270,8 +287,17 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out
 
 
-def kvcache_attention(q, k_cache, v_cache, cache_seqlens, causal=True, block_table=None,
-                      num_splits=0, softmax_scale=None, window_size=(-1, -1)):  # fmt: skip
+def kvcache_attention(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    causal=True,
+    block_table=None,
+    num_splits=0,
+    softmax_scale=None,
+    window_size=(-1, -1),
+):
     """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, 1, h, d]``)."""
     _check_flash_dtype(q, k_cache, v_cache)
     assert causal and tuple(window_size) == (-1, -1)

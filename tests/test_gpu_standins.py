@@ -5,7 +5,6 @@ each of which fails here without its fix."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 
 def _reports(report_dir) -> list[dict]:
-    return [json.load(open(os.path.join(report_dir, f"rank{r}.json"))) for r in (0, 1)]
+    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def _run(tmp_path, argv) -> tuple[list[dict], object]:
@@ -36,13 +35,25 @@ def _run(tmp_path, argv) -> tuple[list[dict], object]:
 # then the engine's, under inference mode), LoGRA with remainders, predicted-KL control (k3)
 # and a KL penalty.
 EXAMPLE_27B = {
-    "tensor-model-parallel-size": 2, "bf16": True, "fp8-format": "hybrid",
-    "transformer-impl": "transformer_engine", "sequence-parallel": True,
-    "recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1,
-    "rollout-engine": "auto", "inference-max-tokens": 64, "micro-batch-size": 1,
-    "log-prob-micro-batch-size": 2, "optimizer": "loggra", "loggra-param-remainders": True,
-    "kl-target": 0.01, "kl-estimator": "k3", "kl-coef": 0.001, "sft-iters": 0,
-}  # fmt: skip
+    "tensor-model-parallel-size": 2,
+    "bf16": True,
+    "fp8-format": "hybrid",
+    "transformer-impl": "transformer_engine",
+    "sequence-parallel": True,
+    "recompute-granularity": "full",
+    "recompute-method": "uniform",
+    "recompute-num-layers": 1,
+    "rollout-engine": "auto",
+    "inference-max-tokens": 64,
+    "micro-batch-size": 1,
+    "log-prob-micro-batch-size": 2,
+    "optimizer": "loggra",
+    "loggra-param-remainders": True,
+    "kl-target": 0.01,
+    "kl-estimator": "k3",
+    "kl-coef": 0.001,
+    "sft-iters": 0,
+}
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
@@ -62,7 +73,7 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
         assert record["fp8_forwards"] > 0 and record["fp8_meta_created"] == 16  # 2 models
         assert record["fp8_meta_created_in_inference_mode"] == 0
         assert (record.get("recompute_meta_copies", 0) > 0) == (recipe == "delayed")
-    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["kl/predicted"] > 0 and 0 < m["kl/step_scale"] <= 1 for m in lines)
 
@@ -87,8 +98,15 @@ def _sp_fp8_step(rank, seq: int):
 
     gpu_standins.install_transformer_engine()
     model = tiny_bf16_gpt_model(
-        num_layers=1, hidden_size=64, heads=4, vocab=64, seq=64, fp8="hybrid",
-        fp8_recipe="tensorwise", sequence_parallel=True, use_te=True,
+        num_layers=1,
+        hidden_size=64,
+        heads=4,
+        vocab=64,
+        seq=64,
+        fp8="hybrid",
+        fp8_recipe="tensorwise",
+        sequence_parallel=True,
+        use_te=True,
     )
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     tokens = torch.randint(0, 64, (1, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -137,9 +155,17 @@ def _meta_in_inference_mode(rank, warm_up: bool):
 
     gpu_standins.install_transformer_engine()
     model = tiny_bf16_gpt_model(
-        num_layers=1, hidden_size=64, heads=4, vocab=64, seq=32, fp8="hybrid",
-        fp8_recipe="delayed", recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, use_te=True,
+        num_layers=1,
+        hidden_size=64,
+        heads=4,
+        vocab=64,
+        seq=32,
+        fp8="hybrid",
+        fp8_recipe="delayed",
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        use_te=True,
     )
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     if warm_up:
@@ -179,6 +205,7 @@ def test_flash_attn_standin_takes_fp16_and_bf16_only():
     kwargs = dict(cache_seqlens=torch.tensor([3]), block_table=torch.tensor([[0, 1]]))
     with pytest.raises(RuntimeError, match=gpu_standins.FLASH_DTYPE_ERROR):
         gpu_standins.kvcache_attention(q[None, :1], cache, cache, **kwargs)
-    out = gpu_standins.kvcache_attention(q[None, :1].bfloat16(), cache.bfloat16(),
-                                         cache.bfloat16(), **kwargs)  # fmt: skip
+    out = gpu_standins.kvcache_attention(
+        q[None, :1].bfloat16(), cache.bfloat16(), cache.bfloat16(), **kwargs
+    )
     assert out.dtype == torch.bfloat16

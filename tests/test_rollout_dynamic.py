@@ -32,7 +32,6 @@ import multiprocessing as mp
 import subprocess
 import sys
 import traceback
-import types
 
 import pytest
 import torch

@@ -95,8 +95,10 @@ def pad_micro_batch(batch: dict, multiple: int) -> dict:
         return batch
     out = {UNPADDED_LENGTH: unpadded_length(batch)}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 2 and (
-            key == "tokens" or value.shape[1] == seq
+        if (
+            isinstance(value, torch.Tensor)
+            and value.ndim >= 2
+            and (key == "tokens" or value.shape[1] == seq)
         ):
             pad = value.new_zeros((value.shape[0], extra, *value.shape[2:]))
             value = torch.cat([value, pad], dim=1)
