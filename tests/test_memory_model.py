@@ -245,6 +245,8 @@ def test_estimate_terms_and_phases():
         s.numel for s in stage_parameters(model, par) if s.kind == "linear"
     )
     gpu = 80 * GiB
+    assert max_rollout_batch_size(model, par, step, gpu) is None  # 8k training does not fit
+    step = dataclasses.replace(step, recompute_granularity="full")
     cap = max_rollout_batch_size(model, par, step, gpu)
     assert estimate_rl_step_memory(model, par, dataclasses.replace(step, rollout_batch_size=cap)).fits(gpu)  # fmt: skip
     over = dataclasses.replace(step, rollout_batch_size=cap + 1)
