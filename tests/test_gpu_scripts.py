@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -27,82 +26,34 @@ import subprocess
 import sys
 
 import pytest
+from launch_flags import (
+    CONFIG_27B,
+    ROOT,
+    USABLE_GIB,
+    assert_quotes,
+    env_flags,
+    estimator_cli,
+    exported,
+    flag_list,
+    printed,
+    script_argv,
+    torchrun_flags,
+    without,
+)
+from launch_flags import read as _read
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "h100_8gpu")
 SH = os.path.join(EXAMPLES, "train_27b_loggra.sh")
 SLURM = os.path.join(EXAMPLES, "train_27b_loggra.slurm")
 H200 = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")
-CONFIG_27B = os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
-USABLE_GIB = 79.1  # of an "80 GB" H100 (docs/memory.md)
 MARGIN_GIB = 5.0
-
-# pretrain_rl.py flags of the examples that change no term of the memory model, and why.
-MEMORY_NEUTRAL = {
-    "--load": "weights only; the shape comes from --hf-config",
-    "--tokenizer-model": "host only", "--data-path": "host only",
-    "--train-iters": "how long", "--lr": "a scalar", "--lr-warmup-iters": "a scalar",
-    "--clip-grad": "a scalar", "--weight-decay": "a scalar",
-    "--loggra-update-interval": "how often the basis is refreshed, not its size",
-    "--kl-ref-estimator": "per-token [b, s] log-probs either way",
-    "--loss-aggregation": "a reduction", "--clip-low": "a scalar", "--clip-high": "a scalar",
-    "--overlap-grad-reduce": "buckets of the same grad buffer",
-    "--overlap-param-gather": "buckets of the same param buffer",
-    "--save": "host", "--save-interval": "host", "--wandb-project": "host",
-}  # fmt: skip
-
-
-def _cli():
-    spec = importlib.util.spec_from_file_location(
-        "estimate_memory_cli", os.path.join(ROOT, "tools", "estimate_memory.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _flag_list(words: list[str]) -> list[tuple[str, list[str]]]:
-    flags: list[tuple[str, list[str]]] = []
-    for word in words:
-        if word.startswith("--"):
-            flags.append((word, []))
-        else:
-            assert flags, f"a value before any flag: {word!r}"
-            flags[-1][1].append(word)
-    return flags
-
-
-def torchrun_flags(path: str) -> list[tuple[str, list[str]]]:
-    """``[(flag, values)]`` of the ``pretrain_rl.py`` command of a launch script."""
-    m = re.search(r'pretrain_rl\.py \\\n(.*?)"\$@"', _read(path), re.S)
-    assert m, f"no pretrain_rl.py command in {path}"
-    return _flag_list(shlex.split(m[1].replace("\\\n", " ")))
-
-
-def memory_argv(flags, estimator_flags: set[str]) -> list[str]:
-    """The flags the estimator models, as its argv; fails on a flag nobody classified."""
-    argv = []
-    for flag, values in flags:
-        if flag in estimator_flags:
-            argv += [flag, *values]
-        else:
-            assert flag in MEMORY_NEUTRAL, (
-                f"{flag} is neither a flag of tools/estimate_memory.py nor listed as "
-                "memory-neutral: model it in the estimator or justify it in MEMORY_NEUTRAL"
-            )
-    return argv
 
 
 @pytest.fixture(scope="module")
 def cli():
-    return _cli()
+    return estimator_cli()
 
 
 @pytest.fixture(scope="module")
@@ -128,38 +79,6 @@ def test_example_flags_are_pretrain_rl_flags(estimator_flags):
         for needed in ("--inference-max-tokens", "--log-prob-micro-batch-size",
                        "--recompute-granularity", "--sequence-parallel", "--fp8-format"):  # fmt: skip
             assert needed in shared, f"{path}: {needed}"
-
-
-def exported(path: str) -> dict[str, str]:
-    """``{NAME: value}`` of a script's ``export NAME=value`` lines (``${NAME:-default}``: the
-    default, as when NAME is not set)."""
-    out = {}
-    for m in re.finditer(r"^export ((?:\w+=\S+ ?)+)$", _read(path), re.M):
-        for name, value in (word.split("=", 1) for word in m[1].split()):
-            out[name] = re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", value)
-    return out
-
-
-def env_flags(env: dict[str, str]) -> list[str]:
-    """The estimator's counterparts of a launch environment (allocator, NCCL)."""
-    flags = []
-    if "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        flags.append("--expandable-segments")
-    if env.get("NCCL_NVLS_ENABLE") == "0":
-        flags.append("--no-nccl-nvls")
-    return flags
-
-
-def script_argv(path: str, world: int, estimator_flags: set[str]) -> list[str]:
-    """The estimator's argv for a launch script: its memory flags and its environment."""
-    flags = memory_argv(torchrun_flags(path), estimator_flags)
-    argv = ["--hf-config", CONFIG_27B, "--world-size", str(world), "--gpu-memory-gb"]
-    return [*argv, str(USABLE_GIB), *env_flags(exported(path)), *flags]
-
-
-def without(argv: list[str], flag: str, values: int = 0) -> list[str]:
-    i = argv.index(flag)
-    return argv[:i] + argv[i + 1 + values :]
 
 
 @pytest.mark.parametrize("path,world", [(SH, 8), (SLURM, 16)])
@@ -196,31 +115,13 @@ def _header_command(text: str) -> list[str]:
     return shlex.split(" ".join(lines))[2:]
 
 
-def _printed(cli, capsys, argv) -> str:
-    assert cli.main(argv) == 0
-    return capsys.readouterr().out
-
-
-def _quoted(text: str) -> list[str]:
-    return re.findall(r"(?<![\d.])\d+\.\d\d(?![\d.])", text)
-
-
-def assert_quotes(text: str, printed: str, where: str) -> None:
-    """Every two-decimal number of ``text`` is one that ``printed`` shows."""
-    numbers = _quoted(text)
-    assert numbers, f"{where}: no numbers"
-    shown = set(_quoted(printed))
-    missing = [q for q in numbers if q not in shown]
-    assert not missing, f"{where}: numbers the estimator does not print: {missing}"
-
-
 def test_27b_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
     """The header's command has the script's memory flags and exported environment, and each
     paragraph quotes only numbers that its variant of that command prints."""
     text = _read(SH)
     argv = _header_command(text)
-    header = {f: v for f, v in _flag_list(argv)}
-    script = {f: v for f, v in _flag_list(script_argv(SH, 8, estimator_flags))}
+    header = {f: v for f, v in flag_list(argv)}
+    script = {f: v for f, v in flag_list(script_argv(SH, 8, estimator_flags))}
     script["--hf-config"] = ["tools/configs/llama-style-27b.json"]
     assert header == script
     argv[argv.index("--hf-config") + 1] = CONFIG_27B
@@ -235,7 +136,7 @@ def test_27b_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
     assert len(parts) == len(variants)
     for part in parts:
         key = next(k for k in sorted(variants, key=len, reverse=True) if part.startswith(k))
-        assert_quotes(part, _printed(cli, capsys, variants.pop(key)), f"header {key!r}")
+        assert_quotes(part, printed(cli, capsys, variants.pop(key)), f"header {key!r}")
 
 
 def test_27b_readme_and_slurm_header_quote_the_estimator(cli, estimator_flags, capsys):
@@ -243,7 +144,7 @@ def test_27b_readme_and_slurm_header_quote_the_estimator(cli, estimator_flags, c
     script's header, print what the estimator prints for the scripts' flags."""
     one = script_argv(SH, 8, estimator_flags)
     two = script_argv(SLURM, 16, estimator_flags)
-    out = {"one": _printed(cli, capsys, one), "two": _printed(cli, capsys, two)}
+    out = {"one": printed(cli, capsys, one), "two": printed(cli, capsys, two)}
     readme = _read(os.path.join(EXAMPLES, "README.md"))
     rows = dict(re.findall(r"^\| (one node|two nodes)[^|]*\|(.*)$", readme, re.M))
     assert set(rows) == {"one node", "two nodes"}
@@ -254,23 +155,11 @@ def test_27b_readme_and_slurm_header_quote_the_estimator(cli, estimator_flags, c
         without(one, "--expandable-segments"),
         [*without(one, "--no-nccl-nvls"), "--nccl-nvls"],
     ]
-    everything = "".join([*out.values(), *(_printed(cli, capsys, v) for v in variants)])
+    everything = "".join([*out.values(), *(printed(cli, capsys, v) for v in variants)])
     prose = readme.split("| two nodes", 1)[1].split("These scripts have not", 1)[0]
     assert_quotes(prose, everything, "README")
     slurm = _read(SLURM).split("# Memory per GPU at 2 nodes", 1)[1].split("#SBATCH", 1)[0]
     assert_quotes(slurm, out["two"], "Slurm header")
-
-
-def test_docs_memory_quotes_the_example_command(estimator_flags):
-    """docs/memory.md's example section runs the script's command (its output is compared
-    line by line by tests/test_memory_docs.py)."""
-    docs = _read(os.path.join(ROOT, "docs", "memory.md"))
-    block = docs.split("## The 27B example", 1)[1].split("```", 2)[1]
-    command = block.split("\n" + "model ", 1)[0].replace("\\\n", " ")
-    argv = shlex.split(command.lstrip("$ "))[2:]
-    script = {f: v for f, v in _flag_list(script_argv(SH, 8, estimator_flags))}
-    script["--hf-config"] = ["tools/configs/llama-style-27b.json"]
-    assert {f: v for f, v in _flag_list(argv)} == script
 
 
 # ---------------------------------------------------------------------- launch scripts
@@ -294,8 +183,7 @@ def test_gpu_scripts_export_cuda_device_max_connections(path):
 def test_gpu_scripts_export_the_allocator_and_nccl_settings(path):
     """Expandable segments (a freed KV buffer's pages are reused) and no NCCL NVLS buffers,
     before anything starts; the memory tests read these exports as estimator flags."""
-    env = exported(path)
-    assert env_flags(env) == ["--expandable-segments", "--no-nccl-nvls"]
+    assert env_flags(exported(_read(path))) == ["--expandable-segments", "--no-nccl-nvls"]
     code = [line for line in _read(path).splitlines() if not line.lstrip().startswith("#")]
     first = min(i for i, line in enumerate(code) if "NCCL_NVLS_ENABLE" in line)
     launches = [i for i, line in enumerate(code) if re.match(r"\s*(srun|torchrun|section) ", line)]
