@@ -300,6 +300,7 @@ def test_cli_runtime_flags_and_pretrain_rl_precision(capsys):
     [
         (["--fp8-format", "hybrid"], "--fp8-format"),  # FP8 needs --bf16, as pretrain_rl.py
         (["--gpus-per-node", "0"], "--gpus-per-node"),
+        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe"),
     ],
 )
 def test_cli_refuses_runtime_and_precision_flags(extra, flag, capsys):

@@ -8,7 +8,7 @@ small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
     python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \\
         --tensor-model-parallel-size 8 --sequence-parallel --world-size 8 \\
         --micro-batch-size 1 --seq-length 8192 --bf16 --loggra-rank 128 \\
-        --rollout-batch-size 64 --gpu-memory-gb 80
+        --rollout-batch-size 64 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls
 
     python tools/estimate_memory.py --num-layers 32 --hidden-size 4096 \\
         --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 \\
@@ -16,15 +16,19 @@ small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
 
 The step flags are ``pretrain_rl.py``'s, same names and meaning, so a launch script's memory
 flags can be passed as they are (``examples/h100_8gpu/train_27b_loggra.sh`` lists its
-command): ``--sequence-parallel``, ``--recompute-granularity/-method/-num-layers``,
-``--bf16 --fp8-format``, ``--grad-reduce-in-bf16``, ``--prompts-per-step`` x
-``--num-generations`` (the rollout batch, / DP), ``--inference-max-tokens`` (the KV budget:
-min(rollout rows x --seq-length, it) tokens), ``--log-prob-micro-batch-size`` (the
-reference forward), ``--global-batch-size``, ``--kl-target --kl-probe-fraction
---kl-estimator`` (the probe) and ``--kl-coef`` (0: no reference model).
+command): ``--bf16`` (without it fp32, and ``--rollout-engine auto`` is then the static
+engine), ``--fp8-format``, ``--sequence-parallel``, ``--recompute-granularity/-method/
+-num-layers``, ``--grad-reduce-in-bf16``, ``--prompts-per-step`` x ``--num-generations`` (the
+rollout batch, / DP), ``--rollout-engine``, ``--inference-max-tokens`` (the KV budget:
+min(rollout rows x --seq-length, it) tokens; the dynamic engine's prefill step),
+``--log-prob-micro-batch-size`` (the reference forward and the dynamic engine's old-log-prob
+recompute), ``--global-batch-size``, ``--kl-target --kl-probe-fraction --kl-estimator`` (the
+probe) and ``--kl-coef`` (0: no reference model). The launch environment has flags of its
+own: ``--expandable-segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``),
+``--no-nccl-nvls`` (``NCCL_NVLS_ENABLE=0``) and ``--gpus-per-node``.
 
-Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 80`` means the 80 GiB of an A100/H100 80GB
-(PyTorch can allocate about 79.1 GiB of it). Invalid input exits with status 2 and a message
+Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 79.1`` is what PyTorch can allocate on an
+A100/H100 80GB. Invalid input exits with status 2 and a message
 naming the flag.
 """
 
@@ -330,6 +334,11 @@ def _step(args, parser, dp: int) -> RLStepConfig:
     engine = args.rollout_engine
     if engine == "auto":  # as pretrain_rl.py: flash-attn takes fp16/bf16 only
         engine = "static" if precision == "fp32" else "dynamic"
+    if args.fp8_format and args.fp8_recipe == "blockwise" and engine == "dynamic":
+        err(
+            "argument --fp8-recipe: blockwise FP8 is refused with the dynamic engine (as by "
+            "pretrain_rl.py); use another recipe or --rollout-engine static"
+        )
     if args.runtime_overhead_gb < 0:
         err("argument --runtime-overhead-gb: must be >= 0")
     if args.kl_coef and args.no_reference_model:
