@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import re
 import shlex
@@ -89,21 +91,96 @@ def test_megatron_core_is_pinned_within_pyproject_range(dockerfile, build_args):
     assert spec.contains(pins[0]), f"megatron-core=={pins[0]} is outside pyproject's {spec}"
 
 
+def _pip_installs(dockerfile, build_args) -> list[list[str]]:
+    """The arguments of every ``pip install`` of the RUN instructions."""
+    out = []
+    for run in _runs(dockerfile, build_args):
+        for m in re.finditer(r"pip install (.*?)(?:;|&&|$)", run):
+            out.append(shlex.split(m[1]))
+    return out
+
+
+def _requirements(dockerfile, build_args) -> list:
+    from packaging.requirements import Requirement
+
+    words = [w for args in _pip_installs(dockerfile, build_args) for w in args]
+    return [Requirement(w) for w in words if not w.startswith("-") and w != "."]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
 def test_runtime_requirements_installed_and_image_stack_untouched(dockerfile, build_args):
     from packaging.requirements import Requirement
 
-    tomllib = pytest.importorskip("tomllib")
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        deps = [Requirement(d).name for d in tomllib.load(f)["project"]["dependencies"]]
-    installs = " ".join(r for r in _runs(dockerfile, build_args) if "pip install" in r)
-    words = {re.split(r"[<>=!~\[]", w.strip("\"'"))[0].lower() for w in shlex.split(installs)}
+    deps = [Requirement(d).name for d in _pyproject()["dependencies"]]
+    names = {r.name.lower() for r in _requirements(dockerfile, build_args)}
     for name in deps:
-        if name not in ("torch", "numpy", "megatron-core"):  # numpy, torch: in the image
-            assert name.lower() in words, f"{name} (pyproject dependency) is not installed"
-    for provided in ("torch", "transformer-engine", "transformer_engine", "apex"):
-        assert provided not in words, f"{provided} comes with the NGC image; do not reinstall"
-    env = " ".join(rest for instr, rest in dockerfile if instr == "ENV")
-    assert re.search(r'PIP_CONSTRAINT=(""|\s|$)', env), "unset NGC's PIP_CONSTRAINT"
+        if name not in ("torch", "numpy"):  # in the image
+            assert name.lower() in names, f"{name} (pyproject dependency) is not installed"
+    provided_by_the_image = ("torch", "transformer-engine", "transformer_engine", "apex")
+    for provided in (*provided_by_the_image, "numpy", "flash-attn"):
+        assert provided not in names, f"{provided} comes with the NGC image; do not reinstall"
+    for args in _pip_installs(dockerfile, build_args):
+        assert not {"-U", "--upgrade", "--force-reinstall", "--no-build-isolation"} & set(args)
+
+
+def test_installs_run_under_the_image_stack_constraints(dockerfile, build_args):
+    """NGC's PIP_CONSTRAINT is replaced, before the first pip install, by a constraints file
+    of the image's own torch/TE/apex/flash-attn/numpy versions (docker/image_stack.py)."""
+    steps = [(i, r) for i, r in dockerfile if i in ("COPY", "RUN", "ENV")]
+    env = next(k for k, (i, r) in enumerate(steps) if i == "ENV" and "PIP_CONSTRAINT=" in r)
+    path = re.search(r"PIP_CONSTRAINT=(\S+)", steps[env][1])[1]
+    made = next(k for k, (i, r) in enumerate(steps) if i == "RUN" and f"> {path}" in r)
+    assert "image_stack.py" in steps[made][1]
+    copy = next(k for k, (i, r) in enumerate(steps) if i == "COPY" and "image_stack.py" in r)
+    first_pip = next(k for k, (i, r) in enumerate(steps) if i == "RUN" and "pip install" in r)
+    assert copy < made < env < first_pip
+    assert not any("PIP_CONSTRAINT" in r for i, r in steps[env + 1 :]), "kept to the end"
+
+
+def test_image_stack_pins_exactly_the_image_stack(capsys):
+    path = os.path.join(DOCKER, "image_stack.py")
+    spec = importlib.util.spec_from_file_location("image_stack", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stack = ("torch", "triton", "transformer-engine", "transformer-engine-torch", "apex")
+    for name in (*stack, "flash-attn", "numpy", "transformer-engine-cu12"):
+        assert module.STACK.fullmatch(name), name
+    for name in ("transformers", "torchvision", "megatron-core", "einops", "numpy-stl"):
+        assert not module.STACK.fullmatch(name), name
+    module.main()
+    pins = capsys.readouterr().out.split()
+    assert f"torch=={importlib.metadata.version('torch')}" in pins
+    assert f"numpy=={importlib.metadata.version('numpy')}" in pins
+    assert all(re.fullmatch(r"[a-z0-9-]+==\S+", pin) for pin in pins)
+
+
+def test_every_install_is_pinned_within_pyproject(dockerfile, build_args):
+    """Exact versions or an upper bound, inside pyproject.toml's ranges (dependencies and the
+    test/gpu extras), so a new release cannot change the image."""
+    from packaging.requirements import Requirement
+
+    project = _pyproject()
+    ranges = {}
+    extras = project["optional-dependencies"]
+    for text in (*project["dependencies"], *extras["test"], *extras["gpu"]):
+        req = Requirement(text)
+        ranges[req.name.lower()] = req.specifier
+    for req in _requirements(dockerfile, build_args):
+        ops = {s.operator for s in req.specifier}
+        assert ops & {"==", "<", "<=", "~="}, f"{req} is not pinned"
+        allowed = ranges.get(req.name.lower())
+        assert allowed is not None, f"{req.name} is not a requirement of pyproject.toml"
+        for spec in req.specifier:  # an exact pin inside the range, or bounds that meet it
+            if spec.operator == "==":
+                assert allowed.contains(spec.version), f"{req} is outside pyproject's {allowed}"
+            elif spec.operator in ("<", "<="):
+                lower = [s.version for s in allowed if s.operator in (">=", ">")]
+                assert all(spec.contains(v) for v in lower), f"{req} excludes {allowed}"
 
 
 def test_repository_copied_and_installed_without_deps(dockerfile):
@@ -214,3 +291,26 @@ def test_readme_estimate_has_the_training_memory_flags_and_fits_80gb(capsys):
     assert cli.main([*est_words, "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["loggra"]["total"] <= 79.1 - 5 and res["loggra"]["fits"]
+
+
+def test_readme_tokenizer_is_the_hugging_face_directory():
+    """Llama-3-vocabulary and Qwen models ship no SentencePiece ``tokenizer.model``: the run
+    reads the converted model's HF directory (its tokenizer.json)."""
+    text = _readme()
+    conv = _flags(_command(text, "torchrun --nproc-per-node 8 tools/convert_checkpoint.py"))
+    run = _flags(_command(text, "torchrun --nproc-per-node 8 pretrain_rl.py"))
+    assert run["--tokenizer-model"] == conv["--load"]
+    assert not run["--tokenizer-model"][0].endswith(".model")
+    assert "tokenizer.json" in text and "tokenizer.model" not in _command(
+        text, "torchrun --nproc-per-node 8 pretrain_rl.py"
+    )
+
+
+def test_readme_estimate_has_the_run_environment():
+    """The estimate's allocator and NCCL flags stand for what the run block exports."""
+    text = _readme()
+    est = _flags(_command(text, "python tools/estimate_memory.py"))
+    exports = " ".join(re.findall(r"^export (.*)$", text, re.M))
+    assert ("expandable_segments:True" in exports) == ("--expandable-segments" in est)
+    assert ("NCCL_NVLS_ENABLE=0" in exports) == ("--no-nccl-nvls" in est)
+    assert "--expandable-segments" in est and "--fp8-recipe" in est

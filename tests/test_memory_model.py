@@ -192,6 +192,7 @@ def test_published_parameter_counts_and_kv_cache():
     llama3 = _hf_shape("llama-3-8b")
     assert num_parameters(llama3) == 8_030_261_248
     assert num_parameters(_hf_shape("llama-style-27b")) == 26_983_142_400
+    assert num_parameters(_hf_shape("qwen2.5-7b-instruct")) == 7_615_616_512  # QKV bias
     # Llama-3-8B: 32 layers · 2 · 8 KV heads · 128 · 2 B = 128 KiB per token (bf16)
     assert kv_cache_bytes(llama3, ParallelConfig(), 1, 1) == 128 * 1024
     assert kv_cache_bytes(llama3, ParallelConfig(tensor_model_parallel_size=8), 4, 100) == (
@@ -245,6 +246,8 @@ def test_estimate_terms_and_phases():
         s.numel for s in stage_parameters(model, par) if s.kind == "linear"
     )
     gpu = 80 * GiB
+    assert max_rollout_batch_size(model, par, step, gpu) is None  # 8k training does not fit
+    step = dataclasses.replace(step, recompute_granularity="full")
     cap = max_rollout_batch_size(model, par, step, gpu)
     assert estimate_rl_step_memory(model, par, dataclasses.replace(step, rollout_batch_size=cap)).fits(gpu)  # fmt: skip
     over = dataclasses.replace(step, rollout_batch_size=cap + 1)

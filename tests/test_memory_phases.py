@@ -31,6 +31,7 @@ from loggra_megatron.memory.model import (
     rollout_kv_cache_bytes,
     stage_parameters,
 )
+from loggra_megatron.memory.transient import LOGITS_COPIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
@@ -130,17 +131,18 @@ def test_log_prob_forward_uses_the_log_prob_micro_batch_size():
     s = 16384
     step = RLStepConfig(seq_length=s, micro_batch_size=1, recompute_granularity="full")
     default = estimate_rl_step_memory(model, par, step)
-    assert default.log_prob_logits == default.logits == logits_bytes(model, par, s)
+    assert default.log_prob_logits == logits_bytes(model, par, s)  # forward only: 12 B/logit
+    assert default.logits == logits_bytes(model, par, s, copies=4)  # and its backward: 16 B
     for lp in (2, 4, 8):
         b = estimate_rl_step_memory(
             model, par, dataclasses.replace(step, log_prob_micro_batch_size=lp)
         )
         assert b.log_prob_logits == lp * default.log_prob_logits
         assert b.log_prob_activations == forward_activation_bytes(model, par, lp, s)
-        assert b.phases()["log-probs"] == b.log_prob_logits + b.log_prob_activations
+        assert b.phases()["ref log-probs"] == b.log_prob_logits + b.log_prob_activations
         assert b.logits == default.logits  # the training micro-batch is unchanged
     b8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, log_prob_micro_batch_size=8))  # fmt: skip
-    assert b8.peak_phase == "log-probs"
+    assert b8.peak_phase == "ref log-probs"
     no_ref = dataclasses.replace(step, reference_model=False, log_prob_micro_batch_size=8)
     b = estimate_rl_step_memory(model, par, no_ref)
     assert b.log_prob_logits == b.log_prob_activations == b.reference_model == 0
@@ -162,7 +164,7 @@ def test_fp8_caches_prefill_and_kl_probe_terms():
     k = estimate_rl_step_memory(model, par, probe)
     rows = probe.log_prob_rows  # the probe runs in micro-batches; k3 keeps log-probs only
     assert rows < 8
-    assert k.kl_probe_logits == logits_bytes(model, par, rows * s, copies=2)
+    assert k.kl_probe_logits == logits_bytes(model, par, rows * s, copies=LOGITS_COPIES)
     assert k.kl_probe_activations == forward_activation_bytes(model, par, rows, s)
     full = estimate_rl_step_memory(model, par, dataclasses.replace(probe, kl_estimator="full"))
     # every row's reference logits kept; one micro-batch's candidate logits and KL temporaries

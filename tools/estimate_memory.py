@@ -8,7 +8,7 @@ small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
     python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \\
         --tensor-model-parallel-size 8 --sequence-parallel --world-size 8 \\
         --micro-batch-size 1 --seq-length 8192 --bf16 --loggra-rank 128 \\
-        --rollout-batch-size 64 --gpu-memory-gb 80
+        --rollout-batch-size 64 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls
 
     python tools/estimate_memory.py --num-layers 32 --hidden-size 4096 \\
         --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 \\
@@ -16,15 +16,19 @@ small ones ship in ``tools/configs/``) or with Megatron-LM's flags::
 
 The step flags are ``pretrain_rl.py``'s, same names and meaning, so a launch script's memory
 flags can be passed as they are (``examples/h100_8gpu/train_27b_loggra.sh`` lists its
-command): ``--sequence-parallel``, ``--recompute-granularity/-method/-num-layers``,
-``--bf16 --fp8-format``, ``--grad-reduce-in-bf16``, ``--prompts-per-step`` x
-``--num-generations`` (the rollout batch, / DP), ``--inference-max-tokens`` (the KV budget:
-min(rollout rows x --seq-length, it) tokens), ``--log-prob-micro-batch-size`` (the
-reference forward), ``--global-batch-size``, ``--kl-target --kl-probe-fraction
---kl-estimator`` (the probe) and ``--kl-coef`` (0: no reference model).
+command): ``--bf16`` (without it fp32, and ``--rollout-engine auto`` is then the static
+engine), ``--fp8-format``, ``--sequence-parallel``, ``--recompute-granularity/-method/
+-num-layers``, ``--grad-reduce-in-bf16``, ``--prompts-per-step`` x ``--num-generations`` (the
+rollout batch, / DP), ``--rollout-engine``, ``--inference-max-tokens`` (the KV budget:
+min(rollout rows x --seq-length, it) tokens; the dynamic engine's prefill step),
+``--log-prob-micro-batch-size`` (the reference forward and the dynamic engine's old-log-prob
+recompute), ``--global-batch-size``, ``--kl-target --kl-probe-fraction --kl-estimator`` (the
+probe) and ``--kl-coef`` (0: no reference model). The launch environment has flags of its
+own: ``--expandable-segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``),
+``--no-nccl-nvls`` (``NCCL_NVLS_ENABLE=0``) and ``--gpus-per-node``.
 
-Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 80`` means the 80 GiB of an A100/H100 80GB
-(PyTorch can allocate about 79.1 GiB of it). Invalid input exits with status 2 and a message
+Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 79.1`` is what PyTorch can allocate on an
+A100/H100 80GB. Invalid input exits with status 2 and a message
 naming the flag.
 """
 
@@ -137,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--global-batch-size", type=pos, default=None, help="sets micro-batches and KL probe"
     )
-    s.add_argument("--bf16", action="store_true", help="bf16 params (the default)")
-    s.add_argument("--fp8-format", choices=["hybrid", "e4m3"], help="FP8 GEMMs (TE, Hopper)")
-    s.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed")
+    s.add_argument("--bf16", action="store_true", help="bf16 params (without it: fp32)")
+    s.add_argument(
+        "--fp8-format", choices=["hybrid", "e4m3"], help="FP8 GEMMs (TE, Hopper; needs --bf16)"
+    )
+    s.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise")
     s.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="auto")
     s.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default="fp32")
     s.add_argument("--grad-reduce-in-bf16", action="store_true", help="= --main-grads-dtype bf16")
@@ -214,9 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="kl/realized every N steps (0: never): its held-out rows join the trial forward",
     )  # fmt: skip
     s.add_argument("--kl-estimator", choices=["full", "k1", "k2", "k3"], default="full")
-    s.add_argument("--gpu-memory-gb", type=_float, default=80.0, help="GiB per GPU")
-    s.add_argument(
-        "--runtime-overhead-gb", type=float, default=2.0, help="CUDA context, NCCL, workspaces"
+    r = p.add_argument_group("runtime (the launch environment)")
+    r.add_argument("--gpu-memory-gb", type=_float, default=80.0, help="GiB per GPU")
+    r.add_argument(
+        "--runtime-overhead-gb",
+        type=float,
+        default=2.0,
+        help="CUDA/cuBLAS/TE workspaces and the like (NCCL is counted apart)",
+    )
+    r.add_argument("--gpus-per-node", type=pos, default=8, help="where communicators stay")
+    r.add_argument(
+        "--nccl-nvls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="NCCL's NVLink SHARP buffers (NCCL's default on NVSwitch nodes; "
+        "--no-nccl-nvls = NCCL_NVLS_ENABLE=0)",
+    )
+    r.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (without it a freed KV "
+        "buffer's segment may stay pinned: counted once more in the rollout)",
     )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return p
@@ -279,6 +304,7 @@ def _configs(args, parser) -> tuple[TransformerShape, ParallelConfig, RLStepConf
         data_parallel_size=dp,
         sequence_parallel=args.sequence_parallel,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        gpus_per_node=args.gpus_per_node,
     )
     parallel.check(model)
     return model, parallel, _step(args, parser, dp)
@@ -302,6 +328,17 @@ def _step(args, parser, dp: int) -> RLStepConfig:
     )
     if args.fp8_format and args.transformer_impl == "local":
         err("argument --fp8-format: FP8 needs --transformer-impl transformer_engine (or auto)")
+    if args.fp8_format and not args.bf16:
+        err("argument --fp8-format: FP8 training needs --bf16")
+    precision = "fp8" if args.fp8_format else "bf16" if args.bf16 else "fp32"
+    engine = args.rollout_engine
+    if engine == "auto":  # as pretrain_rl.py: flash-attn takes fp16/bf16 only
+        engine = "static" if precision == "fp32" else "dynamic"
+    if args.fp8_format and args.fp8_recipe == "blockwise" and engine == "dynamic":
+        err(
+            "argument --fp8-recipe: blockwise FP8 is refused with the dynamic engine (as by "
+            "pretrain_rl.py); use another recipe or --rollout-engine static"
+        )
     if args.runtime_overhead_gb < 0:
         err("argument --runtime-overhead-gb: must be >= 0")
     if args.kl_coef and args.no_reference_model:
@@ -341,7 +378,7 @@ def _step(args, parser, dp: int) -> RLStepConfig:
     return RLStepConfig(
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        precision="fp8" if args.fp8_format else "bf16",
+        precision=precision,
         main_grads_dtype="bf16" if args.grad_reduce_in_bf16 else args.main_grads_dtype,
         optimizer=args.optimizer,
         loggra_rank=args.loggra_rank,
@@ -357,13 +394,15 @@ def _step(args, parser, dp: int) -> RLStepConfig:
         recompute_num_layers=args.recompute_num_layers or 1,
         rollout_batch_size=rollout,
         inference_max_tokens=args.inference_max_tokens,
-        rollout_engine="dynamic" if args.rollout_engine == "auto" else args.rollout_engine,
+        rollout_engine=engine,
         max_new_tokens=args.max_new_tokens,
         log_prob_micro_batch_size=args.log_prob_micro_batch_size,
         num_microbatches=num_micro,
         kl_probe_sequences=probe,
         kl_estimator=args.kl_estimator,
         runtime_overhead_bytes=int(args.runtime_overhead_gb * GiB),
+        nccl_nvls=args.nccl_nvls,
+        expandable_segments=args.expandable_segments,
     )
 
 

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# GPU check on one H200 (or H100), self-contained, < 8 minutes (BUDGET_S, default 450 s):
-#   1. pretrain_rl.py for a few RL steps on a ~1B Llama-style policy made from scratch (TP=1,
-#      20 layers, hidden 2048, a sentencepiece tokenizer trained here), with
-#      --transformer-impl transformer_engine --fp8-format hybrid --bf16 and full recompute,
-#      --rollout-engine dynamic, then static; without Transformer Engine the same runs with
-#      --transformer-impl local in bf16. Per run: step/rollout/train times, throughputs,
-#      peak memory (torch.cuda.max_memory_allocated), KV-cache bytes, next to
+# GPU check on one H200 (or H100), self-contained, < 8 minutes (BUDGET_S, default 450 s).
+# What runs on any CUDA machine with torch and megatron-core runs first; what needs more is
+# recorded as "not available: <reason>" (not a failure) where it cannot run:
+#   1. rl_static: pretrain_rl.py for a few RL steps on a ~1B Llama-style policy made from
+#      scratch (TP=1, 20 layers, hidden 2048, a sentencepiece tokenizer trained here), bf16,
+#      full recompute, the static engine (Transformer Engine's layers when importable, else
+#      --transformer-impl local). Per run: step/rollout/train times, throughputs, peak
+#      memory (torch.cuda.max_memory_allocated), KV-cache bytes, after
 #      tools/estimate_memory.py's estimate of the same flags.
-#   2. the memory sweep of benchmarks/memory_rl.py: dense Adam vs LoGRA inside Megatron's
-#      distributed optimizer, bf16, then FP8 (when transformer_engine is importable).
+#   2. memory_bf16: the memory sweep of benchmarks/memory_rl.py (dense Adam vs LoGRA inside
+#      Megatron's distributed optimizer).
+#   3. rl_dynamic: the same run with Megatron-Core's dynamic engine (needs flash-attn).
+#   4. memory_fp8, rl_fp8: the sweep and the RL run with FP8 (--fp8-format hybrid
+#      --fp8-recipe tensorwise; needs Transformer Engine and compute capability >= 8.9; the
+#      RL run takes the dynamic engine when it is available, as the 27B example does).
 # Every number goes to ONE file, ${RESULTS:-${OUT:-.}/h200_check.txt}; each section runs
 # under `timeout` within the budget, so a failure or a hang loses only that section.
 #
 # Via the device tool (its H200 has torch, sentencepiece and transformers, but neither
-# megatron-core nor Transformer Engine, and no network):
+# megatron-core nor Transformer Engine nor flash-attn, and no network):
 #   here, once:  echo /.whl/ >> .git/info/exclude
 #                bash benchmarks/gpu/h200_check.sh fetch-wheels   # megatron-core -> .whl/
 #   then:        run(command="bash benchmarks/gpu/h200_check.sh", carry=[".whl"],
 #                    timeout_s=540)            # $OUT/h200_check.txt comes back
-#   Transformer Engine cannot travel that way (its core wheel is ~171 MiB, over the 64 MiB a
-#   call carries, and its torch extension has no binary wheel), so there the FP8 sections
-#   record why they were skipped and the local-spec bf16 runs stand in.
-# By hand, on any CUDA machine, e.g. in docker/Dockerfile's image (TE included):
-#   bash benchmarks/gpu/h200_check.sh            # -> ./h200_check.txt
+#   Transformer Engine and flash-attn cannot travel that way (TE's core wheel is ~171 MiB,
+#   over the 64 MiB a call carries; neither has a binary wheel of its torch extension), so
+#   there sections 3 and 4 record why they are not available.
+# By hand, on any CUDA machine, e.g. in docker/Dockerfile's image (TE and flash-attn
+# included, every section runs; give it the time):
+#   BUDGET_S=900 bash benchmarks/gpu/h200_check.sh            # -> ./h200_check.txt
 #   RESULTS=/tmp/r.txt BUDGET_S=900 STEPS=5 bash benchmarks/gpu/h200_check.sh
 set -uo pipefail  # no -e: a failing section is recorded and the next one runs
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -50,6 +56,10 @@ WORK=${WORK:-$(mktemp -d /tmp/h200_check.XXXXXX)}
 mkdir -p "$WORK/logs" "$(dirname "$RESULTS")"
 : >"$RESULTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The launch scripts' allocator and NCCL settings (examples/h100_8gpu, docs/memory.md): a
+# freed KV buffer's pages are reused instead of its segment staying pinned, and no NVLS
+# buffers (one GPU here: no communicator either way). The estimates below say so too.
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0
 # Setup: carried wheels (megatron-core) into a private site dir; this repository by path.
 SITE=$WORK/site
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -113,15 +123,44 @@ if ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
     note "megatron-core is not importable: on the device machine, run" \
         "'bash benchmarks/gpu/h200_check.sh fetch-wheels' first and carry .whl (header)"
 fi
+# why_not dynamic|fp8: why the dynamic engine / FP8 cannot run here (empty: they can)
+why_not() {
+    "$PY" - "$1" "$RL_DEVICE" <<'PY' 2>/dev/null
+import sys
+
+import torch
+
+
+def why(what: str, device: str) -> str:
+    if device != "cuda" or not torch.cuda.is_available():
+        return f"no CUDA device (RL_DEVICE={device})"
+    if what == "dynamic":
+        from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
+
+        return dynamic_engine_unavailable() or ""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return f"transformer_engine not importable ({type(e).__name__}: {e})"[:200]
+    cc = torch.cuda.get_device_capability()
+    return "" if cc >= (8, 9) else f"FP8 needs compute capability >= 8.9, this GPU has {cc}"
+
+
+try:
+    print(why(*sys.argv[1:]))
+except Exception as e:  # noqa: BLE001 - e.g. megatron-core missing
+    print(f"its check failed ({type(e).__name__}: {e})"[:200])
+PY
+}
+DYNAMIC_WHY=$(why_not dynamic)
+FP8_WHY=$(why_not fp8)
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
-    IMPL=(--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe delayed)
-    TE=1
+    IMPL=(--transformer-impl transformer_engine)
 else
-    note "transformer_engine is not importable: the FP8 sections are skipped; pretrain_rl runs" \
-        "with --transformer-impl local in bf16 instead"
     IMPL=(--transformer-impl local)
-    TE=0
 fi
+FP8=(--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise)
+not_available() { note "## $1: not available: $2"; }
 
 section tokenizer 90 "$PY" tools/train_tokenizer.py --builtin-tasks "${TOK_TASKS:-20000}" --seed 0 \
     --vocab-size 512 --output-prefix "$WORK/tokenizer"
@@ -135,21 +174,22 @@ STEP_RL=(--prompts-per-step 8 --num-generations 8 --global-batch-size 64 --micro
          --log-prob-micro-batch-size 16 --max-new-tokens 256 --inference-max-tokens 8192
          --optimizer loggra --loggra-rank 256 --kl-coef 0.001 --kl-target 0.01
          --kl-estimator k3)
-FP8_EST=()
-((TE)) && FP8_EST=(--fp8-format hybrid)
-section estimate 60 "$PY" tools/estimate_memory.py --world-size 1 --vocab-size "$VOCAB" \
-    --runtime-overhead-gb 0 --gpu-memory-gb 139 "${SHAPE_RL[@]}" "${STEP_RL[@]}" "${FP8_EST[@]}" \
-    "${RL_EXTRA[@]}"
-grep -v -i -E 'warn|^  return ' "$WORK/logs/estimate.log" >>"$RESULTS" 2>/dev/null
 
-# rl ENGINE: a few RL steps of pretrain_rl.py, then the numbers of its metrics.jsonl
+# rl NAME ENGINE FLAGS...: the estimate of the run's flags, a few RL steps of pretrain_rl.py,
+# then the numbers of its metrics.jsonl
 rl() {
-    local engine=$1 run="$WORK/rl_$1"
+    local name=$1 engine=$2 run="$WORK/$1"
+    shift 2
     rm -rf "$run"
-    section "rl_${engine}" 170 "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_rl.py \
+    section "estimate_${name}" 60 "$PY" tools/estimate_memory.py --world-size 1 \
+        --vocab-size "$VOCAB" --runtime-overhead-gb 0 --gpu-memory-gb 139 \
+        --expandable-segments --no-nccl-nvls --rollout-engine "$engine" \
+        "${SHAPE_RL[@]}" "$@" "${STEP_RL[@]}" "${RL_EXTRA[@]}"
+    grep -v -i -E 'warn|^  return ' "$WORK/logs/estimate_${name}.log" >>"$RESULTS" 2>/dev/null
+    section "$name" 170 "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_rl.py \
         --device "$RL_DEVICE" \
         --tokenizer-model "$WORK/tokenizer.model" --task arithmetic --num-tasks 2000 \
-        "${SHAPE_RL[@]}" "${IMPL[@]}" "${STEP_RL[@]}" "${RL_EXTRA[@]}" \
+        "${SHAPE_RL[@]}" "$@" "${STEP_RL[@]}" "${RL_EXTRA[@]}" \
         --rollout-engine "$engine" --train-iters "$STEPS" --lr 1e-5 --output-dir "$run"
     "$PY" - "$run" >>"$RESULTS" 2>&1 <<'PY'
 import sys
@@ -171,17 +211,25 @@ for row in rows:
 PY
 }
 
-rl dynamic
+# 1-2: what runs wherever torch and megatron-core do
+rl rl_static static "${IMPL[@]}"
 SHAPE=(--device cuda --layers 16 --hidden 2048 --ffn 5632 --heads 16 --vocab 32000 --seq 2048
        --new-tokens 64 --rollout-rows 8 --reference yes --timed-steps 1)
 SHAPE+=("${MEM_EXTRA[@]}")
 section memory_bf16 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}"
 grep -E '^(#|\||$)' "$WORK/logs/memory_bf16.log" >>"$RESULTS" 2>/dev/null
-if ((TE)); then
+# 3-4: the dynamic engine (flash-attn) and FP8 (Transformer Engine on Hopper)
+if [ -z "$DYNAMIC_WHY" ]; then
+    rl rl_dynamic dynamic "${IMPL[@]}"
+else
+    not_available rl_dynamic "$DYNAMIC_WHY"
+fi
+if [ -z "$FP8_WHY" ]; then
     section memory_fp8 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}" --fp8 hybrid
     grep -E '^(#|\||$)' "$WORK/logs/memory_fp8.log" >>"$RESULTS" 2>/dev/null
+    rl rl_fp8 "$([ -z "$DYNAMIC_WHY" ] && echo dynamic || echo static)" "${FP8[@]}"
 else
-    note "## memory_fp8: SKIPPED (transformer_engine not importable)"
+    not_available memory_fp8 "$FP8_WHY"
+    not_available rl_fp8 "$FP8_WHY"
 fi
-rl static
 note "# done in ${SECONDS} s; logs in $WORK/logs"

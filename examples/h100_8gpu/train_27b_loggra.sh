@@ -7,31 +7,40 @@
 # loop, in chunks of 32 rows) keeps the same KV budget.
 #
 # Expected memory per GPU, from the project's estimator (a model, not a measurement; see
-# docs/memory.md), for tools/configs/llama-style-27b.json and the memory flags below:
+# docs/memory.md), for tools/configs/llama-style-27b.json, the memory flags below and the
+# allocator/NCCL settings this script exports (--expandable-segments --no-nccl-nvls):
 #
 #   python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
-#       --world-size 8 --gpu-memory-gb 79.1 --tensor-model-parallel-size 8 \
-#       --pipeline-model-parallel-size 1 --bf16 --fp8-format hybrid --fp8-recipe delayed \
-#       --transformer-impl transformer_engine --sequence-parallel \
-#       --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
-#       --seq-length 16384 --max-new-tokens 15360 --rollout-engine auto \
-#       --inference-max-tokens 524288 --prompts-per-step 8 --num-generations 8 \
-#       --global-batch-size 64 --micro-batch-size 1 --log-prob-micro-batch-size 4 \
-#       --optimizer loggra --loggra-rank 128 --loggra-param-remainders --kl-target 0.01 \
-#       --kl-estimator k3 --kl-probe-fraction 0.125 --kl-coef 0.001
+#       --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \
+#       --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 --bf16 \
+#       --fp8-format hybrid --fp8-recipe tensorwise --transformer-impl transformer_engine \
+#       --sequence-parallel --recompute-granularity full --recompute-method uniform \
+#       --recompute-num-layers 1 --seq-length 16384 --max-new-tokens 15360 \
+#       --rollout-engine auto --inference-max-tokens 524288 --prompts-per-step 8 \
+#       --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
+#       --log-prob-micro-batch-size 4 --optimizer loggra --loggra-rank 128 \
+#       --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
+#       --kl-probe-fraction 0.125 --kl-coef 0.001
 #
-# prints (GiB per GPU): LoGRA r=128 63.25 total, "yes (15.85 free)" of the 79.1 GiB PyTorch
-# can allocate on an H100 80GB; dense Adam 92.01 ("NO (over by 12.91)"). Static 45.06 (LoGRA)
-# vs 73.82 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + masters 6.29
+# prints (GiB per GPU): LoGRA r=128 66.30 total, "yes (12.80 free)" of the 79.1 GiB PyTorch
+# can allocate on an H100 80GB; dense Adam 95.06 ("NO (over by 15.96)"). Static 45.92 (LoGRA)
+# vs 74.68 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + masters 6.29
 # (bf16 weights + int16 remainders, --loggra-param-remainders; dense 12.57) + optimizer state
-# 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime. Transient phases
-# (one at a time): rollout 18.19 (the peak: KV cache 16.00 for 524288 tokens + prefill 2.16),
-# KL control 15.75 (probe in micro-batches of 4 sequences: logits 7.88 + activations 1.59,
-# plus the 6.29 backup of the weights a trial overwrites), reference log-probs 9.46,
-# training 3.64. The same command without --inference-max-tokens prints a KV cache of 32.00
-# (all 64 sequences of 16k tokens at once) and LoGRA 81.44 ("NO"). tests/test_gpu_scripts.py
-# re-runs both on the flags of this file.
-# Not measured on GPUs yet: benchmarks/gpu/h200_check.sh is the first check.
+# 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime + 0.86 of NCCL ring
+# buffers (3 communicators). Transient phases (one at a time): rollout 20.38 (the peak: KV
+# cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64 prompts in
+# one 65536-token forward), KL control 19.69 (probe in micro-batches of 4 sequences: logits
+# 11.81 + activations 1.59, plus the 6.29 backup of the weights a trial overwrites), the
+# dynamic engine's old-log-prob recompute and the reference log-probs 13.40 each (4
+# sequences per forward, --log-prob-micro-batch-size), training 5.60.
+# Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
+# tokens at once) and LoGRA 82.30 ("NO (over by 3.20)").
+# Without --expandable-segments it prints the same 82.30 ("NO"): the freed 16.00 KV buffer's
+# segment, pinned by one tensor, is counted again ("rollout: fragmentation").
+# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 67.05
+# ("yes (12.05 free)").
+# tests/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
+# yet: benchmarks/gpu/h200_check.sh is the first check.
 #
 # Inputs: a converted checkpoint (tools/convert_checkpoint.py --direction hf-to-megatron
 # --tensor-model-parallel-size 8, under torchrun with 8 CPU processes) and its tokenizer.
@@ -43,6 +52,12 @@ DATA=${DATA:?JSONL with prompt/answer}
 OUT=${OUT:-runs/grpo_27b}
 # Megatron needs one hardware queue per device so that TP/SP communication overlaps compute
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# The rollout frees a 16 GiB KV buffer every step: with expandable segments its pages are
+# reused; without, one tensor left in its segment makes the next step's buffer need 16 GiB
+# more and the run does not fit (header). NCCL's NVLS buffers are off: 0.75 GiB per GPU
+# here, 6.75 with older NCCL releases' larger ones (docs/memory.md); NCCL_NVLS_ENABLE=1.
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # Relaunching resumes this run; the first launch starts from the converted model.
 LOAD="$CKPT"
 [ -f "$OUT/latest_checkpointed_iteration.txt" ] && LOAD="$OUT"
@@ -50,7 +65,7 @@ LOAD="$CKPT"
 torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --load "$LOAD" --tokenizer-model "$TOKENIZER" --data-path "$DATA" \
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 \
-    --bf16 --fp8-format hybrid --fp8-recipe delayed --transformer-impl transformer_engine \
+    --bf16 --fp8-format hybrid --fp8-recipe tensorwise --transformer-impl transformer_engine \
     --sequence-parallel \
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
     --seq-length 16384 --max-new-tokens 15360 \

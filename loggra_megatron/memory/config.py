@@ -19,6 +19,11 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ROLLOUT_ENGINES = ("static", "dynamic")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DYNAMIC_BLOCK_TOKENS = 256
+"""Tokens per KV block of the dynamic engine (``rollout.dynamic.DEFAULT_BLOCK_SIZE``)."""
+DYNAMIC_TOKEN_ROUNDER = 64
+"""Megatron's ``DynamicInferenceContext.TOKEN_ROUNDER``: tokens per forward are rounded up
+to a multiple of ``ceil(64 / TP) · TP``."""
 
 
 class MemoryConfigError(ValueError):
@@ -113,6 +118,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     virtual_pipeline_model_parallel_size: int | None = None
     """Accepted and ignored (interleaving raises stage-0 activations by (1 + (p−1)/(p·v)))."""
+    gpus_per_node: int = 8
+    """GPUs of one node (which communicators stay inside it: NCCL's NVLS buffers)."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -120,6 +127,7 @@ class ParallelConfig:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "data_parallel_size",
+            "gpus_per_node",
         )
 
     @property
@@ -199,6 +207,12 @@ class RLStepConfig:
     and, when ``kl/realized`` is measured, the held-out set (0: control off)."""
     kl_estimator: str = "full"
     runtime_overhead_bytes: int = 2 * GiB
+    """CUDA/cuBLAS/Transformer Engine workspaces and the like (NCCL is counted apart)."""
+    nccl_nvls: bool = True
+    """NCCL's NVLink SHARP buffers (its default on NVSwitch Hopper nodes; off with
+    ``NCCL_NVLS_ENABLE=0``)."""
+    expandable_segments: bool = False
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (PyTorch's default: off)."""
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "seq_length", "loggra_rank", "loggra_min_dim")
@@ -234,20 +248,28 @@ class RLStepConfig:
     def rollout_kv_tokens(self) -> int:
         """Tokens the rollout KV cache holds at once: ``min(B·s, M)`` for ``B`` rollout rows
         of full length ``s`` and ``M = inference_max_tokens`` (at least one row; the
-        dynamic engine's paged buffer is ``M`` tokens whatever the batch)."""
+        dynamic engine's paged buffer is ``max(M, s)`` tokens whatever the batch)."""
         full = self.rollout_batch_size * self.seq_length
         if self.inference_max_tokens is None or not full:
             return full
-        if self.rollout_engine == "dynamic":
-            return self.inference_max_tokens
-        return min(full, max(self.inference_max_tokens, self.seq_length))
+        budget = max(self.inference_max_tokens, self.seq_length)
+        return budget if self.rollout_engine == "dynamic" else min(full, budget)
 
     @property
     def rollout_rows(self) -> int:
-        """Sequences decoded at once (a chunk of the rollout batch under a KV budget)."""
+        """Sequences decoded at once: a chunk of the rollout batch under a KV budget (static
+        engine), or the dynamic engine's requests in flight (one per KV block at most)."""
         if not self.rollout_batch_size:
             return 0
+        if self.rollout_engine == "dynamic":
+            blocks = ceil_div(self.rollout_kv_tokens, DYNAMIC_BLOCK_TOKENS)
+            return min(self.rollout_batch_size, blocks)
         return min(self.rollout_batch_size, max(1, self.rollout_kv_tokens // self.seq_length))
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Longest prompt, ``seq_length − max_new_tokens`` (None without max_new_tokens)."""
+        return None if self.max_new_tokens is None else self.seq_length - self.max_new_tokens
 
     @property
     def param_bytes(self) -> int:

@@ -22,12 +22,19 @@ from loggra_megatron.memory.config import (
     TransformerShape,
     ceil_div,
 )
+from loggra_megatron.memory.runtime import (
+    fragmentation_bytes,
+    nccl_buffer_bytes,
+    nvls_buffer_bytes,
+)
 from loggra_megatron.memory.transient import (
+    TRAINING_LOGITS_COPIES,
     activation_bytes,
     activation_bytes_per_layer,
     forward_activation_bytes,
     kv_cache_bytes,
     logits_bytes,
+    prefill_tokens,
     rollout_kv_cache_bytes,
 )
 from loggra_megatron.optim.registry import sketches_shape
@@ -54,6 +61,7 @@ __all__ = [
     "master_param_bytes",
     "num_parameters",
     "optimizer_state_bytes",
+    "prefill_tokens",
     "rollout_kv_cache_bytes",
     "stage_parameters",
     "weight_bytes",
@@ -247,6 +255,11 @@ class MemoryBreakdown:
     log_prob_logits: int = 0
     kl_probe_activations: int = 0
     kl_weight_backup: int = 0
+    nccl_buffers: int = 0
+    nvls_buffers: int = 0
+    allocator_fragmentation: int = 0
+    old_log_prob_activations: int = 0
+    old_log_prob_logits: int = 0
 
     STATIC = (
         "weights",
@@ -257,16 +270,20 @@ class MemoryBreakdown:
         "reference_model",
         "reference_fp8_weight_cache",
         "runtime_overhead",
+        "nccl_buffers",
+        "nvls_buffers",
     )
-    ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations")
+    ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations", "allocator_fragmentation")
+    OLD_LOG_PROBS = ("old_log_prob_activations", "old_log_prob_logits")
     LOG_PROBS = ("log_prob_activations", "log_prob_logits")
     TRAINING = ("activations", "logits")
     KL_CONTROL = ("kl_probe_activations", "kl_probe_logits", "kl_weight_backup")
     OPTIMIZER_STEP = ("main_grad_copies",)
-    TRANSIENT = (*ROLLOUT, *LOG_PROBS, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
+    TRANSIENT = (*ROLLOUT, *OLD_LOG_PROBS, *LOG_PROBS, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
     PHASES = {
         "rollout": ROLLOUT,
-        "log-probs": LOG_PROBS,
+        "old log-probs": OLD_LOG_PROBS,
+        "ref log-probs": LOG_PROBS,
         "training": TRAINING,
         "kl control": KL_CONTROL,
         "optimizer step": OPTIMIZER_STEP,
@@ -319,17 +336,26 @@ def main_grad_copy_bytes(params: list[ParamSpec], step: RLStepConfig, dp: int = 
 
 
 def _rollout_terms(model, parallel, step, last: bool, kv_bytes: int) -> dict[str, int]:
-    rows = step.rollout_rows
-    prefill = 0
-    if step.max_new_tokens is not None:  # prompts of at most s − N tokens, SP off
-        prompt = step.seq_length - step.max_new_tokens
-        prefill = forward_activation_bytes(model, parallel, rows, prompt, sequence_parallel=False)
-    t = parallel.tensor_model_parallel_size
+    """The rollout phase, and the dynamic engine's log-prob recompute after it."""
+    rows, seq, t = step.rollout_rows, step.seq_length, parallel.tensor_model_parallel_size
+    kv = rollout_kv_cache_bytes(model, parallel, step, kv_bytes)
+    # prompts of at most s − N tokens, SP off (generation switches it off); the dynamic
+    # engine's prefill is one flat [1, tokens] forward
+    prefill = forward_activation_bytes(
+        model, parallel, 1, prefill_tokens(step, t), sequence_parallel=False
+    )
+    # the dynamic engine recomputes the policy's log-probs as the reference forward runs:
+    # micro-batches of --log-prob-micro-batch-size sequences; the static one samples them
+    recompute = rows and step.rollout_engine == "dynamic"
+    lp_rows = step.log_prob_rows if recompute else 0
     return {
-        "kv_cache": rollout_kv_cache_bytes(model, parallel, step, kv_bytes),
+        "kv_cache": kv,
         # last-position logits, gathered over TP (full vocabulary), fp32 + softmax
         "rollout_logits": rows * model.padded_vocab_size(t) * 4 * 2 if last else 0,
         "prefill_activations": prefill,
+        "allocator_fragmentation": fragmentation_bytes(step, kv),
+        "old_log_prob_activations": forward_activation_bytes(model, parallel, lp_rows, seq),
+        "old_log_prob_logits": logits_bytes(model, parallel, lp_rows * seq) if last else 0,
     }
 
 
@@ -368,6 +394,8 @@ def _stage_breakdown(
         # forward only: TE caches the FP8 weight without its transpose
         reference_fp8_weight_cache=weight_bytes(linear, 1) if fp8 and ref else 0,
         runtime_overhead=step.runtime_overhead_bytes,
+        nccl_buffers=nccl_buffer_bytes(parallel, step),
+        nvls_buffers=nvls_buffer_bytes(parallel, step),
         **_rollout_terms(model, parallel, step, last, ref_bytes),
         log_prob_activations=(
             forward_activation_bytes(model, parallel, step.log_prob_rows, seq) if ref else 0
@@ -376,17 +404,21 @@ def _stage_breakdown(
             logits_bytes(model, parallel, step.log_prob_rows * seq) if ref and last else 0
         ),
         activations=activation_bytes(model, parallel, step, stage),
-        logits=logits_bytes(model, parallel, step.micro_batch_size * seq) if last else 0,
+        logits=(
+            logits_bytes(model, parallel, step.micro_batch_size * seq, TRAINING_LOGITS_COPIES)
+            if last
+            else 0
+        ),
         # the trial forward runs in micro-batches of the log-prob micro-batch size; the full
         # estimator keeps every trial row's reference logits, and one micro-batch's
         # candidate logits and KL temporaries (p_old, z_old − z_new, their product) at a
-        # time; the k-estimators one micro-batch's logits and log-softmax
+        # time; the k-estimators one micro-batch's logits and log-softmax temporaries
         kl_probe_activations=forward_activation_bytes(model, parallel, probe_rows, seq),
         kl_probe_logits=(
             logits_bytes(model, parallel, probe * seq, copies=1)
             + logits_bytes(model, parallel, probe_rows * seq, copies=4)
             if step.kl_estimator == "full"
-            else logits_bytes(model, parallel, probe_rows * seq, copies=2)
+            else logits_bytes(model, parallel, probe_rows * seq)
         )
         if last
         else 0,

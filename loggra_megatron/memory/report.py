@@ -11,7 +11,9 @@ from loggra_megatron.memory.model import (
     bytes_per_master,
     max_rollout_batch_size,
     num_parameters,
+    prefill_tokens,
 )
+from loggra_megatron.memory.runtime import communicators
 
 __all__ = ["report"]
 
@@ -24,11 +26,16 @@ LABELS = {
     "reference_model": "reference model",
     "reference_fp8_weight_cache": "reference fp8 cache (TE)",
     "runtime_overhead": "runtime overhead",
+    "nccl_buffers": "NCCL ring buffers",
+    "nvls_buffers": "NCCL NVLS buffers",
     "kv_cache": "rollout: KV cache",
     "rollout_logits": "rollout: logits",
     "prefill_activations": "rollout: prefill",
-    "log_prob_activations": "log-probs: activations",
-    "log_prob_logits": "log-probs: logits",
+    "allocator_fragmentation": "rollout: fragmentation",
+    "old_log_prob_activations": "old log-probs: activations",
+    "old_log_prob_logits": "old log-probs: logits",
+    "log_prob_activations": "ref log-probs: activations",
+    "log_prob_logits": "ref log-probs: logits",
     "activations": "training: activations",
     "logits": "training: logits",
     "kl_probe_activations": "kl control: activations",
@@ -52,6 +59,8 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
         parallel.data_parallel_size,
     )
     pdt = "fp32" if step.precision == "fp32" else "bf16"
+    prefill = prefill_tokens(step, t)
+    comms = communicators(parallel, step.distributed_optimizer)
     lines = [
         f"model     {source}: {num_parameters(model) / 1e9:.2f} B params, {model.num_layers} "
         f"layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}"
@@ -79,7 +88,11 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
             f", --inference-max-tokens {step.inference_max_tokens})"
             if step.inference_max_tokens
             else ")"
-        ),
+        )
+        + (f", prefill of {prefill} tokens per forward" if prefill else ""),
+        f"runtime   {len(comms)} NCCL communicators ({', '.join(c[0] for c in comms) or 'none'}), "
+        f"NVLS {'on' if step.nccl_nvls else 'off'}, expandable segments "
+        f"{'on' if step.expandable_segments else 'off'}",
         "",
     ]
     mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}

@@ -1,14 +1,17 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """The transient terms of :mod:`loggra_megatron.memory.model`: activations (with Megatron's
-recompute methods), logits, the rollout's KV cache under ``--inference-max-tokens`` and the
-working set of forward-only passes (pure arithmetic, no torch).
+recompute methods), logits, the rollout's KV cache under ``--inference-max-tokens``, the
+rollout's prefill and the working set of forward-only passes (pure arithmetic, no torch).
 
 Formulas and assumptions: ``docs/memory.md`` ("Formulas").
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from loggra_megatron.memory.config import (
+    DYNAMIC_TOKEN_ROUNDER,
     ParallelConfig,
     RLStepConfig,
     TransformerShape,
@@ -16,13 +19,24 @@ from loggra_megatron.memory.config import (
 )
 
 __all__ = [
+    "LOGITS_COPIES",
+    "TRAINING_LOGITS_COPIES",
     "activation_bytes",
     "activation_bytes_per_layer",
     "forward_activation_bytes",
     "kv_cache_bytes",
     "logits_bytes",
+    "prefill_tokens",
     "rollout_kv_cache_bytes",
 ]
+
+LOGITS_COPIES = 3
+"""fp32 copies of the logits alive at once in a forward-only log-prob pass: the logits and
+the two temporaries of ``rl/kl.py``'s log-softmax, ``z − max`` and its ``exp``."""
+TRAINING_LOGITS_COPIES = 4
+"""The same in the training step's backward: the logits (kept by the target ``gather``),
+the ``exp`` backward's product and the ``gather`` backward's zeros and scatter. Both are
+measured in ``tests/test_memory_phases.py``; derivation in ``docs/memory.md``."""
 
 
 def _t_sp(parallel: ParallelConfig) -> int:
@@ -96,23 +110,36 @@ def forward_activation_bytes(
     kept across layers. ``sequence_parallel=False``: as generation runs (SP switched off)."""
     if not rows:
         return 0
-    if sequence_parallel is not None and sequence_parallel != parallel.sequence_parallel:
-        parallel = ParallelConfig(
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-            data_parallel_size=parallel.data_parallel_size,
-            sequence_parallel=sequence_parallel,
-        )
+    if sequence_parallel is not None:
+        parallel = dataclasses.replace(parallel, sequence_parallel=sequence_parallel)
     per_layer = activation_bytes_per_layer(model, parallel, rows, seq_length)
     return per_layer + _layer_input(model, parallel, rows * seq_length)
 
 
 def logits_bytes(
-    model: TransformerShape, parallel: ParallelConfig, tokens: int, copies: int = 2
+    model: TransformerShape, parallel: ParallelConfig, tokens: int, copies: int = LOGITS_COPIES
 ) -> int:
-    """fp32 vocab-parallel logits of ``tokens`` positions, ``copies`` times (+ log-softmax)."""
+    """fp32 vocab-parallel logits of ``tokens`` positions, ``copies`` times (default: the
+    logits and their log-softmax temporaries, :data:`LOGITS_COPIES`)."""
     t = parallel.tensor_model_parallel_size
     return tokens * (model.padded_vocab_size(t) // t) * 4 * copies
+
+
+def prefill_tokens(step: RLStepConfig, tensor_parallel: int) -> int:
+    """Tokens of the rollout's largest prefill forward (0 when the prompt length is unknown):
+    the static engine prefills a chunk of rows (``rows × prompt``); the dynamic engine admits
+    every waiting prompt in one flat step of ``min(M, B·prompt)`` tokens (at least one per
+    request), rounded up as Megatron's ``DynamicInferenceContext.round_up_tokens``."""
+    prompt, batch = step.prompt_tokens, step.rollout_batch_size
+    if prompt is None or not batch:
+        return 0
+    if step.rollout_engine == "static":
+        return step.rollout_rows * prompt
+    tokens = batch * prompt
+    if step.inference_max_tokens is not None:
+        tokens = min(tokens, step.inference_max_tokens)
+    rounder = ceil_div(DYNAMIC_TOKEN_ROUNDER, tensor_parallel) * tensor_parallel
+    return ceil_div(max(tokens, step.rollout_rows), rounder) * rounder
 
 
 def kv_cache_bytes(

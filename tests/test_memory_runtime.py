@@ -1,0 +1,309 @@
+"""The memory model's terms of issue 21: the logits' bytes per element (measured on the real
+log-prob code), the dynamic engine's prefill step and its old-log-prob recompute, NCCL's
+communicator buffers (NVLS included), the allocator's fragmentation, and the CLI flags that
+select them (``--bf16``, ``--rollout-engine auto``, ``--nccl-nvls``,
+``--expandable-segments``, ``--gpus-per-node``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from loggra_megatron.convert.hf_config import gpt_args_from_hf
+from loggra_megatron.memory.config import DYNAMIC_BLOCK_TOKENS, DYNAMIC_TOKEN_ROUNDER
+from loggra_megatron.memory.model import (
+    GiB,
+    MemoryConfigError,
+    ParallelConfig,
+    RLStepConfig,
+    TransformerShape,
+    estimate_rl_step_memory,
+    forward_activation_bytes,
+    logits_bytes,
+    prefill_tokens,
+)
+from loggra_megatron.memory.runtime import (
+    NCCL_CHANNELS,
+    NCCL_FIFO_BYTES,
+    NVLS_BYTES_PER_LOCAL_RANK,
+    communicators,
+)
+from loggra_megatron.memory.transient import LOGITS_COPIES, TRAINING_LOGITS_COPIES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_27B = os.path.join(REPO, "tools", "configs", "llama-style-27b.json")
+MiB = 1024**2
+
+
+def _27b(**parallel):
+    model = TransformerShape.from_model_args(gpt_args_from_hf(CONFIG_27B))
+    return model, ParallelConfig(tensor_model_parallel_size=8, **parallel)
+
+
+# ---------------------------------------------------------------------- logits, measured
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensors of at least ``min_bytes`` that ops create while it is on
+    (storages freed as their last reference goes; views count once; inputs not at all)."""
+
+    def __init__(self, min_bytes: int, *inputs: torch.Tensor):
+        super().__init__()
+        self.min_bytes, self.peak = min_bytes, 0
+        self.live = {t.untyped_storage().data_ptr(): 0 for t in inputs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if storage.nbytes() >= self.min_bytes and key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    weakref.finalize(storage, self.live.pop, key, None)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def test_logits_bytes_per_element_are_measured_on_the_log_prob_code():
+    """What the model charges per vocab-parallel logit is what ``rl/kl.py`` allocates:
+    12 B in a forward-only pass (fp32 logits, ``z − max``, its ``exp``), 16 B in the
+    training backward (the logits kept by the target gather, the ``exp`` backward's
+    product, the gather backward's zeros and scatter), and 16 B per candidate logit of the
+    full-vocabulary KL trial next to the kept reference logits."""
+    from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
+
+    b, s, v, h = 2, 16, 1024, 32
+    n = b * s * v
+    hidden = torch.randn(b, s, h, dtype=torch.bfloat16)
+    weight = torch.randn(v, h, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (b, s))
+    with torch.no_grad(), LiveBytes(4 * n, hidden, weight) as mode:
+        z = (hidden @ weight.t()).float()  # the output layer's bf16 logits, Float16Module's fp32
+        out = vocab_parallel_log_probs(z, targets)
+        del z
+    assert out.shape == (b, s) and mode.peak == 4 * LOGITS_COPIES * n
+    hidden.requires_grad_(True)
+    with LiveBytes(4 * n, hidden, weight) as mode:
+        z = (hidden @ weight.t()).float()
+        loss = vocab_parallel_log_probs(z, targets).sum()
+        del z
+        loss.backward()
+    assert mode.peak == 4 * TRAINING_LOGITS_COPIES * n
+    reference = torch.randn(b, s, v)  # kept from the trial's reference forward
+    with torch.no_grad(), LiveBytes(4 * n, hidden, weight, reference) as mode:
+        z = (hidden @ weight.t()).float()
+        kl = vocab_parallel_kl(reference, z)
+        del z
+    assert kl.shape == (b, s) and mode.peak == 16 * n
+    model, par = _27b()
+    tokens = 3 * 16384
+    per_logit = tokens * model.padded_vocab_size(8) // 8
+    assert logits_bytes(model, par, tokens) == 12 * per_logit
+    step = RLStepConfig(seq_length=16384, micro_batch_size=3, kl_probe_sequences=3)
+    est = estimate_rl_step_memory(model, par, step)
+    assert est.logits == 16 * per_logit == est.kl_probe_logits - 4 * per_logit  # full KL
+
+
+# ---------------------------------------------------------------------- the dynamic engine
+def test_dynamic_engine_prefills_every_prompt_in_one_step():
+    """The 27B example: 64 prompts of 1k tokens fit the 524288-token step budget, so the
+    dynamic engine prefills 65536 tokens at once (the static engine: a chunk of 32 rows),
+    rounded as Megatron's DynamicInferenceContext rounds."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    from loggra_megatron.rollout.dynamic import DEFAULT_BLOCK_SIZE
+
+    assert DYNAMIC_BLOCK_TOKENS == DEFAULT_BLOCK_SIZE
+    assert DYNAMIC_TOKEN_ROUNDER == DynamicInferenceContext.TOKEN_ROUNDER
+    model, par = _27b(sequence_parallel=True)
+    s, new, m = 16384, 15360, 524288
+    static = RLStepConfig(
+        seq_length=s, max_new_tokens=new, rollout_batch_size=64, inference_max_tokens=m
+    )
+    dynamic = dataclasses.replace(static, rollout_engine="dynamic")
+    assert prefill_tokens(static, 8) == 32 * 1024 and static.rollout_rows == 32
+    assert prefill_tokens(dynamic, 8) == 64 * 1024 and dynamic.rollout_rows == 64
+    b = estimate_rl_step_memory(model, par, dynamic)
+    assert b.prefill_activations == forward_activation_bytes(
+        model, par, 1, 65536, sequence_parallel=False
+    )
+    before = estimate_rl_step_memory(model, par, static).prefill_activations
+    assert 2.1 * GiB < b.prefill_activations - before < 2.2 * GiB  # the issue's ~+2.2 GiB
+    for tp, budget, prompt in ((8, 30000, 1024), (3, 30000, 1024), (1, 4097, 100), (8, None, 7)):
+        step = RLStepConfig(
+            seq_length=prompt + 16,
+            max_new_tokens=16,
+            rollout_batch_size=64,
+            inference_max_tokens=budget,
+            rollout_engine="dynamic",
+        )
+        want = min(64 * prompt, budget or 64 * prompt)
+        assert prefill_tokens(step, tp) == DynamicInferenceContext.round_up_tokens(want, tp)
+    # no prompt length known, or no rollout: nothing
+    assert prefill_tokens(dataclasses.replace(dynamic, max_new_tokens=None), 8) == 0
+    assert prefill_tokens(dataclasses.replace(dynamic, rollout_batch_size=0), 8) == 0
+
+
+def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
+    """The recompute after generation is a phase of its own, sized like the reference
+    forward (--log-prob-micro-batch-size rows, not --inference-max-tokens // width); the
+    static engine samples the log-probs while decoding and has none."""
+    model, par = _27b(sequence_parallel=True)
+    s = 16384
+    dyn = RLStepConfig(
+        seq_length=s,
+        rollout_batch_size=64,
+        inference_max_tokens=32 * s,
+        rollout_engine="dynamic",
+        log_prob_micro_batch_size=4,
+    )
+    b = estimate_rl_step_memory(model, par, dyn)
+    assert b.old_log_prob_activations == forward_activation_bytes(model, par, 4, s)
+    assert b.old_log_prob_logits == logits_bytes(model, par, 4 * s)
+    assert b.phases()["old log-probs"] == b.phases()["ref log-probs"]
+    for budget in (s, 64 * s):  # the KV budget does not size it
+        other = estimate_rl_step_memory(
+            model, par, dataclasses.replace(dyn, inference_max_tokens=budget)
+        )
+        assert other.phases()["old log-probs"] == b.phases()["old log-probs"]
+    no_ref = estimate_rl_step_memory(model, par, dataclasses.replace(dyn, reference_model=False))
+    assert no_ref.phases()["old log-probs"] == b.phases()["old log-probs"]
+    assert no_ref.phases()["ref log-probs"] == 0
+    one = estimate_rl_step_memory(
+        model, par, dataclasses.replace(dyn, log_prob_micro_batch_size=None)
+    )
+    assert one.old_log_prob_logits == logits_bytes(model, par, s)  # default: --micro-batch-size
+    for step in (
+        dataclasses.replace(dyn, rollout_engine="static"),
+        dataclasses.replace(dyn, rollout_batch_size=0),
+    ):
+        assert estimate_rl_step_memory(model, par, step).phases()["old log-probs"] == 0
+
+
+# ---------------------------------------------------------------------- NCCL, allocator
+def test_nccl_communicators_and_nvls_buffers():
+    fifo, nvls = NCCL_FIFO_BYTES, NVLS_BYTES_PER_LOCAL_RANK
+    assert fifo == 4 * MiB + 4_915_200 + 512 * 1024  # Simple + LL128 + LL, NCCL's defaults
+    assert nvls == 32 * MiB  # 16 channels x 2 x 128 KiB x 8 steps
+    one_node = ParallelConfig(tensor_model_parallel_size=8)
+    assert communicators(one_node, True) == [
+        ("world", 8, 8),
+        ("tensor", 8, 8),
+        ("distributed-optimizer instance", 8, 8),
+    ]
+    two_nodes = ParallelConfig(tensor_model_parallel_size=8, data_parallel_size=2)
+    assert [
+        (n, r, loc) for n, r, loc in communicators(two_nodes, True) if n.startswith("data")
+    ] == [
+        ("data", 2, 1),
+        ("data (Megatron DDP)", 2, 1),
+    ]
+    pipeline = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+    assert communicators(pipeline, False) == [
+        ("world", 8, 8),
+        ("tensor", 2, 2),
+        ("pipeline", 4, 4),
+        ("model", 8, 8),
+    ]
+    assert communicators(ParallelConfig(), True) == []  # one GPU: no communicator
+    model = TransformerShape(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, vocab_size=256
+    )
+    step = RLStepConfig(seq_length=8)
+    b = estimate_rl_step_memory(model, two_nodes, step)
+    assert b.nccl_buffers == 5 * NCCL_CHANNELS * NCCL_FIFO_BYTES
+    assert b.nvls_buffers == 3 * 8 * 32 * MiB  # DP stays across nodes: one GPU per node
+    off = estimate_rl_step_memory(model, two_nodes, dataclasses.replace(step, nccl_nvls=False))
+    assert off.nvls_buffers == 0 and off.static_bytes == b.static_bytes - b.nvls_buffers
+    single = estimate_rl_step_memory(model, ParallelConfig(), step)
+    assert single.nccl_buffers == single.nvls_buffers == 0
+    with pytest.raises(MemoryConfigError, match="gpus_per_node"):
+        ParallelConfig(gpus_per_node=0)
+
+
+def test_fragmentation_is_the_kv_buffer_without_expandable_segments():
+    model, par = _27b(sequence_parallel=True)
+    step = RLStepConfig(
+        seq_length=16384,
+        rollout_batch_size=64,
+        inference_max_tokens=2**19,
+        rollout_engine="dynamic",
+    )
+    plain = estimate_rl_step_memory(model, par, step)
+    assert plain.allocator_fragmentation == plain.kv_cache == 16 * GiB
+    expandable = dataclasses.replace(step, expandable_segments=True)
+    b = estimate_rl_step_memory(model, par, expandable)
+    assert b.allocator_fragmentation == 0
+    assert b.phases()["rollout"] == plain.phases()["rollout"] - 16 * GiB
+
+
+# ---------------------------------------------------------------------- the CLI
+def _cli():
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory_cli", os.path.join(REPO, "tools", "estimate_memory.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BASE = [
+    "--hf-config",
+    CONFIG_27B,
+    "--tensor-model-parallel-size",
+    "8",
+    "--world-size",
+    "16",
+    "--sequence-parallel",
+    "--seq-length",
+    "8192",
+    "--max-new-tokens",
+    "4096",
+    "--rollout-batch-size",
+    "16",
+]
+
+
+def _json(capsys, argv) -> dict:
+    assert _cli().main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["loggra"]
+
+
+def test_cli_runtime_flags_and_pretrain_rl_precision(capsys):
+    bf16 = _json(capsys, [*BASE, "--bf16"])
+    fp32 = _json(capsys, BASE)  # pretrain_rl.py without --bf16: fp32 params, static engine
+    assert fp32["weights"] == pytest.approx(2 * bf16["weights"]) and fp32["master_params"] == 0
+    assert fp32["phases"]["old log-probs"] == 0 < bf16["phases"]["old log-probs"]
+    assert _json(capsys, [*BASE, "--rollout-engine", "dynamic"])["phases"]["old log-probs"] > 0
+    assert bf16["nvls_buffers"] == pytest.approx(3 * 8 * 32 / 1024)  # world, TP, dist-opt
+    assert bf16["nccl_buffers"] == pytest.approx(5 * NCCL_CHANNELS * NCCL_FIFO_BYTES / GiB)
+    assert bf16["allocator_fragmentation"] == bf16["kv_cache"] > 0
+    env = _json(capsys, [*BASE, "--bf16", "--no-nccl-nvls", "--expandable-segments"])
+    assert env["nvls_buffers"] == env["allocator_fragmentation"] == 0
+    rollout = bf16["phases"]["rollout"] - bf16["allocator_fragmentation"]
+    assert env["phases"]["rollout"] == pytest.approx(rollout)
+    static = {k: v["total"] - max(v["phases"].values()) for k, v in (("a", bf16), ("b", env))}
+    assert static["b"] == pytest.approx(static["a"] - bf16["nvls_buffers"])
+    spread = _json(capsys, [*BASE, "--bf16", "--gpus-per-node", "4"])  # TP spans two nodes
+    assert spread["nvls_buffers"] == pytest.approx(3 * 4 * 32 / 1024)
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--fp8-format", "hybrid"], "--fp8-format"),  # FP8 needs --bf16, as pretrain_rl.py
+        (["--gpus-per-node", "0"], "--gpus-per-node"),
+        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe"),
+    ],
+)
+def test_cli_refuses_runtime_and_precision_flags(extra, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli().main([*BASE, *extra])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
