@@ -243,12 +243,14 @@ def _gpu_only_problems(cfg, tp: int):
                "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
                "('sequence parallel not supported by torch LayerNorm')")  # fmt: skip
     m = cfg.model
-    if m.fp8_format is not None and m.fp8_recipe == "mxfp8" and _on_gpu(cfg):
+    if m.fp8_format is not None and _on_gpu(cfg):
         capability = torch.cuda.get_device_capability()
-        if capability < (10, 0):
-            yield (f"--fp8-recipe: mxfp8 needs a Blackwell GPU (compute capability 10.0+), "
-                   f"this one has {capability[0]}.{capability[1]}; use tensorwise (current "
-                   "scaling, docs/rollouts.md) or delayed")
+        have = f"this GPU has compute capability {capability[0]}.{capability[1]}"
+        if capability < (8, 9):
+            yield f"--fp8-format: FP8 GEMMs need Ada or Hopper (8.9+), {have}; drop it"
+        elif m.fp8_recipe == "mxfp8" and capability < (10, 0):
+            yield (f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
+                   "(current scaling, docs/rollouts.md) or delayed")
     if cfg.rollout.rollout_engine == "dynamic":
         from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
 

@@ -38,6 +38,8 @@ from loggra_megatron.memory.runtime import (
 )
 from loggra_megatron.memory.transient import LOGITS_COPIES, TRAINING_LOGITS_COPIES
 
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_27B = os.path.join(REPO, "tools", "configs", "llama-style-27b.json")
 MiB = 1024**2

@@ -138,6 +138,14 @@ def test_what_the_gpu_or_engine_cannot_run_exits_2(
     assert exc.value.code == 2 and flag in err and reason in err, err
 
 
+def test_fp8_needs_ada_or_hopper(tokenizer, simulated_hopper, capsys):
+    simulated_hopper[0] = (8, 0)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(tiny_argv(tokenizer, **FP8))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--fp8-format" in err and "8.0" in err, err
+
+
 def test_what_the_gpu_and_engine_can_run_is_accepted(tokenizer, simulated_hopper):
     cfg = parse_args(tiny_argv(tokenizer, **FP8, **{"rollout-engine": "dynamic"}))
     assert cfg.model.fp8_recipe == "tensorwise"  # current scaling: the RL default
