@@ -1,6 +1,7 @@
 """`torchrun pretrain_rl.py`: flag validation and end-to-end GRPO runs on 2 CPU processes."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -230,6 +231,12 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
 
     gpt_args_from_hf(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
                                 ).save_json(tmp_path / "loggra_model_args.json")  # fmt: skip
+    release = tmp_path / "release"  # a converted model's files (weights not read here)
+    release.mkdir()
+    (release / "metadata.json").write_text("{}")
+    manifest = {"files": {"metadata.json": {"bytes": 2}}}
+    (release / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
     paths = {'"$LOAD"': tmp_path, '"$TOKENIZER"': tokenizer, '"$DATA"': data,

@@ -229,3 +229,65 @@ def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
     assert " resumed from " in resumed.stdout
     assert [r["step"] for r in read_metrics(save)] == list(range(1, 7))
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6
+
+
+def test_a_second_live_run_in_the_same_directory_is_refused(tokenizer, tmp_path, capsys):
+    """The same auto-resume command twice (a scheduler's requeue race): the second exits 2
+    naming the first, which finishes with every metrics line (both used to run, one logging
+    into an unlinked file). The first also starts fresh over the interrupted save a killed
+    first launch left (it used to exit 2 forever) and removes it."""
+    import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)
+
+    save = tmp_path / "ckpt"
+    interrupted = save / "iter_0000001.tmp"
+    interrupted.mkdir(parents=True)
+    (interrupted / "__0_0.distcp").write_bytes(b"\0" * 2**20)  # no manifest: killed mid-save
+    flags = {"train-iters": 1000, "save": save, "load": save}
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(" step"):
+            break
+    with pytest.raises(SystemExit) as second:
+        pretrain_rl.main(tiny_argv(tokenizer, **flags))
+    err = capsys.readouterr().err
+    assert second.value.code == 2 and "is in use by another live run" in err, err
+    assert f'"pid": {_workers(proc)[0].pid}' in err
+    _workers(proc)[0].send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    log = "".join(lines) + out
+    assert proc.returncode == 0, log[-3000:]
+    assert f"removed the interrupted save {interrupted}" in log and not interrupted.exists()
+    steps = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, steps + 1))
+
+
+def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_is_refused(
+    tokenizer, tmp_path
+):
+    """kill -9 of the holder frees the lock (the kernel drops it); a directory another run
+    wrote to between this run's plan and its lock is refused (the plan would be stale)."""
+    from loggra_megatron.checkpointing.run_lock import RunLock, claim_run_directories
+    from loggra_megatron.config import ConfigError
+
+    code = (
+        "import sys, time\nfrom loggra_megatron.checkpointing.run_lock import RunLock\n"
+        "RunLock.acquire(sys.argv[1], '--save')\nprint('held', flush=True)\ntime.sleep(300)"
+    )
+    argv = [sys.executable, "-c", code, str(tmp_path)]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=f'in use by another live run .*"pid": {holder.pid}'):
+        RunLock.acquire(str(tmp_path), "--save")
+    holder.kill()
+    holder.wait()
+    RunLock.acquire(str(tmp_path), "--save").release()
+    save = tmp_path / "run"
+    cfg = parse_args(tiny_argv(tokenizer, save=save, load=save))
+    save.mkdir()
+    (save / "metrics.jsonl").write_text('{"step": 1}\n')  # another run logged meanwhile
+    with pytest.raises(ConfigError, match="changed while this run started"):
+        claim_run_directories(cfg, [])
+    for lock in claim_run_directories(parse_args(tiny_argv(tokenizer, save=save, load=save)), []):
+        lock.release()
