@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from loggra_megatron.config import applies
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,10 +60,13 @@ class LoggingConfig:
     """Where metrics.jsonl goes (default: --save, else ./outputs/rl)."""
     wandb_project: str | None = None
     """Weights & Biases project (offline when there is no API key)."""
-    wandb_run_name: str | None = None
+    wandb_run_name: str | None = applies(
+        None, "with --wandb-project", lambda s: s["wandb_project"] is not None
+    )
     """Weights & Biases run name."""
     tensorboard_dir: str | None = None
     """TensorBoard event directory."""
+
 
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20

@@ -55,7 +55,7 @@ def test_math_reference_completion_is_correct():
         ({"task": "math"}, "--task='math': reads its prompts from --data-path"),
         ({"task": "arithmetic", "data-path": "DATA"}, "--task arithmetic generates its prompts"),
         ({"format-reward": 0.1}, "--format-reward=0.1: applies to --task math"),
-        ({"eval-interval": 5}, "--eval-interval=5: needs --eval-data-path"),
+        ({"eval-interval": 5}, "--eval-interval=5: applies with --eval-data-path"),
         ({"tokenizer-type": "GPT2Tokenizer"}, "--tokenizer-type"),
     ],
 )
@@ -79,7 +79,9 @@ def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
                                                            "task-operators": "+"}))  # fmt: skip
     tasks = generate_tasks("mixed", 200, seed=0, **cfg.data.task_knobs)
     arithmetic = [t for t in tasks if t["metadata"]["kind"] == "arithmetic"]
-    assert arithmetic and all(len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"])
+    assert arithmetic and all(
+        len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"]
+    )
     assert all(set(t["metadata"]["operators"]) == {"+"} for t in arithmetic)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "p", "answer": "1"}\n')
@@ -116,5 +118,8 @@ def test_a_bad_parquet_row_names_file_and_row(tmp_path):
     bad_messages = tmp_path / "msgs.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user"}], "answer": "1"}]),
                    bad_messages)  # fmt: skip
-    with pytest.raises(DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"):
+    with pytest.raises(
+        DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"
+    ):
         read_examples(str(bad_messages))
+
