@@ -160,8 +160,11 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict)
 
     if not os.path.isfile(path):
         parser.error(f"--config: no such file {path!r}")
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path, "rb") as f:
+            values = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        parser.error(f"--config: {path!r} is not valid YAML ({' '.join(str(e).split())})")
     if not isinstance(values, dict):
         parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
     kinds = {

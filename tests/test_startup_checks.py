@@ -1,11 +1,15 @@
-"""Start-up checks of ``pretrain_rl.py`` (exit status 2, the flag named, before any process
-group): settings that would do nothing, and settings that used to crash after the process
-group started."""
+"""Start-up checks of ``pretrain_rl.py`` (exit status 2, the flag or file named, before any
+process group): settings that would do nothing, settings that used to crash after the
+process group started, and inputs that used to end in a traceback."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
-from rl_runs import tiny_argv
+from rl_runs import ENV, ROOT, tiny_argv
 
 from loggra_megatron.arguments import SECTIONS, parse_args
 from loggra_megatron.config import flag
@@ -148,3 +152,165 @@ def test_the_largest_seed_trains(tokenizer):
         weight.grad = torch.randn_like(weight)
         opt.step()
     assert torch.isfinite(weight).all() and opt.state[weight]["basis"].shape == (12, 4)
+
+
+# ---------------------------------------------------------------- inputs that raised
+def _hf_tokenizer(path, chat_template=None, generation_config=None):
+    """A small byte-level BPE tokenizer directory (as examples/hf_model makes one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["What is 1 + 1?", "#### 2"], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|end|>", chat_template=chat_template
+    )
+    fast.save_pretrained(path)
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(generation_config)
+    return path
+
+
+CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ m['content'] }}{% endfor %}"
+)
+
+
+def _case(name, tmp_path, tokenizer):
+    """The flags and files of one start-up problem, and what its message must say."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"prompt": [{"role": "system", "content": "Be brief."}], "answer": "2"}\n')
+    bad_py = tmp_path / "bad_reward.py"
+    if name == "config-yaml":
+        (tmp_path / "run.yaml").write_text("lr: [0.1,\nseed: 3\n")
+        return ["--config", str(tmp_path / "run.yaml")], ["--config", "is not valid YAML", "line"]
+    if name == "reward-syntax":
+        bad_py.write_text("def score(p, c, a, m):\n    return 1 +\n")
+        return {"reward-fn": f"{bad_py}:score"}, ["--reward-fn", f"{bad_py}:2: syntax error"]
+    if name == "reward-exits-on-import":
+        bad_py.write_text("import sys\nsys.exit(3)\n")
+        return {"reward-fn": f"{bad_py}:score"}, ["--reward-fn", "called sys.exit(3)"]
+    if name == "reward-raises-on-import":
+        bad_py.write_text("x = 1\nraise RuntimeError('no GPU here')\n")
+        return {"reward-fn": f"{bad_py}:score"}, ["RuntimeError: no GPU here", f"{bad_py}:2"]
+    if name == "generation-config":
+        hf = _hf_tokenizer(tmp_path / "hf", CHAT, generation_config="{garbled")
+        return {"tokenizer-model": hf}, ["--tokenizer-model", "generation_config.json"]
+    if name == "subdirectory":
+        shards = tmp_path / "shards"
+        (shards / "part-1.jsonl").mkdir(parents=True)
+        return {"data-path": shards, "reward-fn": None}, ["--data-path", "is a directory"]
+    if name == "template-raises":
+        hf = _hf_tokenizer(tmp_path / "hf", "{{ messages[5]['content'] | undefined_filter }}")
+        return {"tokenizer-model": hf, "data-path": data}, [f"{data}:1: rendering the prompt"]
+    if name == "template-refuses-system":
+        hf = _hf_tokenizer(tmp_path / "hf", NO_SYSTEM)
+        flags = {"tokenizer-model": hf, "data-path": data, "system-prompt": "Be brief."}
+        return flags, [f"{data}:1:", "System role not supported", "take a system turn?"]
+    if name == "empty-template":
+        hf = _hf_tokenizer(tmp_path / "hf", "")
+        return {"tokenizer-model": hf, "data-path": data}, ["renders as no tokens"]
+    if name == "no-user-turn":
+        hf = _hf_tokenizer(tmp_path / "hf", CHAT)
+        return {"tokenizer-model": hf, "data-path": chat}, [f"{chat}:1:", "no user message"]
+    if name == "system-prompt-without-template":
+        return {"system-prompt": "Be brief."}, ["--system-prompt", "chat template"]
+    if name == "text-answers":
+        data.write_text('{"prompt": "Spell 2", "answer": "two"}\n')
+        return {"data-path": data, "reward-fn": None}, [f"{data}:1: answer 'two' is not a number"]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "config-yaml",
+        "reward-syntax",
+        "reward-exits-on-import",
+        "reward-raises-on-import",
+        "generation-config",
+        "subdirectory",
+        "template-raises",
+        "template-refuses-system",
+        "empty-template",
+        "no-user-turn",
+        "system-prompt-without-template",
+        "text-answers",
+    ],
+)
+def test_start_up_problems_exit_2_naming_the_flag_or_file(tokenizer, tmp_path, capsys, name):
+    """Each used to end in a traceback (or, for text answers and the chat prompt without a
+    user turn, to crash after the warm-up), none with the flag or the file named."""
+    import torch.distributed as dist
+
+    import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)
+
+    flags, needles = _case(name, tmp_path, tokenizer)
+    out = {"output-dir": tmp_path / "o"}
+    argv = (
+        [*tiny_argv(tokenizer, **out), *flags]
+        if isinstance(flags, list)
+        else tiny_argv(tokenizer, **flags, **out)
+    )
+    with pytest.raises(SystemExit) as refused:
+        pretrain_rl.main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not dist.is_initialized() and not (tmp_path / "o").exists()
+
+
+def test_a_garbled_architecture_file_is_refused_on_resume(tokenizer, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    (root / "iter_0000001").mkdir(parents=True)
+    (root / "iter_0000001" / "metadata.json").write_text("{}")
+    manifest = {"files": {"metadata.json": {"bytes": 2}}}
+    (root / "iter_0000001" / "manifest.json").write_text(json.dumps(manifest))
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    (root / "loggra_model_args.json").write_text('{"num_layers": 2, "hidden_')
+    with pytest.raises(SystemExit) as refused:
+        parse_args(tiny_argv(tokenizer, load=root, save=root))
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "loggra_model_args.json is not a readable" in err, err
+
+
+def test_a_reward_that_calls_os_exit_or_is_interrupted_is_reported(tmp_path):
+    """os._exit ended the run without a word, KeyboardInterrupt with an unwrapped traceback:
+    both are reward failures now, with the sample (run in a subprocess: without the guard
+    os._exit would end the test process)."""
+    code = """
+import os
+from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+
+def exits(p, c, a, m):
+    os._exit(7)
+
+def interrupted(p, c, a, m):
+    raise KeyboardInterrupt
+
+for fn in (exits, interrupted):
+    try:
+        compute_rewards(fn, ["q0", "q1"], ["c", "c"], ["1", "1"])
+    except RewardFunctionError as e:
+        print(str(e).splitlines()[0])
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "exits called os._exit(7) on sample 0" in lines[0] and "'q0'" in lines[0]
+    assert "interrupted raised on sample 0" in lines[1]
+    assert os.getpid()  # the test process is still here
