@@ -114,7 +114,8 @@ METRIC_KEYS: dict[str, str] = {
     "time/kl_control_s": "wall time of predicted-KL control, summed over the step's updates, seconds",
     "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "
     "second of step time",
-    "lr": "learning rate of the step (before the η scaling)",
+    "lr": "learning rate the step's optimizer updates used (their mean; before the η "
+    "scaling, and before the schedule advanced for the next step)",
     "response/length_mean": "mean response length in tokens",
     "data/dropped_prompts": "prompts removed from the dataset at start-up because they leave "
     "no room for --max-new-tokens within --seq-length",

@@ -85,7 +85,8 @@ def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsy
 # ---------------------------------------------------------------- end to end
 def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_path):
     """4 -> 8 steps: the schedule's horizon is the new one (it used to keep lr = 0), and
-    metrics.jsonl holds every step once."""
+    metrics.jsonl holds every step once. ``lr`` is the rate the step's updates used (it used
+    to be the next step's: 0.0 on the last step of a cosine schedule)."""
     import shutil
 
     ckpt = tmp_path / "ckpt"
@@ -95,10 +96,14 @@ def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_pa
     rows = read_metrics(ckpt)
     assert [r["step"] for r in rows] == list(range(1, 9))
     updates = 2  # optimizer steps per RL step: 4 prompts × 4 generations / 8 per batch
-    for r in rows[4:]:  # Megatron's cosine at the 8-step horizon, after this step's updates
-        ratio = r["step"] * updates / (8 * updates)
-        assert r["lr"] == pytest.approx(3e-3 * 0.5 * (math.cos(math.pi * ratio) + 1), abs=1e-12)
-    assert rows[4]["lr"] > 0
+
+    def cosine(done: int) -> float:  # Megatron's cosine at the 8-step horizon
+        return 3e-3 * 0.5 * (math.cos(math.pi * done / (8 * updates)) + 1)
+
+    for r in rows[4:]:  # the mean rate of this step's updates
+        used = [cosine((r["step"] - 1) * updates + k) for k in range(updates)]
+        assert r["lr"] == pytest.approx(sum(used) / updates, abs=1e-12)
+    assert rows[-1]["lr"] > 0
 
 
 def _workers(proc) -> dict[int, psutil.Process]:

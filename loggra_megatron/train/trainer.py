@@ -145,7 +145,7 @@ class RLTrainer:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
         metrics.update({
-            "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
+            "kl/coef": self.kl_coef.value,
             "optimizer/skipped_steps_total": float(self.skips.total),
             "data/dropped_prompts": float(self.host.dropped_prompts),
             "time/step_s": step_time, "time/experience_s": t_experience, "time/train_s": t_train,
