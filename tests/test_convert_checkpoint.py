@@ -9,15 +9,14 @@ of them cannot hide behind their ones/zeros initialisation.
 """
 
 import json
-import math
 import os
-import struct
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from convert_cli import CLI, cli_main, load_hf_dir
+from safetensors.torch import save_file
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.convert.hf_io import HFCheckpointReader
@@ -28,8 +27,6 @@ from loggra_megatron.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = os.path.join(REPO, "tools", "convert_checkpoint.py")
 VOCAB, SEQ, BATCH = 100, 16, 2
 ATOL = 1e-4
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -52,14 +49,6 @@ CASES = {
 }  # fmt: skip
 # bf16 parameters: Megatron and HF round differently, so only a loose check of the logits.
 ATOL_CASE = {"qwen2_bf16": 2e-2}
-
-
-def _load_hf_dir(path):
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +164,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
         assert res["args"] == gpt_args_from_hf(hf_dir)
         if res["inv_freq"] is not None:
             torch.testing.assert_close(res["inv_freq"], ref_inv_freq, rtol=1e-6, atol=0)
-        src = _load_hf_dir(hf_dir)
+        src = load_hf_dir(hf_dir)
         for key in ("logits", "logits_pp", "logits_pp_converted"):
             if key in res:
                 diff = (res[key].float() - ref).abs().max().item()
@@ -184,7 +173,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
                 assert diff <= tol, f"{name} {tag} {key}: max |megatron - hf| = {diff:.3e}"
         for sfx in suffixes:
             out_dir = os.path.join(workdir, f"{name}-{tag}{sfx}")
-            out = _load_hf_dir(out_dir)
+            out = load_hf_dir(out_dir)
             assert sorted(out) == sorted(src), f"{name}{sfx}: tensor names differ"
             for k in src:
                 assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), (
@@ -221,18 +210,8 @@ def test_tp2_then_pp2_logits_match_and_roundtrip_is_bit_exact(hf_models, tmp_pat
     _check(hf_models, results[0], str(tmp_path), "tp2", ["-hf", "-pp2-hf"])
 
 
-def _cli_main(argv):
-    """tools/convert_checkpoint.py's main(), imported by path."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", CLI)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
-
-
 def _cli_worker(rank, argv):
-    return _cli_main(argv)
+    return cli_main(argv)
 
 
 def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
@@ -261,7 +240,7 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     ]
     assert run_distributed(_cli_worker, 1, argv) == [0]
     assert (out / "model.safetensors.index.json").exists()  # sharded: 60 KB < model size
-    src, dst = _load_hf_dir(hf_dir), _load_hf_dir(out)
+    src, dst = load_hf_dir(hf_dir), load_hf_dir(out)
     assert sorted(src) == sorted(dst) and all(torch.equal(src[k], dst[k]) for k in src)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -276,14 +255,14 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     )
     capsys.readouterr()
     assert (
-        _cli_main(
+        cli_main(
             ["--direction", "hf-to-megatron", "--load", str(bad), "--save", str(tmp_path / "x")]
         )
         == 2
     )
     err = capsys.readouterr().err
     assert "unsupported Hugging Face model" in err and "MistralForCausalLM" in err
-    assert _cli_main(["--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)]) == 2
+    assert cli_main(["--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)]) == 2
     assert "not empty" in capsys.readouterr().err
 
 
@@ -303,7 +282,7 @@ def test_cli_refuses_parallel_sizes_the_model_cannot_take(
     monkeypatch.setenv("WORLD_SIZE", str(world))
     load = hf_models["llama_tied"][0]
     argv = ["--direction", "hf-to-megatron", "--load", load, "--save", str(tmp_path / "x")]
-    assert _cli_main([*argv, *parallel]) == 2
+    assert cli_main([*argv, *parallel]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
@@ -347,7 +326,7 @@ def test_refuses_unsupported_configs():
 
 def test_refuses_mismatched_tensor_shape(hf_models, tmp_path):
     hf_dir = hf_models["qwen2_bias"][0]
-    tensors = _load_hf_dir(hf_dir)
+    tensors = load_hf_dir(hf_dir)
     tensors["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(7)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     args = gpt_args_from_hf(hf_dir)
@@ -430,104 +409,6 @@ def test_te_extra_state_absent_from_a_local_spec_checkpoint_is_not_an_error(tmp_
     assert result == (True, True)
 
 
-# ---------------------------------------------------------------- trainer checkpoints
-TINY = GPTModelArgs(
-    num_layers=2,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    vocab_size=64,
-    make_vocab_size_divisible_by=1,
-    max_position_embeddings=16,
-)
-EMBEDDING = "embedding.word_embeddings.weight"
-
-
-def _trainer_checkpoints(rank, root, checksums):
-    """Iterations 1 and 2 as pretrain_rl.py saves them; the first embedding entries are
-    (v + 0.5, v) with v = the iteration."""
-    from loggra_megatron.checkpointing import save_checkpoint
-    from loggra_megatron.model.build import build_gpt_model
-
-    model = build_gpt_model(TINY, use_cpu_initialization=True)
-    for iteration in (1, 2):
-        with torch.no_grad():
-            dict(model.named_parameters())[EMBEDDING].view(-1)[:2] = torch.tensor(
-                [iteration + 0.5, iteration]
-            )
-        save_checkpoint(root, iteration, [model], None, {}, checksums=checksums)
-    TINY.save_json(os.path.join(root, "loggra_model_args.json"))
-
-
-def _overwrite_in_iteration(root, iteration, old, new):
-    path = os.path.join(root, f"iter_{iteration:07d}")
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb") as f:
-            data = f.read()
-        if name.endswith(".distcp") and old in data:
-            with open(os.path.join(path, name), "wb") as f:
-                f.write(data.replace(old, new, 1))
-            return name
-    raise AssertionError("bytes not found")
-
-
-def _cli_run(rank, argv):
-    """main() in this (initialised) process: ``(exit code, stderr)``."""
-    import contextlib
-    import io
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        return _cli_main(argv), err.getvalue()
-
-
-def _to_hf(load, save, *extra):
-    return ["--direction", "megatron-to-hf", "--load", str(load), "--save", str(save), *extra]
-
-
-def test_megatron_to_hf_reads_trainer_checkpoints_as_the_trainer_does(tmp_path, capsys):
-    """The converter used to export a flipped exponent (6.2e36), crash on a truncated shard
-    (EOFError) and miss a tracker pointing at a missing iteration. Now it selects, verifies
-    and falls back like --load: CRC-32, finite values, the newest complete iteration."""
-    root = tmp_path / "ckpt"
-    run_distributed(_trainer_checkpoints, 1, str(root), True)
-    (root / "latest_checkpointed_iteration.txt").write_text("7")  # a missing iteration
-    flip = struct.pack("<ff", 2.5, 2.0), struct.pack("<ff", 1e37, 2.0)
-    name = _overwrite_in_iteration(root, 2, *flip)  # same size: only the CRC sees it
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    argv = [sys.executable, CLI, *_to_hf(root, tmp_path / "hf")]
-    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    log = r.stdout + r.stderr
-    assert "the tracked iteration 7" in log and f"{name} fails its CRC-32 check" in log
-    assert "falling back to the newest complete checkpoint" in log and "iter_0000001" in log
-    exported = _load_hf_dir(tmp_path / "hf")["model.embed_tokens.weight"].view(-1)[:2]
-    assert exported.tolist() == [1.5, 1.0]  # iteration 1, not the corrupted 2
-
-    ((pinned, message),) = run_distributed(
-        _cli_run, 1, _to_hf(root, tmp_path / "x", "--ckpt-step", "2")
-    )
-    assert pinned == 2 and "fails its CRC-32 check" in message and "--ckpt-step" in message
-    assert not (tmp_path / "x").exists()
-    for iteration in ("iter_0000001", "iter_0000002"):  # truncated shards: no EOFError
-        with open(root / iteration / name, "r+b") as f:
-            f.truncate(100)
-    capsys.readouterr()
-    assert _cli_main(_to_hf(root, tmp_path / "y")) == 2  # refused before any process group
-    assert "no complete checkpoint" in capsys.readouterr().err and not (tmp_path / "y").exists()
-
-
-def test_megatron_to_hf_refuses_a_non_finite_weight(tmp_path):
-    """Without checksums (sizes only) a NaN is still refused by the finite-value check."""
-    root = tmp_path / "ckpt"
-    run_distributed(_trainer_checkpoints, 1, str(root), False)
-    _overwrite_in_iteration(
-        root, 2, struct.pack("<ff", 2.5, 2.0), struct.pack("<ff", math.nan, 2.0)
-    )
-    ((code, message),) = run_distributed(_cli_run, 1, _to_hf(root, tmp_path / "hf"))
-    assert code == 2 and "non-finite values" in message and EMBEDDING in message
-
-
 def test_hf_to_megatron_refuses_a_truncated_safetensors_file(hf_models, tmp_path, capsys):
     """It used to end in a raw SafetensorError; now exit 2 naming the file, before any
     process group."""
@@ -540,7 +421,7 @@ def test_hf_to_megatron_refuses_a_truncated_safetensors_file(hf_models, tmp_path
         f.truncate(weights.stat().st_size // 2)
     capsys.readouterr()
     argv = ["--direction", "hf-to-megatron", "--load", str(src), "--save", str(tmp_path / "mg")]
-    assert _cli_main(argv) == 2
+    assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert f"{weights}: not a readable safetensors file" in err, err
     assert not (tmp_path / "mg").exists()
