@@ -75,8 +75,6 @@ class StartPlan:
     """``fresh`` | ``resume`` | ``weights`` | ``converted``."""
     checkpoint: CheckpointRef | None = None
     """The checkpoint to load (``resume`` / ``weights``; ``converted``: its ``release``)."""
-    converted_dir: str | None = None
-    """The converted model's directory (``converted``)."""
     notes: list[str] = field(default_factory=list)
     """Warnings and changed flags, printed once by rank 0."""
     seen: dict[str, tuple] = field(default_factory=dict)
@@ -90,8 +88,6 @@ class StartPlan:
     @property
     def model_args_dir(self) -> str | None:
         """Where the architecture file of the model to load lives."""
-        if self.mode == "converted":
-            return self.converted_dir
         return self.checkpoint.root if self.checkpoint is not None else None
 
 
@@ -158,7 +154,7 @@ def _plan_start(cfg, explicit: set[str]) -> StartPlan:
     except FileNotFoundError as e:
         raise ConfigError(f"--load {load!r}: {e}") from None
     if converted:
-        plan = StartPlan("converted", checkpoint=ref, converted_dir=load)
+        plan = StartPlan("converted", checkpoint=ref)
     else:
         plan = StartPlan("weights" if ck.no_load_optim else "resume", checkpoint=ref)
     plan.notes += [f"--load: {w}" for w in ref.warnings]
