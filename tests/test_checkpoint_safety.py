@@ -288,3 +288,22 @@ def test_a_full_disk_refuses_the_save_in_one_line_and_frees_the_partial_director
     assert "\n" not in message and "No space left on device" in message, message
     assert "iter_0000002.tmp" in message and "the previous checkpoint stays the latest" in message
     assert listing == ["iter_0000001", TRACKER] and latest_iteration(root) == 1
+
+
+def test_the_uninitialised_padding_of_dense_adam_buckets_is_not_checked():
+    """Megatron's dp_reshardable state fills gaps between parameters with torch.empty
+    tensors marked padding: their bytes may be a NaN, which used to refuse the save (or the
+    load) of a healthy dense-Adam run at random. Real state is still checked."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    from loggra_megatron.checkpointing.integrity import nonfinite_tensors
+
+    nan = torch.full((3,), math.nan)
+    bucket = [
+        {"exp_avg": torch.zeros(4), "padding": LocalNonpersistentObject(False)},
+        {"exp_avg": nan, "padding": LocalNonpersistentObject(True)},  # as saved
+        {"exp_avg": nan.clone(), "padding": True},  # as loaded
+    ]
+    assert nonfinite_tensors({"bucket": bucket}) == []
+    bucket[0]["exp_avg"][1] = math.inf
+    assert nonfinite_tensors({"bucket": bucket}) == ["bucket.0.exp_avg"]

@@ -104,9 +104,19 @@ def verified_checkpoint(ref: CheckpointRef) -> CheckpointRef:
         ref = older
 
 
+def _padding(state: dict) -> bool:
+    """Megatron's ``dp_reshardable`` optimizer state fills the gaps between parameters in a
+    bucket with ``torch.empty`` tensors, marked ``{"padding": True, ...}`` (wrapped in a
+    ``LocalNonpersistentObject`` on save): uninitialised memory, not state."""
+    flag = state.get("padding")
+    return getattr(flag, "obj", flag) is True
+
+
 def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every tensor in a nested dict/list: a sharded tensor by its
-    checkpoint key, a loaded one by its path in the state dict."""
+    """``(name, tensor)`` of every tensor in a nested dict/list (padding entries left out):
+    a sharded tensor by its checkpoint key, a loaded one by its path in the state dict."""
+    if isinstance(state, dict) and _padding(state):
+        return []
     if isinstance(state, dict | list):
         items = state.items() if isinstance(state, dict) else enumerate(state)
         return [t for k, v in items for t in _tensors(v, f"{path}.{k}" if path else str(k))]
@@ -118,9 +128,11 @@ def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:
 
 def nonfinite_tensors(state) -> list[str]:
     """Keys of the floating-point tensors in ``state`` (a nested dict/list of sharded or
-    plain tensors) that hold a NaN or an infinity, on this rank. Step counters are not
-    checked: torch AdamW's per-param ``step`` inside Megatron's ``dp_reshardable`` buckets is
-    a placeholder on a DP-resharded load (the step is restored from the param groups)."""
+    plain tensors) that hold a NaN or an infinity, on this rank. Step counters and the
+    padding of Megatron's ``dp_reshardable`` buckets are not checked: torch AdamW's per-param
+    ``step`` there is a placeholder on a DP-resharded load (the step is restored from the
+    param groups), and the padding is uninitialised memory (a NaN bit pattern in it used to
+    refuse a dense-Adam save at random)."""
     bad = []
     for key, t in _tensors(state):
         if key.endswith(".step"):
