@@ -46,3 +46,19 @@ def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def refused(argv, capsys, *needles) -> str:
+    """``parse_args(argv)`` at world size 2 exits 2 with every needle in its message; the
+    message."""
+    import pytest
+
+    from loggra_megatron.arguments import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err

@@ -8,7 +8,7 @@ import re
 import zlib
 
 import pytest
-from rl_runs import tiny_argv
+from rl_runs import refused, tiny_argv
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.checkpointing.layout import (
@@ -34,15 +34,6 @@ def _write_checkpoint(root, iteration, files=None, manifest=True, name=None):
     if manifest:
         (path / MANIFEST).write_text(json.dumps({"format": 1, "files": table}))
     return path
-
-
-def _refused(argv, capsys, *needles):
-    with pytest.raises(SystemExit) as e:
-        parse_args(argv, world_size=2)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    for needle in needles:
-        assert needle in err, (needle, err)
 
 
 @pytest.mark.parametrize(
@@ -118,8 +109,8 @@ def test_a_converted_model_is_never_replaced_by_a_run(tokenizer, tmp_path, capsy
     converted = tmp_path / "converted"
     _converted_model(converted, tokenizer)
     argv = tiny_argv(tokenizer, load=converted, save=converted)
-    _refused(argv, capsys, "--save", "holds a converted model", "give --save another directory")
-    _refused(tiny_argv(tokenizer, save=converted), capsys, "holds a converted model")
+    refused(argv, capsys, "--save", "holds a converted model", "give --save another directory")
+    refused(tiny_argv(tokenizer, save=converted), capsys, "holds a converted model")
     cfg = parse_args(tiny_argv(tokenizer, load=converted, save=tmp_path / "run"))
     assert cfg.start.mode == "converted"
     assert (converted / TRACKER).read_text() == "release\n"
@@ -129,18 +120,18 @@ def test_an_unwritable_save_is_refused_before_training(tokenizer, tmp_path, caps
     """Found at parse time (exit 2), not at the first save after training ran."""
     afile = tmp_path / "afile"
     afile.write_text("x")
-    _refused(tiny_argv(tokenizer, save=afile), capsys, "--save", "is a file, not a directory")
-    _refused(
+    refused(tiny_argv(tokenizer, save=afile), capsys, "--save", "is a file, not a directory")
+    refused(
         tiny_argv(tokenizer, save=afile / "sub"), capsys, "--save", f"is under the file {afile}"
     )
-    _refused(tiny_argv(tokenizer, **{"output-dir": afile}), capsys, "--output-dir", "is a file")
+    refused(tiny_argv(tokenizer, **{"output-dir": afile}), capsys, "--output-dir", "is a file")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_save_is_refused_before_training(tokenizer, tmp_path, capsys):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o555)
-    _refused(tiny_argv(tokenizer, save=ro / "ckpt"), capsys, "--save", "is not writable")
+    refused(tiny_argv(tokenizer, save=ro / "ckpt"), capsys, "--save", "is not writable")
 
 
 @pytest.mark.parametrize("text", ["abc", "release", "-1"])
@@ -150,9 +141,9 @@ def test_a_tracker_without_an_iteration_is_reported_as_it_is(tokenizer, tmp_path
     root.mkdir()
     (root / TRACKER).write_text(text)
     if text == "release":  # a converted model without its files
-        _refused(tiny_argv(tokenizer, load=root), capsys, "release is missing")
+        refused(tiny_argv(tokenizer, load=root), capsys, "release is missing")
         return
-    _refused(tiny_argv(tokenizer, load=root), capsys, f"holds {text!r}, not an iteration number")
+    refused(tiny_argv(tokenizer, load=root), capsys, f"holds {text!r}, not an iteration number")
     _write_checkpoint(root, 3)
     ref = select_checkpoint(str(root))
     assert ref.iteration == 3 and f"holds {text!r}, not an iteration number" in ref.warnings[0]

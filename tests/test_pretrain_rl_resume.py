@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
+from rl_runs import ENV, REWARD, ROOT, refused, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.metrics import read_metrics
@@ -28,40 +28,31 @@ def saved(tokenizer, tmp_path_factory):
     return ckpt
 
 
-def _refused(argv, capsys, *needles):
-    with pytest.raises(SystemExit) as e:
-        parse_args(argv, world_size=2)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-
-
 # ---------------------------------------------------------------- parse time
 def test_a_fresh_run_never_overwrites_another_run(tokenizer, saved, tmp_path, capsys):
-    _refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
+    refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
              "--save", "already holds a checkpoint", f"--load {saved}")  # fmt: skip
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    _refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
-    _refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
+    refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
+    refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
              "--no-load-optim starts a new run")  # fmt: skip
 
 
 def test_load_equal_to_save_starts_fresh_until_there_is_a_checkpoint(tokenizer, tmp_path, capsys):
     new = tmp_path / "auto"
     assert parse_args(tiny_argv(tokenizer, load=new, save=new)).start.mode == "fresh"
-    _refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
+    refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _refused(tiny_argv(tokenizer, load=empty), capsys,
+    refused(tiny_argv(tokenizer, load=empty), capsys,
              "neither a pretrain_rl.py checkpoint", "nor a converted model")  # fmt: skip
 
 
 def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsys):
     base = {**COSINE, "load": saved, "save": saved}
-    _refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
+    refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
              "--hidden-size 128 (checkpoint: 64)", "--num-layers 3 (checkpoint: 2)")  # fmt: skip
     for change, needle in (
         ({"bf16": False}, "--bf16: the checkpoint was saved with --bf16 True"),
@@ -70,7 +61,7 @@ def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsy
         ({"loggra-rank": 4}, "--loggra-rank: the checkpoint was saved with --loggra-rank 8"),
         ({"tensor-model-parallel-size": 2}, "--tensor-model-parallel-size"),
     ):
-        _refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
+        refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
     cfg = parse_args(tiny_argv(tokenizer, **{**base, "train-iters": 8, "kl-target": 0.05}),
                      world_size=2)  # fmt: skip
     assert cfg.start.mode == "resume" and cfg.start.checkpoint.iteration == 4
@@ -236,7 +227,7 @@ def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6
 
 
-def test_a_second_live_run_in_the_same_directory_is_refused(tokenizer, tmp_path, capsys):
+def test_a_second_live_run_in_the_same_directory_isrefused(tokenizer, tmp_path, capsys):
     """The same auto-resume command twice (a scheduler's requeue race): the second exits 2
     naming the first, which finishes with every metrics line (both used to run, one logging
     into an unlinked file). The first also starts fresh over the interrupted save a killed
@@ -268,7 +259,7 @@ def test_a_second_live_run_in_the_same_directory_is_refused(tokenizer, tmp_path,
     assert [r["step"] for r in read_metrics(save)] == list(range(1, steps + 1))
 
 
-def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_is_refused(
+def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused(
     tokenizer, tmp_path
 ):
     """kill -9 of the holder frees the lock (the kernel drops it); a directory another run
