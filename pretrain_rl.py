@@ -11,13 +11,18 @@ import os
 import sys
 
 from loggra_megatron.arguments import parse_args
+from loggra_megatron.checkpointing.run_lock import claim_run_directories
 from loggra_megatron.config import ConfigError
 from loggra_megatron.preflight import preflight
 from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _fail(message: str, status: int) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         print(f"pretrain_rl.py: error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
@@ -26,12 +31,16 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)  # exit 2 on a bad flag
     try:
         host = preflight(cfg)  # tokenizer, reward, data, resume checks: still no process group
+        # rank 0 holds the run lock of --save and the output directory until the run ends
+        locks = claim_run_directories(cfg, host.notes) if _rank() == 0 else []
     except ConfigError as e:
         _fail(str(e), 2)
     try:
         RLTrainer(cfg, host).setup().train()
     except TrainingStopped as e:  # raised on every rank alike; checkpoints untouched
         _fail(str(e), 1)
+    for lock in locks:
+        lock.release()
 
 
 if __name__ == "__main__":

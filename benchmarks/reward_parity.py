@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16"]
+LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16", "--loggra-min-dim", "32"]
 CONFIGS = {
     "dense Adam": ["--optimizer", "adam"],
     "LoGRA": LOGRA,
@@ -52,8 +52,7 @@ COMMON = [
     "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
     "--bf16", "--prompts-per-step", "16",
     "--num-generations", "8", "--max-new-tokens", "16", "--global-batch-size", "64",
-    "--micro-batch-size", "32", "--lr", "1e-4", "--lr-warmup-iters", "5", "--loggra-min-dim", "32",
-    "--kl-coef", "0.01",
+    "--micro-batch-size", "32", "--lr", "1e-4", "--lr-warmup-iters", "5", "--kl-coef", "0.01",
 ]  # fmt: skip
 
 

@@ -15,8 +15,10 @@ settings dataclass each component owns.
 | checkpoint | :class:`~loggra_megatron.checkpointing.config.CheckpointConfig` | checkpoints |
 | logging | :class:`~loggra_megatron.metrics.LoggingConfig` | metrics |
 
-Each section checks its own fields; :func:`validate` keeps only the rules that span
-sections. ``--config FILE.yaml`` supplies defaults whose keys are the flag names, and flags
+Each section checks its own fields; a field that applies only under a condition on other
+settings declares it, and one given while its condition fails is refused
+(:func:`~loggra_megatron.config.settings_that_do_not_apply`); :func:`validate` keeps only
+the rules that span sections. ``--config FILE.yaml`` supplies defaults whose keys are the flag names, and flags
 given on the command line override them. Everything runs before any process group, file or
 device is touched: an invalid setting exits with status 2 and a message naming the flag.
 """
@@ -33,7 +35,12 @@ import torch
 
 from loggra_megatron.checkpointing.config import CheckpointConfig
 from loggra_megatron.checkpointing.resume import StartPlan, check_resume, plan_start
-from loggra_megatron.config import ConfigError, add_flags, read_config_file
+from loggra_megatron.config import (
+    ConfigError,
+    add_flags,
+    read_config_file,
+    settings_that_do_not_apply,
+)
 from loggra_megatron.data.config import DataConfig
 from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ModelConfig
@@ -133,6 +140,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RunConfig(**sections, world_size=world_size)
+    for problem in settings_that_do_not_apply(SECTIONS.values(), cfg.flags(), explicit):
+        parser.error(problem)
     try:
         cfg.start = plan_start(cfg, explicit)
         cfg.loggra.loggra_rank = cfg.loggra.rank_for(cfg.model.hidden_size)
@@ -176,25 +185,28 @@ def _cross_section_problems(cfg: RunConfig):
     if m.num_layers % pp:
         yield (f"--num-layers: {m.num_layers} layers cannot be split over "
                f"--pipeline-model-parallel-size {pp}")  # fmt: skip
+    elif m.recompute_num_layers and m.recompute_num_layers > m.num_layers // pp:
+        yield (
+            f"--recompute-num-layers: {m.recompute_num_layers} is more than the "
+            f"{m.num_layers // pp} layers of a pipeline stage (--num-layers / "
+            "--pipeline-model-parallel-size); use at most that"
+        )
     if m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()):
         yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
     if p.device == "cuda" and not torch.cuda.is_available():
         yield "--device: cuda was asked for but no CUDA device is visible; use --device cpu"
-    if m.transformer_impl == "transformer_engine" and importlib.util.find_spec(
-        "transformer_engine"
-    ) is None:
-        yield ("--transformer-impl: transformer_engine is not installed (pip install "
-               "'loggra-megatron[gpu]'); use local or auto")
-    if opt.overlap_param_gather and not opt.use_distributed_optimizer:
-        yield "--overlap-param-gather: needs the distributed optimizer (--use-distributed-optimizer)"
+    if (
+        m.transformer_impl == "transformer_engine"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        yield (
+            "--transformer-impl: transformer_engine is not installed (pip install "
+            "'loggra-megatron[gpu]'); use local or auto"
+        )
     if opt.min_lr > opt.lr:
         yield f"--min-lr: {opt.min_lr} is above --lr {opt.lr}"
-    if opt.grad_reduce_in_bf16 and not m.bf16:
-        yield "--grad-reduce-in-bf16: bf16 gradients need --bf16 parameters"
-    if lg.loggra_param_remainders:
-        if not OPTIMIZERS[opt.optimizer].sketched:
-            yield "--loggra-param-remainders: applies to --optimizer loggra"
-        elif not (m.bf16 and opt.use_distributed_optimizer):
+    if lg.loggra_param_remainders:  # (--optimizer loggra: settings_that_do_not_apply)
+        if not (m.bf16 and opt.use_distributed_optimizer):
             yield ("--loggra-param-remainders: keeps the fp32 masters of bf16 weights in the "
                    "distributed optimizer; needs --bf16 and --use-distributed-optimizer")  # fmt: skip
         elif lg.loggra_fp32_grad_copy:
@@ -216,8 +228,10 @@ def _cross_section_problems(cfg: RunConfig):
     if cfg.rollout.max_new_tokens >= m.seq_length:
         yield f"--max-new-tokens: must be below --seq-length {m.seq_length} (prompt + response)"
     if cfg.kl_control.enabled and not m.bf16:
-        yield ("--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
-               "16-bit weights while the fp32 master weights keep the current ones)")
+        yield (
+            "--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
+            "16-bit weights while the fp32 master weights keep the current ones)"
+        )
     yield from _gpu_only_problems(cfg, tp)
 
 

@@ -1,11 +1,15 @@
 """Settings dataclasses: their checks, and the command line generated from them.
 
 Each component owns one settings dataclass (a docstring per field). It validates its own
-fields in ``__post_init__`` with :func:`check_fields` (every ``float`` finite, then the given
-rules) and raises :class:`ConfigError`, whose message names the flag (``--field-name``),
-the value and the fix; ``pretrain_rl.py`` turns it into exit status 2 before any process
-group or file is touched. :func:`add_flags` turns the fields into Megatron-LM-style flags
-(help text from the field docstrings, ``--x`` / ``--no-x`` for booleans), and
+fields in ``__post_init__`` with :func:`check_fields` (every ``float`` finite and within
+float32's range, then the given rules) and raises :class:`ConfigError`, whose message names
+the flag (``--field-name``), the value and the fix; ``pretrain_rl.py`` turns it into exit
+status 2 before any process group or file is touched. A field that does something only
+under a condition on other settings declares it (:func:`applies`: ``--kl-coef-target``
+applies with ``--kl-coef`` > 0); :func:`settings_that_do_not_apply` refuses such a field
+given with a value of its own while its condition fails, for every declared field alike.
+:func:`add_flags` turns the fields into Megatron-LM-style flags (help text from the field
+docstrings, ``--x`` / ``--no-x`` for booleans), and
 :func:`read_config_file` reads a YAML file of flag defaults with the same types.
 """
 
@@ -42,6 +46,11 @@ def reject(field: str, value: Any, why: str) -> None:
     raise error
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Settings are applied in float32 (learning rates, coefficients, the RoPE base...)."""
+SEED_LIMIT = 2**63
+"""Seeds are stored as int64 (checkpoints, LoGRA's per-weight seeds)."""
+
 Rule = tuple[str, Callable[[Any], bool], str]
 """``(field, predicate of its value, what it must be)``; a None value is not checked."""
 
@@ -58,18 +67,53 @@ def one_of(*choices) -> Callable[[Any], bool]:
     return lambda v: v in choices
 
 
+def valid_seed(v) -> bool:
+    return 0 <= v < SEED_LIMIT
+
+
 def check_fields(settings, rules: Iterable[Rule] = (), owner: type | None = None) -> None:
-    """Every float field is finite (NaN and ±inf are never meaningful), then each rule.
-    ``owner``: check only the fields that dataclass declares (for a subclass that mixes
-    several settings classes)."""
+    """Every float field is finite (NaN and ±inf are never meaningful) and within float32's
+    range, then each rule. ``owner``: check only the fields that dataclass declares (for a
+    subclass that mixes several settings classes)."""
     for f in dataclasses.fields(owner or settings):
         value = getattr(settings, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            reject(f.name, value, "must be a finite number")
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            reject(f.name, value, "must be a finite number of float32's range (|x| <= 3.4e38)")
     for field, ok, must in rules:
         value = getattr(settings, field)
         if value is not None and not ok(value):
             reject(field, value, f"must be {must}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliesWhen:
+    """Field metadata of a setting that does something only when ``holds(settings)`` is
+    true (``settings``: every setting by field name); ``when`` says so in words, after
+    "applies" (``"with --kl-target"``, ``"to --task math"``)."""
+
+    when: str
+    holds: Callable[[dict], bool]
+
+
+def applies(default: Any, when: str, holds: Callable[[dict], bool]) -> Any:
+    """A settings field with ``default`` that applies only when ``holds`` (see
+    :class:`AppliesWhen`)."""
+    return dataclasses.field(default=default, metadata={"applies": AppliesWhen(when, holds)})
+
+
+def settings_that_do_not_apply(sections: Iterable[type], settings: dict, given: set[str]):
+    """``--flag=value: ...`` for every field of ``sections`` that was ``given`` with a value
+    other than its default while the condition it declares (:func:`applies`) fails."""
+    for cls in sections:
+        for f in dataclasses.fields(cls):
+            rule = f.metadata.get("applies")
+            value = settings[f.name]
+            if rule is None or f.name not in given or value == f.default or rule.holds(settings):
+                continue
+            yield (
+                f"{flag(f.name)}={value!r}: applies {rule.when} only (here it would do nothing); "
+                "drop it"
+            )
 
 
 # ---------------------------------------------------------------------- the command line
@@ -116,8 +160,11 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict)
 
     if not os.path.isfile(path):
         parser.error(f"--config: no such file {path!r}")
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path, "rb") as f:
+            values = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        parser.error(f"--config: {path!r} is not valid YAML ({' '.join(str(e).split())})")
     if not isinstance(values, dict):
         parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
     kinds = {
@@ -137,7 +184,9 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict)
             try:  # as argparse converts a flag's text (YAML reads 1e-5 as a string)
                 value = kind(value) if kind is not bool else _yaml_bool(value)
             except (TypeError, ValueError):
-                parser.error(f"--config: {key!r} in {path!r} must be {kind.__name__}, got {value!r}")
+                parser.error(
+                    f"--config: {key!r} in {path!r} must be {kind.__name__}, got {value!r}"
+                )
         out[name] = value
     return out
 

@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from loggra_megatron.config import applies
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,10 +60,13 @@ class LoggingConfig:
     """Where metrics.jsonl goes (default: --save, else ./outputs/rl)."""
     wandb_project: str | None = None
     """Weights & Biases project (offline when there is no API key)."""
-    wandb_run_name: str | None = None
+    wandb_run_name: str | None = applies(
+        None, "with --wandb-project", lambda s: s["wandb_project"] is not None
+    )
     """Weights & Biases run name."""
     tensorboard_dir: str | None = None
     """TensorBoard event directory."""
+
 
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20
@@ -109,7 +114,8 @@ METRIC_KEYS: dict[str, str] = {
     "time/kl_control_s": "wall time of predicted-KL control, summed over the step's updates, seconds",
     "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "
     "second of step time",
-    "lr": "learning rate of the step (before the η scaling)",
+    "lr": "learning rate the step's optimizer updates used (their mean; before the η "
+    "scaling, and before the schedule advanced for the next step)",
     "response/length_mean": "mean response length in tokens",
     "data/dropped_prompts": "prompts removed from the dataset at start-up because they leave "
     "no room for --max-new-tokens within --seq-length",

@@ -5,14 +5,18 @@
 
 * the tokenizer (``--tokenizer-type``, ``--tokenizer-model``), checked against the vocabulary
   of the model in ``--load``, and how prompts are rendered (its chat template or the task's
-  plain template);
+  plain template; ``--system-prompt`` needs the chat template);
 * the task (``--task``) and its scoring: the task's reward and verdict, or ``--reward-fn``
-  (the user's module is imported here);
+  (the user's module is imported here); without ``--reward-fn`` every reference answer
+  must be one the task's scoring can read;
 * the prompt dataset (``--data-path`` or a task generator) and the held-out one
-  (``--eval-data-path``). Prompts whose tokens leave no room for ``--max-new-tokens`` within
-  ``--seq-length`` are dropped here, counted (``data/dropped_prompts``) and reported, so that
-  no sequence ever exceeds the budget;
-* on resume, that the dataset is the one the checkpoint's data position belongs to.
+  (``--eval-data-path``). Every prompt is rendered here: a chat template that fails on one,
+  or renders it as nothing, is reported with the prompt's ``file:line``. Prompts whose
+  tokens leave no room for ``--max-new-tokens`` within ``--seq-length`` are dropped here,
+  counted (``data/dropped_prompts``) and reported, so that no sequence ever exceeds the
+  budget;
+* on resume, that the dataset is the one the checkpoint's data position belongs to (its
+  size, seed and a fingerprint of its contents).
 """
 
 from __future__ import annotations
@@ -71,7 +75,13 @@ def preflight(cfg) -> Preflight:
     chat = tokenizer.has_chat_template if d.apply_chat_template is None else d.apply_chat_template
     if chat and not tokenizer.has_chat_template:
         raise ConfigError(f"--apply-chat-template: {d.tokenizer_model!r} has no chat template")
+    if d.system_prompt is not None and not chat:
+        raise ConfigError(
+            "--system-prompt: applies with a chat template only (--tokenizer-model "
+            f"{d.tokenizer_model!r} has none, or --no-apply-chat-template); drop it"
+        )
     renderer = PromptRenderer(tokenizer, task, chat, d.system_prompt)
+    scoring = _scoring(cfg, task)
     notes = list(cfg.start.notes)
     version_note = untested_version_note()
     if version_note is not None:
@@ -81,8 +91,7 @@ def preflight(cfg) -> Preflight:
     if d.eval_data_path is not None:
         eval_dataset, _ = _prompts(cfg, renderer, d.eval_data_path, notes, "eval data")
     _check_data_position(cfg, dataset)
-    return Preflight(tokenizer, task, renderer, _scoring(cfg, task), dataset, dropped,
-                     eval_dataset, notes)  # fmt: skip
+    return Preflight(tokenizer, task, renderer, scoring, dataset, dropped, eval_dataset, notes)
 
 
 def _tokenizer(cfg):
@@ -117,8 +126,9 @@ def _prompts(cfg, renderer, spec, notes: list[str], what: str):
     flag = "--eval-data-path" if what == "eval data" else "--data-path"
     try:
         dataset = (
-            PromptDataset.from_files(spec, seed=seed, prompt_key=d.prompt_key,
-                                     answer_key=d.answer_key)  # fmt: skip
+            PromptDataset.from_files(
+                spec, seed=seed, prompt_key=d.prompt_key, answer_key=d.answer_key
+            )
             if spec is not None
             else PromptDataset.builtin(d.task, d.num_tasks, seed, **d.task_knobs)
         )
@@ -127,17 +137,14 @@ def _prompts(cfg, renderer, spec, notes: list[str], what: str):
     if not renderer.chat and any(not isinstance(e["prompt"], str) for e in dataset.examples):
         raise ConfigError(f"{flag}: chat-message prompts need --apply-chat-template (a tokenizer "
                           "with a chat template)")  # fmt: skip
+    flag = flag if spec else "--task"
+    if d.reward_fn is None:
+        _check_answers(renderer.task, dataset, flag)
+    lengths = [_prompt_length(renderer, dataset, i, flag) for i in range(len(dataset))]
     budget = cfg.model.seq_length - cfg.rollout.max_new_tokens
-    longest = 0
-
-    def fits(example) -> bool:
-        nonlocal longest
-        n = len(renderer.ids(example["prompt"]))
-        longest = max(longest, n)
-        return n <= budget
-
+    longest = max(lengths)
     try:
-        dataset, dropped = dataset.filtered(fits)
+        dataset, dropped = dataset.filtered(lambda i: lengths[i] <= budget)
     except DatasetFormatError:
         raise ConfigError(
             f"--seq-length: every prompt is longer than --seq-length {cfg.model.seq_length} − "
@@ -150,6 +157,34 @@ def _prompts(cfg, renderer, spec, notes: list[str], what: str):
             f"{cfg.rollout.max_new_tokens}; the longest has {longest})"
         )
     return dataset, len(dropped)
+
+
+def _check_answers(task, dataset, flag: str) -> None:
+    """Every reference answer is one the task's scoring can read (else every completion of
+    that prompt would score alike, found only after the warm-up)."""
+    for i, example in enumerate(dataset.examples):
+        problem = task.answer_problem(example["answer"])
+        if problem is not None:
+            raise ConfigError(
+                f"{flag}: {dataset.locations[i]}: answer {example['answer']!r} {problem}"
+            )
+
+
+def _prompt_length(renderer, dataset, i: int, flag: str) -> int:
+    """Tokens of prompt ``i`` as the policy sees it; a chat template that fails on it (or
+    renders it as nothing) is reported with the prompt's location."""
+    where = f"{flag}: {dataset.locations[i]}"
+    try:
+        n = len(renderer.ids(dataset[i]["prompt"]))
+    except Exception as e:  # a chat template is user code: jinja2, ValueError, ...
+        hint = " (with --system-prompt: does the template take a system turn?)"
+        raise ConfigError(
+            f"{where}: rendering the prompt failed ({type(e).__name__}: {e})"
+            f"{hint if renderer.system_prompt else ''}"
+        ) from None
+    if n == 0:
+        raise ConfigError(f"{where}: the prompt renders as no tokens (an empty chat template?)")
+    return n
 
 
 def _check_vocab(cfg, tokenizer) -> None:
@@ -171,11 +206,10 @@ def _check_data_position(cfg, dataset) -> None:
     saved = cfg.start.checkpoint.run_config() if cfg.start.resumes else None
     if saved is None or "data" not in saved:
         return
-    state = saved["data"]
-    if state["num_examples"] != len(dataset) or state["seed"] != dataset.seed:
+    problem = dataset.state_problem(saved["data"])
+    if problem is not None:
         raise ConfigError(
-            f"--load: the checkpoint's data position is for {state['num_examples']} prompts "
-            f"(seed {state['seed']}), this run has {len(dataset)} (seed {dataset.seed}); resume "
-            "with the same --data-path/--task/--num-tasks, --seq-length and --max-new-tokens, "
-            "or load the weights only with --no-load-optim"
+            f"--load: the checkpoint's data position does not fit this run's prompts: "
+            f"{problem}; resume with the same --data-path/--task/--num-tasks, --seq-length and "
+            "--max-new-tokens, or load the weights only with --no-load-optim"
         )

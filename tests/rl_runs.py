@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from loggra_megatron.optim.registry import OPTIMIZERS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = os.path.join(ROOT, "tests", "reward_fns.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
@@ -11,7 +13,8 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
 
 def tiny_argv(tokenizer, **overrides) -> list[str]:
     """Flags of a tiny run; ``overrides`` by flag name (None/False drops a flag, True sets a
-    switch)."""
+    switch). With a dense ``optimizer`` (adam) LoGRA's flags are left out (they would not
+    apply)."""
     flags = {
         "tokenizer-model": tokenizer, "num-layers": 2, "hidden-size": 64,
         "num-attention-heads": 4, "seq-length": 64, "max-new-tokens": 12,
@@ -19,6 +22,9 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
         "micro-batch-size": 2, "train-iters": 2, "lr": 3e-3, "loggra-rank": 8,
         "loggra-min-dim": 16, "reward-fn": f"{REWARD}:digit_count", "seed": 7,
     }  # fmt: skip
+    spec = OPTIMIZERS.get(overrides.get("optimizer", "loggra"))
+    if spec is not None and not spec.sketched:
+        del flags["loggra-rank"], flags["loggra-min-dim"]
     flags.update(overrides)
     argv = []
     for key, value in flags.items():
@@ -40,3 +46,19 @@ def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def refused(argv, capsys, *needles) -> str:
+    """``parse_args(argv)`` at world size 2 exits 2 with every needle in its message; the
+    message."""
+    import pytest
+
+    from loggra_megatron.arguments import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, world_size=2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err

@@ -94,3 +94,19 @@ def test_bench_rollout_smoke(tmp_path):
     old, new = results["old"], results["new 1/2"]
     assert old["max_tokens"] is None and old["rows_per_chunk"] == 4
     assert new["rows_per_chunk"] == 2 and new["kv_bytes"] <= old["kv_bytes"] / 2
+
+
+def test_reward_parity_configurations_pass_validation(tokenizer):
+    """Every arm of benchmarks/reward_parity.py is a valid pretrain_rl.py command (dense
+    Adam with a LoGRA flag would now be refused: a flag that does nothing)."""
+    from loggra_megatron.arguments import parse_args
+
+    spec = importlib.util.spec_from_file_location(
+        "reward_parity", os.path.join(ROOT, "benchmarks", "reward_parity.py")
+    )
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    for name, flags in parity.CONFIGS.items():
+        argv = ["--tokenizer-model", tokenizer, *parity.COMMON, *flags]
+        cfg = parse_args([a.format(kl_target=1e-4) for a in argv], world_size=2)
+        assert cfg.optimizer.optimizer in ("adam", "loggra"), name

@@ -1,6 +1,8 @@
 """Checkpoint safety: refused saves and loads, every crash point of a re-save, fallback to the
-newest complete iteration, and corruption caught by the manifest."""
+newest complete iteration, corruption caught by the manifest (and the fallback it causes),
+and a full disk."""
 
+import errno
 import json
 import math
 import os
@@ -111,8 +113,16 @@ def _resave_with_crash(rank, root, crash_at):
     ref = select_checkpoint(root)
     ddp2, opt2 = _build()
     common = load_checkpoint(ref, [ddp2], opt2)
-    return {"a": a, "b": b, "loaded": _params(ddp2), "version": common["version"],
-            "crashed": crashed, "calls": calls[0], "warnings": ref.warnings, "path": ref.path}
+    return {
+        "a": a,
+        "b": b,
+        "loaded": _params(ddp2),
+        "version": common["version"],
+        "crashed": crashed,
+        "calls": calls[0],
+        "warnings": ref.warnings,
+        "path": ref.path,
+    }
 
 
 def test_every_crash_point_of_a_resave_leaves_a_loadable_complete_checkpoint(tmp_path):
@@ -203,3 +213,82 @@ def test_a_nonfinite_tensor_is_refused_after_loading(tmp_path):
     assert all("crc32" not in e for e in manifest["files"].values())
     match = r"refusing to load .*non-finite values .* in .*output_layer"
     assert run_distributed(_load_refused, 1, root, match) == [True]
+
+
+def _two_iterations_newest_corrupted(rank, root):
+    """Iterations 1 (weights A) and 2 (B); then a flipped exponent in iteration 2's file."""
+    from loggra_megatron.checkpointing import save_checkpoint
+
+    ddp, opt = _build()
+    for iteration, value in ((1, 1.0), (2, 2.0)):
+        _set_output(ddp, value)
+        _fresh_optimizer_state(opt)
+        save_checkpoint(root, iteration, [ddp], opt, common={"iteration": iteration})
+    path = checkpoint_dir(root, 2)
+    needle = struct.pack("<ff", 2.5, 2.0)
+    for name in sorted(os.listdir(path)):
+        data = Path(path, name).read_bytes()
+        if name.endswith(".distcp") and needle in data:
+            i = data.index(needle)
+            Path(path, name).write_bytes(data[:i] + struct.pack("<f", 1e37) + data[i + 4 :])
+            return name
+    raise AssertionError("weight bytes not found")
+
+
+def _load_with_fallback(rank, root):
+    from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
+    from loggra_megatron.checkpointing.integrity import verified_checkpoint
+
+    ddp, opt = _build()
+    ref = verified_checkpoint(select_checkpoint(root))
+    common = load_checkpoint(root, [ddp], opt)  # the same, inside load_checkpoint
+    output = dict(ddp.module.named_parameters())[OUTPUT].detach().view(-1)[0].item()
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check.*--ckpt-step"):
+        load_checkpoint(root, [ddp], opt, iteration=2)  # asked for by number: no fallback
+    return ref.iteration, ref.warnings, common["iteration"], output
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """The CRC check fails on the tracked iteration: the load falls back to the newest older
+    complete checkpoint with a warning (it used to refuse and ask for --ckpt-step)."""
+    root = str(tmp_path / "ckpt")
+    (name,) = run_distributed(_two_iterations_newest_corrupted, 1, root)
+    for iteration, warnings, loaded, output in run_distributed(_load_with_fallback, 2, root):
+        assert iteration == 1 and loaded == 1 and output == 1.5
+        assert f"{name} fails its CRC-32 check" in warnings[0] and "falling back" in warnings[-1]
+
+
+def _save_on_a_full_disk(rank, root):
+    """Iteration 1 saves; iteration 2 runs out of space on rank 1 only (after writing part
+    of a file). Returns the error of this rank and the directory afterwards."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from loggra_megatron.checkpointing import CheckpointError, save_checkpoint
+
+    ddp, opt = _build()
+    save_checkpoint(root, 1, [ddp], opt, common={})
+
+    def full_disk(*args, **kwargs):
+        next(a for a in args if hasattr(a, "write")).write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real = filesystem_async._write_item
+    if rank == 1:
+        filesystem_async._write_item = full_disk  # the forked writer inherits it
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            save_checkpoint(root, 2, [ddp], opt, common={})
+    finally:
+        filesystem_async._write_item = real
+    return str(refused.value), sorted(os.listdir(root))
+
+
+def test_a_full_disk_refuses_the_save_in_one_line_and_frees_the_partial_directory(tmp_path):
+    """It used to end in a raw traceback with iter_N.tmp left holding the space."""
+    root = str(tmp_path / "ckpt")
+    (message, listing), _ = run_distributed(_save_on_a_full_disk, 2, root)
+    # megatron-core 0.19's writer keeps the error's class only ("error: <class 'OSError'>")
+    assert "\n" not in message, message
+    assert "No space left on device" in message or "'OSError'" in message, message
+    assert "iter_0000002.tmp" in message and "the previous checkpoint stays the latest" in message
+    assert listing == ["iter_0000001", TRACKER] and latest_iteration(root) == 1

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from convert_cli import CLI, cli_main, load_hf_dir
+from safetensors.torch import save_file
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.convert.hf_io import HFCheckpointReader
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 transformers = pytest.importorskip("transformers")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = os.path.join(REPO, "tools", "convert_checkpoint.py")
 VOCAB, SEQ, BATCH = 100, 16, 2
 ATOL = 1e-4
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -52,14 +51,6 @@ CASES = {
 }  # fmt: skip
 # bf16 parameters: Megatron and HF round differently, so only a loose check of the logits.
 ATOL_CASE = {"qwen2_bf16": 2e-2}
-
-
-def _load_hf_dir(path):
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +166,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
         assert res["args"] == gpt_args_from_hf(hf_dir)
         if res["inv_freq"] is not None:
             torch.testing.assert_close(res["inv_freq"], ref_inv_freq, rtol=1e-6, atol=0)
-        src = _load_hf_dir(hf_dir)
+        src = load_hf_dir(hf_dir)
         for key in ("logits", "logits_pp", "logits_pp_converted"):
             if key in res:
                 diff = (res[key].float() - ref).abs().max().item()
@@ -184,7 +175,7 @@ def _check(hf_models, results, workdir, tag, suffixes):
                 assert diff <= tol, f"{name} {tag} {key}: max |megatron - hf| = {diff:.3e}"
         for sfx in suffixes:
             out_dir = os.path.join(workdir, f"{name}-{tag}{sfx}")
-            out = _load_hf_dir(out_dir)
+            out = load_hf_dir(out_dir)
             assert sorted(out) == sorted(src), f"{name}{sfx}: tensor names differ"
             for k in src:
                 assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), (
@@ -221,18 +212,8 @@ def test_tp2_then_pp2_logits_match_and_roundtrip_is_bit_exact(hf_models, tmp_pat
     _check(hf_models, results[0], str(tmp_path), "tp2", ["-hf", "-pp2-hf"])
 
 
-def _cli_main(argv):
-    """tools/convert_checkpoint.py's main(), imported by path."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", CLI)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
-
-
 def _cli_worker(rank, argv):
-    return _cli_main(argv)
+    return cli_main(argv)
 
 
 def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
@@ -261,7 +242,7 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     ]
     assert run_distributed(_cli_worker, 1, argv) == [0]
     assert (out / "model.safetensors.index.json").exists()  # sharded: 60 KB < model size
-    src, dst = _load_hf_dir(hf_dir), _load_hf_dir(out)
+    src, dst = load_hf_dir(hf_dir), load_hf_dir(out)
     assert sorted(src) == sorted(dst) and all(torch.equal(src[k], dst[k]) for k in src)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -276,14 +257,14 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     )
     capsys.readouterr()
     assert (
-        _cli_main(
+        cli_main(
             ["--direction", "hf-to-megatron", "--load", str(bad), "--save", str(tmp_path / "x")]
         )
         == 2
     )
     err = capsys.readouterr().err
     assert "unsupported Hugging Face model" in err and "MistralForCausalLM" in err
-    assert _cli_main(["--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)]) == 2
+    assert cli_main(["--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)]) == 2
     assert "not empty" in capsys.readouterr().err
 
 
@@ -303,7 +284,7 @@ def test_cli_refuses_parallel_sizes_the_model_cannot_take(
     monkeypatch.setenv("WORLD_SIZE", str(world))
     load = hf_models["llama_tied"][0]
     argv = ["--direction", "hf-to-megatron", "--load", load, "--save", str(tmp_path / "x")]
-    assert _cli_main([*argv, *parallel]) == 2
+    assert cli_main([*argv, *parallel]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
@@ -347,7 +328,7 @@ def test_refuses_unsupported_configs():
 
 def test_refuses_mismatched_tensor_shape(hf_models, tmp_path):
     hf_dir = hf_models["qwen2_bias"][0]
-    tensors = _load_hf_dir(hf_dir)
+    tensors = load_hf_dir(hf_dir)
     tensors["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(7)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     args = gpt_args_from_hf(hf_dir)
@@ -411,7 +392,9 @@ def _te_extra_state_load(rank, root):
     for layer in te_like.decoder.layers:  # as TE layers: in every layer
         layer.fp8_meta = _ExtraState()
     load_megatron_checkpoint(te_like, root)
-    same = all(torch.equal(a, b) for a, b in zip(local.parameters(), te_like.parameters(), strict=True))
+    same = all(
+        torch.equal(a, b) for a, b in zip(local.parameters(), te_like.parameters(), strict=True)
+    )
     extra = tiny_gpt_model(use_cpu_initialization=True)
     for layer in extra.decoder.layers:
         layer.register_parameter("scale", torch.nn.Parameter(torch.ones(3)))
@@ -426,3 +409,21 @@ def _te_extra_state_load(rank, root):
 def test_te_extra_state_absent_from_a_local_spec_checkpoint_is_not_an_error(tmp_path):
     (result,) = run_distributed(_te_extra_state_load, 1, str(tmp_path / "mg"))
     assert result == (True, True)
+
+
+def test_hf_to_megatron_refuses_a_truncated_safetensors_file(hf_models, tmp_path, capsys):
+    """It used to end in a raw SafetensorError; now exit 2 naming the file, before any
+    process group."""
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_models["llama_tied"][0], src)
+    weights = src / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    capsys.readouterr()
+    argv = ["--direction", "hf-to-megatron", "--load", str(src), "--save", str(tmp_path / "mg")]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: not a readable safetensors file" in err, err
+    assert not (tmp_path / "mg").exists()

@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
+from rl_runs import ENV, REWARD, ROOT, refused, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.metrics import read_metrics
@@ -30,40 +30,31 @@ def saved(tokenizer, tmp_path_factory):
     return ckpt
 
 
-def _refused(argv, capsys, *needles):
-    with pytest.raises(SystemExit) as e:
-        parse_args(argv, world_size=2)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-
-
 # ---------------------------------------------------------------- parse time
 def test_a_fresh_run_never_overwrites_another_run(tokenizer, saved, tmp_path, capsys):
-    _refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
+    refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
              "--save", "already holds a checkpoint", f"--load {saved}")  # fmt: skip
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    _refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
-    _refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
+    refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
+    refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
              "--no-load-optim starts a new run")  # fmt: skip
 
 
 def test_load_equal_to_save_starts_fresh_until_there_is_a_checkpoint(tokenizer, tmp_path, capsys):
     new = tmp_path / "auto"
     assert parse_args(tiny_argv(tokenizer, load=new, save=new)).start.mode == "fresh"
-    _refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
+    refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _refused(tiny_argv(tokenizer, load=empty), capsys,
+    refused(tiny_argv(tokenizer, load=empty), capsys,
              "neither a pretrain_rl.py checkpoint", "nor a converted model")  # fmt: skip
 
 
 def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsys):
     base = {**COSINE, "load": saved, "save": saved}
-    _refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
+    refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
              "--hidden-size 128 (checkpoint: 64)", "--num-layers 3 (checkpoint: 2)")  # fmt: skip
     for change, needle in (
         ({"bf16": False}, "--bf16: the checkpoint was saved with --bf16 True"),
@@ -72,7 +63,7 @@ def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsy
         ({"loggra-rank": 4}, "--loggra-rank: the checkpoint was saved with --loggra-rank 8"),
         ({"tensor-model-parallel-size": 2}, "--tensor-model-parallel-size"),
     ):
-        _refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
+        refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
     cfg = parse_args(tiny_argv(tokenizer, **{**base, "train-iters": 8, "kl-target": 0.05}),
                      world_size=2)  # fmt: skip
     assert cfg.start.mode == "resume" and cfg.start.checkpoint.iteration == 4
@@ -87,7 +78,8 @@ def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsy
 # ---------------------------------------------------------------- end to end
 def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_path):
     """4 -> 8 steps: the schedule's horizon is the new one (it used to keep lr = 0), and
-    metrics.jsonl holds every step once."""
+    metrics.jsonl holds every step once. ``lr`` is the rate the step's updates used (it used
+    to be the next step's: 0.0 on the last step of a cosine schedule)."""
     import shutil
 
     ckpt = tmp_path / "ckpt"
@@ -97,10 +89,14 @@ def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_pa
     rows = read_metrics(ckpt)
     assert [r["step"] for r in rows] == list(range(1, 9))
     updates = 2  # optimizer steps per RL step: 4 prompts × 4 generations / 8 per batch
-    for r in rows[4:]:  # Megatron's cosine at the 8-step horizon, after this step's updates
-        ratio = r["step"] * updates / (8 * updates)
-        assert r["lr"] == pytest.approx(3e-3 * 0.5 * (math.cos(math.pi * ratio) + 1), abs=1e-12)
-    assert rows[4]["lr"] > 0
+
+    def cosine(done: int) -> float:  # Megatron's cosine at the 8-step horizon
+        return 3e-3 * 0.5 * (math.cos(math.pi * done / (8 * updates)) + 1)
+
+    for r in rows[4:]:  # the mean rate of this step's updates
+        used = [cosine((r["step"] - 1) * updates + k) for k in range(updates)]
+        assert r["lr"] == pytest.approx(sum(used) / updates, abs=1e-12)
+    assert rows[-1]["lr"] > 0
 
 
 def _workers(proc) -> dict[int, psutil.Process]:
@@ -231,3 +227,65 @@ def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
     assert " resumed from " in resumed.stdout
     assert [r["step"] for r in read_metrics(save)] == list(range(1, 7))
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6
+
+
+def test_a_second_live_run_in_the_same_directory_isrefused(tokenizer, tmp_path, capsys):
+    """The same auto-resume command twice (a scheduler's requeue race): the second exits 2
+    naming the first, which finishes with every metrics line (both used to run, one logging
+    into an unlinked file). The first also starts fresh over the interrupted save a killed
+    first launch left (it used to exit 2 forever) and removes it."""
+    import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)
+
+    save = tmp_path / "ckpt"
+    interrupted = save / "iter_0000001.tmp"
+    interrupted.mkdir(parents=True)
+    (interrupted / "__0_0.distcp").write_bytes(b"\0" * 2**20)  # no manifest: killed mid-save
+    flags = {"train-iters": 1000, "save": save, "load": save}
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(" step"):
+            break
+    with pytest.raises(SystemExit) as second:
+        pretrain_rl.main(tiny_argv(tokenizer, **flags))
+    err = capsys.readouterr().err
+    assert second.value.code == 2 and "is in use by another live run" in err, err
+    assert f'"pid": {_workers(proc)[0].pid}' in err
+    _workers(proc)[0].send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    log = "".join(lines) + out
+    assert proc.returncode == 0, log[-3000:]
+    assert f"removed the interrupted save {interrupted}" in log and not interrupted.exists()
+    steps = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert [r["step"] for r in read_metrics(save)] == list(range(1, steps + 1))
+
+
+def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused(
+    tokenizer, tmp_path
+):
+    """kill -9 of the holder frees the lock (the kernel drops it); a directory another run
+    wrote to between this run's plan and its lock is refused (the plan would be stale)."""
+    from loggra_megatron.checkpointing.run_lock import RunLock, claim_run_directories
+    from loggra_megatron.config import ConfigError
+
+    code = (
+        "import sys, time\nfrom loggra_megatron.checkpointing.run_lock import RunLock\n"
+        "RunLock.acquire(sys.argv[1], '--save')\nprint('held', flush=True)\ntime.sleep(300)"
+    )
+    argv = [sys.executable, "-c", code, str(tmp_path)]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=f'in use by another live run .*"pid": {holder.pid}'):
+        RunLock.acquire(str(tmp_path), "--save")
+    holder.kill()
+    holder.wait()
+    RunLock.acquire(str(tmp_path), "--save").release()
+    save = tmp_path / "run"
+    cfg = parse_args(tiny_argv(tokenizer, save=save, load=save))
+    save.mkdir()
+    (save / "metrics.jsonl").write_text('{"step": 1}\n')  # another run logged meanwhile
+    with pytest.raises(ConfigError, match="changed while this run started"):
+        claim_run_directories(cfg, [])
+    for lock in claim_run_directories(parse_args(tiny_argv(tokenizer, save=save, load=save)), []):
+        lock.release()

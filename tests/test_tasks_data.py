@@ -55,7 +55,7 @@ def test_math_reference_completion_is_correct():
         ({"task": "math"}, "--task='math': reads its prompts from --data-path"),
         ({"task": "arithmetic", "data-path": "DATA"}, "--task arithmetic generates its prompts"),
         ({"format-reward": 0.1}, "--format-reward=0.1: applies to --task math"),
-        ({"eval-interval": 5}, "--eval-interval=5: needs --eval-data-path"),
+        ({"eval-interval": 5}, "--eval-interval=5: applies with --eval-data-path"),
         ({"tokenizer-type": "GPT2Tokenizer"}, "--tokenizer-type"),
     ],
 )
@@ -79,7 +79,9 @@ def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
                                                            "task-operators": "+"}))  # fmt: skip
     tasks = generate_tasks("mixed", 200, seed=0, **cfg.data.task_knobs)
     arithmetic = [t for t in tasks if t["metadata"]["kind"] == "arithmetic"]
-    assert arithmetic and all(len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"])
+    assert arithmetic and all(
+        len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"]
+    )
     assert all(set(t["metadata"]["operators"]) == {"+"} for t in arithmetic)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "p", "answer": "1"}\n')
@@ -116,5 +118,74 @@ def test_a_bad_parquet_row_names_file_and_row(tmp_path):
     bad_messages = tmp_path / "msgs.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user"}], "answer": "1"}]),
                    bad_messages)  # fmt: skip
-    with pytest.raises(DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"):
+    with pytest.raises(
+        DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"
+    ):
         read_examples(str(bad_messages))
+
+
+def test_long_rows_and_big_integer_answers_are_read_exactly(tmp_path):
+    """A 3 MB row (a long reasoning trace) used to be refused by pyarrow ("straddles two
+    block boundaries"); integers above 2^53 in a column pyarrow reads as doubles (it also
+    holds 1.5) used to lose their last digits."""
+    path = tmp_path / "long.jsonl"
+    rows = [
+        {"prompt": "x" * 3_000_000, "answer": 9007199254740993},
+        {"prompt": "b", "answer": 1.5},
+        {"prompt": "c", "answer": 12345678901234567891},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = read_examples(str(path))
+    assert [e["answer"] for e in examples] == ["9007199254740993", "1.5", "12345678901234567891"]
+    assert len(examples[0]["prompt"]) == 3_000_000
+
+
+def test_row_errors_name_the_line_and_only_the_keys_the_row_has(tmp_path):
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text(
+        '{"prompt": "a", "answer": "1", "metadata": {"x": 1}}\n\n'
+        '{"prompt": "b", "answer": "2", "metadata": {"x": "s"}}\n'
+    )
+    with pytest.raises(DatasetFormatError, match=rf"{nested}:3: column 'metadata.x' changed from"):
+        read_examples(str(nested))  # a nested column used to have no line number
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "extra": 3}\n')
+    with pytest.raises(DatasetFormatError) as e:
+        read_examples(str(missing))
+    # pyarrow gives every row every column (None where absent): 'answer' is not among "has"
+    assert "missing.jsonl:2: missing required field(s) ['answer'] (has ['extra', 'prompt'])" in str(
+        e.value
+    )
+
+
+def test_a_resume_over_other_prompts_of_the_same_count_is_refused(tmp_path):
+    """The data position carries a fingerprint of the prompts: as many other prompts used to
+    resume silently at the same position."""
+    from loggra_megatron.data.prompts import PromptDataset
+
+    first = tmp_path / "a.jsonl"
+    first.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    second = tmp_path / "b.jsonl"
+    second.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "c", "answer": "2"}\n')
+    state = PromptDataset.from_files(first, seed=1).state_dict()
+    PromptDataset.from_files(first, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="other examples .* fingerprint"):
+        PromptDataset.from_files(second, seed=1).load_state_dict(state)
+
+
+def test_adversarial_final_answers_are_judged_once_quickly_and_quietly(capfd):
+    """A power tower or thousands of nested braces in \\boxed{} cost ~10 s each (two
+    math-verify time-outs of 5 s: the reward and the verdict parsed separately) and were
+    printed whole; each answer is judged once now, within 1 s limits, without output."""
+    import time
+
+    task = MathTask()
+    tower = "\\boxed{9^{9^{9^{9^{9^{9^{9}}}}}}}"
+    braces = "\\boxed{" + "{" * 3000 + "1" + "}" * 3000 + "}"
+    for completion in (tower, braces):
+        start = time.perf_counter()
+        assert task.reward("q", completion, "2", {}) == 0.0
+        assert not task.is_correct("q", completion, "2", {})
+        assert time.perf_counter() - start < 6.0
+    out, err = capfd.readouterr()
+    assert "9^{9" not in out + err and "{{{{" not in out + err

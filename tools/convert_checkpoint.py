@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument("--load", required=True, help="source checkpoint directory")
     p.add_argument("--save", required=True, help="destination directory (must be empty or new)")
+    p.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="megatron-to-hf: convert this iteration of a pretrain_rl.py checkpoint (default: "
+        "the tracked one, or the newest complete one when it is damaged, as --load resolves it)",
+    )
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument(
@@ -120,25 +127,35 @@ def _check_destination(path: str, direction: str) -> None:
 
 
 def _preflight(opts) -> None:
-    """Cheap checks before Megatron is imported or any process group exists."""
-    from loggra_megatron.convert.checkpoint import read_model_args, resolve_checkpoint_dir
+    """Cheap checks before Megatron is imported or any process group exists: the source's
+    config and file headers (HF) or the checkpoint's selection and file sizes (Megatron)."""
+    from loggra_megatron.checkpointing.layout import select_model_checkpoint
+    from loggra_megatron.convert.checkpoint import read_model_args
     from loggra_megatron.convert.hf_config import gpt_args_from_hf
+    from loggra_megatron.convert.hf_io import HFCheckpointReader
+    from loggra_megatron.convert.hf_to_megatron import validate_hf_checkpoint
 
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError("parallel sizes must be >= 1")
     if opts.direction == "hf-to-megatron":
+        if opts.ckpt_step is not None:
+            raise ValueError("--ckpt-step applies to --direction megatron-to-hf")
         args = gpt_args_from_hf(opts.load)  # refuses unsupported architectures
+        with HFCheckpointReader(opts.load) as reader:  # every shard's header, tensor shapes
+            validate_hf_checkpoint(reader, args)
     else:
-        resolve_checkpoint_dir(opts.load)
+        select_model_checkpoint(opts.load, opts.ckpt_step)  # its warnings: when it is loaded
         args = read_model_args(opts.load)
     if args.num_layers % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the model's "
             f"{args.num_layers} layers"
         )
-    for name, count in (("attention heads", args.num_attention_heads),
-                        ("key/value heads", args.num_query_groups or args.num_attention_heads)):
+    for name, count in (
+        ("attention heads", args.num_attention_heads),
+        ("key/value heads", args.num_query_groups or args.num_attention_heads),
+    ):
         if count % tp:
             raise ValueError(
                 f"--tensor-model-parallel-size {tp} does not divide the model's {count} {name}"
@@ -166,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from megatron.core import parallel_state
 
+    from loggra_megatron.checkpointing import CheckpointError
     from loggra_megatron.convert import convert_hf_to_megatron, convert_megatron_to_hf
     from loggra_megatron.megatron_version import untested_version_note
 
@@ -194,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             args = convert_hf_to_megatron(opts.load, opts.save, use_te=use_te, log=log, **overrides)
         else:
             args = convert_megatron_to_hf(
-                opts.load, opts.save, max_shard_bytes=opts.max_shard_size, use_te=use_te, log=log
+                opts.load,
+                opts.save,
+                max_shard_bytes=opts.max_shard_size,
+                use_te=use_te,
+                log=log,
+                iteration=opts.ckpt_step,
             )
         if rank == 0:
             print(
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         return 0
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -8,16 +8,19 @@ Save (:func:`save_checkpoint`, collective), with the layout of
    the save on all ranks (:class:`~loggra_megatron.checkpointing.integrity.CheckpointError`)
    before anything is written, so the last good checkpoint stays the latest;
 2. all ranks write ``iter_N.tmp`` (``torch_dist``), rank 0 adds the extra files (the run's
-   settings), the files are checksummed in parallel and rank 0 writes the manifest last;
+   settings), the files are checksummed in parallel and rank 0 writes the manifest last.
+   An I/O error on any rank (a full disk) removes ``iter_N.tmp`` and refuses the save on
+   every rank in one line;
 3. rank 0 moves ``iter_N.tmp`` into place (an existing ``iter_N`` is first renamed to
    ``iter_N.old``) and replaces the tracker. Every crash point leaves a complete checkpoint
    that :func:`~loggra_megatron.checkpointing.layout.select_checkpoint` finds.
 
-Load (:func:`load_checkpoint`, collective) reads the common (non-tensor) state, checks that
-the optimizer state fits this run (LoGRA: same TP/PP size and projection, any DP size;
-Megatron's dense Adam: ``dp_reshardable``, any DP size), verifies the files against the
-manifest, loads every tensor into fresh buffers, checks them finite, and only then copies
-them into the live model and optimizer: a refused load changes nothing.
+Load (:func:`load_checkpoint`, collective) verifies the files against the manifest's CRC-32
+(falling back to an older complete checkpoint if they fail), reads the common (non-tensor)
+state, checks that the optimizer state fits this run (LoGRA: same TP/PP size and
+projection, any DP size; Megatron's dense Adam: ``dp_reshardable``, any DP size), loads
+every tensor into fresh buffers, checks them finite, and only then copies them into the
+live model and optimizer: a refused load changes nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from loggra_megatron.checkpointing.integrity import (
     checksum_files,
-    list_files,
+    gather_objects,
     require_finite,
-    verify_checksums,
+    verified_checkpoint,
 )
 from loggra_megatron.checkpointing.layout import (
     MANIFEST,
@@ -49,7 +53,7 @@ from loggra_megatron.checkpointing.layout import (
     CheckpointError,
     CheckpointRef,
     checkpoint_dir,
-    read_manifest,
+    list_files,
     select_checkpoint,
     write_atomically,
 )
@@ -152,40 +156,93 @@ def save_checkpoint(
     state = _model_sharded_state_dict(model_chunks, extra_models)
     if optimizer is not None:
         state["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
-    require_finite(state, f"refusing to save iteration {iteration} (the previous checkpoint "
-                   "stays the latest)")  # fmt: skip
+    keeps = "the previous checkpoint stays the latest"
+    require_finite(state, f"refusing to save iteration {iteration} ({keeps})")
     state["common"] = common
     final = checkpoint_dir(root, iteration)
-    tmp = final + ".tmp"
+    write_checkpoint_dir(state, final + ".tmp", files, checksums, keeps)
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    _orphan_safe_writer_queue()
-    dist_checkpointing.save(state, tmp)
-    _barrier()
-    if _rank() == 0:
-        for name, text in (files or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-    _barrier()
-    table = checksum_files(tmp, list_files(tmp), crc=checksums)
-    if _rank() == 0:
-        manifest = {"format": MANIFEST_FORMAT, "iteration": iteration, "files": table}
-        write_atomically(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1) + "\n")
-        _publish(root, iteration, tmp, final)
+        publish_checkpoint(root, final, str(iteration))
     _barrier()
     return final
 
 
-def _publish(root: str, iteration: int, tmp: str, final: str) -> None:
-    """Rank 0: move the complete ``tmp`` into place, then point the tracker at it."""
-    old = final + ".old"
+class _WriteFailed(OSError):
+    """An I/O error on some rank while a checkpoint directory was written."""
+
+
+def _on_rank0(write) -> None:
+    """``write()`` on rank 0; its ``OSError`` is raised on every rank (collective)."""
+    error = None
+    if _rank() == 0:
+        try:
+            write()
+        except OSError as e:
+            error = str(e)
+    errors = [e for e in gather_objects(error) if e]
+    if errors:
+        raise _WriteFailed(errors[0])
+
+
+def _write_files(directory: str, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+
+
+def _first_os_error(error: BaseException) -> str:
+    """The first line of the error behind ``error``, an I/O error if there is one: Megatron
+    reports a writer's failure as a ``CheckpointException`` of every rank's failures (on the
+    coordinator; they cross ranks pickled, without their causes)."""
+    pending, found = [error], []
+    while pending:
+        e = pending.pop(0)
+        if e is None or e in found:
+            continue
+        found.append(e)
+        failures = getattr(e, "failures", None) or {}
+        pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending += [e.__cause__, e.__context__]
+    causes = [e for e in found if not isinstance(e, _WriteFailed | CheckpointException)]
+    best = next((e for e in causes if isinstance(e, OSError)), causes[0] if causes else error)
+    return str(best).splitlines()[0] if str(best) else type(best).__name__
+
+
+def write_checkpoint_dir(
+    state: dict, tmp: str, files: dict[str, str] | None, checksums: bool, keeps: str
+) -> None:
+    """Write ``state`` (``dist_checkpointing``, every rank) into a new directory ``tmp``,
+    then rank 0's ``files`` and, last, the manifest of every file's size and CRC-32
+    (computed in parallel over the ranks). Collective. An I/O error on any rank (a full
+    disk) removes ``tmp`` and raises :class:`CheckpointError` on every rank, in one line
+    ending with ``keeps`` (what is still there)."""
+    try:
+        _on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
+        _orphan_safe_writer_queue()
+        dist_checkpointing.save(state, tmp)
+        _on_rank0(lambda: _write_files(tmp, files or {}))
+        table = checksum_files(tmp, list_files(tmp), crc=checksums)
+        manifest = {"format": MANIFEST_FORMAT, "files": table}
+        text = json.dumps(manifest, indent=1) + "\n"
+        _on_rank0(lambda: write_atomically(os.path.join(tmp, MANIFEST), text))
+    except (OSError, CheckpointException) as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"writing {tmp} failed: {_first_os_error(e)}; the partial directory was removed "
+            f"and {keeps}"
+        ) from None
+
+
+def publish_checkpoint(root: str, final: str, tracker: str) -> None:
+    """Rank 0: move the complete ``final + ".tmp"`` into place, then point the tracker at
+    it (an existing ``final`` is kept as ``final + ".old"`` until then)."""
+    tmp, old = final + ".tmp", final + ".old"
     if os.path.exists(final):  # re-saving an iteration: keep the previous one until replaced
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    write_atomically(os.path.join(root, TRACKER), str(iteration))
+    write_atomically(os.path.join(root, TRACKER), tracker)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -200,10 +257,15 @@ def load_checkpoint(
     """Load a checkpoint (a root directory, resolved by ``select_checkpoint`` with
     ``iteration``, or a :class:`CheckpointRef`) and return its ``common`` state.
     ``optimizer=None`` loads the weights only; ``extra_models`` as in
-    :func:`save_checkpoint`; ``verify=False`` skips the CRC check (sizes are checked)."""
-    ref = checkpoint if isinstance(checkpoint, CheckpointRef) else select_checkpoint(
-        checkpoint, iteration
-    )  # fmt: skip
+    :func:`save_checkpoint`. ``verify``: the files are checked against the manifest's
+    CRC-32 first, falling back to an older checkpoint if they fail
+    (:func:`~loggra_megatron.checkpointing.integrity.verified_checkpoint`; call it yourself to
+    learn which one); ``verify=False`` skips that (sizes were checked at selection)."""
+    ref = checkpoint
+    if not isinstance(checkpoint, CheckpointRef):
+        ref = select_checkpoint(checkpoint, iteration)
+    if verify:
+        ref = verified_checkpoint(ref)
     path = ref.path
     saved = dist_checkpointing.load_common_state_dict(path)
     if optimizer is not None:
@@ -212,9 +274,6 @@ def load_checkpoint(
                 f"checkpoint {path} has no optimizer state; load it with --no-load-optim"
             )
         optimizer_state.check_compatible(optimizer, saved["optimizer"], path)  # ValueError
-    manifest = read_manifest(path)
-    if manifest is not None and verify:
-        verify_checksums(path, manifest)
     model_sd = _model_sharded_state_dict(model_chunks)
     request = _fresh_buffers(_model_sharded_state_dict(model_chunks, extra_models))
     if optimizer is not None:

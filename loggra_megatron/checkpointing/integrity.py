@@ -4,7 +4,9 @@
   round-robin over the ranks; each rank reads back and checksums its share (CRC-32, about
   2 GB/s per rank) and rank 0 writes them to the manifest, last. A load verifies the same
   way, over the ranks of the loading job, before any tensor is read: a flipped bit in a
-  weight (1e37 is finite) is caught, not trained on.
+  weight (1e37 is finite) is caught, not trained on, and the load falls back to the newest
+  older complete checkpoint (:func:`verified_checkpoint`) unless one was asked for by
+  number.
 * **Finite values.** Every floating-point tensor about to be saved is checked, and so is
   every tensor just loaded (before it is copied into the live model or optimizer). A
   non-finite value anywhere (any rank) refuses the save or the load on every rank, naming
@@ -14,15 +16,19 @@
 from __future__ import annotations
 
 import os
-import zlib
 
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-from loggra_megatron.checkpointing.layout import CheckpointError
-
-_CHUNK = 16 * 2**20
+from loggra_megatron.checkpointing.layout import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointRef,
+    file_crc32,
+    older_checkpoint,
+    read_manifest,
+)
 
 
 def _world() -> tuple[int, int]:
@@ -31,31 +37,13 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(obj) -> list:
+def gather_objects(obj) -> list:
+    """``obj`` of every rank, in rank order (collective; ``[obj]`` without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def file_crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def list_files(path: str, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Every file under ``path`` (relative, sorted), except the names in ``exclude``."""
-    out = []
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            rel = os.path.relpath(os.path.join(dirpath, name), path)
-            if rel not in exclude:
-                out.append(rel)
-    return sorted(out)
 
 
 def checksum_files(path: str, files: list[str], crc: bool = True) -> dict[str, dict]:
@@ -69,14 +57,14 @@ def checksum_files(path: str, files: list[str], crc: bool = True) -> dict[str, d
         if crc:
             mine[rel]["crc32"] = file_crc32(full)
     table = {}
-    for part in _gather(mine):
+    for part in gather_objects(mine):
         table.update(part)
     return table
 
 
-def verify_checksums(path: str, manifest: dict) -> None:
-    """Raise :class:`CheckpointError` on every rank if a file differs from the manifest
-    (collective: each rank checks its round-robin share)."""
+def _checksum_problems(path: str, manifest: dict) -> list[str]:
+    """What differs from the manifest in ``path`` (collective: each rank checks its
+    round-robin share; every rank returns the whole list)."""
     rank, world = _world()
     problems = []
     files = sorted(manifest["files"])
@@ -88,12 +76,32 @@ def verify_checksums(path: str, manifest: dict) -> None:
             problems.append(f"{rel} has the wrong size")
         elif "crc32" in expected and file_crc32(full) != expected["crc32"]:
             problems.append(f"{rel} fails its CRC-32 check (corrupted on disk)")
-    problems = [p for part in _gather(problems) for p in part]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path} is corrupted: {'; '.join(problems[:5])}. Nothing was loaded; "
-            "resume from an earlier iteration with --ckpt-step N (or restore the files)."
-        )
+    return [p for part in gather_objects(problems) for p in part]
+
+
+def verified_checkpoint(ref: CheckpointRef) -> CheckpointRef:
+    """``ref`` if its files match the manifest's sizes and CRC-32 (collective), else the
+    newest older complete checkpoint that does (:func:`older_checkpoint`, with a warning in
+    its ``warnings``). Raises :class:`CheckpointError` on every rank when there is none, or
+    when ``ref`` was asked for by number. A converted model written before manifests existed
+    has none and is returned as it is."""
+    while True:
+        manifest = read_manifest(ref.path)
+        if manifest is None and ref.iteration is None:
+            return ref
+        problems = _checksum_problems(ref.path, manifest) if manifest else [f"no valid {MANIFEST}"]
+        if not problems:
+            return ref
+        why = f"is corrupted: {'; '.join(problems[:5])}"
+        older = older_checkpoint(ref, why)
+        if older is None:
+            fix = "there is no older complete checkpoint to fall back to"
+            if ref.pinned:
+                fix = "load another iteration with --ckpt-step N"
+            raise CheckpointError(
+                f"checkpoint {ref.path} {why}. Nothing was loaded; {fix} (or restore the files)."
+            )
+        ref = older
 
 
 def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -111,8 +119,10 @@ def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:
 def nonfinite_tensors(state) -> list[str]:
     """Keys of the floating-point tensors in ``state`` (a nested dict/list of sharded or
     plain tensors) that hold a NaN or an infinity, on this rank. Step counters are not
-    checked: torch AdamW's per-param ``step`` inside Megatron's ``dp_reshardable`` buckets is
-    a placeholder on a DP-resharded load (the step is restored from the param groups)."""
+    checked: torch AdamW's per-param ``step`` in Megatron's ``dp_reshardable`` buckets is a
+    placeholder on a DP-resharded load (the step is restored from the param groups). The
+    buckets' padding, uninitialised memory, is zeroed before this check
+    (:func:`loggra_megatron.optim.megatron.optimizer_state.zero_padding`)."""
     bad = []
     for key, t in _tensors(state):
         if key.endswith(".step"):
@@ -125,7 +135,7 @@ def nonfinite_tensors(state) -> list[str]:
 def require_finite(state, what: str) -> None:
     """Raise :class:`CheckpointError` on every rank if any rank's ``state`` has a
     non-finite tensor (collective)."""
-    bad = sorted({key for part in _gather(nonfinite_tensors(state)) for key in part})
+    bad = sorted({key for part in gather_objects(nonfinite_tensors(state)) for key in part})
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise CheckpointError(f"{what}: non-finite values (NaN/inf) in {shown}")

@@ -1,14 +1,18 @@
 """What ``--load`` / ``--save`` mean for a run, decided before any process group starts.
 
-:func:`plan_start` (then :func:`check_resume`) reads only small files (tracker, manifests, ``run_config.json``,
-``loggra_model_args.json``) and returns a :class:`StartPlan`, or raises
-:class:`~loggra_megatron.config.ConfigError` (exit status 2) with one sentence:
+:func:`plan_start` (then :func:`check_resume`) reads only small files (tracker,
+manifests, ``run_config.json``, ``loggra_model_args.json``) and returns a
+:class:`StartPlan`, or raises :class:`~loggra_megatron.config.ConfigError` (exit status 2)
+with one sentence. ``--save`` and the output directory must be (or be creatable as)
+writable directories, and ``--save`` must not hold a converted model (a run's first save
+would replace its tracker).
 
 * **fresh**: no ``--load``; or ``--load`` equal to ``--save`` with no checkpoint there yet
-  (the first launch of an auto-resume script). A ``--save`` that already holds another
-  run's checkpoint, or an output directory with another run's ``metrics.jsonl``, is refused,
-  so that nothing is overwritten or appended to. A resumed run truncates its
-  ``metrics.jsonl`` to the resumed step, so no step appears twice.
+  (the first launch of an auto-resume script; interrupted saves, ``iter_N.tmp`` without a
+  manifest, are no checkpoint). A ``--save`` that already holds another run's checkpoint,
+  or an output directory with another run's ``metrics.jsonl``, is refused, so that nothing
+  is overwritten or appended to. A resumed run truncates its ``metrics.jsonl`` to the
+  resumed step, so no step appears twice.
 * **resume**: ``--load`` holds a trainer checkpoint (the tracked iteration, or ``--ckpt-step``;
   an incomplete tracked one falls back to the newest complete one, with a warning).
   Architecture flags given on the command line must match the checkpoint (every mismatch is
@@ -31,11 +35,14 @@ from dataclasses import dataclass, field
 
 from loggra_megatron.checkpointing.layout import (
     MODEL_ARGS,
+    RELEASE,
     TRACKER,
     CheckpointRef,
     has_checkpoint,
-    read_tracker,
-    select_checkpoint,
+    holds_converted_model,
+    latest_iteration,
+    select_model_checkpoint,
+    tracker_note,
 )
 from loggra_megatron.config import ConfigError
 from loggra_megatron.model.config import ARCHITECTURE
@@ -67,11 +74,12 @@ class StartPlan:
     mode: str = "fresh"
     """``fresh`` | ``resume`` | ``weights`` | ``converted``."""
     checkpoint: CheckpointRef | None = None
-    """The trainer checkpoint to load (``resume`` / ``weights``)."""
-    converted_dir: str | None = None
-    """The converted model's directory (``converted``)."""
+    """The checkpoint to load (``resume`` / ``weights``; ``converted``: its ``release``)."""
     notes: list[str] = field(default_factory=list)
     """Warnings and changed flags, printed once by rank 0."""
+    seen: dict[str, tuple] = field(default_factory=dict)
+    """The state of each directory the run writes when the plan was made (see
+    :mod:`~loggra_megatron.checkpointing.run_lock`)."""
 
     @property
     def resumes(self) -> bool:
@@ -80,8 +88,6 @@ class StartPlan:
     @property
     def model_args_dir(self) -> str | None:
         """Where the architecture file of the model to load lives."""
-        if self.mode == "converted":
-            return self.converted_dir
         return self.checkpoint.root if self.checkpoint is not None else None
 
 
@@ -95,15 +101,34 @@ def _flag(name: str) -> str:
 
 def plan_start(cfg, explicit: set[str]) -> StartPlan:
     """Decide how the run starts; adopt the checkpoint's architecture into ``cfg.model``
-    (flags named in ``explicit`` must agree with it). Raises ``ConfigError``."""
+    (flags named in ``explicit`` must agree with it). Raises ``ConfigError``. The plan
+    records the state of the directories the run writes (``seen``), which the run checks
+    again once it holds their run lock."""
+    from loggra_megatron.checkpointing.run_lock import directory_state, written_directories
+
+    written = written_directories(cfg)
+    for directory, flag in written.items():
+        _check_writable(flag, directory)
+    plan = _plan_start(cfg, explicit)
+    plan.seen = {d: directory_state(d) for d in written}
+    return plan
+
+
+def _plan_start(cfg, explicit: set[str]) -> StartPlan:
     ck = cfg.checkpoint
     load, save = ck.load, ck.save
     auto_resume = _same_dir(load, save)
+    if save is not None and holds_converted_model(save):
+        raise ConfigError(
+            f"--save {save!r} holds a converted model (tools/convert_checkpoint.py); a run's "
+            f"first save would replace its {TRACKER}. Load it with --load {save} and give "
+            "--save another directory (relaunch with --load set to that directory)"
+        )
     if save is not None and has_checkpoint(save) and not auto_resume:
         raise ConfigError(
             f"--save {save!r} already holds a checkpoint of another run "
-            f"(iteration {read_tracker(save)}); pass --load {save} to resume it, or choose "
-            "another --save directory"
+            f"({_tracked(save)}); pass --load {save} to resume it, or choose another --save "
+            "directory"
         )
     if load is None or (auto_resume and not has_checkpoint(load)):
         if ck.ckpt_step is not None:
@@ -117,31 +142,54 @@ def plan_start(cfg, explicit: set[str]) -> StartPlan:
         )
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load!r}: no such directory")
-    if not has_checkpoint(load):
-        if read_tracker(load) == "release" or os.path.isfile(os.path.join(load, MODEL_ARGS)):
-            _adopt_architecture(cfg, load, explicit)
-            _check_metrics_file(cfg, continues=False)
-            return StartPlan("converted", converted_dir=load)
+    converted = not has_checkpoint(load)
+    if converted and not holds_converted_model(load):
         raise ConfigError(
-            f"--load {load!r} holds neither a pretrain_rl.py checkpoint (no {TRACKER} with an "
-            f"iteration, no iter_* directory) nor a converted model (no {MODEL_ARGS}; "
+            f"--load {load!r} holds neither a pretrain_rl.py checkpoint ({tracker_note(load)}, "
+            f"no complete iter_* directory) nor a converted model (no {RELEASE} directory; "
             "convert one with tools/convert_checkpoint.py)"
         )
     try:
-        ref = select_checkpoint(load, ck.ckpt_step)
+        ref = select_model_checkpoint(load, ck.ckpt_step)
     except FileNotFoundError as e:
         raise ConfigError(f"--load {load!r}: {e}") from None
-    plan = StartPlan("weights" if ck.no_load_optim else "resume", checkpoint=ref)
+    if converted:
+        plan = StartPlan("converted", checkpoint=ref)
+    else:
+        plan = StartPlan("weights" if ck.no_load_optim else "resume", checkpoint=ref)
     plan.notes += [f"--load: {w}" for w in ref.warnings]
     _check_metrics_file(cfg, continues=plan.resumes)
     _adopt_architecture(cfg, load, explicit)
     return plan
 
 
+def _tracked(root: str) -> str:
+    iteration = latest_iteration(root)
+    return f"iteration {iteration}" if iteration is not None else tracker_note(root)
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """``path`` is a writable directory, or can be made one (its nearest existing ancestor
+    is a writable directory): found here, not at the first save after training ran."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == os.path.abspath(path) else f"is under the file {existing}"
+        raise ConfigError(f"{flag} {path!r} {what}, not a directory; give a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{flag} {path!r}: {existing} is not writable by this user; choose a writable directory"
+        )
+
+
 def check_resume(cfg, plan: StartPlan) -> None:
     """On a full resume: refuse changed state-defining settings, note every changed flag
     (call after the derived defaults of ``cfg`` are filled in). Raises ``ConfigError``."""
-    saved = plan.checkpoint.run_config() if plan.resumes else None
+    try:
+        saved = plan.checkpoint.run_config() if plan.resumes else None
+    except ValueError as e:
+        raise ConfigError(f"--load: {e}; resume an earlier iteration with --ckpt-step") from None
     if saved is None:  # weights only, or a checkpoint older than run_config.json
         return
     now = cfg.flags()
@@ -168,7 +216,10 @@ def _adopt_architecture(cfg, load: str, explicit: set[str]) -> None:
     path = os.path.join(load, MODEL_ARGS)
     if not os.path.isfile(path):
         raise ConfigError(f"--load {load!r}: {MODEL_ARGS} is missing (the architecture)")
-    args, m = GPTModelArgs.load_json(path), cfg.model
+    try:
+        args, m = GPTModelArgs.load_json(path), cfg.model
+    except ValueError as e:
+        raise ConfigError(f"--load {load!r}: {e}") from None
     saved = {name: getattr(args, name) for name in ARCHITECTURE}
     heads = saved["num_attention_heads"]
     mismatches = []

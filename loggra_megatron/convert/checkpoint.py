@@ -7,13 +7,16 @@ Layout (the one Megatron-LM's ``--load`` understands, iteration ``release``)::
     DIR/release/                            dist_checkpointing, torch_dist format:
                                             {"model": model.sharded_state_dict(),
                                              "checkpoint_version": 3.0, "iteration": 0}
+        manifest.json                       written last: every file's size and CRC-32
     DIR/loggra_model_args.json              GPTModelArgs (the architecture)
     DIR/hf_config.json                      original HF config.json (if converted from HF)
 
 ``torch_dist`` stores *global* tensors (TP shards and PP stages are reassembled on save), so
 a checkpoint saved at one TP/PP loads at any other that the architecture allows; the
 embedding/output rows are loaded with ``allow_shape_mismatch`` so a different vocabulary
-padding is fine too.
+padding is fine too. Converted models and ``pretrain_rl.py`` checkpoints are written and
+read through the same code (:mod:`loggra_megatron.checkpointing`): atomic saves with a
+manifest, the same selection of the iteration, the CRC-32 and finite-value checks.
 
 All functions are collective over the default process group and need
 ``megatron.core.parallel_state`` to be initialised.
@@ -27,7 +30,12 @@ from typing import Any
 
 import torch
 
-from loggra_megatron.checkpointing.layout import MODEL_ARGS, TRACKER, write_atomically
+from loggra_megatron.checkpointing.layout import (
+    MODEL_ARGS,
+    RELEASE,
+    CheckpointRef,
+    select_model_checkpoint,
+)
 from loggra_megatron.model.args import GPTModelArgs
 
 __all__ = [
@@ -35,7 +43,6 @@ __all__ = [
     "load_megatron_checkpoint",
     "read_hf_config",
     "read_model_args",
-    "resolve_checkpoint_dir",
     "save_megatron_checkpoint",
 ]
 
@@ -60,58 +67,39 @@ def save_megatron_checkpoint(
     hf_config: dict[str, Any] | None = None,
     iteration: int | None = None,
 ) -> str:
-    """Save ``model`` (this rank's chunk) as a dist checkpoint under ``save_dir``.
+    """Save ``model`` (this rank's chunk) as a dist checkpoint under ``save_dir``, as the
+    trainer saves (``.tmp`` first, a manifest of every file's size and CRC-32 last, then
+    renamed into place and tracked).
 
     ``iteration=None`` writes the ``release`` iteration (a converted, untrained model).
     Returns the directory holding the dist checkpoint.
     """
-    from megatron.core import dist_checkpointing
+    from loggra_megatron.checkpointing.dist_ckpt import publish_checkpoint, write_checkpoint_dir
 
     try:  # the torch_dist writer process needs it; without, megatron-core 0.16 hangs forever
         import psutil  # noqa: F401
     except ImportError as e:
         raise ImportError("saving a Megatron dist checkpoint needs `pip install psutil`") from e
     save_dir = os.fspath(save_dir)
-    sub = "release" if iteration is None else f"iter_{iteration:07d}"
+    sub = RELEASE if iteration is None else f"iter_{iteration:07d}"
     ckpt_dir = os.path.join(save_dir, sub)
-    if _rank() == 0:
-        if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-            raise FileExistsError(f"checkpoint directory {ckpt_dir} exists and is not empty")
-        os.makedirs(ckpt_dir, exist_ok=True)
-    _barrier()
+    if _rank() == 0 and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise FileExistsError(f"checkpoint directory {ckpt_dir} exists and is not empty")
     state = {
         "model": model.sharded_state_dict(),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration or 0,
     }
-    dist_checkpointing.save(state, ckpt_dir)
+    write_checkpoint_dir(state, ckpt_dir + ".tmp", None, True, "nothing was converted")
     if _rank() == 0:
         args.save_json(os.path.join(save_dir, MODEL_ARGS))
         if hf_config is not None:
             with open(os.path.join(save_dir, HF_CONFIG_FILE), "w") as f:
                 json.dump(hf_config, f, indent=2, sort_keys=True)
                 f.write("\n")
-        write_atomically(os.path.join(save_dir, TRACKER),
-                         f"{'release' if iteration is None else iteration}\n")  # fmt: skip
+        publish_checkpoint(save_dir, ckpt_dir, f"{RELEASE if iteration is None else iteration}\n")
     _barrier()
     return ckpt_dir
-
-
-def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> str:
-    """The dist-checkpoint directory of ``load_dir``: the iteration named by its tracker
-    file, or ``load_dir`` itself if it is a dist checkpoint (has ``metadata.json``)."""
-    load_dir = os.fspath(load_dir)
-    tracker = os.path.join(load_dir, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
-        sub = "release" if it == "release" else f"iter_{int(it):07d}"
-        path = os.path.join(load_dir, sub)
-    else:
-        path = load_dir
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
-    return path
 
 
 def _find_upwards(load_dir: str, fname: str) -> str | None:
@@ -147,9 +135,16 @@ does not (and the other way round); it starts fresh when absent."""
 
 
 def load_megatron_checkpoint(
-    model: torch.nn.Module, load_dir: str | os.PathLike, strict: bool = True
-) -> None:
-    """Load this rank's chunk of ``model`` in place from the dist checkpoint ``load_dir``.
+    model: torch.nn.Module,
+    load_dir: str | os.PathLike | CheckpointRef,
+    strict: bool = True,
+    verify: bool = True,
+) -> CheckpointRef:
+    """Load this rank's chunk of ``model`` in place from ``load_dir`` (a directory, resolved
+    by :func:`select_model_checkpoint`, or a :class:`CheckpointRef`) through the trainer's
+    integrity checks: the files' CRC-32 (``verify``; a corrupted iteration falls back to an
+    older complete one) and finite values (``CheckpointError`` naming the tensors). Returns
+    the checkpoint loaded, with its warnings.
 
     Transformer Engine ``_extra_state`` entries the checkpoint does not have (it was written
     with the local layer spec) are left as the model has them; any other missing tensor is
@@ -157,13 +152,23 @@ def load_megatron_checkpoint(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    ckpt_dir = resolve_checkpoint_dir(load_dir)
+    from loggra_megatron.checkpointing.integrity import require_finite, verified_checkpoint
+
+    ref = load_dir
+    if not isinstance(load_dir, CheckpointRef):
+        ref = select_model_checkpoint(load_dir)
+    if verify:
+        ref = verified_checkpoint(ref)
+    ckpt_dir = ref.path
     state, _, absent = dist_checkpointing.load(
         {"model": model.sharded_state_dict()}, ckpt_dir, strict=StrictHandling.RETURN_UNEXPECTED
     )
+    require_finite(state["model"], f"refusing to load {ckpt_dir}")
     lacking = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
     if lacking and strict:
-        raise ValueError(f"{ckpt_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}")
+        raise ValueError(
+            f"{ckpt_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}"
+        )
     result = model.load_state_dict(state["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
     if strict and (missing or result.unexpected_keys):
@@ -171,3 +176,4 @@ def load_megatron_checkpoint(
             f"{ckpt_dir}: the loaded state does not fit the model (missing {missing[:3]}, "
             f"unexpected {result.unexpected_keys[:3]})"
         )
+    return ref

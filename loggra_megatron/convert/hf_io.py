@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = ["HFCheckpointReader", "HFShardWriter", "ShardInfo", "finalize_hf_checkpoint"]
@@ -68,7 +68,10 @@ class HFCheckpointReader:
                 raise FileNotFoundError(
                     f"{INDEX_FILE} names {fname}, which does not exist in {self.hf_dir}"
                 )
-            h = safe_open(path, framework="pt", device="cpu")
+            try:
+                h = safe_open(path, framework="pt", device="cpu")
+            except (OSError, SafetensorError) as e:  # truncated or not safetensors at all
+                raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[fname] = h
         return h
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from loggra_megatron.checkpointing.layout import select_model_checkpoint
 from loggra_megatron.convert.checkpoint import (
     load_megatron_checkpoint,
     read_hf_config,
@@ -117,7 +118,9 @@ def export_megatron_to_hf(
         raise RuntimeError(f"export produced the wrong tensor set; first difference: {diff[0]!r}")
     files: list[Any] = [None]
     if rank == 0:
-        files = [finalize_hf_checkpoint(save_dir, all_shards, hf_config_from_gpt_args(args, hf_config))]
+        files = [
+            finalize_hf_checkpoint(save_dir, all_shards, hf_config_from_gpt_args(args, hf_config))
+        ]
     torch.distributed.broadcast_object_list(files, src=0)
     return files[0]
 
@@ -129,18 +132,25 @@ def convert_megatron_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     use_te: bool = False,
     log: Callable[[str], None] | None = None,
+    iteration: int | None = None,
 ) -> GPTModelArgs:
     """Convert the Megatron checkpoint ``load_dir`` (written by
     :func:`~loggra_megatron.convert.hf_to_megatron.convert_hf_to_megatron` or by training)
-    into a HF checkpoint in ``save_dir``. Collective; any TP/PP the architecture allows."""
+    into a HF checkpoint in ``save_dir``. Collective; any TP/PP the architecture allows.
+    The iteration is chosen and verified as ``pretrain_rl.py --load`` does (``iteration``:
+    as ``--ckpt-step``; a corrupted or incomplete one falls back to an older complete one,
+    with a warning in ``log``; a non-finite weight is refused)."""
     args = read_model_args(load_dir)
     model = build_gpt_model(
         args, use_te=use_te, use_cpu_initialization=True, perform_initialization=False
     ).to(args.torch_dtype)  # norms too, as Megatron's Float16Module does
+    ref = select_model_checkpoint(load_dir, iteration)
     if log is not None:
-        log(f"loading Megatron dist checkpoint {os.fspath(load_dir)}")
-    load_megatron_checkpoint(model, load_dir)
+        log(f"loading Megatron dist checkpoint {ref.path}")
+    ref = load_megatron_checkpoint(model, ref)
     if log is not None:
+        for warning in ref.warnings:
+            log(f"warning: {warning}")
         log(f"writing HF checkpoint to {os.fspath(save_dir)}")
     export_megatron_to_hf(
         model,

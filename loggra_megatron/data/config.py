@@ -5,13 +5,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive, reject
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, reject
 from loggra_megatron.data.files import data_files
 from loggra_megatron.data.tokenizer import TOKENIZER_TYPES
 from loggra_megatron.tasks import TASKS
 
 ARITHMETIC_TASKS = ("arithmetic", "mixed")
 """The tasks --task-digits and --task-operators apply to."""
+
+
+def _arithmetic(s: dict) -> bool:
+    return s["task"] in ARITHMETIC_TASKS
+
+
+def _data_files(s: dict) -> bool:
+    return s["data_path"] is not None or s["eval_data_path"] is not None
+
+
+def _evaluation(s: dict) -> bool:
+    return s["eval_data_path"] is not None and s["eval_interval"] > 0
 
 
 @dataclass
@@ -34,30 +46,42 @@ class DataConfig:
     default: jsonl with --data-path, else arithmetic."""
     data_path: str | None = None
     """JSONL or Parquet prompt files: a file, a directory of shards or a glob."""
-    prompt_key: str = "prompt"
+    prompt_key: str = applies("prompt", "with --data-path or --eval-data-path", _data_files)
     """The prompt column: a string, or a list of chat messages {role, content}."""
-    answer_key: str = "answer"
+    answer_key: str = applies("answer", "with --data-path or --eval-data-path", _data_files)
     """The reference-answer column (a string or a number)."""
-    num_tasks: int = 10000
+    num_tasks: int = applies(
+        10000,
+        "to a generated --task (arithmetic, word_problems, mixed)",
+        lambda s: not TASKS[s["task"]].needs_data,
+    )
     """Generated tasks (arithmetic, word_problems, mixed)."""
-    task_digits: int | None = None
+    task_digits: int | None = applies(None, "to --task arithmetic or mixed", _arithmetic)
     """Digits per operand of the arithmetic tasks (arithmetic, mixed; default 2)."""
-    task_operators: str | None = None
+    task_operators: str | None = applies(None, "to --task arithmetic or mixed", _arithmetic)
     """Operators of the arithmetic tasks, a subset of +-* (arithmetic, mixed; default +-*)."""
     reward_fn: str | None = None
     """Replace the task's reward: exact_match_numeric | format | default | module:function |
     file.py:function (a response is then correct when the function says so, or its reward is
     at least --accuracy-threshold)."""
-    accuracy_threshold: float = 1.0
+    accuracy_threshold: float = applies(
+        1.0, "with --reward-fn", lambda s: s["reward_fn"] is not None
+    )
     """With --reward-fn: the reward a response needs to count as correct (reward/accuracy)."""
-    format_reward: float = 0.0
+    format_reward: float = applies(0.0, "to --task math", lambda s: s["task"] == "math")
     """math task: the reward of a final answer (\\boxed{} or ####) that is wrong."""
-    eval_data_path: str | None = None
+    eval_data_path: str | None = applies(
+        None, "with --eval-interval > 0", lambda s: s["eval_interval"] > 0
+    )
     """Held-out prompt files (as --data-path): greedy completions scored every --eval-interval
     RL steps (eval/accuracy, eval/reward), no training on them."""
-    eval_interval: int = 0
+    eval_interval: int = applies(
+        0, "with --eval-data-path", lambda s: s["eval_data_path"] is not None
+    )
     """Evaluate every N RL steps (0: never)."""
-    eval_samples: int | None = None
+    eval_samples: int | None = applies(
+        None, "with --eval-data-path and --eval-interval > 0", _evaluation
+    )
     """Evaluate at most this many held-out prompts (default: all)."""
 
     def __post_init__(self):
@@ -79,14 +103,6 @@ class DataConfig:
         if not needs_data and self.data_path is not None:
             reject("data_path", self.data_path, f"--task {self.task} generates its prompts; use "
                    "--task jsonl or math for a data file")  # fmt: skip
-        for name in ("task_digits", "task_operators"):
-            if getattr(self, name) is not None and self.task not in ARITHMETIC_TASKS:
-                reject(name, getattr(self, name), f"applies to --task {' or '.join(ARITHMETIC_TASKS)}, "
-                       f"not {self.task}")  # fmt: skip
-        if self.format_reward and self.task != "math":
-            reject("format_reward", self.format_reward, "applies to --task math")
-        if self.eval_interval and self.eval_data_path is None:
-            reject("eval_interval", self.eval_interval, "needs --eval-data-path")
 
     def _check_paths(self) -> None:
         if self.tokenizer_model is None:

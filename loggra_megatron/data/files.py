@@ -5,10 +5,13 @@ Each row needs a prompt column (``--prompt-key``, default ``prompt``: a non-empt
 a list of chat messages ``{"role", "content"}`` as verl's Parquet files hold) and an answer
 column (``--answer-key``, default ``answer``: a string or a number). A ``metadata`` column
 (an object) and every other column reach the reward function as metadata (a ``null``
-value is dropped: in a columnar file it marks a key the row does not have). A malformed row
-raises :class:`DatasetFormatError` naming ``file:line`` (JSONL) or ``file: row N`` (Parquet,
-1-based). pyarrow reads a JSONL column with one type: an ``answer`` column that mixes
-numbers and strings is refused at the first line that changes it (quote the numbers).
+value is dropped: in a columnar file it marks a key the row does not have). A chat prompt
+needs a user message. A malformed row raises :class:`DatasetFormatError` naming
+``file:line`` (JSONL) or ``file: row N`` (Parquet, 1-based). pyarrow reads a JSONL column
+with one type: a column (also a nested one, ``metadata.x``) that mixes numbers and strings
+is refused at the first line that changes it (quote the numbers). Rows of any length are
+read (pyarrow's block size follows the longest line), and integer answers keep every digit
+(pyarrow reads a column that mixes integers and decimals, or exceeds int64, as doubles).
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ class DatasetFormatError(ValueError):
 
 def data_files(spec: str) -> list[str]:
     """The files of ``spec``: a file, a directory (its ``*.jsonl``/``*.json``/``*.parquet``,
-    sorted) or a glob. Raises ``FileNotFoundError`` when there are none."""
+    sorted) or a glob. Raises ``FileNotFoundError`` when there are none, or when the
+    directory holds a directory named like a data file."""
     if os.path.isdir(spec):
         files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(FORMATS))
+        for path in files:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{path!r} is a directory, not a data file; point the flag at it (or at "
+                    "its files) instead"
+                )
     elif os.path.isfile(spec):
         files = [spec]
     else:
@@ -40,19 +50,29 @@ def data_files(spec: str) -> list[str]:
     return files
 
 
-def read_examples(spec: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """Validated examples ``{"prompt", "answer", "metadata"}`` of every file of ``spec``."""
+def read_examples(
+    spec: str,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    locations: list[str] | None = None,
+) -> list[dict]:
+    """Validated examples ``{"prompt", "answer", "metadata"}`` of every file of ``spec``;
+    ``locations``, if given, gets each one's ``file:line`` (``file: row N``)."""
     examples = []
     for path in data_files(spec):
-        rows, where = _read_rows(path)
+        rows, where = _read_rows(path, answer_key)
         for i, row in enumerate(rows):
-            examples.append(example_from_row(row, prompt_key, answer_key, lambda i=i, w=where: w(i)))
+            examples.append(
+                example_from_row(row, prompt_key, answer_key, lambda i=i, w=where: w(i))
+            )
+            if locations is not None:
+                locations.append(where(i))
     if not examples:
         raise DatasetFormatError(f"{spec}: no examples")
     return examples
 
 
-def _read_rows(path: str):
+def _read_rows(path: str, answer_key: str):
     """``(rows, where)``: the file's rows as dicts, and ``where(i)`` naming row ``i``."""
     import pyarrow as pa
 
@@ -66,22 +86,44 @@ def _read_rows(path: str):
         return rows, lambda i: f"{path}: row {i + 1}"
     import pyarrow.json as pj
 
+    lines, longest = _nonblank_lines(path)
+    block = max(pj.ReadOptions().block_size, 2 * longest)  # a row never straddles two blocks
     try:
-        rows = pj.read_json(path).to_pylist()
+        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=block))
+        rows = table.to_pylist()
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
         raise DatasetFormatError(_diagnose_jsonl(path, str(e))) from None
-    lines = _nonblank_lines(path)
+    if answer_key in table.column_names and pa.types.is_floating(table[answer_key].type):
+        _exact_integers(path, rows, answer_key)
     return rows, lambda i: f"{path}:{lines[i]}"
 
 
-def _nonblank_lines(path: str) -> list[int]:
+def _nonblank_lines(path: str) -> tuple[list[int], int]:
+    """The numbers of the non-blank lines, and the longest line's length in bytes."""
+    numbers, longest = [], 0
     with open(path, "rb") as f:
-        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
+        for n, raw in enumerate(f, start=1):
+            longest = max(longest, len(raw))
+            if raw.strip():
+                numbers.append(n)
+    return numbers, longest
+
+
+def _exact_integers(path: str, rows: list[dict], key: str) -> None:
+    """Put back the integers of column ``key`` that pyarrow read as doubles (2^53 + 1 would
+    lose its last digit), read from the text with ``json``."""
+    with open(path, "rb") as f:
+        records = (json.loads(raw) for raw in f if raw.strip())
+        for row, record in zip(rows, records, strict=True):
+            value = record.get(key) if isinstance(record, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                row[key] = value
 
 
 def _diagnose_jsonl(path: str, arrow_message: str) -> str:
     """``file:line: why`` of the first line pyarrow could not read (a second, plain pass)."""
-    conflict = re.search(r"Column\(/(\w+)\) changed from (\w+) to (\w+)", arrow_message)
+    conflict = re.search(r"Column\(/([^)]+)\) changed from (\w+) to (\w+)", arrow_message)
+    column = conflict.group(1).split("/") if conflict else []
     first_type = None
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
@@ -97,13 +139,26 @@ def _diagnose_jsonl(path: str, arrow_message: str) -> str:
                 return f"{path}:{n}: invalid JSON: {e.msg}"
             if not isinstance(record, dict):
                 return f"{path}:{n}: expected a JSON object, got {type(record).__name__}"
-            if conflict and conflict.group(1) in record:
-                kind = _json_type(record[conflict.group(1)])
+            value = _nested(record, column) if conflict else _MISSING
+            if value is not _MISSING:
+                kind = _json_type(value)
                 first_type = first_type or kind
                 if kind != first_type:
-                    return (f"{path}:{n}: column {conflict.group(1)!r} changed from {first_type} "
+                    return (f"{path}:{n}: column {'.'.join(column)!r} changed from {first_type} "
                             f"to {kind} (each column needs one type; quote numbers as strings)")  # fmt: skip
     return f"{path}: {arrow_message}"
+
+
+_MISSING = object()
+
+
+def _nested(record: dict, keys: list[str]):
+    """``record[k1][k2]...``, or ``_MISSING`` where a level lacks the key."""
+    for key in keys:
+        if not isinstance(record, dict) or key not in record:
+            return _MISSING
+        record = record[key]
+    return record
 
 
 def _json_type(value) -> str:
@@ -117,13 +172,16 @@ def example_from_row(row: dict, prompt_key: str, answer_key: str, where) -> dict
     missing = [k for k in (prompt_key, answer_key) if row.get(k) is None]
     if missing:
         raise DatasetFormatError(
-            f"{where()}: missing required field(s) {missing} (have {sorted(row)}); each row needs "
+            f"{where()}: missing required field(s) {missing} (has "
+            f"{sorted(k for k, v in row.items() if v is not None)}); each row needs "
             f"{prompt_key!r} and {answer_key!r} (--prompt-key, --answer-key)"
         )
     prompt, answer = row[prompt_key], row[answer_key]
     _check_prompt(prompt, prompt_key, where)
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise DatasetFormatError(f"{where()}: {answer_key!r} must be a string or a number, got {answer!r}")
+        raise DatasetFormatError(
+            f"{where()}: {answer_key!r} must be a string or a number, got {answer!r}"
+        )
     if isinstance(answer, float) and not math.isfinite(answer):
         raise DatasetFormatError(f"{where()}: {answer_key!r} must be finite, got {answer!r}")
     if isinstance(answer, str) and not answer.strip():
@@ -152,4 +210,9 @@ def _check_prompt(prompt, key: str, where) -> None:
         raise DatasetFormatError(
             f"{where()}: {key!r} must be a non-empty string or a list of chat messages "
             f"{{'role': ..., 'content': ...}}, got {prompt!r}"
+        )
+    if not any(m["role"] == "user" for m in prompt):
+        raise DatasetFormatError(
+            f"{where()}: {key!r} has no user message (roles {[m['role'] for m in prompt]}); a "
+            "chat prompt needs the question as a user turn"
         )

@@ -39,10 +39,16 @@ class HuggingFaceTokenizer:
         path = os.path.join(self.model_path, "generation_config.json")
         if not os.path.isfile(path):
             return []
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        return [int(i) for i in ids if int(i) != self._tok.eos_token_id]
+        try:
+            with open(path, "rb") as f:
+                eos = json.loads(f.read()).get("eos_token_id")
+            ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            return [int(i) for i in ids if int(i) != self._tok.eos_token_id]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"--tokenizer-model {self.model_path!r}: {path} is not a readable generation "
+                f"config ({type(e).__name__}: {e}); fix or remove it"
+            ) from None
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (special tokens in the text are parsed, none are added)."""

@@ -24,13 +24,17 @@ positions ``[k·G, (k+1)·G)`` (it may straddle an epoch boundary), and DP rank 
 gets the contiguous slice ``[r·G/D, (r+1)·G/D)`` of it, as Megatron's samplers do. Every
 example is therefore seen exactly once per epoch across all ranks, and the whole position
 is one integer, ``consumed_samples``, which :meth:`PromptDataset.state_dict` returns for the
-checkpoint.
+checkpoint with the dataset's size, seed and a fingerprint of its contents, so that a resume
+over other prompts (even as many) is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
 
 import numpy as np
 
@@ -110,12 +114,22 @@ class PromptDataset:
     """Examples ``{"prompt", "answer", "metadata"}`` and their resumable batch stream.
 
     Build with :meth:`from_files` (``--data-path``), :meth:`builtin` (the offline
-    generator) or directly from a list of example dicts. ``seed`` fixes the epoch orders.
+    generator) or directly from a list of example dicts. ``seed`` fixes the epoch orders;
+    ``locations`` names each example in messages (``file:line``; default ``source: example
+    i``).
     """
 
-    def __init__(self, examples: Sequence[dict], *, seed: int = 0, source: str = "<memory>"):
+    def __init__(
+        self,
+        examples: Sequence[dict],
+        *,
+        seed: int = 0,
+        source: str = "<memory>",
+        locations: Sequence[str] | None = None,
+    ):
+        self.locations = list(locations or (f"{source}: example {i}" for i in range(len(examples))))
         self.examples = [
-            example_from_row(e, "prompt", "answer", lambda i=i: f"{source}: example {i}")
+            example_from_row(e, "prompt", "answer", lambda i=i: self.locations[i])
             for i, e in enumerate(examples)
         ]
         if not self.examples:
@@ -125,19 +139,29 @@ class PromptDataset:
         self.consumed_samples = 0
         self._order_epoch, self._order = -1, None
 
-    def filtered(self, keep) -> tuple[PromptDataset, list[int]]:
-        """A dataset of the examples for which ``keep(example)`` holds (same seed), and the
+    def filtered(self, keep: Callable[[int], bool]) -> tuple[PromptDataset, list[int]]:
+        """A dataset of the examples ``i`` for which ``keep(i)`` holds (same seed), and the
         indices of the dropped ones."""
         kept, dropped = [], []
-        for i, e in enumerate(self.examples):
-            (kept if keep(e) else dropped).append(i)
+        for i in range(len(self.examples)):
+            (kept if keep(i) else dropped).append(i)
         if not dropped:
             return self, []
         if not kept:
             raise DatasetFormatError(f"{self.source}: every example was dropped")
-        subset = PromptDataset([self.examples[i] for i in kept], seed=self.seed,
-                               source=f"{self.source} ({len(dropped)} dropped)")  # fmt: skip
+        subset = PromptDataset(
+            [self.examples[i] for i in kept],
+            seed=self.seed,
+            source=f"{self.source} ({len(dropped)} dropped)",
+            locations=[self.locations[i] for i in kept],
+        )
         return subset, dropped
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 (first 16 hex digits) of the examples, in order: equal for equal data."""
+        text = json.dumps(self.examples, sort_keys=True, default=str, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
     def from_files(
@@ -145,8 +169,9 @@ class PromptDataset:
         answer_key: str = "answer",
     ) -> PromptDataset:  # fmt: skip
         """JSONL / Parquet files: a file, a directory or a glob (:mod:`.files`)."""
-        spec = os.fspath(spec)
-        return cls(read_examples(spec, prompt_key, answer_key), seed=seed, source=spec)
+        spec, locations = os.fspath(spec), []
+        examples = read_examples(spec, prompt_key, answer_key, locations)
+        return cls(examples, seed=seed, source=spec, locations=locations)
 
     @classmethod
     def builtin(cls, kind: str, n: int, seed: int, **difficulty) -> PromptDataset:
@@ -221,14 +246,28 @@ class PromptDataset:
             "consumed_samples": self.consumed_samples,
             "seed": self.seed,
             "num_examples": len(self.examples),
+            "fingerprint": self.fingerprint,
         }
+
+    def state_problem(self, state: dict) -> str | None:
+        """Why ``state`` (a :meth:`state_dict`) is not a position in this dataset, or None.
+        States saved before fingerprints are compared by size and seed only."""
+        if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
+            return (
+                f"it is for {state['num_examples']} examples with seed {state['seed']}, this "
+                f"dataset ({self.source}) has {len(self.examples)} with seed {self.seed}"
+            )
+        if state.get("fingerprint", self.fingerprint) != self.fingerprint:
+            return (
+                f"it is for other examples (as many, but their contents differ: fingerprint "
+                f"{state['fingerprint']}, this dataset {self.fingerprint})"
+            )
+        return None
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the position; refuses a state from a different dataset or seed, which
         would silently resume a different order."""
-        if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
-            raise ValueError(
-                f"data state is for {state['num_examples']} examples with seed {state['seed']}, "
-                f"but this dataset ({self.source}) has {len(self.examples)} with seed {self.seed}"
-            )
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(f"data state: {problem}")
         self.consumed_samples = int(state["consumed_samples"])

@@ -209,6 +209,12 @@ class GPTModelArgs:
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> GPTModelArgs:
-        """Read arguments written by :meth:`save_json`."""
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """Read arguments written by :meth:`save_json`; ``ValueError`` naming the file if it
+        is not such a file."""
+        try:
+            with open(path, "rb") as f:
+                return cls.from_dict(json.loads(f.read()))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{path} is not a readable architecture file ({type(e).__name__}: {e})"
+            ) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive, reject
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, reject
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
@@ -18,6 +18,10 @@ ARCHITECTURE = (
 )  # fmt: skip
 """Fields a checkpoint fixes; :class:`~loggra_megatron.model.args.GPTModelArgs` has them too,
 under the same names (a converted model's other fields are only in its args file)."""
+
+
+def _full_recompute(s: dict) -> bool:
+    return s["recompute_granularity"] == "full"
 
 
 @dataclass
@@ -46,7 +50,9 @@ class ModelConfig:
     """bf16 weights and activations with fp32 master weights."""
     fp8_format: str | None = None
     """FP8 on Hopper via Transformer Engine: hybrid | e4m3."""
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: str = applies(
+        "tensorwise", "with --fp8-format", lambda s: s["fp8_format"] is not None
+    )
     """Transformer Engine FP8 recipe: tensorwise (current scaling, the RL default:
     docs/rollouts.md) | delayed | mxfp8 (Blackwell) | blockwise (not with the dynamic engine)."""
     transformer_impl: str = "auto"
@@ -54,10 +60,14 @@ class ModelConfig:
     recompute_granularity: str | None = None
     """Activation recompute: full (whole layers, with --recompute-method) | selective (the
     core attention only, Megatron's default module list)."""
-    recompute_method: str | None = None
+    recompute_method: str | None = applies(
+        None, "with --recompute-granularity full", _full_recompute
+    )
     """With full recompute: uniform (every --recompute-num-layers layers as one checkpoint)
     | block (the first --recompute-num-layers layers of each pipeline stage)."""
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None = applies(
+        None, "with --recompute-granularity full", _full_recompute
+    )
     """Layers per checkpoint (uniform) or recomputed layers per stage (block)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism: norms, dropout and residuals split over TP ranks
@@ -86,30 +96,38 @@ class ModelConfig:
         ])  # fmt: skip
         self._check_recompute()
         if self.hidden_size % self.num_attention_heads:
-            reject("hidden_size", self.hidden_size,
-                   f"must be divisible by --num-attention-heads {self.num_attention_heads}")
+            reject(
+                "hidden_size",
+                self.hidden_size,
+                f"must be divisible by --num-attention-heads {self.num_attention_heads}",
+            )
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
-            reject("num_query_groups", self.num_query_groups,
-                   f"must divide --num-attention-heads {self.num_attention_heads}")
+            reject(
+                "num_query_groups",
+                self.num_query_groups,
+                f"must divide --num-attention-heads {self.num_attention_heads}",
+            )
         if self.fp8_format is not None and self.transformer_impl == "local":
-            reject("fp8_format", self.fp8_format, "FP8 runs in Transformer Engine layers; use "
-                   "--transformer-impl transformer_engine (or auto), not local")
+            reject(
+                "fp8_format",
+                self.fp8_format,
+                "FP8 runs in Transformer Engine layers; use "
+                "--transformer-impl transformer_engine (or auto), not local",
+            )
         if self.fp8_format is not None and not self.bf16:
             reject("fp8_format", self.fp8_format, "FP8 training needs --bf16")
 
     def _check_recompute(self) -> None:
-        """Megatron-LM's rules: full recompute needs a method and a layer count; selective
-        takes neither."""
+        """Megatron-LM's rule: full recompute needs a method and a layer count (selective
+        takes neither: the fields declare it)."""
         full = self.recompute_granularity == "full"
         if full and (self.recompute_method is None or self.recompute_num_layers is None):
-            reject("recompute_granularity", "full", "needs --recompute-method {uniform,block} "
-                   "and --recompute-num-layers N (e.g. uniform 1: every layer)")
-        if not full and self.recompute_method is not None:
-            reject("recompute_method", self.recompute_method,
-                   "applies to --recompute-granularity full only")
-        if not full and self.recompute_num_layers is not None:
-            reject("recompute_num_layers", self.recompute_num_layers,
-                   "applies to --recompute-granularity full only")
+            reject(
+                "recompute_granularity",
+                "full",
+                "needs --recompute-method {uniform,block} "
+                "and --recompute-num-layers N (e.g. uniform 1: every layer)",
+            )
 
     def transformer_overrides(self) -> dict:
         """The ``TransformerConfig`` fields these settings set beyond the architecture:

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, valid_seed
 from loggra_megatron.optim.projection import PROJECTIONS
 from loggra_megatron.optim.registry import OPTIMIZERS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def _sketched(s: dict) -> bool:
+    return OPTIMIZERS[s["optimizer"]].sketched
+
+
+def _range_finder(s: dict) -> bool:
+    return _sketched(s) and s["loggra_projection"] == "range_finder"
+
+
+def loggra_setting(default):
+    """A LoGRA field: it applies to a sketching ``--optimizer`` only."""
+    return applies(default, "to --optimizer loggra (a sketching optimizer)", _sketched)
 
 
 @dataclass
@@ -20,7 +33,9 @@ class OptimConfig:
     """adam (Megatron's dense Adam) | loggra (see loggra_megatron.optim.registry)."""
     lr: float = 1e-5
     """Peak learning rate."""
-    min_lr: float = 0.0
+    min_lr: float = applies(
+        0.0, "with --lr-decay-style linear or cosine", lambda s: s["lr_decay_style"] != "constant"
+    )
     """Learning rate at the end of the decay."""
     lr_warmup_iters: int = 0
     """Optimizer steps of linear warm-up."""
@@ -40,9 +55,11 @@ class OptimConfig:
     """Shard optimizer state over data-parallel ranks (Megatron's ZeRO-1)."""
     overlap_grad_reduce: bool = False
     """Overlap the gradient reduce-scatter with the backward pass."""
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool = applies(
+        False, "with the distributed optimizer", lambda s: s["use_distributed_optimizer"]
+    )
     """Overlap the parameter all-gather with the next forward pass."""
-    grad_reduce_in_bf16: bool = False
+    grad_reduce_in_bf16: bool = applies(False, "with --bf16 parameters", lambda s: s["bf16"])
     """Accumulate and reduce-scatter gradients in bf16 instead of fp32 (needs --bf16). LoGRA
     then reads them without Megatron's fp32 copy (see --loggra-fp32-grad-copy)."""
 
@@ -65,27 +82,35 @@ class LoGRAConfig:
     :class:`~loggra_megatron.optim.megatron.factory.LoGRAOptimizerConfig` adds to Megatron's
     ``OptimizerConfig``."""
 
-    loggra_rank: int | None = None
+    loggra_rank: int | None = loggra_setting(None)
     """Sketch rank per weight matrix (default: hidden size / 8; clamped to min(m, n))."""
-    loggra_update_interval: int = 200
+    loggra_update_interval: int = applies(
+        200,
+        "to --optimizer loggra with a --loggra-projection that refreshes its basis",
+        lambda s: _sketched(s) and PROJECTIONS[s["loggra_projection"]].refreshes,
+    )
     """Optimizer steps between basis refreshes."""
-    loggra_projection: str = "range_finder"
+    loggra_projection: str = loggra_setting("range_finder")
     """range_finder | svd (GaLore baseline: the all-reduced Gram matrix) | random | identity."""
-    loggra_oversample: int = 8
+    loggra_oversample: int = applies(8, "to --loggra-projection range_finder", _range_finder)
     """Extra range-finder probe vectors."""
-    loggra_power_iters: int = 1
+    loggra_power_iters: int = applies(1, "to --loggra-projection range_finder", _range_finder)
     """Range-finder power iterations."""
-    loggra_min_dim: int = 64
+    loggra_min_dim: int = loggra_setting(64)
     """Matrices with a (TP-local) side shorter than this are updated densely."""
-    loggra_scale: float = 1.0
+    loggra_scale: float = loggra_setting(1.0)
     """α, multiplies the low-rank update."""
-    loggra_seed: int | None = None
+    loggra_seed: int | None = loggra_setting(None)
     """Base seed of the range finder's Gaussian test matrices (default: --seed; 0 outside
     pretrain_rl.py)."""
-    loggra_fp32_grad_copy: bool = False
+    loggra_fp32_grad_copy: bool = applies(
+        False,
+        "to --optimizer loggra with --grad-reduce-in-bf16",
+        lambda s: _sketched(s) and s["grad_reduce_in_bf16"],
+    )
     """With --grad-reduce-in-bf16: let Megatron copy every gradient shard to fp32 before the
     step (4 bytes/param) instead of LoGRA converting one weight at a time."""
-    loggra_param_remainders: bool = False
+    loggra_param_remainders: bool = loggra_setting(False)
     """Keep each bf16 weight's fp32 master as the weight plus a 16-bit remainder (exact, 2
     instead of 4 bytes/param; needs --bf16 and the distributed optimizer)."""
 
@@ -95,7 +120,7 @@ class LoGRAConfig:
             ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
             ("loggra_oversample", at_least(0), ">= 0"), ("loggra_power_iters", at_least(0), ">= 0"),
             ("loggra_min_dim", positive, ">= 1"), ("loggra_scale", positive, "> 0"),
-            ("loggra_seed", at_least(0), ">= 0"),
+            ("loggra_seed", valid_seed, "in [0, 2^63)"),
         ], owner=LoGRAConfig)  # fmt: skip
 
     def rank_for(self, hidden_size: int) -> int:

@@ -44,6 +44,7 @@ from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.projection import PROJECTIONS, align_basis, transport_moments
 
 _SEED_STRIDE = 1_000_003
+_SEED_MODULUS = 2**63  # seeds stay int64 (a checkpointed tensor) for any --seed below 2^63
 
 
 _DEFAULTS = LoGRAConfig()  # one declaration of the defaults (rank: 128 without a model)
@@ -254,12 +255,12 @@ def needs_refresh(steps_done: int, group: dict) -> bool:
 
 def basis_seed(base_seed: int, param_index: int) -> int:
     """Seed of one weight's test matrices: its index mixed with the optimizer's seed."""
-    return base_seed * _SEED_STRIDE + param_index
+    return (base_seed * _SEED_STRIDE + param_index) % _SEED_MODULUS
 
 
 def refresh_seed(basis_seed: int, steps_done: int, group: dict) -> int:
     """Seed of the Gaussian test matrix of one refresh: a function of state only."""
-    return basis_seed * _SEED_STRIDE + steps_done // group["update_interval"]
+    return (basis_seed * _SEED_STRIDE + steps_done // group["update_interval"]) % _SEED_MODULUS
 
 
 def refreshed_state(q_raw: torch.Tensor, state: dict, first: bool):

@@ -6,9 +6,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
 from loggra_megatron.rl.kl import ESTIMATORS
 from loggra_megatron.rl.losses import AGGREGATIONS
+
+
+def _reference_model(s: dict) -> bool:
+    return s["kl_coef"] > 0
+
+
+def _kl_control(s: dict) -> bool:
+    return s["kl_target"] is not None
 
 
 @dataclass
@@ -31,11 +39,13 @@ class GRPOConfig:
     """Dr.GRPO advantages: subtract the group mean only."""
     kl_coef: float = 0.0
     """β of the KL-to-reference loss (0: no reference model)."""
-    kl_ref_estimator: str = "k3"
+    kl_ref_estimator: str = applies("k3", "with --kl-coef > 0", _reference_model)
     """k1 | k2 | k3."""
-    kl_coef_target: float | None = None
+    kl_coef_target: float | None = applies(None, "with --kl-coef > 0", _reference_model)
     """Adaptive β (Ziegler et al. 2019): the KL-to-reference it steers to."""
-    kl_coef_horizon: float = 10000.0
+    kl_coef_horizon: float = applies(
+        10000.0, "with --kl-coef-target", lambda s: s["kl_coef_target"] is not None
+    )
     """Adaptive β horizon, in samples."""
 
     def __post_init__(self):
@@ -62,15 +72,15 @@ class KLControlConfig:
 
     kl_target: float | None = None
     """Target KL(π_θ ‖ π_new) per probe token of each optimizer step; None turns it off."""
-    kl_probe_fraction: float = 0.125
+    kl_probe_fraction: float = applies(0.125, "with --kl-target", _kl_control)
     """Fraction of each step's sequences used as probe (at least one sequence)."""
-    kl_estimator: str = "full"
+    kl_estimator: str = applies("full", "with --kl-target", _kl_control)
     """``full`` (exact, over the vocabulary) or ``k1`` / ``k2`` / ``k3`` (sampled tokens)."""
-    kl_max_backtracks: int = 2
+    kl_max_backtracks: int = applies(2, "with --kl-target", _kl_control)
     """TRPO-style safeguard: how many times η may be halved after the quadratic model."""
-    kl_backtrack_tolerance: float = 1.5
+    kl_backtrack_tolerance: float = applies(1.5, "with --kl-target", _kl_control)
     """Halve η while the probe KL of the scaled step exceeds this × ``kl_target``."""
-    kl_realized_interval: int = 1
+    kl_realized_interval: int = applies(1, "with --kl-target", _kl_control)
     """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, one_of, positive
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
 
 ROLLOUT_ENGINES = ("auto", "static", "dynamic")
 
@@ -17,7 +17,7 @@ class RolloutConfig:
     """Maximum response tokens."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
+    top_p: float = applies(1.0, "with --temperature > 0", lambda s: s["temperature"] > 0)
     """Nucleus sampling."""
     rollout_engine: str = "auto"
     """static (this project's KV-cached loop, CPU and GPU) | dynamic (Megatron-Core's

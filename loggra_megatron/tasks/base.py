@@ -12,7 +12,8 @@ reference completion is, and how a completion is scored.
   with one, the user message is the question followed by ``instruction``.
 * **Scoring.** ``reward`` (a float, or ``{"reward", "correct"}``) and ``is_correct`` (what
   ``reward/accuracy`` and ``eval/accuracy`` count). The default is the numeric answer after
-  ``####`` (:mod:`loggra_megatron.tasks.rewards`).
+  ``####`` (:mod:`loggra_megatron.tasks.rewards`); ``answer_problem`` says, before any
+  process group starts, why the task's scoring cannot read a reference answer.
 
 Adding a task: one file with a :class:`Task` subclass, one line in
 :data:`loggra_megatron.tasks.TASKS` (see ``docs/architecture.md``).
@@ -24,7 +25,7 @@ import random
 from typing import Any, ClassVar
 
 from loggra_megatron.data.prompts import INSTRUCTION, PROMPT_TEMPLATE, format_completion
-from loggra_megatron.tasks.rewards import default_reward, exact_match_numeric
+from loggra_megatron.tasks.rewards import default_reward, exact_match_numeric, parse_number
 
 
 class Task:
@@ -73,3 +74,10 @@ class Task:
 
     def is_correct(self, prompt: str, completion: str, answer: str, metadata: dict) -> bool:
         return exact_match_numeric(prompt, completion, answer, metadata) == 1.0
+
+    def answer_problem(self, answer: str) -> str | None:
+        """Why :meth:`reward` / :meth:`is_correct` cannot judge completions against the
+        reference ``answer`` (None: they can)."""
+        if parse_number(answer) is None:
+            return "is not a number, which this task's scoring compares (pass --reward-fn)"
+        return None

@@ -5,16 +5,25 @@ The final answer of a completion is the content of its last ``\\boxed{...}`` (br
 balanced), else the text after its first ``####`` up to the end of that line. The reward
 is 1 when math-verify finds it equivalent to the reference answer, ``--format-reward``
 (default 0) when there is a final answer that is wrong, 0 without one; ``is_correct`` is the
-equivalence. The chat instruction asks for ``\\boxed{}``, as Qwen's math models are trained to
+equivalence. Each (final answer, reference) pair is judged once (reward and verdict share
+it), within :data:`TIMEOUT_S` per parse and per comparison, and a final answer longer than
+:data:`MAX_ANSWER_CHARS` is wrong without being parsed: an adversarial ``\\boxed{}`` (a power
+tower, thousands of nested braces) costs seconds, not tens, and is never echoed. The chat instruction asks for ``\\boxed{}``, as Qwen's math models are trained to
 answer.
 """
 
 from __future__ import annotations
 
+import functools
+
 from loggra_megatron.data.prompts import ANSWER_MARKER
 from loggra_megatron.tasks.base import Task
 
 BOXED = "\\boxed{"
+TIMEOUT_S = 1
+"""math-verify's time limit (whole seconds: a SIGALRM) of one parse and of one comparison."""
+MAX_ANSWER_CHARS = 1000
+"""A final answer longer than this is judged wrong without being parsed."""
 
 
 def extract_final_answer(completion: str) -> str | None:
@@ -33,16 +42,26 @@ def extract_final_answer(completion: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def equivalent(predicted: str, answer: str) -> bool:
-    """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``."""
+    """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``; a
+    time-out or a parse failure (never printed) is not equivalent."""
     from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
 
     def as_math(text: str):
         text = text.strip()
-        return parse(text if text.startswith("$") else f"${text}$")
+        text = text if text.startswith("$") else f"${text}$"
+        return parse(text, parsing_timeout=TIMEOUT_S, raise_on_error=True)
 
-    gold = as_math(answer)
-    return bool(gold) and verify(gold, as_math(predicted))
+    if len(predicted) > MAX_ANSWER_CHARS:
+        return False
+    try:
+        gold = as_math(answer)
+        target = as_math(predicted)
+        return bool(gold) and verify(gold, target, timeout_seconds=TIMEOUT_S, raise_on_error=True)
+    except (Exception, TimeoutException):  # sympy failing on the text, or a time-out
+        return False
 
 
 class MathTask(Task):
@@ -65,3 +84,6 @@ class MathTask(Task):
     def is_correct(self, prompt, completion, answer, metadata) -> bool:
         predicted = extract_final_answer(completion)
         return predicted is not None and equivalent(predicted, answer)
+
+    def answer_problem(self, answer: str) -> str | None:
+        return None  # any text: math-verify judges it (an unparsable one is never matched)

@@ -22,14 +22,17 @@ Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.data.prom
 * :func:`default_reward`: ``0.9·exact_match + 0.1·format`` ∈ {0, 0.1, 1}.
 
 :func:`load_reward_fn` takes a built-in name or ``"module:function"`` (the module may also
-be a path to a ``.py`` file). :func:`compute_rewards` applies a function to a batch and
-turns any failure (an exception, or a value that is not a finite real number) into a
-:class:`RewardFunctionError` naming the sample index and prompt, with the original
-traceback: a broken reward is never a silent zero.
+be a path to a ``.py`` file); a module that fails to import (a syntax error, an exception, a
+``sys.exit``) is a :class:`RewardSpecError` naming the flag and the error.
+:func:`compute_rewards` applies a function to a batch and turns any failure (an exception,
+``sys.exit``, ``KeyboardInterrupt``, ``os._exit``, or a value that is not a finite real
+number) into a :class:`RewardFunctionError` naming the sample index and prompt, with the
+original traceback: a broken reward is never a silent zero, nor a silent end of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -120,10 +123,16 @@ def _import_module(module_name: str, spec: str):
         module_spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            with _os_exit_raises():
+                module_spec.loader.exec_module(module)
+        except (Exception, SystemExit, KeyboardInterrupt, _OsExit) as e:
+            del sys.modules[name]
+            raise RewardSpecError(f"--reward-fn {spec!r}: {_import_failure(e)}") from None
         return module
     try:
-        return importlib.import_module(module_name)
+        with _os_exit_raises():
+            return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise RewardSpecError(
@@ -131,6 +140,49 @@ def _import_module(module_name: str, spec: str):
                 f"(is it on PYTHONPATH? sys.path[0] = {sys.path[0]!r})"
             ) from e
         raise RewardSpecError(f"--reward-fn {spec!r}: importing {module_name!r} failed: {e}") from e
+    except (Exception, SystemExit, KeyboardInterrupt, _OsExit) as e:
+        raise RewardSpecError(f"--reward-fn {spec!r}: {_import_failure(e)}") from None
+
+
+def _import_failure(e: BaseException) -> str:
+    """What went wrong importing a reward module, with the file and line where known."""
+    if isinstance(e, SyntaxError):
+        return f"{e.filename}:{e.lineno}: syntax error: {e.msg}"
+    if isinstance(e, SystemExit | _OsExit):
+        return f"importing the module called {_exit_call(e)}"
+    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    where = f" at {frame.filename}:{frame.lineno}" if frame else ""
+    return f"importing the module raised {type(e).__name__}: {e}{where}"
+
+
+class _OsExit(BaseException):
+    """``os._exit(code)`` called by a reward function (see :func:`_os_exit_raises`)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+def _exit_call(e: BaseException) -> str:
+    return f"os._exit({e.code!r})" if isinstance(e, _OsExit) else f"sys.exit({e.code!r})"
+
+
+@contextlib.contextmanager
+def _os_exit_raises():
+    """While user reward code runs, ``os._exit`` in this process raises :class:`_OsExit`
+    instead of ending the run without a word (a child process it forks exits as usual)."""
+    real, pid = os._exit, os.getpid()
+
+    def refuse(code):
+        if os.getpid() != pid:
+            real(code)
+        raise _OsExit(code)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -175,7 +227,9 @@ class RewardFunctionError(RuntimeError):
         self.fn_name, self.index, self.prompt = fn_name, index, prompt
         self.problem, self.traceback_text = problem, traceback_text
         excerpt = prompt if len(prompt) <= 200 else prompt[:200] + "..."
-        message = f"reward function {fn_name} {problem} on sample {index}{where} (prompt: {excerpt!r})"
+        message = (
+            f"reward function {fn_name} {problem} on sample {index}{where} (prompt: {excerpt!r})"
+        )
         if traceback_text:
             message += f"\n\nOriginal traceback:\n{traceback_text}"
         super().__init__(message)
@@ -205,7 +259,8 @@ def compute_rewards(
     """``(rewards, correct)`` of ``fn`` on each sample; raises :class:`RewardFunctionError`
     if ``fn`` raises (``sys.exit`` included) or returns anything but a finite real number
     or ``{"reward": number, "correct": bool}``. ``correct`` comes from ``is_correct`` (a
-    task's verdict) when given, else from the returned dict, else reward ≥ threshold."""
+    task's verdict) when given, else from the returned dict, else reward ≥ threshold.
+    ``KeyboardInterrupt`` and ``os._exit`` in ``fn`` are failures of ``fn`` too."""
     n = len(prompts)
     if metadatas is None:
         metadatas = [{}] * n
@@ -223,11 +278,12 @@ def compute_rewards(
 
         def call(f, i=i):
             try:
-                return f(prompts[i], completions[i], answers[i], metadatas[i])
-            except (Exception, SystemExit) as e:  # a user's sys.exit() must not end the run
+                with _os_exit_raises():
+                    return f(prompts[i], completions[i], answers[i], metadatas[i])
+            except (Exception, SystemExit, KeyboardInterrupt, _OsExit) as e:  # must not end the run
                 tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-                what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised"
-                raise fail(what, tb, f=f) from e
+                exits = isinstance(e, SystemExit | _OsExit)
+                raise fail(f"called {_exit_call(e)}" if exits else "raised", tb, f=f) from e
 
         value = call(fn)
         verdict = bool(call(is_correct)) if is_correct is not None else None

@@ -39,8 +39,8 @@ def gpt_model(cfg, args, device, trainable: bool):
     overrides = dict(use_cpu_initialization=device.type == "cpu",
                      **fused_kernels(device.type, use_te), **m.transformer_overrides())  # fmt: skip
     model = build_gpt_model(args, use_te=use_te, **overrides)
-    if cfg.start.mode == "converted":
-        load_megatron_checkpoint(model, cfg.start.converted_dir)
+    if cfg.start.mode == "converted":  # verified once; the reference becomes the policy
+        load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
     if m.bf16:
         model = Float16Module(model.config, model)
     if not trainable:

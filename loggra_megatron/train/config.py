@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import at_least, check_fields, positive
+from loggra_megatron.config import applies, at_least, check_fields, positive, valid_seed
 
 
 @dataclass
@@ -15,7 +15,11 @@ class TrainingConfig:
     """RL steps (each: rollout, rewards, then --ppo-epochs passes of optimizer steps)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
-    log_prob_micro_batch_size: int | None = None
+    log_prob_micro_batch_size: int | None = applies(
+        None,
+        "with a reference model (--kl-coef > 0) or --kl-target",
+        lambda s: s["kl_coef"] > 0 or s["kl_target"] is not None,
+    )
     """Sequences per micro-batch of the forward-only passes (reference log-probs; default:
     --micro-batch-size)."""
     global_batch_size: int = 8
@@ -27,14 +31,14 @@ class TrainingConfig:
     were skipped for a non-finite gradient norm or predicted KL (0: never stop)."""
     sft_iters: int = 0
     """Supervised warm-up steps on the tasks' reference solutions before RL."""
-    sft_lr: float | None = None
+    sft_lr: float | None = applies(None, "with --sft-iters > 0", lambda s: s["sft_iters"] > 0)
     """Learning rate of the warm-up (default: --lr)."""
 
     def __post_init__(self):
         check_fields(self, [
             ("train_iters", at_least(0), ">= 0"), ("micro_batch_size", positive, ">= 1"),
             ("log_prob_micro_batch_size", positive, ">= 1"),
-            ("global_batch_size", positive, ">= 1"), ("seed", at_least(0), ">= 0"),
+            ("global_batch_size", positive, ">= 1"), ("seed", valid_seed, "in [0, 2^63)"),
             ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
             ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),
         ])  # fmt: skip

@@ -63,6 +63,7 @@ class OptimizerStep:
         return self.kl_controller.reference_collector(num_sequences)
 
     def __call__(self, mini: dict, reference=None) -> dict[str, float]:
+        lr = self.scheduler.optimizer.param_groups[0]["lr"]  # the rate this step uses
         if self.kl_controller is None:
             prepared = self.stepper.step()
             ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
@@ -74,6 +75,7 @@ class OptimizerStep:
             self.scheduler.step(1)
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
         metrics["optimizer/skipped_steps"] = 0.0 if ok else 1.0
+        metrics["lr"] = lr
         if grad_norm is not None:
             metrics["grad/norm"] = float(grad_norm)
         return metrics

@@ -149,7 +149,7 @@ class RLTrainer:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
         metrics.update({
-            "kl/coef": self.kl_coef.value, "lr": self.optimizer.param_groups[0]["lr"],
+            "kl/coef": self.kl_coef.value,
             "optimizer/skipped_steps_total": float(self.skips.total),
             "data/dropped_prompts": float(self.host.dropped_prompts),
             "time/step_s": step_time, "time/experience_s": t_experience, "time/train_s": t_train,
@@ -228,17 +228,23 @@ class RLTrainer:
     def _load(self) -> None:
         """Load what ``cfg.start`` says: a full resume, or the policy's weights only."""
         from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
+        from loggra_megatron.checkpointing.integrity import verified_checkpoint
 
-        start, verify = self.cfg.start, self.cfg.checkpoint.checkpoint_checksums
+        start = self.cfg.start
         if start.mode not in ("resume", "weights"):
             return
         try:
+            ref = start.checkpoint
+            if self.cfg.checkpoint.checkpoint_checksums:  # a corrupted one: an older one
+                ref = verified_checkpoint(ref)
+                new = ref.warnings[len(start.checkpoint.warnings) :]
+                self._log(*(f" --load: {w}" for w in new))
             if start.mode == "weights":  # the fp32 masters must follow the loaded weights
-                load_checkpoint(start.checkpoint, [self.policy], None, verify=verify)
+                load_checkpoint(ref, [self.policy], None, verify=False)
                 self.optimizer.reload_model_params()
                 return
-            common = load_checkpoint(start.checkpoint, [self.policy], self.optimizer,
-                                     extra_models=self._extra_models(), verify=verify)  # fmt: skip
+            common = load_checkpoint(ref, [self.policy], self.optimizer,
+                                     extra_models=self._extra_models(), verify=False)  # fmt: skip
         except (CheckpointError, ValueError) as e:
             raise TrainingStopped(str(e)) from None
         self.step = common["step"]
@@ -247,4 +253,4 @@ class RLTrainer:
                 component.load_state_dict(common[name])
         if "warmup" not in common:  # older checkpoints: always taken after the warm-up
             self.warmup.step = self.cfg.training.sft_iters
-        self._log(f" resumed from {start.checkpoint.path} at step {self.step}")
+        self._log(f" resumed from {ref.path} at step {self.step}")

@@ -1,0 +1,121 @@
+"""One live run per directory.
+
+Rank 0 of ``pretrain_rl.py`` holds a POSIX record lock (``fcntl.lockf``) on
+``DIR/pretrain_rl.lock`` in every directory the run writes (``--save`` and the output
+directory of ``metrics.jsonl``), from the end of its start-up checks until the process ends.
+The kernel (or the NFS lock manager) releases the lock whenever its holder ends, kill -9
+included, so the lock of a crashed run is stale by construction and the next run takes it;
+a second run while the first is alive (a scheduler's requeue race starting the same
+auto-resume command twice) is refused with exit status 2, naming the holder. The file's
+text (host, pid, start time of the holder) is only for that message: its presence means
+nothing.
+
+Once it holds the lock, a run checks that the directory is as it was when its start was
+planned (:func:`directory_state`: another run may have saved or logged in between; the
+command is then refused, and running it again plans from what is there), and removes the
+interrupted saves (``iter_N.tmp`` without a manifest) that a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+
+from loggra_megatron.checkpointing.layout import (
+    candidates,
+    read_tracker,
+    remove_interrupted_saves,
+)
+from loggra_megatron.config import ConfigError
+
+LOCK_FILE = "pretrain_rl.lock"
+
+
+def directory_state(directory: str) -> tuple:
+    """What a run's start plan depends on in ``directory``: the tracker, the iteration
+    directories and the size of ``metrics.jsonl``."""
+    from loggra_megatron.metrics import METRICS_FILE
+
+    metrics = os.path.join(directory, METRICS_FILE)
+    size = os.path.getsize(metrics) if os.path.isfile(metrics) else None
+    names = tuple(os.path.basename(path) for _, path in candidates(directory))
+    return read_tracker(directory), names, size
+
+
+class RunLock:
+    """The lock of one directory, held by this process until :meth:`release` or its end."""
+
+    def __init__(self, directory: str, fd: int):
+        self.directory, self._fd = directory, fd
+
+    @classmethod
+    def acquire(cls, directory: str, flag: str) -> RunLock:
+        """Take the lock of ``directory`` (created if needed), or raise ``ConfigError``
+        naming the live run that holds it."""
+        path = os.path.join(directory, LOCK_FILE)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"{flag} {directory!r}: cannot create {path} ({e})") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise ConfigError(f"{flag} {directory!r}: cannot lock {path} ({e})") from None
+            raise ConfigError(
+                f"{flag} {directory!r} is in use by another live run ({holder}); wait until it "
+                f"ends (its lock {path} is released then, even after kill -9), or choose "
+                f"another {flag}"
+            ) from None
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        return cls(directory, fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+
+def written_directories(cfg) -> dict[str, str]:
+    """``{real path: flag}`` of the directories a run writes: ``--save`` and the output
+    directory of ``metrics.jsonl``."""
+    out = {
+        os.path.realpath(cfg.metrics_dir): "--output-dir" if cfg.logging.output_dir else "--save"
+    }
+    if cfg.checkpoint.save is not None:
+        out[os.path.realpath(cfg.checkpoint.save)] = "--save"
+    return out
+
+
+def claim_run_directories(cfg, notes: list[str]) -> list[RunLock]:
+    """Rank 0, after the start-up checks: lock every directory the run writes, refuse the
+    run if one changed since its start was planned (``cfg.start.seen``), and remove
+    interrupted saves from ``--save`` (a note for each). Raises ``ConfigError``; on
+    success the locks are held."""
+    locks: list[RunLock] = []
+    try:
+        for directory, flag in written_directories(cfg).items():
+            locks.append(RunLock.acquire(directory, flag))
+            if directory_state(directory) != cfg.start.seen[directory]:
+                raise ConfigError(
+                    f"{flag} {directory!r} changed while this run started (another run saved "
+                    "or logged there); run the command again to plan from what is there now"
+                )
+    except ConfigError:
+        for lock in locks:
+            lock.release()
+        raise
+    if cfg.checkpoint.save is not None:
+        for path in remove_interrupted_saves(cfg.checkpoint.save):
+            notes.append(f"removed the interrupted save {path}")
+    return locks

@@ -1,0 +1,27 @@
+"""tools/convert_checkpoint.py for the tests: its main() imported by path, and the tensors of
+a Hugging Face safetensors directory."""
+
+import importlib.util
+import os
+
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+
+
+def cli_main(argv) -> int:
+    """tools/convert_checkpoint.py's main(), imported by path."""
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", CLI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def load_hf_dir(path) -> dict:
+    """``{name: tensor}`` of every ``*.safetensors`` file in ``path``."""
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
