@@ -8,11 +8,14 @@ import struct
 import subprocess
 import sys
 
+import pytest
 import torch
 from convert_cli import CLI, cli_main, load_hf_dir
 
 from loggra_megatron.model.args import GPTModelArgs
 from loggra_megatron.testing import run_distributed
+
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 TINY = GPTModelArgs(
     num_layers=2,

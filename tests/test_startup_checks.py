@@ -31,7 +31,7 @@ CHOICES = {
     "kl_estimator": "k3",
     "kl_ref_estimator": "k1",
     "recompute_method": "uniform",
-    "fp8_recipe": "tensorwise",
+    "fp8_recipe": "delayed",
     "task_operators": "+",
     "prompt_key": "question",
     "answer_key": "solution",
