@@ -20,7 +20,8 @@ Transformer Engine (FP8), as the TE 2.9-2.12 sources behave:
     which raises "Inplace update to inference tensor outside InferenceMode" on inference
     tensors exactly as on a GPU (other recipes: no-op, as in TE);
   - carry TE's ``is_first_microbatch`` flag (Megatron's ``set_is_first_microbatch``).
-* :func:`te_checkpoint`: Megatron's ``te_checkpoint`` (TE's ``checkpoint``), i.e.
+* :func:`te_checkpoint`: Megatron's ``te_checkpoint`` (TE's ``checkpoint``; in
+  ``transformer_block`` up to megatron-core 0.16, ``recompute`` from 0.17), i.e.
   ``tensor_parallel.checkpoint`` with the recompute phase visible to the linears.
 * :class:`SequenceParallelNorm`: TE's norms take sequence parallelism (their weight grads
   all-reduced over TP by ``finalize_model_grads``); the local spec's torch norm refuses it.
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import importlib
 import importlib.machinery
 import math
 import sys
@@ -187,6 +190,9 @@ def _swap_classes(spec, swaps: dict) -> None:
     if isinstance(spec, ModuleSpec):
         spec.module = swaps.get(spec.module, spec.module)
         _swap_classes(spec.submodules, swaps)
+    elif isinstance(spec, functools.partial):  # 0.19: partial(MLP.as_mlp_submodule, ...)
+        for value in spec.keywords.values():
+            _swap_classes(value, swaps)
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             value = getattr(spec, field.name)
@@ -226,7 +232,11 @@ def install_transformer_engine() -> None:
     fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
     sys.modules.setdefault("transformer_engine", fake)
     specs.get_gpt_layer_with_transformer_engine_spec = te_layer_spec
-    block.te_checkpoint = te_checkpoint
+    for name in ("megatron.core.transformer.transformer_block", "megatron.core.recompute"):
+        with contextlib.suppress(ImportError):  # 0.17+ recomputes in megatron.core.recompute
+            module = importlib.import_module(name)
+            if hasattr(module, "te_checkpoint"):
+                module.te_checkpoint = te_checkpoint
     block.LayerNormImpl = SequenceParallelNorm  # the final norm
     fp8_utils.prepare_model_for_fp8_inference = prepare_model_for_fp8_inference
     fp8_utils._fp8_inference_wrapped_modules = _WRAPPED
