@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.config import KLControlConfig
-from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
@@ -41,7 +41,7 @@ def _tp_kl(rank):
     group = parallel_state.get_tensor_model_parallel_group()
     shard = slice(t * 64 // tp, (t + 1) * 64 // tp)
     kl = vocab_parallel_kl(z_old[..., shard], z_new[..., shard], group)
-    logp = vocab_parallel_log_probs(z_old[..., shard], targets, shard.start, group)
+    logp = vocab_parallel_log_probs(z_old[..., shard], targets, group)
     return kl, logp, vocab_parallel_kl(z_old, z_new), vocab_parallel_log_probs(z_old, targets)
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
-from loggra_megatron.rl.kl import ESTIMATORS
+from loggra_megatron.model.vocab_parallel import ESTIMATORS
 from loggra_megatron.rl.losses import AGGREGATIONS
 
 

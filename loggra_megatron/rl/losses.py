@@ -52,7 +52,7 @@ import math
 
 import torch
 
-from loggra_megatron.rl.kl import sampled_kl
+from loggra_megatron.model.vocab_parallel import sampled_kl
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean")
 _MAX_LOG_RATIO = 20.0  # exp(20) ≈ 4.9e8: keeps ρ finite in fp32 for wildly stale tokens
