@@ -43,7 +43,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from loggra_megatron.data.prompts import ANSWER_MARKER
+from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 RewardFn = Callable[[str, str, str, dict], float]
 
