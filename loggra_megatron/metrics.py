@@ -67,6 +67,11 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     """TensorBoard event directory."""
 
+    def metrics_dir(self, save: str | None) -> str:
+        """Where ``metrics.jsonl`` goes: --output-dir, else ``save`` (--save), else
+        ./outputs/rl."""
+        return self.output_dir or save or os.path.join("outputs", "rl")
+
 
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20

@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
+from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import memory_metrics, reduce_metrics
+from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
 
 __all__ = ["RLTrainer", "TrainingStopped"]
@@ -34,7 +36,7 @@ __all__ = ["RLTrainer", "TrainingStopped"]
 class RLTrainer:
     """Builds the components of a run (:meth:`setup`) and runs the RL loop (:meth:`train`)."""
 
-    def __init__(self, cfg, host):
+    def __init__(self, cfg: RunConfig, host: Preflight):
         self.cfg, self.host = cfg, host
         self.step = 0
         """RL steps done (the checkpoint iteration)."""
@@ -75,11 +77,28 @@ class RLTrainer:
         step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
         self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
-        self.experience = ExperienceMaker(self.policy, self.reference, host, cfg)
+        self.experience = ExperienceMaker(
+            self.policy,
+            self.reference,
+            host.tokenizer,
+            host.renderer,
+            host.scoring,
+            cfg.rollout,
+            cfg.grpo,
+            cfg.training.seed,
+            cfg.training.forward_micro_batch_size,
+        )
         self._log(f" rollouts: {self.experience.engine} engine"
                   + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
-        self.evaluator = (Evaluator(self.experience, host.eval_dataset, cfg, self.dp_group)
-                          if host.eval_dataset is not None else None)  # fmt: skip
+        self.evaluator = None
+        if host.eval_dataset is not None:
+            self.evaluator = Evaluator(
+                self.experience,
+                host.eval_dataset,
+                cfg.data,
+                cfg.grpo.rollout_batch_size,
+                self.dp_group,
+            )
         self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, host, cfg, self.device,
                                        ps.get_data_parallel_rank())  # fmt: skip
         self._load()

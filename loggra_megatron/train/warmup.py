@@ -10,9 +10,17 @@ position, and stops at a step boundary when asked (SIGTERM), leaving a consisten
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from loggra_megatron.rl.actor import combine_micro_metrics, global_counts, sft_loss_fn
+from loggra_megatron.rl.actor import Actor, combine_micro_metrics, global_counts, sft_loss_fn
+from loggra_megatron.train.preflight import Preflight
+from loggra_megatron.train.run_config import RunConfig
+from loggra_megatron.train.steps import SkipCounter
+
+if TYPE_CHECKING:  # imports Megatron
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 
 class ConstantLR:
@@ -30,7 +38,16 @@ class ConstantLR:
 
 
 class SupervisedWarmup:
-    def __init__(self, actor, stepper, skips, host, cfg, device, dp_rank: int):
+    def __init__(
+        self,
+        actor: Actor,
+        stepper: MegatronStepper,
+        skips: SkipCounter,
+        host: Preflight,
+        cfg: RunConfig,
+        device: torch.device,
+        dp_rank: int,
+    ):
         self.actor, self.stepper, self.skips = actor, stepper, skips
         self.dataset, self.device = host.dataset, device
         self.tokenizer, self.renderer, self.task = host.tokenizer, host.renderer, host.task
