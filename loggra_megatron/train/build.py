@@ -12,6 +12,8 @@ import torch
 from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.model.args import GPTModelArgs
 from loggra_megatron.rl.kl_control import PredictedKLController
+from loggra_megatron.rl.losses import AdaptiveKLCoefficient
+from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLoss
 from loggra_megatron.train.run_config import RunConfig
 
 if TYPE_CHECKING:  # Megatron is imported when a builder runs
@@ -75,6 +77,16 @@ def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimi
     from loggra_megatron.optim.registry import OPTIMIZERS
 
     return OPTIMIZERS[cfg.optimizer.optimizer].build(cfg.optimizer, cfg.loggra, [policy])
+
+
+def policy_loss(cfg: RunConfig, kl_coef: AdaptiveKLCoefficient) -> PolicyLoss:
+    """``--policy-loss`` from the registry, on this TP rank's vocab-parallel logits (β:
+    ``kl_coef``, read at each call; ``--max-new-tokens``: the Dr.GRPO constant)."""
+    from megatron.core import parallel_state as ps
+
+    loss = POLICY_LOSSES[cfg.loss.policy_loss]
+    tp_group = ps.get_tensor_model_parallel_group()
+    return loss(cfg.loss, cfg.rollout.max_new_tokens, kl_coef, tp_group)
 
 
 def updates_per_rl_step(cfg: RunConfig) -> int:

@@ -9,6 +9,7 @@
 | loggra | :class:`~loggra_megatron.optim.config.LoGRAConfig` | LoGRA |
 | rollout | :class:`~loggra_megatron.rollout.config.RolloutConfig` | rollout sampling |
 | grpo | :class:`~loggra_megatron.rl.config.GRPOConfig` | the GRPO/PPO update |
+| loss | :class:`~loggra_megatron.rl.policy_loss.PolicyLossConfig` | the policy loss |
 | kl_control | :class:`~loggra_megatron.rl.config.KLControlConfig` | predicted-KL control |
 | data | :class:`~loggra_megatron.data.config.DataConfig` | prompts, tokenizer, reward |
 | checkpoint | :class:`~loggra_megatron.checkpointing.config.CheckpointConfig` | checkpoints |
@@ -32,6 +33,7 @@ from loggra_megatron.model.config import ModelConfig
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.parallel import ParallelConfig
 from loggra_megatron.rl.config import GRPOConfig, KLControlConfig
+from loggra_megatron.rl.policy_loss import PolicyLossConfig
 from loggra_megatron.rollout.config import RolloutConfig
 from loggra_megatron.train.config import TrainingConfig
 
@@ -43,6 +45,7 @@ SECTIONS = {
     "loggra": LoGRAConfig,
     "rollout": RolloutConfig,
     "grpo": GRPOConfig,
+    "loss": PolicyLossConfig,
     "kl_control": KLControlConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
@@ -61,6 +64,7 @@ class RunConfig:
     loggra: LoGRAConfig = field(default_factory=LoGRAConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl_control: KLControlConfig = field(default_factory=KLControlConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -76,7 +76,17 @@ class RLTrainer:
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
         step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
-        self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
+        loss = build.policy_loss(cfg, self.kl_coef)
+        t = cfg.training
+        self.actor = Actor(
+            self.policy,
+            self.optimizer,
+            step,
+            loss,
+            self.dp_group,
+            t.micro_batch_size,
+            t.global_batch_size,
+        )
         self.experience = ExperienceMaker(
             self.policy,
             self.reference,
@@ -153,8 +163,7 @@ class RLTrainer:
         exp = self.experience.make(self._next_prompts(), self.step)
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
-        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo,
-                                           cfg.rollout.max_new_tokens, self.kl_coef.value)  # fmt: skip
+        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
         metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group,
                                  self.device)  # fmt: skip
