@@ -12,8 +12,9 @@ per rank. Each loss function returns its micro-batch's share of the *global* min
 :func:`global_counts`). Megatron's schedule divides each micro-batch loss by ``k`` and DDP
 averages gradients over DP, so :func:`loss_func` multiplies by ``k·DP``: the gradient that
 reaches the optimizer is the gradient of the global loss, whatever the DP size and
-micro-batch split. The reported ``loss/*`` metrics are summed the same way
-(:func:`combine_micro_metrics`).
+micro-batch split. The reported ``loss/*`` metrics are summed the same way, over the
+micro-batches here and over the DP ranks by the trainer (their declared reductions,
+:mod:`loggra_megatron.metric_keys`).
 
 Tensor parallelism: logits are vocab-parallel (``[b, s, V/TP]``) and never gathered; the
 losses read their log-probs through :mod:`loggra_megatron.model.vocab_parallel`, whose
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
 from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
 from loggra_megatron.rl.kl_control import ReferenceCollector
 from loggra_megatron.rl.policy_loss import PolicyLoss
@@ -51,11 +53,6 @@ class OptimizerStepFn(Protocol):
         ...
 
     def __call__(self, mini: dict[str, torch.Tensor], reference=None) -> dict[str, float]: ...
-
-
-SUMMED_KEYS = ("optimizer/skipped_steps", "time/kl_control_s")
-"""Per-update metrics an RL step reports as totals over its updates (the others: means):
-counts, and times that add up to a share of ``time/step_s``."""
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
@@ -109,19 +106,6 @@ def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
     ]
 
 
-def combine_micro_metrics(outs: list[dict], dp: int) -> dict[str, float]:
-    """Per-micro-batch metrics of one mini-batch: the ``loss/*`` terms are this rank's
-    shares of the global loss (summed, then × DP so that the DP mean is the global sum);
-    the others are averaged."""
-    if not outs:
-        return {}
-    combined = {}
-    for key in outs[0]:
-        values = [float(o[key]) for o in outs]
-        combined[key] = sum(values) * dp if key.startswith("loss/") else sum(values) / len(values)
-    return combined
-
-
 class Actor:
     """Trains the policy with ``loss``: mini-batches of ``global_batch_size / DP`` sequences,
     each run as micro-batches of ``micro_batch_size`` through Megatron's schedule and
@@ -147,7 +131,8 @@ class Actor:
 
     def update_policy(self, batch: dict[str, torch.Tensor], ppo_epochs: int) -> dict[str, float]:
         """``ppo_epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
-        the means over the updates of their metrics (counts for ``SUMMED_KEYS``)."""
+        the metrics of the updates, each combined over micro-batches and updates as
+        declared (:mod:`loggra_megatron.metric_keys`)."""
         sums, n = {}, 0
         for _ in range(ppo_epochs):
             for start in range(0, len(batch["tokens"]), self.per_rank):
@@ -158,12 +143,12 @@ class Actor:
                 keep = self.optimizer_step.reference_collector(len(mini["tokens"]))
                 outs = self.train_on(mini, loss_fn if keep is None else keep.wrap(loss_fn))
                 step_metrics = self.optimizer_step(mini, keep.result() if keep else None)
-                for key, value in combine_micro_metrics(outs, self.dp).items():
+                for key, value in combine_micro_batches(outs).items():
                     sums[key] = sums.get(key, 0.0) + value
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 n += 1
-        return {k: v if k in SUMMED_KEYS else v / n for k, v in sums.items()}
+        return combine_updates(sums, n)
 
     def train_on(self, mini: dict, loss_fn: LossFn) -> list[dict]:
         """Forward + backward of one mini-batch; the per-micro-batch metrics."""

@@ -167,8 +167,6 @@ class RLTrainer:
         t_train = time.perf_counter() - t1
         metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group,
                                  self.device)  # fmt: skip
-        if "throughput/rollout_tokens_per_s" in metrics:  # DP ranks generate side by side
-            metrics["throughput/rollout_tokens_per_s"] *= dist.get_world_size(self.dp_group)
         if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
         step_time = time.perf_counter() - t0
