@@ -95,8 +95,8 @@ class RLTrainer:
             host.scoring,
             cfg.rollout,
             cfg.grpo,
-            cfg.training.seed,
-            cfg.training.forward_micro_batch_size,
+            t.seed,
+            t.forward_micro_batch_size,
         )
         self._log(f" rollouts: {self.experience.engine} engine"
                   + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
