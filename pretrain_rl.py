@@ -13,7 +13,7 @@ import sys
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.checkpointing.run_lock import claim_run_directories
 from loggra_megatron.config import ConfigError
-from loggra_megatron.preflight import preflight
+from loggra_megatron.train.preflight import preflight
 from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
 
@@ -32,7 +32,9 @@ def main(argv=None) -> None:
     try:
         host = preflight(cfg)  # tokenizer, reward, data, resume checks: still no process group
         # rank 0 holds the run lock of --save and the output directory until the run ends
-        locks = claim_run_directories(cfg, host.notes) if _rank() == 0 else []
+        locks = []
+        if _rank() == 0:
+            locks = claim_run_directories(cfg.checkpoint, cfg.logging, cfg.start.seen, host.notes)
     except ConfigError as e:
         _fail(str(e), 2)
     try:

@@ -1,19 +1,6 @@
 """The command line of ``pretrain_rl.py``: Megatron-LM-style flags generated from the
-settings dataclass each component owns.
-
-| section | settings | owner |
-|---|---|---|
-| model | :class:`~loggra_megatron.model.config.ModelConfig` | the policy model |
-| parallel | :class:`~loggra_megatron.parallel.ParallelConfig` | process groups |
-| training | :class:`~loggra_megatron.train.config.TrainingConfig` | the training loop |
-| optimizer | :class:`~loggra_megatron.optim.config.OptimConfig` | the optimizer |
-| loggra | :class:`~loggra_megatron.optim.config.LoGRAConfig` | LoGRA |
-| rollout | :class:`~loggra_megatron.rollout.config.RolloutConfig` | rollout sampling |
-| grpo | :class:`~loggra_megatron.rl.config.GRPOConfig` | the GRPO/PPO update |
-| kl_control | :class:`~loggra_megatron.rl.config.KLControlConfig` | predicted-KL control |
-| data | :class:`~loggra_megatron.data.config.DataConfig` | prompts, tokenizer, reward |
-| checkpoint | :class:`~loggra_megatron.checkpointing.config.CheckpointConfig` | checkpoints |
-| logging | :class:`~loggra_megatron.metrics.LoggingConfig` | metrics |
+settings dataclass each component owns (the sections of
+:class:`~loggra_megatron.train.run_config.RunConfig`).
 
 Each section checks its own fields; a field that applies only under a condition on other
 settings declares it, and one given while its condition fails is refused
@@ -29,81 +16,18 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-from dataclasses import dataclass, field
 
 import torch
 
-from loggra_megatron.checkpointing.config import CheckpointConfig
-from loggra_megatron.checkpointing.resume import StartPlan, check_resume, plan_start
+from loggra_megatron.checkpointing.resume import check_resume, plan_start
 from loggra_megatron.config import (
     ConfigError,
     add_flags,
     read_config_file,
     settings_that_do_not_apply,
 )
-from loggra_megatron.data.config import DataConfig
-from loggra_megatron.metrics import LoggingConfig
-from loggra_megatron.model.config import ModelConfig
-from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.registry import OPTIMIZERS
-from loggra_megatron.parallel import ParallelConfig
-from loggra_megatron.rl.config import GRPOConfig, KLControlConfig
-from loggra_megatron.rollout.config import RolloutConfig
-from loggra_megatron.train.config import TrainingConfig
-
-SECTIONS = {
-    "model": ModelConfig,
-    "parallel": ParallelConfig,
-    "training": TrainingConfig,
-    "optimizer": OptimConfig,
-    "loggra": LoGRAConfig,
-    "rollout": RolloutConfig,
-    "grpo": GRPOConfig,
-    "kl_control": KLControlConfig,
-    "data": DataConfig,
-    "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
-}
-
-
-@dataclass
-class RunConfig:
-    """Every setting of a ``pretrain_rl.py`` run, by section."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    optimizer: OptimConfig = field(default_factory=OptimConfig)
-    loggra: LoGRAConfig = field(default_factory=LoGRAConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    kl_control: KLControlConfig = field(default_factory=KLControlConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    world_size: int = 1
-    """From torchrun's WORLD_SIZE."""
-    start: StartPlan = field(default_factory=StartPlan)
-    """How the run starts (fresh, resume, weights, converted): decided by :func:`parse_args`
-    from --load/--save, not a flag."""
-
-    @property
-    def data_parallel_size(self) -> int:
-        p = self.parallel
-        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
-
-    @property
-    def metrics_dir(self) -> str:
-        """Where ``metrics.jsonl`` goes: --output-dir, else --save, else ./outputs/rl."""
-        return self.logging.output_dir or self.checkpoint.save or os.path.join("outputs", "rl")
-
-    def flags(self) -> dict:
-        """``{field name: value}`` of every flag (``run_config.json``, resume comparisons)."""
-        return {k: v for section in SECTIONS for k, v in vars(getattr(self, section)).items()}
-
-    def to_dict(self) -> dict:
-        """The settings by section (W&B config), without the start plan."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "start"}
+from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,11 +67,11 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     for problem in settings_that_do_not_apply(SECTIONS.values(), cfg.flags(), explicit):
         parser.error(problem)
     try:
-        cfg.start = plan_start(cfg, explicit)
+        cfg.start = plan_start(cfg.checkpoint, cfg.logging, cfg.model, explicit)
         cfg.loggra.loggra_rank = cfg.loggra.rank_for(cfg.model.hidden_size)
         if cfg.loggra.loggra_seed is None:
             cfg.loggra.loggra_seed = cfg.training.seed
-        check_resume(cfg, cfg.start)
+        check_resume(cfg.flags(), cfg.start)
     except ConfigError as e:
         parser.error(str(e))
     problem = validate(cfg)
@@ -235,19 +159,19 @@ def _cross_section_problems(cfg: RunConfig):
     yield from _gpu_only_problems(cfg, tp)
 
 
-def _on_gpu(cfg) -> bool:
+def _on_gpu(cfg: RunConfig) -> bool:
     return cfg.parallel.device == "cuda" or (
         cfg.parallel.device == "auto" and torch.cuda.is_available()
     )
 
 
-def _te_layers(cfg) -> bool:
+def _te_layers(cfg: RunConfig) -> bool:
     impl = cfg.model.transformer_impl
     has_te = importlib.util.find_spec("transformer_engine") is not None
     return impl == "transformer_engine" or (impl == "auto" and _on_gpu(cfg) and has_te)
 
 
-def _gpu_only_problems(cfg, tp: int):
+def _gpu_only_problems(cfg: RunConfig, tp: int):
     """Settings that only Transformer Engine layers or a GPU can run."""
     if cfg.model.sequence_parallel and tp == 1:
         yield ("--sequence-parallel: splits the sequence over the TP ranks; it needs "

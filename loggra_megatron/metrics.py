@@ -26,8 +26,8 @@ anyway, the logger falls back to offline with a warning. Runs live under ``outpu
 
 Resume: the trainer calls ``truncate_after(k)`` when it resumes from a checkpoint taken
 after step ``k`` (``k = 0`` on a fresh start), dropping later lines, so the file of a
-resumed run equals that of an uninterrupted one. Keys and their meaning: ``METRIC_KEYS``
-(rendered in ``docs/metrics.md``).
+resumed run equals that of an uninterrupted one. Keys, their meaning and how they are
+reduced over ranks and updates: :mod:`loggra_megatron.metric_keys` (``docs/metrics.md``).
 """
 
 from __future__ import annotations
@@ -67,63 +67,14 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     """TensorBoard event directory."""
 
+    def metrics_dir(self, save: str | None) -> str:
+        """Where ``metrics.jsonl`` goes: --output-dir, else ``save`` (--save), else
+        ./outputs/rl."""
+        return self.output_dir or save or os.path.join("outputs", "rl")
+
 
 METRICS_FILE = "metrics.jsonl"
 ETA_WINDOW = 20
-
-METRIC_KEYS: dict[str, str] = {
-    "step": "RL step, 1-based (rollout + its optimizer updates; = the checkpoint iteration); "
-    "first JSONL key",
-    "loss/total": "policy loss + β·KL-to-reference loss (the loss that is back-propagated)",
-    "loss/policy": "PPO-clip / GRPO surrogate loss, aggregated as configured",
-    "loss/kl_ref": "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)",
-    "reward/mean": "mean reward over the rollout batch",
-    "reward/std": "standard deviation of the reward over the rollout batch",
-    "reward/accuracy": "fraction of responses judged correct by the task (or, with --reward-fn, "
-    "by the function's verdict or reward ≥ --accuracy-threshold)",
-    "kl/ref": "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model",
-    "kl/predicted": "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe",
-    "kl/predicted_committed": "predicted KL of the committed update η·Δθ (after backtracking)",
-    "kl/realized": "KL(π_θ ‖ π_θ') measured on held-out sequences after the step "
-    "(every kl_realized_interval steps)",
-    "kl/step_scale": "η, the scale applied to the update (1 = full step, 0 = skipped)",
-    "kl/backtracks": "number of times η was halved by the backtracking check",
-    "kl/coef": "β, the (adaptive) coefficient of the KL-to-reference loss",
-    "clip/fraction": "share of tokens whose PPO ratio was clipped (zero gradient)",
-    "ratio/mean": "token mean of the ratio π_θ / π_old",
-    "kl/old_new": "token-mean k3 estimate of KL(π_old ‖ π_θ), the sampling policy to the "
-    "policy being trained (grows over PPO epochs / mini-batches)",
-    "grad/norm": "global gradient L2 norm before clipping",
-    "optimizer/skipped_steps": "number of this step's optimizer updates that were skipped "
-    "(non-finite gradient norm or predicted KL; weights, state and LR schedule unchanged)",
-    "optimizer/skipped_steps_total": "skipped optimizer updates since the start of the run",
-    "memory/optimizer_state_bytes": "optimizer state bytes of rank 0 (exact, optim.state_bytes)",
-    "memory/peak_bytes": "peak allocated memory of rank 0 so far (CUDA max allocated; "
-    "peak RSS on CPU)",
-    "memory/kl_control_bytes": "extra memory of predicted-KL control (stored reference "
-    "+ candidate peak)",
-    "time/step_s": "wall time of the whole step (rollout + train + control), seconds",
-    "memory/kv_cache_bytes": "rollout KV cache of this rank: the largest chunk's static "
-    "cache (--inference-max-tokens), or the dynamic engine's buffer; mean over DP ranks",
-    "time/experience_s": "wall time of the experience: rollout generation, rewards and "
-    "reference log-probs, seconds",
-    "time/rollout_s": "wall time of rollout generation (sampling) alone, seconds",
-    "throughput/rollout_tokens_per_s": "generated tokens per second of generation, summed "
-    "over the DP ranks (they generate side by side)",
-    "time/train_s": "wall time of forward/backward and the optimizer step, seconds",
-    "time/kl_control_s": "wall time of predicted-KL control, summed over the step's updates, seconds",
-    "throughput/tokens_per_s": "prompt + response tokens of the batch (all ranks) per "
-    "second of step time",
-    "lr": "learning rate the step's optimizer updates used (their mean; before the η "
-    "scaling, and before the schedule advanced for the next step)",
-    "response/length_mean": "mean response length in tokens",
-    "data/dropped_prompts": "prompts removed from the dataset at start-up because they leave "
-    "no room for --max-new-tokens within --seq-length",
-    "eval/reward": "mean reward of greedy completions of the held-out prompts "
-    "(--eval-data-path; every --eval-interval steps)",
-    "eval/accuracy": "share of the held-out prompts answered correctly (the task's verdict)",
-    "time/eval_s": "wall time of the held-out evaluation, seconds",
-}
 
 # (metric key, progress-line label), in the order of the progress line.
 _PROGRESS = (

@@ -1,5 +1,7 @@
 """The actor's GRPO update through Megatron's schedule: TP=2 gives TP=1's weights."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -32,8 +34,9 @@ def _one_grpo_step(rank, pad_to: int = 1):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from loggra_megatron.model.forward import pad_micro_batch
-    from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
-    from loggra_megatron.rl.config import GRPOConfig
+    from loggra_megatron.rl.actor import forward_backward, split_micro
+    from loggra_megatron.rl.losses import AdaptiveKLCoefficient
+    from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
 
     model = tiny_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
                            use_cpu_initialization=True)  # fmt: skip
@@ -43,8 +46,10 @@ def _one_grpo_step(rank, pad_to: int = 1):
     opt = get_megatron_optimizer(config, [ddp])
     before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     batch = _grpo_batch()
-    loss_fn = grpo_loss_fn(GRPOConfig(), max_len=SEQ, kl_coef=0.1,
-                           num_tokens=float(batch["mask"].sum()), num_seqs=float(BATCH))  # fmt: skip
+    loss = PPOClipLoss(
+        PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.1), ps.get_tensor_model_parallel_group()
+    )
+    loss_fn = partial(loss, counts=(float(batch["mask"].sum()), float(BATCH)))
     micro = [pad_micro_batch(b, pad_to) for b in split_micro(batch, 4)]
     assert all((b["tokens"].shape[1] - 1) % pad_to == 0 for b in micro)
     outs = forward_backward(ddp, opt, micro, loss_fn, dp=1)
@@ -123,9 +128,9 @@ def test_sequence_multiple():
 def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
     """With 2 optimizer updates per RL step, ``time/kl_control_s`` adds up (it is compared
     with ``time/step_s``), skipped steps are counted, and the rest are means."""
-    from types import SimpleNamespace
-
     from loggra_megatron.rl.actor import Actor
+    from loggra_megatron.rl.losses import AdaptiveKLCoefficient
+    from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
 
     per_update = iter([{"time/kl_control_s": 0.25, "kl/step_scale": 1.0, "optimizer/skipped_steps": 0.0},
                        {"time/kl_control_s": 0.5, "kl/step_scale": 0.5, "optimizer/skipped_steps": 1.0}])  # fmt: skip
@@ -135,12 +140,11 @@ def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
         def __call__(self, mini, reference):
             return next(per_update)
 
-    actor = Actor(None, None, Step(), None, SimpleNamespace(micro_batch_size=1, global_batch_size=4))
+    loss = PPOClipLoss(PolicyLossConfig(clip_high=0.2), SEQ, AdaptiveKLCoefficient(0.0))
+    actor = Actor(None, None, Step(), loss, None, micro_batch_size=1, global_batch_size=4)
     actor.train_on = lambda mini, loss_fn: [{"loss/total": 1.0}]
     batch = _grpo_batch()
-    grpo = SimpleNamespace(ppo_epochs=1, kl_ref_estimator="k3", clip_low=0.2, clip_high=0.2,
-                           loss_aggregation="token_mean")  # fmt: skip
-    metrics = actor.update_policy(batch, grpo, SEQ, 0.0)  # 8 sequences, 4 per update
+    metrics = actor.update_policy(batch, ppo_epochs=1)  # 8 sequences, 4 per update
     assert metrics["time/kl_control_s"] == 0.75
     assert metrics["optimizer/skipped_steps"] == 1.0
     assert metrics["kl/step_scale"] == 0.75

@@ -14,15 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from loggra_megatron.data import (
-    DatasetFormatError,
-    PromptDataset,
-    format_completion,
-    format_prompt,
-    task_texts,
-)
+from loggra_megatron.data import DatasetFormatError, PromptDataset
 from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
 from loggra_megatron.tasks import generate_tasks, write_jsonl
+from loggra_megatron.tasks.prompt_format import format_completion, format_prompt, task_texts
 from loggra_megatron.tasks.rewards import (
     RewardFunctionError,
     RewardSpecError,

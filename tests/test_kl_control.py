@@ -1,13 +1,14 @@
 """Predicted-KL step control with real Megatron GPT policies (bf16, CPU/gloo)."""
 
 import logging
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.config import KLControlConfig
-from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
@@ -41,7 +42,7 @@ def _tp_kl(rank):
     group = parallel_state.get_tensor_model_parallel_group()
     shard = slice(t * 64 // tp, (t + 1) * 64 // tp)
     kl = vocab_parallel_kl(z_old[..., shard], z_new[..., shard], group)
-    logp = vocab_parallel_log_probs(z_old[..., shard], targets, shard.start, group)
+    logp = vocab_parallel_log_probs(z_old[..., shard], targets, group)
     return kl, logp, vocab_parallel_kl(z_old, z_new), vocab_parallel_log_probs(z_old, targets)
 
 
@@ -275,8 +276,9 @@ def test_fp32_models_are_refused_with_a_clear_error():
 def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     """The probe reference kept from a GRPO training forward (ReferenceCollector) against the
     controller's own probe forward at the same weights, then a step with the kept one."""
-    from loggra_megatron.rl.actor import forward_backward, grpo_loss_fn, split_micro
-    from loggra_megatron.rl.config import GRPOConfig
+    from loggra_megatron.rl.actor import forward_backward, split_micro
+    from loggra_megatron.rl.losses import AdaptiveKLCoefficient
+    from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
 
     if pad_to > 1:  # the schedule pads as under FP8 / sequence parallelism (this worker)
         import loggra_megatron.model.forward as forward_module
@@ -298,7 +300,9 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     mask[:, :3] = False
     batch = {"tokens": tokens, "mask": mask, "old": -4.0 + torch.zeros(len(tokens), SEQ),
              "adv": torch.randn(len(tokens), generator=gen)}  # fmt: skip
-    loss_fn = grpo_loss_fn(GRPOConfig(), SEQ, 0.0, float(mask.sum()) * 2, float(len(tokens)) * 2)
+    tp = ps.get_tensor_model_parallel_group()
+    loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.0), tp)
+    loss_fn = partial(loss, counts=(float(mask.sum()) * 2, float(len(tokens)) * 2))
     keep = ctl.reference_collector(len(tokens))
     forward_backward(ddp, opt, split_micro(batch, 1), keep.wrap(loss_fn), dp=2)
     kept = keep.result()

@@ -74,12 +74,12 @@ class LiveBytes(TorchDispatchMode):
 
 
 def test_logits_bytes_per_element_are_measured_on_the_log_prob_code():
-    """What the model charges per vocab-parallel logit is what ``rl/kl.py`` allocates:
-    12 B in a forward-only pass (fp32 logits, ``z − max``, its ``exp``), 16 B in the
-    training backward (the logits kept by the target gather, the ``exp`` backward's
+    """What the model charges per vocab-parallel logit is what ``model/vocab_parallel.py``
+    allocates: 12 B in a forward-only pass (fp32 logits, ``z − max``, its ``exp``), 16 B in
+    the training backward (the logits kept by the target gather, the ``exp`` backward's
     product, the gather backward's zeros and scatter), and 16 B per candidate logit of the
     full-vocabulary KL trial next to the kept reference logits."""
-    from loggra_megatron.rl.kl import vocab_parallel_kl, vocab_parallel_log_probs
+    from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
 
     b, s, v, h = 2, 16, 1024, 32
     n = b * s * v

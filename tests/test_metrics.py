@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from loggra_megatron import metrics as M
-from loggra_megatron.metrics import METRIC_KEYS, MetricsLogger, read_metrics, resolve_wandb_mode
+from loggra_megatron.metric_keys import (
+    METRICS,
+    combine_micro_batches,
+    combine_updates,
+    with_table,
+)
+from loggra_megatron.metrics import MetricsLogger, read_metrics, resolve_wandb_mode
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -212,7 +218,25 @@ def test_tensorboard_writes_events(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_docs_table_covers_metric_keys():
+def test_docs_table_is_generated_from_the_declarations():
     docs = DOCS.read_text()
-    missing = [key for key in METRIC_KEYS if f"| `{key}` |" not in docs]
-    assert not missing, f"docs/metrics.md lacks {missing}"
+    assert all(f"| `{key}` |" in docs for key in METRICS)
+    assert with_table(docs) == docs, (
+        "docs/metrics.md's table differs from loggra_megatron/metric_keys.py: run "
+        "`python -m loggra_megatron.metric_keys docs/metrics.md`"
+    )
+
+
+def test_reductions_follow_the_declarations():
+    micro = [{"loss/total": 0.25, "kl/ref": 0.1}, {"loss/total": 0.5, "kl/ref": 0.3}]
+    assert combine_micro_batches(micro) == {"loss/total": 0.75, "kl/ref": 0.2}  # share; mean
+    sums = {"loss/total": 1.5, "optimizer/skipped_steps": 1.0, "time/kl_control_s": 0.75}
+    assert combine_updates(sums, 3) == {
+        "loss/total": 0.5,
+        "optimizer/skipped_steps": 1.0,
+        "time/kl_control_s": 0.75,
+    }
+    with pytest.raises(KeyError, match="not declared"):
+        combine_micro_batches([{"my/metric": 1.0}])
+    with pytest.raises(KeyError, match="over updates"):
+        combine_updates({"reward/mean": 1.0}, 1)  # measured once per step, not per update

@@ -12,7 +12,8 @@ from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
-from loggra_megatron.metrics import METRIC_KEYS, read_metrics
+from loggra_megatron.metric_keys import METRICS
+from loggra_megatron.metrics import read_metrics
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -206,7 +207,7 @@ def _check_metrics(out_dir, steps):
     rows = read_metrics(out_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for row in rows:
-        assert set(row) <= set(METRIC_KEYS), set(row) - set(METRIC_KEYS)
+        assert set(row) <= set(METRICS), set(row) - set(METRICS)
         for key in ("loss/total", "reward/mean", "memory/optimizer_state_bytes", "time/step_s"):
             assert row[key] is not None and math.isfinite(row[key]), key
     return rows

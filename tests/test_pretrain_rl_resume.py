@@ -286,6 +286,7 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
     save.mkdir()
     (save / "metrics.jsonl").write_text('{"step": 1}\n')  # another run logged meanwhile
     with pytest.raises(ConfigError, match="changed while this run started"):
-        claim_run_directories(cfg, [])
-    for lock in claim_run_directories(parse_args(tiny_argv(tokenizer, save=save, load=save)), []):
+        claim_run_directories(cfg.checkpoint, cfg.logging, cfg.start.seen, [])
+    cfg = parse_args(tiny_argv(tokenizer, save=save, load=save))
+    for lock in claim_run_directories(cfg.checkpoint, cfg.logging, cfg.start.seen, []):
         lock.release()

@@ -10,10 +10,15 @@ from loggra_megatron.rl import (
     AdaptiveKLCoefficient,
     aggregate,
     group_advantages,
-    grpo_loss,
     kl_to_reference,
-    policy_loss,
     ppo_clip_per_token,
+)
+from loggra_megatron.rl.policy_loss import (
+    Aggregation,
+    ClippedSurrogate,
+    LossInputs,
+    PolicyLossConfig,
+    PPOClipLoss,
 )
 
 # ---------------------------------------------------------------------------- advantages
@@ -106,16 +111,23 @@ def test_clip_higher_is_asymmetric():
     assert sym_clipped[1, 1] and sym[1, 1].item() == pytest.approx(0.8)
 
 
+def _surrogate(logp, logp_old, adv, mask, aggregation="token_mean"):
+    """The policy loss's clipped-surrogate term (ε_low 0.2, ε_high 0.28) on given log-probs."""
+    inputs = LossInputs({"old": logp_old, "adv": adv, "mask": mask}, logp, Aggregation(aggregation))
+    return ClippedSurrogate(clip_low=0.2, clip_high=0.28)(inputs)
+
+
 def test_policy_loss_token_mean_and_metrics():
     logp, logp_old, adv = _ratio_batch()
     mask = torch.ones(2, len(RATIOS), dtype=torch.bool)
-    loss, metrics = policy_loss(logp, logp_old, adv, mask)
+    loss, metrics = _surrogate(logp, logp_old, adv, mask)
     assert loss.item() == pytest.approx(sum(LOSS_POS + LOSS_NEG) / 12, abs=1e-6)
-    assert metrics["clip_fraction"].item() == pytest.approx(3 / 12)
-    assert metrics["ratio_mean"].item() == pytest.approx(sum(RATIOS) / 6, abs=1e-6)
-    # approx_kl = k3 of KL(π_old ‖ π_θ): δ = log ρ, k3 = ρ − 1 − log ρ
+    assert metrics["loss/policy"] == loss.detach()
+    assert metrics["clip/fraction"].item() == pytest.approx(3 / 12)
+    assert metrics["ratio/mean"].item() == pytest.approx(sum(RATIOS) / 6, abs=1e-6)
+    # kl/old_new = k3 of KL(π_old ‖ π_θ): δ = log ρ, k3 = ρ − 1 − log ρ
     k3 = sum(r - 1 - math.log(r) for r in RATIOS) / 6
-    assert metrics["approx_kl"].item() == pytest.approx(k3, abs=1e-6)
+    assert metrics["kl/old_new"].item() == pytest.approx(k3, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -137,9 +149,9 @@ HAND = {
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_aggregations_hand_computed_with_padding(aggregation):
     assert aggregate(VALUES, MASK, aggregation).item() == pytest.approx(HAND[aggregation])
-    # policy_loss with ρ = 1 has per-token loss −A: same numbers through the full path
+    # the surrogate with ρ = 1 has per-token loss −A: same numbers through the full path
     logp = torch.zeros(3, 4)
-    loss, _ = policy_loss(logp, logp, -VALUES, MASK, aggregation=aggregation)
+    loss, _ = _surrogate(logp, logp, -VALUES, MASK, aggregation)
     assert loss.item() == pytest.approx(HAND[aggregation])
 
 
@@ -210,43 +222,71 @@ def _random_batch(seed=0, b=6, t=7):
     return logp, logp_old, logp_ref, adv, mask
 
 
+def _logits_batch(seed=0, b=6, t=7, vocab=5):
+    """A micro-batch as the loss reads it: ``logits [b, t, V]`` and the batch whose sampling
+    and reference log-probs lie around the logits' own (ratios around and past the clip)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 3, 1, 5, 0, 6])  # one all-padding row
+    tokens = torch.randint(0, vocab, (b, t + 1), generator=gen)
+    logits = torch.randn(b, t, vocab, generator=gen)
+    logp = logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    batch = {
+        "tokens": tokens,
+        "mask": torch.arange(t) < lengths[:, None],
+        "old": logp - 0.3 * torch.randn(b, t, generator=gen),
+        "ref": logp - 0.2 * torch.randn(b, t, generator=gen),
+        "adv": torch.randn(b, generator=gen),
+    }
+    return batch, logits
+
+
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batch_losses_sum_to_full_batch(aggregation):
-    logp, logp_old, logp_ref, adv, mask = _random_batch()
-    kw = dict(kl_coef=0.05, aggregation=aggregation, max_len=7)
+    batch, logits = _logits_batch()
+    mask = batch["mask"]
+    loss = PPOClipLoss(
+        PolicyLossConfig(loss_aggregation=aggregation),
+        max_len=7,
+        kl_coef=AdaptiveKLCoefficient(0.05),
+    )
 
-    def run(lp, sl, **denoms):
-        return grpo_loss(
-            lp[sl], logp_old[sl], adv[sl], mask[sl], logp_ref=logp_ref[sl], **kw, **denoms
-        )
+    def run(z, sl, counts=None):
+        return loss({k: v[sl] for k, v in batch.items()}, z[sl], counts)
 
-    full_logp = logp.clone().requires_grad_()
-    full, _ = run(full_logp, slice(None))
+    full_logits = logits.clone().requires_grad_()
+    full, _ = run(full_logits, slice(None))
     full.backward()
 
-    glob = dict(num_tokens_global=int(mask.sum()), num_seqs_global=int(mask.any(-1).sum()))
-    micro_logp = logp.clone().requires_grad_()
+    counts = (int(mask.sum()), int(mask.any(-1).sum()))
+    micro_logits = logits.clone().requires_grad_()
     total = torch.zeros(())
     for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):  # uneven; slice(2, 3) is 1 token
-        loss, metrics = run(micro_logp, sl, **glob)
-        loss.backward()
-        total += loss.detach()
-        assert metrics["loss/total"] == loss.detach()
+        micro, metrics = run(micro_logits, sl, counts)
+        micro.backward()
+        total += micro.detach()
+        assert metrics["loss/total"] == micro.detach()
     torch.testing.assert_close(total, full.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(micro_logp.grad, full_logp.grad, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(micro_logits.grad, full_logits.grad, atol=1e-7, rtol=1e-6)
     # without the global denominators the micro-batch losses do not add up
-    local = sum(run(logp, sl)[0] for sl in (slice(0, 2), slice(2, 6)))
+    local = sum(run(logits, sl)[0] for sl in (slice(0, 2), slice(2, 6)))
     assert abs(local.item() - full.item()) > 1e-4
 
 
 # ---------------------------------------------------------------------------- grpo_loss, grads
 
 
+def _ppo_clip_terms(logp, batch, kl_coef):
+    """The terms of the ``ppo_clip`` loss on given log-probs (this micro-batch's counts)."""
+    loss = PPOClipLoss(PolicyLossConfig(), max_len=None, kl_coef=AdaptiveKLCoefficient(kl_coef))
+    return loss.sum_terms(LossInputs(batch, logp, Aggregation()))
+
+
 def test_grpo_loss_metrics_and_gradients():
     logp, logp_old, logp_ref, adv, mask = _random_batch(seed=3)
     logp_old[~mask], logp_ref[~mask] = -math.inf, math.nan  # hostile padding
     logp = logp.masked_fill(~mask, -math.inf).requires_grad_()
-    loss, m = grpo_loss(logp, logp_old, adv, mask, logp_ref=logp_ref, kl_coef=0.1)
+    batch = {"old": logp_old, "adv": adv, "mask": mask, "ref": logp_ref}
+    loss, m = _ppo_clip_terms(logp, batch, kl_coef=0.1)
     keys = {"loss/policy", "loss/kl_ref", "loss/total", "kl/ref", "clip/fraction", "ratio/mean"}
     assert keys <= set(m) and all(torch.isfinite(v) and v.dim() == 0 for v in m.values())
     assert m["loss/total"].item() == pytest.approx((m["loss/policy"] + m["loss/kl_ref"]).item())
@@ -258,10 +298,11 @@ def test_grpo_loss_metrics_and_gradients():
     assert torch.equal(logp.grad[~mask], torch.zeros(int((~mask).sum())))
     assert (logp.grad[mask] != 0).any()
     # no reference: KL terms are zero, not missing
-    _, m0 = grpo_loss(logp, logp_old, adv, mask)
+    del batch["ref"]
+    _, m0 = _ppo_clip_terms(logp, batch, kl_coef=0.0)
     assert m0["kl/ref"] == 0 and m0["loss/kl_ref"] == 0
     with pytest.raises(ValueError):
-        grpo_loss(logp, logp_old, adv, mask, kl_coef=0.1)
+        _ppo_clip_terms(logp, batch, kl_coef=0.1)
 
 
 # ---------------------------------------------------------------------------- adaptive β

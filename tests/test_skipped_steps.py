@@ -20,7 +20,7 @@ def _params(module) -> dict[str, torch.Tensor]:
 def _nan_loss_run(rank, argv):
     """The trainer with β = inf: the KL term is inf·0 = NaN, so every gradient is NaN."""
     from loggra_megatron.arguments import parse_args
-    from loggra_megatron.preflight import preflight
+    from loggra_megatron.train.preflight import preflight
     from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
     cfg = parse_args(argv, world_size=2)

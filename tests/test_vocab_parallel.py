@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
+from loggra_megatron.model.vocab_parallel import (
+    sampled_kl,
+    vocab_parallel_kl,
+    vocab_parallel_log_probs,
+)
 from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
@@ -11,10 +15,10 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 VOCAB = 16
 
 
-def _paths(z_old, z_new, targets, vocab_start, group):
+def _paths(z_old, z_new, targets, group):
     """Every per-token quantity the trainer and the KL controller differentiate or use."""
-    logp_old = vocab_parallel_log_probs(z_old, targets, vocab_start, group)
-    logp_new = vocab_parallel_log_probs(z_new, targets, vocab_start, group)
+    logp_old = vocab_parallel_log_probs(z_old, targets, group)
+    logp_new = vocab_parallel_log_probs(z_new, targets, group)
     out = {"log_probs": logp_new, "exact_kl": vocab_parallel_kl(z_old, z_new, group)}
     for k in ("k1", "k2", "k3"):
         out[k] = sampled_kl(logp_old, logp_new, k)
@@ -39,7 +43,7 @@ def _values_and_grads(rank):
             old = (z_old[..., shard] if split else z_old).clone().requires_grad_()
             new = (z_new[..., shard] if split else z_new).clone().requires_grad_()
             group = ps.get_tensor_model_parallel_group() if split else None
-            value = _paths(old, new, targets, shard.start if split else 0, group)[name]
+            value = _paths(old, new, targets, group)[name]
             (value * weights).sum().backward()
             grads = [g if g is not None else torch.zeros_like(x) for x, g in
                      ((old, old.grad), (new, new.grad))]  # fmt: skip

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 def _warmup_lrs(rank, argv):
     from loggra_megatron.arguments import parse_args
-    from loggra_megatron.preflight import preflight
+    from loggra_megatron.train.preflight import preflight
     from loggra_megatron.train.trainer import RLTrainer
 
     cfg = parse_args(argv, world_size=2)

@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from loggra_megatron.tasks import TASKS, generate_tasks  # noqa: E402  (stdlib only)
+from loggra_megatron.tasks.prompt_format import task_texts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +65,6 @@ def _lines(paths):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from loggra_megatron.data import task_texts
     from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
 
     if args.input:

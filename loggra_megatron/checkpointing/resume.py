@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from loggra_megatron.checkpointing.config import CheckpointConfig
 from loggra_megatron.checkpointing.layout import (
     MODEL_ARGS,
     RELEASE,
@@ -45,7 +46,8 @@ from loggra_megatron.checkpointing.layout import (
     tracker_note,
 )
 from loggra_megatron.config import ConfigError
-from loggra_megatron.model.config import ARCHITECTURE
+from loggra_megatron.metrics import LoggingConfig
+from loggra_megatron.model.config import ARCHITECTURE, ModelConfig
 
 STATE_DEFINING = (
     "bf16", "tensor_model_parallel_size", "pipeline_model_parallel_size", "optimizer",
@@ -99,23 +101,26 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def plan_start(cfg, explicit: set[str]) -> StartPlan:
-    """Decide how the run starts; adopt the checkpoint's architecture into ``cfg.model``
-    (flags named in ``explicit`` must agree with it). Raises ``ConfigError``. The plan
-    records the state of the directories the run writes (``seen``), which the run checks
-    again once it holds their run lock."""
+def plan_start(
+    checkpoint: CheckpointConfig, logging: LoggingConfig, model: ModelConfig, explicit: set[str]
+) -> StartPlan:
+    """Decide how the run starts; adopt the checkpoint's architecture into ``model`` (flags
+    named in ``explicit`` must agree with it). Raises ``ConfigError``. The plan records the
+    state of the directories the run writes (``seen``), which the run checks again once it
+    holds their run lock."""
     from loggra_megatron.checkpointing.run_lock import directory_state, written_directories
 
-    written = written_directories(cfg)
+    written = written_directories(checkpoint, logging)
     for directory, flag in written.items():
         _check_writable(flag, directory)
-    plan = _plan_start(cfg, explicit)
+    plan = _plan_start(checkpoint, logging.metrics_dir(checkpoint.save), model, explicit)
     plan.seen = {d: directory_state(d) for d in written}
     return plan
 
 
-def _plan_start(cfg, explicit: set[str]) -> StartPlan:
-    ck = cfg.checkpoint
+def _plan_start(
+    ck: CheckpointConfig, metrics_dir: str, model: ModelConfig, explicit: set[str]
+) -> StartPlan:
     load, save = ck.load, ck.save
     auto_resume = _same_dir(load, save)
     if save is not None and holds_converted_model(save):
@@ -133,7 +138,7 @@ def _plan_start(cfg, explicit: set[str]) -> StartPlan:
     if load is None or (auto_resume and not has_checkpoint(load)):
         if ck.ckpt_step is not None:
             raise ConfigError(f"--ckpt-step {ck.ckpt_step}: there is no checkpoint to load")
-        _check_metrics_file(cfg, continues=auto_resume)
+        _check_metrics_file(metrics_dir, continues=auto_resume)
         return StartPlan("fresh")
     if auto_resume and ck.no_load_optim:
         raise ConfigError(
@@ -158,8 +163,8 @@ def _plan_start(cfg, explicit: set[str]) -> StartPlan:
     else:
         plan = StartPlan("weights" if ck.no_load_optim else "resume", checkpoint=ref)
     plan.notes += [f"--load: {w}" for w in ref.warnings]
-    _check_metrics_file(cfg, continues=plan.resumes)
-    _adopt_architecture(cfg, load, explicit)
+    _check_metrics_file(metrics_dir, continues=plan.resumes)
+    _adopt_architecture(model, load, explicit)
     return plan
 
 
@@ -183,26 +188,26 @@ def _check_writable(flag: str, path: str) -> None:
         )
 
 
-def check_resume(cfg, plan: StartPlan) -> None:
-    """On a full resume: refuse changed state-defining settings, note every changed flag
-    (call after the derived defaults of ``cfg`` are filled in). Raises ``ConfigError``."""
+def check_resume(now: dict, plan: StartPlan) -> None:
+    """On a full resume: refuse changed state-defining settings, note every changed flag;
+    ``now``: every flag's value (``RunConfig.flags()``, after the derived defaults are filled
+    in). Raises ``ConfigError``."""
     try:
         saved = plan.checkpoint.run_config() if plan.resumes else None
     except ValueError as e:
         raise ConfigError(f"--load: {e}; resume an earlier iteration with --ckpt-step") from None
     if saved is None:  # weights only, or a checkpoint older than run_config.json
         return
-    now = cfg.flags()
     _check_state_settings(now, saved["flags"])
     plan.notes += _changed_settings(now, saved["flags"])
 
 
-def _check_metrics_file(cfg, continues: bool) -> None:
+def _check_metrics_file(metrics_dir: str, continues: bool) -> None:
     """A run that does not continue the run in its output directory must not append to (or
     truncate) that run's ``metrics.jsonl``."""
     from loggra_megatron.metrics import METRICS_FILE
 
-    path = os.path.join(cfg.metrics_dir, METRICS_FILE)
+    path = os.path.join(metrics_dir, METRICS_FILE)
     if not continues and os.path.isfile(path) and os.path.getsize(path) > 0:
         raise ConfigError(
             f"--output-dir: {path} holds the metrics of another run; choose another "
@@ -210,14 +215,14 @@ def _check_metrics_file(cfg, continues: bool) -> None:
         )
 
 
-def _adopt_architecture(cfg, load: str, explicit: set[str]) -> None:
+def _adopt_architecture(m: ModelConfig, load: str, explicit: set[str]) -> None:
     from loggra_megatron.model.args import GPTModelArgs
 
     path = os.path.join(load, MODEL_ARGS)
     if not os.path.isfile(path):
         raise ConfigError(f"--load {load!r}: {MODEL_ARGS} is missing (the architecture)")
     try:
-        args, m = GPTModelArgs.load_json(path), cfg.model
+        args = GPTModelArgs.load_json(path)
     except ValueError as e:
         raise ConfigError(f"--load {load!r}: {e}") from None
     saved = {name: getattr(args, name) for name in ARCHITECTURE}

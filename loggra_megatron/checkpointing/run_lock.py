@@ -25,12 +25,14 @@ import os
 import socket
 import time
 
+from loggra_megatron.checkpointing.config import CheckpointConfig
 from loggra_megatron.checkpointing.layout import (
     candidates,
     read_tracker,
     remove_interrupted_saves,
 )
 from loggra_megatron.config import ConfigError
+from loggra_megatron.metrics import LoggingConfig
 
 LOCK_FILE = "pretrain_rl.lock"
 
@@ -86,27 +88,28 @@ class RunLock:
             self._fd = None
 
 
-def written_directories(cfg) -> dict[str, str]:
+def written_directories(checkpoint: CheckpointConfig, logging: LoggingConfig) -> dict[str, str]:
     """``{real path: flag}`` of the directories a run writes: ``--save`` and the output
     directory of ``metrics.jsonl``."""
-    out = {
-        os.path.realpath(cfg.metrics_dir): "--output-dir" if cfg.logging.output_dir else "--save"
-    }
-    if cfg.checkpoint.save is not None:
-        out[os.path.realpath(cfg.checkpoint.save)] = "--save"
+    metrics_dir = os.path.realpath(logging.metrics_dir(checkpoint.save))
+    out = {metrics_dir: "--output-dir" if logging.output_dir else "--save"}
+    if checkpoint.save is not None:
+        out[os.path.realpath(checkpoint.save)] = "--save"
     return out
 
 
-def claim_run_directories(cfg, notes: list[str]) -> list[RunLock]:
+def claim_run_directories(
+    checkpoint: CheckpointConfig, logging: LoggingConfig, seen: dict[str, tuple], notes: list[str]
+) -> list[RunLock]:
     """Rank 0, after the start-up checks: lock every directory the run writes, refuse the
-    run if one changed since its start was planned (``cfg.start.seen``), and remove
-    interrupted saves from ``--save`` (a note for each). Raises ``ConfigError``; on
+    run if one changed since its start was planned (``seen``: ``StartPlan.seen``), and
+    remove interrupted saves from ``--save`` (a note for each). Raises ``ConfigError``; on
     success the locks are held."""
     locks: list[RunLock] = []
     try:
-        for directory, flag in written_directories(cfg).items():
+        for directory, flag in written_directories(checkpoint, logging).items():
             locks.append(RunLock.acquire(directory, flag))
-            if directory_state(directory) != cfg.start.seen[directory]:
+            if directory_state(directory) != seen[directory]:
                 raise ConfigError(
                     f"{flag} {directory!r} changed while this run started (another run saved "
                     "or logged there); run the command again to plan from what is there now"
@@ -115,7 +118,7 @@ def claim_run_directories(cfg, notes: list[str]) -> list[RunLock]:
         for lock in locks:
             lock.release()
         raise
-    if cfg.checkpoint.save is not None:
-        for path in remove_interrupted_saves(cfg.checkpoint.save):
+    if checkpoint.save is not None:
+        for path in remove_interrupted_saves(checkpoint.save):
             notes.append(f"removed the interrupted save {path}")
     return locks

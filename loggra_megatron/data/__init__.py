@@ -1,30 +1,9 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Prompt data for RL: JSONL/Parquet prompt files or built-in tasks, prompt rendering (plain
-template or chat template), resumable DP batches, and tokenizers."""
+template or chat template), resumable DP batches, and tokenizers. The prompt and answer
+format itself belongs to the tasks (:mod:`loggra_megatron.tasks.prompt_format`)."""
 
 from loggra_megatron.data.files import DatasetFormatError, read_examples
-from loggra_megatron.data.prompts import (
-    ANSWER_MARKER,
-    INSTRUCTION,
-    PROMPT_TEMPLATE,
-    PromptDataset,
-    PromptRenderer,
-    format_answer,
-    format_completion,
-    format_prompt,
-    task_texts,
-)
+from loggra_megatron.data.prompts import PromptDataset, PromptRenderer
 
-__all__ = [
-    "ANSWER_MARKER",
-    "INSTRUCTION",
-    "PROMPT_TEMPLATE",
-    "DatasetFormatError",
-    "PromptDataset",
-    "PromptRenderer",
-    "format_answer",
-    "format_completion",
-    "format_prompt",
-    "read_examples",
-    "task_texts",
-]
+__all__ = ["DatasetFormatError", "PromptDataset", "PromptRenderer", "read_examples"]

@@ -1,19 +1,14 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""Prompts for RL: how a question is shown to the policy, the answer format, and
-deterministic, resumable global batches of examples for data-parallel ranks.
+"""Prompts for RL: how a question is shown to the policy (the task's plain template, or
+the tokenizer's chat template) and deterministic, resumable global batches of examples for
+data-parallel ranks.
 
-**Prompt and answer format.** Without a chat template a task's question is shown as::
-
-    Question: What is 37 + 48?
-    Answer:
-
-and the completion must end its reasoning with the final answer on a line of its own,
-GSM8K style (``" 37 + 48 = 85.\n#### 85"``). The answer marker is ``####`` followed by a
-number; the rewards (:mod:`loggra_megatron.tasks.rewards`) read the number after the *first*
-marker. With a chat template (:class:`PromptRenderer`, ``--apply-chat-template``) the user
-message is the question and the task's instruction (:data:`INSTRUCTION` for numeric
-answers), rendered by the tokenizer's own template with the assistant turn opened; a
-dataset prompt may also be a list of chat messages, used as is.
+**Rendering** (:class:`PromptRenderer`). Without a chat template the prompt is BOS and the
+task's template filled with the question (the format and the answer marker:
+:mod:`loggra_megatron.tasks.prompt_format`). With one (``--apply-chat-template``) the user
+message is the question and the task's instruction, rendered by the tokenizer's own template
+with the assistant turn opened; a dataset prompt may also be a list of chat messages, used
+as is.
 
 **Data** (``--data-path``): JSONL or Parquet files (:mod:`loggra_megatron.data.files`), or
 the built-in task generators (:mod:`loggra_megatron.tasks`).
@@ -39,19 +34,11 @@ from functools import cached_property
 import numpy as np
 
 from loggra_megatron.data.files import DatasetFormatError, example_from_row, read_examples
-
-ANSWER_MARKER = "####"
-PROMPT_TEMPLATE = "Question: {prompt}\nAnswer:"
-INSTRUCTION = (
-    f'Think step by step, then give the final answer on its own line as "{ANSWER_MARKER} <number>".'
-)
+from loggra_megatron.data.tokenizer import Tokenizer
+from loggra_megatron.tasks.base import Task
+from loggra_megatron.tasks.prompt_format import format_prompt
 
 __all__ = ["DatasetFormatError", "PromptDataset", "PromptRenderer"]
-
-
-def format_prompt(prompt: str, template: str = PROMPT_TEMPLATE) -> str:
-    """The text the policy is conditioned on for question ``prompt`` (no chat template)."""
-    return template.format(prompt=prompt)
 
 
 def prompt_text(prompt) -> str:
@@ -61,26 +48,6 @@ def prompt_text(prompt) -> str:
     return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
 
 
-def format_answer(answer: str) -> str:
-    """The final-answer line, ``"#### <answer>"``."""
-    return f"{ANSWER_MARKER} {answer}"
-
-
-def format_completion(answer: str, solution: str | None = None) -> str:
-    """A reference completion: ``" <solution>\\n#### <answer>"`` (for tokenizer corpora,
-    SFT warm-up and tests)."""
-    return (f" {solution}\n" if solution else " ") + format_answer(answer)
-
-
-def task_texts(tasks: Sequence[dict]) -> list[str]:
-    """Prompt + reference completion of each task, e.g. to train a tokenizer on."""
-    return [
-        format_prompt(t["prompt"])
-        + format_completion(t["answer"], t.get("metadata", {}).get("solution"))
-        for t in tasks
-    ]
-
-
 class PromptRenderer:
     """The token ids the policy is conditioned on for a prompt (string or chat messages).
 
@@ -88,7 +55,9 @@ class PromptRenderer:
     messages bring their own); otherwise BOS (if the tokenizer has one) + the task's
     template filled with the question."""
 
-    def __init__(self, tokenizer, task, chat: bool, system_prompt: str | None = None):
+    def __init__(
+        self, tokenizer: Tokenizer, task: Task, chat: bool, system_prompt: str | None = None
+    ):
         self.tokenizer, self.task, self.chat = tokenizer, task, chat
         self.system_prompt = system_prompt
 

@@ -32,14 +32,46 @@ import io
 import os
 import string
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import sentencepiece as spm
 
-from loggra_megatron.data.prompts import ANSWER_MARKER
+from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 REQUIRED_CHARS = "".join(c for c in string.printable if not c.isspace()) + "\t"
 USER_DEFINED_SYMBOLS = ("\n", ANSWER_MARKER)
+
+
+class Tokenizer(Protocol):
+    """What the RL stack reads of a tokenizer (:class:`SentencePieceTokenizer`,
+    :class:`~loggra_megatron.data.hf_tokenizer.HuggingFaceTokenizer`)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos(self) -> int | None: ...
+
+    @property
+    def eos(self) -> int: ...
+
+    @property
+    def pad(self) -> int: ...
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a completion."""
+        ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Iterable[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict]) -> str: ...
 
 
 class SentencePieceTokenizer:
@@ -127,7 +159,7 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
 """Megatron-LM's ``--tokenizer-type`` names this stack reads."""
 
 
-def load_tokenizer(path: str, kind: str | None = None):
+def load_tokenizer(path: str, kind: str | None = None) -> Tokenizer:
     """``--tokenizer-model`` as ``kind`` (default: a directory is a Hugging Face tokenizer,
     a file a sentencepiece model). Raises ``ValueError`` naming the flag."""
     kind = kind or ("HuggingFaceTokenizer" if os.path.isdir(path) else "SentencePieceTokenizer")

@@ -20,7 +20,7 @@ attention keeps them out of the real positions' logits. :func:`initialize_fp8_st
 one forward that makes TE's lazily created FP8 state before any inference-mode forward.
 
 :func:`token_log_probs` is ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits with
-Megatron's TP group and vocabulary offset (:mod:`loggra_megatron.rl.kl`).
+Megatron's TP group (:mod:`loggra_megatron.model.vocab_parallel`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from loggra_megatron.rl.kl import vocab_parallel_log_probs
+from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 
 def positions_like(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +54,7 @@ def token_log_probs(
 
     if vocab_size is not None and logits.shape[-1] == vocab_size:
         return vocab_parallel_log_probs(logits, targets)
-    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return vocab_parallel_log_probs(logits, targets, start, ps.get_tensor_model_parallel_group())
+    return vocab_parallel_log_probs(logits, targets, ps.get_tensor_model_parallel_group())
 
 
 def fp8_alignment(config) -> int:

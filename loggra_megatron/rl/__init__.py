@@ -1,14 +1,13 @@
-"""The RL stack: group-relative advantages, PPO-clip policy losses (GRPO / Dr.GRPO / DAPO
-variants), the KL penalty against a frozen reference model, and its adaptive coefficient."""
+"""The RL stack: group-relative advantages, the per-token PPO-clip and KL math, the policy
+loss object (GRPO / Dr.GRPO / DAPO variants, :mod:`.policy_loss`), the KL penalty against a
+frozen reference model, and its adaptive coefficient."""
 
 from loggra_megatron.rl.losses import (
     AGGREGATIONS,
     AdaptiveKLCoefficient,
     aggregate,
     group_advantages,
-    grpo_loss,
     kl_to_reference,
-    policy_loss,
     ppo_clip_per_token,
 )
 
@@ -17,8 +16,6 @@ __all__ = [
     "AdaptiveKLCoefficient",
     "aggregate",
     "group_advantages",
-    "grpo_loss",
     "kl_to_reference",
-    "policy_loss",
     "ppo_clip_per_token",
 ]

@@ -1,4 +1,5 @@
-"""The policy's training side (the actor): the GRPO and SFT losses as Megatron loss
+"""The policy's training side (the actor): the policy loss
+(:class:`~loggra_megatron.rl.policy_loss.PolicyLoss`) and the SFT loss as Megatron loss
 functions, mini/micro-batching, and one optimizer step per mini-batch.
 
 Megatron-style entry points: :func:`forward_step` (``forward_step(data_iterator, model)``
@@ -11,31 +12,47 @@ per rank. Each loss function returns its micro-batch's share of the *global* min
 :func:`global_counts`). Megatron's schedule divides each micro-batch loss by ``k`` and DDP
 averages gradients over DP, so :func:`loss_func` multiplies by ``k·DP``: the gradient that
 reaches the optimizer is the gradient of the global loss, whatever the DP size and
-micro-batch split. The reported ``loss/*`` metrics are summed the same way
-(:func:`combine_micro_metrics`).
+micro-batch split. The reported ``loss/*`` metrics are summed the same way, over the
+micro-batches here and over the DP ranks by the trainer (their declared reductions,
+:mod:`loggra_megatron.metric_keys`).
 
 Tensor parallelism: logits are vocab-parallel (``[b, s, V/TP]``) and never gathered; the
-log-probs are :func:`~loggra_megatron.model.forward.token_log_probs`, whose gradient is
-exact at any TP size (``tests/test_vocab_parallel.py``).
+losses read their log-probs through :mod:`loggra_megatron.model.vocab_parallel`, whose
+gradient is exact at any TP size (``tests/test_vocab_parallel.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
 from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
-from loggra_megatron.rl.losses import grpo_loss
+from loggra_megatron.rl.kl_control import ReferenceCollector
+from loggra_megatron.rl.policy_loss import PolicyLoss
+
+if TYPE_CHECKING:  # imports Megatron
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(micro_batch, logits) -> (share of the global loss, metrics)``."""
 
-SUMMED_KEYS = ("optimizer/skipped_steps", "time/kl_control_s")
-"""Per-update metrics an RL step reports as totals over its updates (the others: means):
-counts, and times that add up to a share of ``time/step_s``."""
+
+class OptimizerStepFn(Protocol):
+    """The optimizer step of a mini-batch, plain or under predicted-KL control, skips
+    counted (:class:`~loggra_megatron.train.steps.OptimizerStep`)."""
+
+    def reference_collector(self, num_sequences: int) -> ReferenceCollector | None:
+        """Under predicted-KL control, what keeps the probe's reference from the training
+        forward of the mini-batch (its result goes to the call); else None."""
+        ...
+
+    def __call__(self, mini: dict[str, torch.Tensor], reference=None) -> dict[str, float]: ...
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
@@ -46,22 +63,6 @@ def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, f
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)
     return float(counts[0]), float(counts[1])
-
-
-def grpo_loss_fn(grpo, max_len: int, kl_coef: float, num_tokens: float, num_seqs: float) -> LossFn:
-    """The GRPO/PPO-clip loss of a mini-batch (``grpo``: the ``GRPOConfig``; ``max_len``:
-    ``--max-new-tokens``, the Dr.GRPO constant)."""
-
-    def loss_fn(batch: dict, logits: torch.Tensor):
-        logp = token_log_probs(logits, batch["tokens"][:, 1:])
-        return grpo_loss(
-            logp, batch["old"], batch["adv"], batch["mask"], logp_ref=batch.get("ref"),
-            kl_coef=kl_coef, kl_estimator=grpo.kl_ref_estimator, clip_low=grpo.clip_low,
-            clip_high=grpo.clip_high, aggregation=grpo.loss_aggregation,
-            num_tokens_global=num_tokens, num_seqs_global=num_seqs, max_len=max_len,
-        )  # fmt: skip
-
-    return loss_fn
 
 
 def sft_loss_fn(num_tokens: float) -> LossFn:
@@ -105,54 +106,49 @@ def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
     ]
 
 
-def combine_micro_metrics(outs: list[dict], dp: int) -> dict[str, float]:
-    """Per-micro-batch metrics of one mini-batch: the ``loss/*`` terms are this rank's
-    shares of the global loss (summed, then × DP so that the DP mean is the global sum);
-    the others are averaged."""
-    if not outs:
-        return {}
-    combined = {}
-    for key in outs[0]:
-        values = [float(o[key]) for o in outs]
-        combined[key] = sum(values) * dp if key.startswith("loss/") else sum(values) / len(values)
-    return combined
-
-
 class Actor:
-    """Trains the policy: mini-batches of ``global_batch_size / DP`` sequences, each run as
-    micro-batches through Megatron's schedule and followed by one optimizer step.
+    """Trains the policy with ``loss``: mini-batches of ``global_batch_size / DP`` sequences,
+    each run as micro-batches of ``micro_batch_size`` through Megatron's schedule and
+    followed by one ``optimizer_step`` (:class:`OptimizerStepFn`), whose
+    ``reference_collector`` keeps KL control's probe reference from the mini-batch's
+    training forward."""
 
-    ``optimizer_step(mini_batch, reference) -> metrics`` takes the step (plain or under
-    predicted-KL control, skips counted; see :class:`~loggra_megatron.train.steps.
-    OptimizerStep`); its ``reference_collector`` keeps KL control's probe reference from the
-    mini-batch's training forward."""
-
-    def __init__(self, policy, optimizer, optimizer_step, dp_group, training):
+    def __init__(
+        self,
+        policy: DistributedDataParallel,
+        optimizer: MegatronOptimizer,
+        optimizer_step: OptimizerStepFn,
+        loss: PolicyLoss,
+        dp_group: dist.ProcessGroup | None,
+        micro_batch_size: int,
+        global_batch_size: int,
+    ):
         self.policy, self.optimizer, self.optimizer_step = policy, optimizer, optimizer_step
-        self.dp_group = dp_group
+        self.loss, self.dp_group = loss, dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.micro_batch_size = training.micro_batch_size
-        self.per_rank = training.global_batch_size // self.dp
+        self.micro_batch_size = micro_batch_size
+        self.per_rank = global_batch_size // self.dp
 
-    def update_policy(self, batch: dict, grpo, max_len: int, kl_coef: float) -> dict[str, float]:
-        """``--ppo-epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
-        the means over the updates of their metrics (counts for ``SUMMED_KEYS``)."""
+    def update_policy(self, batch: dict[str, torch.Tensor], ppo_epochs: int) -> dict[str, float]:
+        """``ppo_epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
+        the metrics of the updates, each combined over micro-batches and updates as
+        declared (:mod:`loggra_megatron.metric_keys`)."""
         sums, n = {}, 0
-        for _ in range(grpo.ppo_epochs):
+        for _ in range(ppo_epochs):
             for start in range(0, len(batch["tokens"]), self.per_rank):
                 mini = {k: v[start : start + self.per_rank] for k, v in batch.items()}
-                n_tok, n_seq = global_counts(mini["mask"], self.per_rank, self.dp_group)
-                loss_fn = grpo_loss_fn(grpo, max_len, kl_coef, n_tok, n_seq)
+                counts = global_counts(mini["mask"], self.per_rank, self.dp_group)
+                loss_fn = partial(self.loss, counts=counts)
                 # KL control's probe reference at θ comes from this training forward
                 keep = self.optimizer_step.reference_collector(len(mini["tokens"]))
                 outs = self.train_on(mini, loss_fn if keep is None else keep.wrap(loss_fn))
                 step_metrics = self.optimizer_step(mini, keep.result() if keep else None)
-                for key, value in combine_micro_metrics(outs, self.dp).items():
+                for key, value in combine_micro_batches(outs).items():
                     sums[key] = sums.get(key, 0.0) + value
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 n += 1
-        return {k: v if k in SUMMED_KEYS else v / n for k, v in sums.items()}
+        return combine_updates(sums, n)
 
     def train_on(self, mini: dict, loss_fn: LossFn) -> list[dict]:
         """Forward + backward of one mini-batch; the per-micro-batch metrics."""

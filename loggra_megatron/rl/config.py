@@ -1,5 +1,6 @@
-"""Settings of the RL algorithm: the GRPO/PPO update (:class:`GRPOConfig`) and predicted-KL
-step control (:class:`KLControlConfig`)."""
+"""Settings of the RL algorithm: group sampling, the GRPO/PPO update and the reference model
+(:class:`GRPOConfig`) and predicted-KL step control (:class:`KLControlConfig`); the policy
+loss has its own (:class:`~loggra_megatron.rl.policy_loss.PolicyLossConfig`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import math
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
-from loggra_megatron.rl.kl import ESTIMATORS
-from loggra_megatron.rl.losses import AGGREGATIONS
+from loggra_megatron.model.vocab_parallel import ESTIMATORS
 
 
 def _reference_model(s: dict) -> bool:
@@ -21,7 +21,7 @@ def _kl_control(s: dict) -> bool:
 
 @dataclass
 class GRPOConfig:
-    """Group sampling, the PPO-clip loss and the KL penalty to the reference model."""
+    """Group sampling, PPO epochs, advantages and the KL penalty's coefficient β."""
 
     prompts_per_step: int = 4
     """Prompts per RL step, over all data-parallel ranks."""
@@ -29,18 +29,10 @@ class GRPOConfig:
     """Completions sampled per prompt (the GRPO group size)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    clip_low: float = 0.2
-    """PPO clip range below 1."""
-    clip_high: float = 0.28
-    """PPO clip range above 1 (clip-higher)."""
-    loss_aggregation: str = "token_mean"
-    """token_mean (DAPO) | seq_mean_token_sum_norm (Dr.GRPO) | seq_mean_token_mean (GRPO)."""
     no_advantage_std_normalization: bool = False
     """Dr.GRPO advantages: subtract the group mean only."""
     kl_coef: float = 0.0
     """β of the KL-to-reference loss (0: no reference model)."""
-    kl_ref_estimator: str = applies("k3", "with --kl-coef > 0", _reference_model)
-    """k1 | k2 | k3."""
     kl_coef_target: float | None = applies(None, "with --kl-coef > 0", _reference_model)
     """Adaptive β (Ziegler et al. 2019): the KL-to-reference it steers to."""
     kl_coef_horizon: float = applies(
@@ -53,10 +45,7 @@ class GRPOConfig:
             ("prompts_per_step", positive, ">= 1"),
             ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
             ("ppo_epochs", positive, ">= 1"),
-            ("clip_low", lambda c: 0 <= c < 1, "in [0, 1)"), ("clip_high", at_least(0), ">= 0"),
-            ("loss_aggregation", one_of(*AGGREGATIONS), f"one of {', '.join(AGGREGATIONS)}"),
             ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
-            ("kl_ref_estimator", one_of("k1", "k2", "k3"), "one of k1, k2, k3"),
             ("kl_coef_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
         ])  # fmt: skip
 

@@ -21,12 +21,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from loggra_megatron.data.prompts import prompt_text
+from loggra_megatron.data.prompts import PromptRenderer, prompt_text
+from loggra_megatron.data.tokenizer import Tokenizer
+from loggra_megatron.rl.config import GRPOConfig
 from loggra_megatron.rl.losses import group_advantages
-from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+from loggra_megatron.rollout.config import RolloutConfig
+from loggra_megatron.tasks.rewards import RewardFunctionError, Scoring, compute_rewards
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 
 @dataclass
@@ -60,7 +67,7 @@ class Experience:
         return batch
 
 
-def rollout_engine(name: str, policy) -> tuple[str, str | None]:
+def rollout_engine(name: str, policy: MegatronModule) -> tuple[str, str | None]:
     """``--rollout-engine`` and a note: ``auto`` is Megatron-Core's dynamic engine where it
     can run (CUDA, flash-attn, einops), else the static one; ``dynamic`` where it cannot
     run is an error (preflight refuses it on CPU)."""
@@ -79,19 +86,30 @@ def rollout_engine(name: str, policy) -> tuple[str, str | None]:
 class ExperienceMaker:
     """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
 
-    def __init__(self, policy, reference, host, cfg):
+    def __init__(
+        self,
+        policy: MegatronModule,
+        reference: MegatronModule | None,
+        tokenizer: Tokenizer,
+        renderer: PromptRenderer,
+        scoring: Scoring,
+        rollout: RolloutConfig,
+        grpo: GRPOConfig,
+        seed: int,
+        log_prob_micro_batch_size: int,
+    ):
         from megatron.core.utils import get_model_config
 
         from loggra_megatron.model.forward import fp8_alignment
 
         self.policy, self.reference = policy, reference
-        self.tokenizer, self.renderer, self.scoring = host.tokenizer, host.renderer, host.scoring
-        self.rollout, self.grpo = cfg.rollout, cfg.grpo
-        self.seed = cfg.training.seed
-        t = cfg.training
-        self.log_prob_micro_batch_size = t.log_prob_micro_batch_size or t.micro_batch_size
+        self.tokenizer, self.renderer, self.scoring = tokenizer, renderer, scoring
+        self.rollout, self.grpo = rollout, grpo
+        self.seed = seed
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size
+        """Sequences per micro-batch of the reference and log-prob forwards."""
         self.device = next(policy.parameters()).device
-        self.engine, self.engine_note = rollout_engine(cfg.rollout.rollout_engine, policy)
+        self.engine, self.engine_note = rollout_engine(rollout.rollout_engine, policy)
         self.row_multiple = fp8_alignment(get_model_config(policy))
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the

@@ -30,7 +30,7 @@ controller
 Estimators: ``full`` is the exact full-vocabulary KL per token (reference logits of the
 probe are kept: ``probe tokens × V/TP`` values); ``k1``/``k2``/``k3`` use the sampled
 tokens only (one log-prob per token is kept). Communication: per probe forward, the
-vocab-parallel reductions of :mod:`loggra_megatron.rl.kl` over TP (``[tokens]`` floats),
+vocab-parallel reductions of :mod:`loggra_megatron.model.vocab_parallel` over TP (``[tokens]`` floats),
 then one all-reduce of ``[Σ KL, #tokens]`` (per part: probe, held-out) over DP and one
 over PP, where the stages
 other than the last contribute zeros, so every stage applies the same η.
@@ -58,8 +58,12 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.model.forward import unpadded_length
+from loggra_megatron.model.vocab_parallel import (
+    sampled_kl,
+    vocab_parallel_kl,
+    vocab_parallel_log_probs,
+)
 from loggra_megatron.rl.config import KLControlConfig
-from loggra_megatron.rl.kl import sampled_kl, vocab_parallel_kl, vocab_parallel_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -351,14 +355,8 @@ class PredictedKLController:
             return None
         if self.config.kl_estimator == "full" or out.logits.ndim == 2:
             return out
-        logp = vocab_parallel_log_probs(
-            out.logits, out.targets, self._vocab_start(out), self.tp_group
-        )
+        logp = vocab_parallel_log_probs(out.logits, out.targets, self.tp_group)
         return ProbeOutput(logp, out.targets, out.mask)
-
-    def _vocab_start(self, out: ProbeOutput) -> int:
-        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
-        return tp_rank * out.logits.shape[-1]
 
     @torch.no_grad()
     def _kl(self, batch, ref, split: int | None = None) -> tuple[float, float | None]:

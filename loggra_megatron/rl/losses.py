@@ -1,4 +1,5 @@
-"""GRPO / PPO-clip policy losses, the KL penalty to a reference model, and adaptive β.
+"""The per-token math of the GRPO / PPO-clip losses (the loss object that sums them:
+:mod:`loggra_megatron.rl.policy_loss`), the KL penalty to a reference model, and adaptive β.
 
 Advantages (one scalar per generation; ``G`` generations per prompt, rewards ``r_1..r_G``)::
 
@@ -52,7 +53,7 @@ import math
 
 import torch
 
-from loggra_megatron.rl.kl import sampled_kl
+from loggra_megatron.model.vocab_parallel import sampled_kl
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean")
 _MAX_LOG_RATIO = 20.0  # exp(20) ≈ 4.9e8: keeps ρ finite in fp32 for wildly stale tokens
@@ -113,7 +114,7 @@ def aggregate(
     return per_seq.sum() / n_seqs
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Plain token mean over this micro-batch (for logged metrics), detached."""
     m = mask.bool()
     return (torch.where(m, values.detach().float(), 0.0).sum() / m.sum().clamp(min=1)).detach()
@@ -146,101 +147,20 @@ def ppo_clip_per_token(
     return torch.where(clipped, clipped_branch, unclipped), clipped, ratio
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: str = "token_mean",
-    num_tokens_global: int | float | torch.Tensor | None = None,
-    num_seqs_global: int | float | torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip policy loss ``[B, T] → scalar`` plus detached metrics.
-
-    Metrics (token means over this micro-batch's valid tokens): ``clip_fraction``,
-    ``approx_kl`` (k3 estimate of KL(π_old ‖ π_θ) at the rollout tokens), ``ratio_mean``.
-    """
-    per_token, clipped, ratio = ppo_clip_per_token(
-        logp, logp_old, advantages, mask, clip_low, clip_high
-    )
-    loss = aggregate(per_token, mask, aggregation, num_tokens_global, num_seqs_global, max_len)
-    m = mask.bool()
-    approx_kl = sampled_kl(
-        torch.where(m, logp_old.detach(), 0.0), torch.where(m, logp.detach(), 0.0), "k3"
-    )
-    metrics = {
-        "clip_fraction": _masked_mean(clipped.float(), m),
-        "approx_kl": _masked_mean(approx_kl, m),
-        "ratio_mean": _masked_mean(ratio, m),
-    }
-    return loss, metrics
-
-
 def kl_to_reference(
     logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
 ) -> torch.Tensor:
     """Per-token estimate of ``KL(π_θ ‖ π_ref)`` ``[B, T]``, zero on padding.
 
-    Gradients flow into ``logp`` only; reduce with :func:`aggregate` (as :func:`grpo_loss`
-    does) to stay consistent with the policy loss.
+    Gradients flow into ``logp`` only; reduce with :func:`aggregate` (as the policy loss's
+    :class:`~loggra_megatron.rl.policy_loss.KLToReference` does) to stay consistent with
+    the policy loss.
     """
     m = mask.bool()
     kl = sampled_kl(  # samples from p = π_θ, so logp_old=policy, logp_new=reference
         torch.where(m, logp.float(), 0.0), torch.where(m, logp_ref.detach().float(), 0.0), estimator
     )
     return torch.where(m, kl, 0.0)
-
-
-def grpo_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    logp_ref: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: str = "token_mean",
-    num_tokens_global: int | float | torch.Tensor | None = None,
-    num_seqs_global: int | float | torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``loss = policy_loss + β · agg(KL(π_θ ‖ π_ref))`` with one aggregation for both terms.
-
-    Metrics (detached 0-dim tensors, stable keys): ``loss/policy``, ``loss/kl_ref`` (the
-    β-scaled term), ``loss/total``, ``kl/ref`` (unscaled per-token mean KL to the
-    reference; 0 without one), ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3
-    KL(π_old ‖ π_θ)). ``loss/*`` carry the global denominators (they sum over
-    micro-batches); the others are means over this micro-batch's valid tokens.
-    """
-    denoms = (aggregation, num_tokens_global, num_seqs_global, max_len)
-    pg_loss, pg_metrics = policy_loss(
-        logp, logp_old, advantages, mask, clip_low, clip_high, *denoms
-    )
-    if logp_ref is not None:
-        kl = kl_to_reference(logp, logp_ref, mask, kl_estimator)  # [B, T]
-        kl_loss = kl_coef * aggregate(kl, mask, *denoms)
-        kl_mean = _masked_mean(kl, mask)
-    elif kl_coef != 0.0:
-        raise ValueError("kl_coef != 0 needs logp_ref")
-    else:
-        kl_loss = pg_loss.new_zeros(())
-        kl_mean = pg_loss.new_zeros(())
-    total = pg_loss + kl_loss
-    metrics = {
-        "loss/policy": pg_loss.detach(),
-        "loss/kl_ref": kl_loss.detach(),
-        "loss/total": total.detach(),
-        "kl/ref": kl_mean,
-        "clip/fraction": pg_metrics["clip_fraction"],
-        "ratio/mean": pg_metrics["ratio_mean"],
-        "kl/old_new": pg_metrics["approx_kl"],
-    }
-    return total, metrics
 
 
 class AdaptiveKLCoefficient:

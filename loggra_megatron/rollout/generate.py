@@ -39,7 +39,7 @@ Parallelism and communication
   ``[B, V]`` row. TP rank 0 samples and broadcasts the ``[B]`` token ids over the TP group, so
   all TP ranks feed the same next token even if sampling kernels were non-deterministic.
   The log-prob is computed *vocab-parallel* (each rank's own ``V/TP`` slice,
-  :func:`~loggra_megatron.rl.kl.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
+  :func:`~loggra_megatron.model.vocab_parallel.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
   log-sum-exp, one for the target logit) -- the same arithmetic as :func:`compute_log_probs`.
 * **PP.** Each step runs stage by stage: a stage receives the ``[s, B, H]`` hidden states from
   the previous stage, runs its layers with its own KV cache (one context per process; caches
@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.model.forward import forward_map, token_log_probs
-from loggra_megatron.rl.kl import vocab_parallel_log_probs
+from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 __all__ = [
     "Rollout",
@@ -225,7 +225,7 @@ def _next_tokens(logits, next_ids, *, temperature, top_p, generator, vocab_size)
         dist.broadcast(next_ids, src=ps.get_tensor_model_parallel_src_rank(), group=tp_group)
     shard = logits.shape[-1] // tp
     local = logits[:, tp_rank * shard : (tp_rank + 1) * shard]
-    return next_ids, vocab_parallel_log_probs(local, next_ids, tp_rank * shard, tp_group)
+    return next_ids, vocab_parallel_log_probs(local, next_ids, tp_group)
 
 
 _SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")

@@ -3,7 +3,8 @@
 
 :data:`TASKS` is the registry behind ``--task``; :func:`generate_tasks` builds examples of a
 generated task.
-Rewards and the ``--reward-fn`` loader: :mod:`loggra_megatron.tasks.rewards`.
+The prompt and answer format: :mod:`loggra_megatron.tasks.prompt_format`; rewards and the
+``--reward-fn`` loader: :mod:`loggra_megatron.tasks.rewards`.
 """
 
 from __future__ import annotations

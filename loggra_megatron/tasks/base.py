@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
-from loggra_megatron.data.prompts import INSTRUCTION, PROMPT_TEMPLATE, format_completion
+from loggra_megatron.tasks.prompt_format import INSTRUCTION, PROMPT_TEMPLATE, format_completion
 from loggra_megatron.tasks.rewards import default_reward, exact_match_numeric, parse_number
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 
-from loggra_megatron.data.prompts import ANSWER_MARKER
 from loggra_megatron.tasks.base import Task
+from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 BOXED = "\\boxed{"
 TIMEOUT_S = 1

@@ -12,7 +12,7 @@ bool}`` to say itself whether the response is correct. Otherwise a response coun
 correct (``reward/accuracy``) when its reward is at least ``--accuracy-threshold``
 (default 1.0: an exact match under the built-ins).
 
-Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.data.prompts`):
+Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.tasks.prompt_format`):
 
 * :func:`exact_match_numeric`: 1.0 if the number after the first ``####`` equals the
   reference answer (numerically, ``|x − y| ≤ atol + rtol·|y|``; ``1,000`` == ``1000``,
@@ -42,10 +42,23 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from loggra_megatron.data.prompts import ANSWER_MARKER
+from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 RewardFn = Callable[[str, str, str, dict], float]
+
+
+@dataclass
+class Scoring:
+    """How completions are scored (:func:`compute_rewards`): ``reward_fn`` and, when the task
+    judges correctness itself, ``is_correct`` (else a returned ``correct`` or reward ≥
+    ``threshold``)."""
+
+    reward_fn: RewardFn
+    is_correct: RewardFn | None
+    threshold: float
+
 
 # -12  1,000  3.5  .5  -1,234.56 ; thousands groups must be exactly 3 digits
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?"

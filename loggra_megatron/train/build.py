@@ -5,9 +5,25 @@ component; none keeps state of its own. Megatron's parallel state must be initia
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+
+from loggra_megatron.data.tokenizer import Tokenizer
+from loggra_megatron.model.args import GPTModelArgs
+from loggra_megatron.rl.kl_control import PredictedKLController
+from loggra_megatron.rl.losses import AdaptiveKLCoefficient
+from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLoss
+from loggra_megatron.train.run_config import RunConfig
+
+if TYPE_CHECKING:  # Megatron is imported when a builder runs
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import MegatronModule
 
 
-def model_args(cfg, tokenizer):
+def model_args(cfg: RunConfig, tokenizer: Tokenizer) -> GPTModelArgs:
     """The architecture: the loaded model's (its vocabulary was checked against the
     tokenizer in preflight), else one made from the ``--num-layers`` ... flags."""
     from loggra_megatron.convert.checkpoint import read_model_args
@@ -20,14 +36,16 @@ def model_args(cfg, tokenizer):
     return args
 
 
-def use_transformer_engine(cfg, device) -> bool:
+def use_transformer_engine(cfg: RunConfig, device: torch.device) -> bool:
     impl = cfg.model.transformer_impl
     if impl == "auto":
         return device.type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
     return impl == "transformer_engine"
 
 
-def gpt_model(cfg, args, device, trainable: bool):
+def gpt_model(
+    cfg: RunConfig, args: GPTModelArgs, device: torch.device, trainable: bool
+) -> MegatronModule:
     """This stage's policy (DDP-wrapped) or, ``trainable=False``, the frozen reference; the
     weights of a converted model are loaded here."""
     from megatron.core.transformer.module import Float16Module
@@ -54,19 +72,29 @@ def gpt_model(cfg, args, device, trainable: bool):
     )  # fmt: skip
 
 
-def optimizer(cfg, policy):
+def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimizer:
     """``--optimizer`` from the registry, over the policy."""
     from loggra_megatron.optim.registry import OPTIMIZERS
 
     return OPTIMIZERS[cfg.optimizer.optimizer].build(cfg.optimizer, cfg.loggra, [policy])
 
 
-def updates_per_rl_step(cfg) -> int:
+def policy_loss(cfg: RunConfig, kl_coef: AdaptiveKLCoefficient) -> PolicyLoss:
+    """``--policy-loss`` from the registry, on this TP rank's vocab-parallel logits (β:
+    ``kl_coef``, read at each call; ``--max-new-tokens``: the Dr.GRPO constant)."""
+    from megatron.core import parallel_state as ps
+
+    loss = POLICY_LOSSES[cfg.loss.policy_loss]
+    tp_group = ps.get_tensor_model_parallel_group()
+    return loss(cfg.loss, cfg.rollout.max_new_tokens, kl_coef, tp_group)
+
+
+def updates_per_rl_step(cfg: RunConfig) -> int:
     """Optimizer steps per RL step: mini-batches per rollout × PPO epochs."""
     return cfg.grpo.rollout_batch_size // cfg.training.global_batch_size * cfg.grpo.ppo_epochs
 
 
-def lr_scheduler(cfg, optimizer):
+def lr_scheduler(cfg: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
     """Megatron's ``OptimizerParamScheduler`` over the RL updates. On resume the flags win
     over the checkpoint's values (``override_opt_param_scheduler``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -83,16 +111,17 @@ def lr_scheduler(cfg, optimizer):
     )  # fmt: skip
 
 
-def kl_controller(cfg, optimizer, policy):
+def kl_controller(
+    cfg: RunConfig, optimizer: MegatronOptimizer, policy: DistributedDataParallel
+) -> PredictedKLController | None:
     """Predicted-KL step control over ``optimizer`` (None without ``--kl-target``)."""
     from megatron.core import parallel_state as ps
 
-    from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
+    from loggra_megatron.rl.kl_control import gpt_probe_forward
 
     if not cfg.kl_control.enabled:
         return None
-    t = cfg.training
-    rows = t.log_prob_micro_batch_size or t.micro_batch_size
+    rows = cfg.training.forward_micro_batch_size
     full = cfg.kl_control.kl_estimator == "full"  # logits kept: one micro-batch per call
     forward = gpt_probe_forward(policy, rows, log_probs=not full)
     return PredictedKLController(

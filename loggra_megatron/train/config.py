@@ -42,3 +42,8 @@ class TrainingConfig:
             ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
             ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),
         ])  # fmt: skip
+
+    @property
+    def forward_micro_batch_size(self) -> int:
+        """Sequences per micro-batch of the forward-only passes."""
+        return self.log_prob_micro_batch_size or self.micro_batch_size

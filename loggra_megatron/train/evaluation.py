@@ -14,16 +14,30 @@ import time
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.data.config import DataConfig
+from loggra_megatron.data.prompts import PromptDataset
+from loggra_megatron.rl.experience import ExperienceMaker
+
 
 class Evaluator:
-    def __init__(self, experience, dataset, cfg, dp_group):
+    """``--eval-*`` of ``data`` over ``dataset``, generating ``rollout_batch_size`` prompts at
+    a time over the DP group (a DP rank takes its share of them)."""
+
+    def __init__(
+        self,
+        experience: ExperienceMaker,
+        dataset: PromptDataset,
+        data: DataConfig,
+        rollout_batch_size: int,
+        dp_group: dist.ProcessGroup,
+    ):
         self.experience, self.dp_group = experience, dp_group
-        samples = cfg.data.eval_samples or len(dataset)
+        samples = data.eval_samples or len(dataset)
         dp, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.examples = [{**dataset[i], "index": i} for i in range(min(samples, len(dataset)))]
         self.mine = self.examples[rank::dp]
-        self.chunk = max(1, cfg.grpo.rollout_batch_size // dp)
-        self.interval = cfg.data.eval_interval
+        self.chunk = max(1, rollout_batch_size // dp)
+        self.interval = data.eval_interval
 
     def due(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

@@ -1,5 +1,5 @@
-"""What an RL step reports: per-rank metrics reduced over pipeline stages and DP ranks,
-and memory figures."""
+"""What an RL step reports: per-rank metrics reduced over pipeline stages and DP ranks as
+declared (:mod:`loggra_megatron.metric_keys`), and memory figures."""
 
 from __future__ import annotations
 
@@ -8,32 +8,37 @@ import resource
 import torch
 import torch.distributed as dist
 
-REDUCED_KEYS = (
-    "loss/total", "loss/policy", "loss/kl_ref", "kl/ref", "clip/fraction", "ratio/mean",
-    "reward/mean", "reward/std", "reward/accuracy", "response/length_mean",
-)  # fmt: skip
-"""Keys every rank joins the reduction of, even where it has no value (PP stages)."""
+from loggra_megatron.metric_keys import METRICS, SUM, declared
 
 
-def reduce_metrics(local: dict[str, float], pp_group, dp_group, device) -> dict[str, float]:
-    """Means over DP of the per-rank metrics; the loss terms live on the last PP stage and
-    are summed over PP (other stages contribute zeros). Collective over both groups, on
-    ``device`` (NCCL takes no host tensors)."""
-    keys = set(REDUCED_KEYS) | set(local)
-    if dist.get_world_size(pp_group) > 1:  # the loss keys exist on the last stage only
-        gathered = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, sorted(keys), group=pp_group)
-        keys = set().union(*gathered)
-    keys = sorted(keys)
-    stacked = torch.tensor([[float(local.get(k, 0.0)) for k in keys],
-                            [float(k in local) for k in keys]], dtype=torch.float64, device=device)  # fmt: skip
+def reduce_metrics(
+    local: dict[str, float],
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+    device: torch.device,
+) -> dict[str, float]:
+    """Each key's declared reduction over the DP ranks (``mean`` or ``sum``) of its mean over
+    the pipeline stages that have it (the loss terms live on the last stage). Every rank
+    joins with every key declared to be reduced over ranks, whether or not it has a value;
+    keys no rank has are left out. Collective over both groups, on ``device`` (NCCL takes no
+    host tensors)."""
+    for key in local:
+        declared(key, "ranks")
+    keys = sorted(key for key, metric in METRICS.items() if metric.reduction.ranks is not None)
+    values = [float(local.get(k, 0.0)) for k in keys]
+    present = [float(k in local) for k in keys]
+    stacked = torch.tensor([values, present], dtype=torch.float64, device=device)
     for group in (pp_group, dp_group):
         if dist.get_world_size(group) > 1:
             dist.all_reduce(stacked, group=group)
     stacked = stacked.cpu()
-    return {
-        k: float(stacked[0, i] / stacked[1, i]) for i, k in enumerate(keys) if stacked[1, i] > 0
-    }
+    dp = dist.get_world_size(dp_group)
+    reduced = {}
+    for i, key in enumerate(keys):
+        if stacked[1, i] > 0:
+            mean = float(stacked[0, i] / stacked[1, i])
+            reduced[key] = mean * dp if METRICS[key].reduction.ranks == SUM else mean
+    return reduced
 
 
 def memory_metrics(optimizer, device) -> dict[str, float]:

@@ -11,6 +11,17 @@ predicted KL are global).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from loggra_megatron.rl.kl_control import PredictedKLController, ReferenceCollector
+
+if TYPE_CHECKING:  # imports Megatron
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 
 class TrainingStopped(RuntimeError):
@@ -51,18 +62,25 @@ class OptimizerStep:
     """``step(mini_batch) -> metrics``: the step of one mini-batch (see module docstring).
     ``where()`` says where the run is, for the stop message."""
 
-    def __init__(self, stepper, kl_controller, scheduler, skips: SkipCounter, where):
+    def __init__(
+        self,
+        stepper: MegatronStepper,
+        kl_controller: PredictedKLController | None,
+        scheduler: OptimizerParamScheduler,
+        skips: SkipCounter,
+        where: Callable[[], str],
+    ):
         self.stepper, self.kl_controller = stepper, kl_controller
         self.scheduler, self.skips, self.where = scheduler, skips, where
 
-    def reference_collector(self, num_sequences: int):
+    def reference_collector(self, num_sequences: int) -> ReferenceCollector | None:
         """Under predicted-KL control, a collector that keeps the probe's reference from the
         training forward of a mini-batch (pass its result to the call); else None."""
         if self.kl_controller is None:
             return None
         return self.kl_controller.reference_collector(num_sequences)
 
-    def __call__(self, mini: dict, reference=None) -> dict[str, float]:
+    def __call__(self, mini: dict[str, torch.Tensor], reference=None) -> dict[str, float]:
         lr = self.scheduler.optimizer.param_groups[0]["lr"]  # the rate this step uses
         if self.kl_controller is None:
             prepared = self.stepper.step()

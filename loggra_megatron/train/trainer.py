@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
+from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import memory_metrics, reduce_metrics
+from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
 
 __all__ = ["RLTrainer", "TrainingStopped"]
@@ -34,7 +36,7 @@ __all__ = ["RLTrainer", "TrainingStopped"]
 class RLTrainer:
     """Builds the components of a run (:meth:`setup`) and runs the RL loop (:meth:`train`)."""
 
-    def __init__(self, cfg, host):
+    def __init__(self, cfg: RunConfig, host: Preflight):
         self.cfg, self.host = cfg, host
         self.step = 0
         """RL steps done (the checkpoint iteration)."""
@@ -74,12 +76,39 @@ class RLTrainer:
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
         step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
-        self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
-        self.experience = ExperienceMaker(self.policy, self.reference, host, cfg)
+        loss = build.policy_loss(cfg, self.kl_coef)
+        t = cfg.training
+        self.actor = Actor(
+            self.policy,
+            self.optimizer,
+            step,
+            loss,
+            self.dp_group,
+            t.micro_batch_size,
+            t.global_batch_size,
+        )
+        self.experience = ExperienceMaker(
+            self.policy,
+            self.reference,
+            host.tokenizer,
+            host.renderer,
+            host.scoring,
+            cfg.rollout,
+            cfg.grpo,
+            t.seed,
+            t.forward_micro_batch_size,
+        )
         self._log(f" rollouts: {self.experience.engine} engine"
                   + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
-        self.evaluator = (Evaluator(self.experience, host.eval_dataset, cfg, self.dp_group)
-                          if host.eval_dataset is not None else None)  # fmt: skip
+        self.evaluator = None
+        if host.eval_dataset is not None:
+            self.evaluator = Evaluator(
+                self.experience,
+                host.eval_dataset,
+                cfg.data,
+                cfg.grpo.rollout_batch_size,
+                self.dp_group,
+            )
         self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, host, cfg, self.device,
                                        ps.get_data_parallel_rank())  # fmt: skip
         self._load()
@@ -134,13 +163,10 @@ class RLTrainer:
         exp = self.experience.make(self._next_prompts(), self.step)
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
-        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo,
-                                           cfg.rollout.max_new_tokens, self.kl_coef.value)  # fmt: skip
+        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
         metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group,
                                  self.device)  # fmt: skip
-        if "throughput/rollout_tokens_per_s" in metrics:  # DP ranks generate side by side
-            metrics["throughput/rollout_tokens_per_s"] *= dist.get_world_size(self.dp_group)
         if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
         step_time = time.perf_counter() - t0

@@ -10,9 +10,17 @@ position, and stops at a step boundary when asked (SIGTERM), leaving a consisten
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from loggra_megatron.rl.actor import combine_micro_metrics, global_counts, sft_loss_fn
+from loggra_megatron.rl.actor import Actor, global_counts, sft_loss_fn
+from loggra_megatron.train.preflight import Preflight
+from loggra_megatron.train.run_config import RunConfig
+from loggra_megatron.train.steps import SkipCounter
+
+if TYPE_CHECKING:  # imports Megatron
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 
 class ConstantLR:
@@ -30,7 +38,16 @@ class ConstantLR:
 
 
 class SupervisedWarmup:
-    def __init__(self, actor, stepper, skips, host, cfg, device, dp_rank: int):
+    def __init__(
+        self,
+        actor: Actor,
+        stepper: MegatronStepper,
+        skips: SkipCounter,
+        host: Preflight,
+        cfg: RunConfig,
+        device: torch.device,
+        dp_rank: int,
+    ):
         self.actor, self.stepper, self.skips = actor, stepper, skips
         self.dataset, self.device = host.dataset, device
         self.tokenizer, self.renderer, self.task = host.tokenizer, host.renderer, host.task
@@ -58,9 +75,10 @@ class SupervisedWarmup:
             prepared = self.stepper.step()
             self.skips.count(prepared.ok, prepared.grad_norm, f"at warm-up step {self.step + 1}")
             self.step += 1
-            loss = combine_micro_metrics(outs, dp).get("loss/sft")
-            if loss is not None and self.step % 10 == 0:
-                log(f" sft {self.step:5d}/{t.sft_iters} | loss {loss:.4f}")
+            if outs and self.step % 10 == 0:  # the loss lives on the last pipeline stage
+                share = sum(float(out["loss/sft"]) for out in outs)  # this rank's, of the loss
+                # × DP: the global loss when the ranks' shares are even (not all-reduced)
+                log(f" sft {self.step:5d}/{t.sft_iters} | loss {share * dp:.4f}")
         self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
 
     def _batch(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ With tensor parallelism the output layer's logits are split over the vocabulary:
 t holds ``z[..., V_t]`` for its shard ``V_t`` of the vocabulary. Every per-token quantity
 is then a sum over shards, so each function computes its shard's partial and combines the
 partials with an all-reduce over the TP group (``tp_group=None``: the logits are whole).
+Megatron splits the (padded) vocabulary evenly, so TP rank ``t``'s shard starts at id
+``t · V/TP`` (:func:`vocab_shard_start`, the one place that offset is derived).
 
 Log-softmax (per token)::
 
@@ -20,8 +22,9 @@ so one all-reduce of ``[tokens]`` floats combines the shards' ``Σ_{v∈V_t} e^{
 log-sum-exps (each a max and a sum all-reduce of ``[tokens]``).
 
 Gradients. Every rank back-propagates the same (replicated) per-token result, so the
-gradient of a TP sum with respect to this rank's partial is the identity: the sums use
-:class:`_AllReduceSum` (all-reduce forward, identity backward; Megatron's
+gradient of a TP sum with respect to this rank's partial is the identity: the sums
+(:func:`vocab_parallel_sum`) use :class:`_AllReduceSum` (all-reduce forward, identity
+backward; Megatron's
 ``reduce_from_tensor_model_parallel_region`` with an explicit group). The max ``M`` is a
 numerical shift that cancels in ``lse``, so it is detached; an all-reduce that autograd
 cannot see would otherwise route a wrong gradient to each shard's local maximum.
@@ -57,8 +60,15 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def _sum_over(partial: torch.Tensor, group) -> torch.Tensor:
-    return _AllReduceSum.apply(partial, group) if _split(group) else partial
+def vocab_parallel_sum(partial: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The sum over the TP group of this rank's per-token ``partial`` (a sum over its shard
+    of the vocabulary), the same on every rank, with the identity backward."""
+    return _AllReduceSum.apply(partial, tp_group) if _split(tp_group) else partial
+
+
+def vocab_shard_start(shard_width: int, tp_group=None) -> int:
+    """The first vocabulary id of this TP rank's shard of ``shard_width`` ids."""
+    return dist.get_rank(tp_group) * shard_width if _split(tp_group) else 0
 
 
 def _shifted_exp(z: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,21 +82,18 @@ def _shifted_exp(z: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]
 def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
     """``log Σ_v e^{z_v}`` over the whole vocabulary; ``logits [..., V/TP]`` → ``[...]``."""
     m, e = _shifted_exp(logits.float(), tp_group)
-    return m + _sum_over(e.sum(dim=-1), tp_group).log()
+    return m + vocab_parallel_sum(e.sum(dim=-1), tp_group).log()
 
 
 def vocab_parallel_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0, tp_group=None
+    logits: torch.Tensor, targets: torch.Tensor, tp_group=None
 ) -> torch.Tensor:
-    """``log π(targets)`` from vocab-parallel ``logits [..., V/TP]`` and ``targets [...]``.
-
-    ``vocab_start`` is the first vocabulary id of this rank's shard.
-    """
+    """``log π(targets)`` from vocab-parallel ``logits [..., V/TP]`` and ``targets [...]``."""
     z = logits.float()
-    local = targets - vocab_start
+    local = targets - vocab_shard_start(z.shape[-1], tp_group)
     mine = (local >= 0) & (local < z.shape[-1])
     target_logit = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = _sum_over(target_logit * mine, tp_group)
+    target_logit = vocab_parallel_sum(target_logit * mine, tp_group)
     return target_logit - vocab_parallel_logsumexp(z, tp_group)
 
 
@@ -100,8 +107,8 @@ def vocab_parallel_kl(
     (and the identity backward of the sums is exact)."""
     z_old, z_new = logits_old.float(), logits_new.float()
     m, e = _shifted_exp(z_old, tp_group)
-    a = _sum_over((e * (z_old - z_new)).sum(dim=-1), tp_group)
-    s = _sum_over(e.sum(dim=-1), tp_group)
+    a = vocab_parallel_sum((e * (z_old - z_new)).sum(dim=-1), tp_group)
+    s = vocab_parallel_sum(e.sum(dim=-1), tp_group)
     return a / s - (m + s.log()) + vocab_parallel_logsumexp(z_new, tp_group)
 
 

@@ -26,41 +26,34 @@ import os
 from dataclasses import dataclass, field
 
 from loggra_megatron.config import ConfigError
+from loggra_megatron.data.config import DataConfig
+from loggra_megatron.data.prompts import PromptDataset, PromptRenderer
+from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.megatron_version import untested_version_note
-
-
-@dataclass
-class Scoring:
-    """How completions are scored: ``reward_fn`` and, when the task judges correctness
-    itself, ``is_correct`` (else a returned ``correct`` or reward ≥ ``threshold``)."""
-
-    reward_fn: object
-    is_correct: object | None
-    threshold: float
+from loggra_megatron.tasks import TASKS, Task
+from loggra_megatron.tasks.rewards import Scoring
+from loggra_megatron.train.run_config import RunConfig
 
 
 @dataclass
 class Preflight:
     """The host-side parts of a run."""
 
-    tokenizer: object
-    task: object
-    renderer: object
-    """:class:`~loggra_megatron.data.prompts.PromptRenderer`: prompt → token ids."""
+    tokenizer: Tokenizer
+    task: Task
+    renderer: PromptRenderer
+    """Prompt → token ids."""
     scoring: Scoring
-    dataset: object
+    dataset: PromptDataset
     """The prompt dataset, prompts over the length budget removed."""
     dropped_prompts: int
     """How many prompts were removed for length."""
-    eval_dataset: object = None
+    eval_dataset: PromptDataset | None = None
     notes: list[str] = field(default_factory=list)
     """Messages for rank 0 to print (resume notes, dropped prompts)."""
 
 
-def preflight(cfg) -> Preflight:
-    from loggra_megatron.data.prompts import PromptRenderer
-    from loggra_megatron.tasks import TASKS
-
+def preflight(cfg: RunConfig) -> Preflight:
     d = cfg.data
     if cfg.logging.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
@@ -81,7 +74,7 @@ def preflight(cfg) -> Preflight:
             f"{d.tokenizer_model!r} has none, or --no-apply-chat-template); drop it"
         )
     renderer = PromptRenderer(tokenizer, task, chat, d.system_prompt)
-    scoring = _scoring(cfg, task)
+    scoring = _scoring(d, task)
     notes = list(cfg.start.notes)
     version_note = untested_version_note()
     if version_note is not None:
@@ -94,7 +87,7 @@ def preflight(cfg) -> Preflight:
     return Preflight(tokenizer, task, renderer, scoring, dataset, dropped, eval_dataset, notes)
 
 
-def _tokenizer(cfg):
+def _tokenizer(cfg: RunConfig) -> Tokenizer:
     from loggra_megatron.data.tokenizer import load_tokenizer
 
     d = cfg.data
@@ -106,10 +99,9 @@ def _tokenizer(cfg):
     return tokenizer
 
 
-def _scoring(cfg, task) -> Scoring:
+def _scoring(d: DataConfig, task: Task) -> Scoring:
     from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
 
-    d = cfg.data
     if d.reward_fn is None:
         return Scoring(task.reward, task.is_correct, d.accuracy_threshold)
     try:
@@ -118,9 +110,11 @@ def _scoring(cfg, task) -> Scoring:
         raise ConfigError(str(e)) from None
 
 
-def _prompts(cfg, renderer, spec, notes: list[str], what: str):
+def _prompts(
+    cfg: RunConfig, renderer: PromptRenderer, spec: str | None, notes: list[str], what: str
+) -> tuple[PromptDataset, int]:
     """The dataset of ``spec`` (files) or of the task generator, prompts over budget dropped."""
-    from loggra_megatron.data.prompts import DatasetFormatError, PromptDataset
+    from loggra_megatron.data.prompts import DatasetFormatError
 
     d, seed = cfg.data, cfg.training.seed
     flag = "--eval-data-path" if what == "eval data" else "--data-path"
@@ -159,7 +153,7 @@ def _prompts(cfg, renderer, spec, notes: list[str], what: str):
     return dataset, len(dropped)
 
 
-def _check_answers(task, dataset, flag: str) -> None:
+def _check_answers(task: Task, dataset: PromptDataset, flag: str) -> None:
     """Every reference answer is one the task's scoring can read (else every completion of
     that prompt would score alike, found only after the warm-up)."""
     for i, example in enumerate(dataset.examples):
@@ -170,7 +164,7 @@ def _check_answers(task, dataset, flag: str) -> None:
             )
 
 
-def _prompt_length(renderer, dataset, i: int, flag: str) -> int:
+def _prompt_length(renderer: PromptRenderer, dataset: PromptDataset, i: int, flag: str) -> int:
     """Tokens of prompt ``i`` as the policy sees it; a chat template that fails on it (or
     renders it as nothing) is reported with the prompt's location."""
     where = f"{flag}: {dataset.locations[i]}"
@@ -187,7 +181,7 @@ def _prompt_length(renderer, dataset, i: int, flag: str) -> int:
     return n
 
 
-def _check_vocab(cfg, tokenizer) -> None:
+def _check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     from loggra_megatron.checkpointing.layout import MODEL_ARGS
     from loggra_megatron.model.args import GPTModelArgs
 
@@ -202,7 +196,7 @@ def _check_vocab(cfg, tokenizer) -> None:
         )
 
 
-def _check_data_position(cfg, dataset) -> None:
+def _check_data_position(cfg: RunConfig, dataset: PromptDataset) -> None:
     saved = cfg.start.checkpoint.run_config() if cfg.start.resumes else None
     if saved is None or "data" not in saved:
         return

@@ -1,0 +1,277 @@
+"""The keys of ``metrics.jsonl``, each declared once (:data:`METRICS`): what it means, and how
+the values measured on each micro-batch, optimizer update and rank become the one number an
+RL step reports (:class:`Reduction`).
+
+A value passes through up to three reductions, in this order:
+
+1. over the micro-batches of a mini-batch (the loss terms' metrics,
+   :func:`combine_micro_batches`): ``sum`` for a term's share of the mini-batch loss
+   (``loss/*``), ``mean`` for the token means;
+2. over the optimizer updates of the RL step, PPO epochs × mini-batches
+   (:func:`combine_updates`): ``mean``, or ``sum`` for counts and times;
+3. over the ranks (:func:`~loggra_megatron.train.reporting.reduce_metrics`): ``mean`` or
+   ``sum`` over the DP ranks of the mean over the pipeline stages that report the key (the
+   loss lives on the last stage).
+
+A value skips the reductions its declaration leaves out (``None``): ``reward/mean`` is one
+number per rank and step, ``time/step_s`` is rank 0's own. A key that reaches a reduction it
+does not declare is refused, so every key is declared here before it is reported.
+
+``docs/metrics.md``'s table is generated from :data:`METRICS` (``python -m
+loggra_megatron.metric_keys docs/metrics.md``; ``tests/test_metrics.py`` fails when it
+drifts). Adding a metric: its declaration here and the code that reports it
+(``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MEAN, SUM = "mean", "sum"
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How a key's values combine at each stage (``mean`` | ``sum``; None: not this stage)."""
+
+    micro_batches: str | None = None
+    """Over the micro-batches of a mini-batch (metrics of the loss terms)."""
+    updates: str | None = None
+    """Over the optimizer updates of the RL step."""
+    ranks: str | None = None
+    """Over the DP ranks (each the mean over the pipeline stages that report the key)."""
+
+    def describe(self) -> str:
+        stages = (
+            (self.micro_batches, "micro-batches"),
+            (self.updates, "updates"),
+            (self.ranks, "DP ranks"),
+        )
+        return ", ".join(f"{how} over {what}" for how, what in stages if how) or "as measured"
+
+
+LOSS_SHARE = Reduction(micro_batches=SUM, updates=MEAN, ranks=SUM)
+"""A loss term's share of the global mini-batch loss: the shares add up to the loss."""
+TOKEN_MEAN = Reduction(micro_batches=MEAN, updates=MEAN, ranks=MEAN)
+"""A token mean over each micro-batch."""
+PER_UPDATE = Reduction(updates=MEAN, ranks=MEAN)
+"""Measured once per optimizer update (the same on every rank)."""
+TOTAL_PER_UPDATE = Reduction(updates=SUM, ranks=MEAN)
+"""A count or a time per optimizer update, added up over the step's updates."""
+PER_RANK = Reduction(ranks=MEAN)
+"""One value per rank and step."""
+SUMMED_OVER_RANKS = Reduction(ranks=SUM)
+"""One value per rank and step, added up over the DP ranks."""
+AS_MEASURED = Reduction()
+"""One value per step, reported as measured: rank 0's, or the same on every rank."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    doc: str
+    """What it is, in the docs table."""
+    reduction: Reduction = AS_MEASURED
+
+
+def _declare(*metrics: Metric) -> dict[str, Metric]:
+    return {m.key: m for m in metrics}
+
+
+METRICS: dict[str, Metric] = _declare(
+    Metric(
+        "step",
+        "RL step, 1-based (rollout + its optimizer updates; = the checkpoint iteration); "
+        "first JSONL key",
+    ),
+    Metric(
+        "loss/total",
+        "policy loss + β·KL-to-reference loss (the loss that is back-propagated)",
+        LOSS_SHARE,
+    ),
+    Metric("loss/policy", "PPO-clip / GRPO surrogate loss, aggregated as configured", LOSS_SHARE),
+    Metric("loss/kl_ref", "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)", LOSS_SHARE),
+    Metric("reward/mean", "mean reward over the rollout batch", PER_RANK),
+    Metric("reward/std", "standard deviation of the reward over the rollout batch", PER_RANK),
+    Metric(
+        "reward/accuracy",
+        "fraction of responses judged correct by the task (or, with --reward-fn, by the "
+        "function's verdict or reward ≥ --accuracy-threshold)",
+        PER_RANK,
+    ),
+    Metric(
+        "kl/ref", "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model", TOKEN_MEAN
+    ),
+    Metric(
+        "kl/predicted",
+        "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe",
+        PER_UPDATE,
+    ),
+    Metric(
+        "kl/predicted_committed",
+        "predicted KL of the committed update η·Δθ (after backtracking)",
+        PER_UPDATE,
+    ),
+    Metric(
+        "kl/realized",
+        "KL(π_θ ‖ π_θ') measured on held-out sequences at the committed weights θ' (every "
+        "kl_realized_interval steps; with LoGRA read off the last trial's forward, whose "
+        "weights are bitwise the committed ones)",
+        PER_UPDATE,
+    ),
+    Metric(
+        "kl/step_scale",
+        "η, the scale applied to the update (1 = full step, 0 = skipped)",
+        PER_UPDATE,
+    ),
+    Metric("kl/backtracks", "number of times η was halved by the backtracking check", PER_UPDATE),
+    Metric("kl/coef", "β, the (adaptive) coefficient of the KL-to-reference loss"),
+    Metric(
+        "clip/fraction", "share of tokens whose PPO ratio was clipped (zero gradient)", TOKEN_MEAN
+    ),
+    Metric("ratio/mean", "token mean of the ratio π_θ / π_old", TOKEN_MEAN),
+    Metric(
+        "kl/old_new",
+        "token-mean k3 estimate of KL(π_old ‖ π_θ), the sampling policy to the policy being "
+        "trained (grows over PPO epochs / mini-batches)",
+        TOKEN_MEAN,
+    ),
+    Metric("grad/norm", "global gradient L2 norm before clipping", PER_UPDATE),
+    Metric(
+        "optimizer/skipped_steps",
+        "number of this step's optimizer updates that were skipped (non-finite gradient norm "
+        "or predicted KL; weights, state and LR schedule unchanged)",
+        TOTAL_PER_UPDATE,
+    ),
+    Metric("optimizer/skipped_steps_total", "skipped optimizer updates since the start of the run"),
+    Metric(
+        "memory/optimizer_state_bytes",
+        "optimizer state bytes of rank 0 (exact, optim.state_bytes)",
+    ),
+    Metric(
+        "memory/peak_bytes",
+        "peak allocated memory of rank 0 so far (CUDA max allocated; peak RSS on CPU)",
+    ),
+    Metric(
+        "memory/kl_control_bytes",
+        "extra memory of predicted-KL control (stored reference + candidate peak)",
+        PER_UPDATE,
+    ),
+    Metric("time/step_s", "wall time of the whole step (rollout + train + control), seconds"),
+    Metric(
+        "memory/kv_cache_bytes",
+        "rollout KV cache of this rank: the largest chunk's static cache "
+        "(`--inference-max-tokens`), or the dynamic engine's buffer",
+        PER_RANK,
+    ),
+    Metric(
+        "time/experience_s",
+        "wall time of the experience: rollout generation, rewards and reference log-probs, seconds",
+    ),
+    Metric(
+        "time/rollout_s",
+        "wall time of rollout generation (sampling) alone, seconds (until this version it "
+        "also held the rewards and reference log-probs, now `time/experience_s`)",
+        PER_RANK,
+    ),
+    Metric(
+        "throughput/rollout_tokens_per_s",
+        "generated tokens per second of generation, of all DP ranks (they generate side by side)",
+        SUMMED_OVER_RANKS,
+    ),
+    Metric("time/train_s", "wall time of forward/backward and the optimizer step, seconds"),
+    Metric(
+        "time/kl_control_s",
+        "wall time of predicted-KL control (reference, trials, realized check; not the "
+        "gradient preparation, projection and commit that a plain step also does), seconds",
+        TOTAL_PER_UPDATE,
+    ),
+    Metric(
+        "throughput/tokens_per_s",
+        "prompt + response tokens of the batch (all ranks) per second of step time",
+    ),
+    Metric(
+        "lr",
+        "learning rate the step's optimizer updates used (before the η scaling, and before "
+        "the schedule advanced for the next step)",
+        PER_UPDATE,
+    ),
+    Metric("response/length_mean", "mean response length in tokens", PER_RANK),
+    Metric(
+        "data/dropped_prompts",
+        "prompts removed from the dataset at start-up because they leave no room for "
+        "--max-new-tokens within --seq-length",
+    ),
+    Metric(
+        "eval/reward",
+        "mean reward of greedy completions of the held-out prompts (--eval-data-path; every "
+        "--eval-interval steps)",
+    ),
+    Metric(
+        "eval/accuracy", "share of the held-out prompts answered correctly (the task's verdict)"
+    ),
+    Metric("time/eval_s", "wall time of the held-out evaluation, seconds"),
+)
+
+
+def declared(key: str, stage: str) -> str:
+    """How ``key`` combines at ``stage`` (a :class:`Reduction` field); raises ``KeyError``
+    for a key that is not declared, or not declared to pass through ``stage``."""
+    metric = METRICS.get(key)
+    how = getattr(metric.reduction, stage) if metric is not None else None
+    if how is None:
+        raise KeyError(
+            f"metric {key!r} is not declared with a reduction over {stage.replace('_', '-')} "
+            "(declare it in loggra_megatron/metric_keys.py)"
+        )
+    return how
+
+
+def combine_micro_batches(outs: Iterable[dict]) -> dict[str, float]:
+    """The metrics of a mini-batch's micro-batches (the loss terms', on the last pipeline
+    stage; none elsewhere) as one value per key."""
+    values: dict[str, list[float]] = {}
+    for out in outs:
+        for key, value in out.items():
+            values.setdefault(key, []).append(float(value))
+    return {
+        key: sum(v) if declared(key, "micro_batches") == SUM else sum(v) / len(v)
+        for key, v in values.items()
+    }
+
+
+def combine_updates(sums: dict[str, float], num_updates: int) -> dict[str, float]:
+    """The RL step's value of each key from ``sums`` over its ``num_updates`` updates
+    (``mean``: the sum divided by ``num_updates``; an update that did not report the key,
+    e.g. a skipped one, counts as 0)."""
+    return {
+        key: total if declared(key, "updates") == SUM else total / num_updates
+        for key, total in sums.items()
+    }
+
+
+def markdown_table() -> str:
+    """The key table of ``docs/metrics.md``."""
+    lines = ["| key | meaning | reduction |", "|---|---|---|"]
+    lines += [f"| `{m.key}` | {m.doc} | {m.reduction.describe()} |" for m in METRICS.values()]
+    return "\n".join(lines) + "\n"
+
+
+TABLE_START = "<!-- generated from loggra_megatron/metric_keys.py -->\n"
+TABLE_END = "<!-- end of the generated table -->\n"
+
+
+def with_table(text: str) -> str:
+    """``text`` (``docs/metrics.md``) with the part between the markers regenerated."""
+    head, rest = text.split(TABLE_START, 1)
+    return head + TABLE_START + markdown_table() + TABLE_END + rest.split(TABLE_END, 1)[1]
+
+
+if __name__ == "__main__":  # python -m loggra_megatron.metric_keys docs/metrics.md
+    path = sys.argv[1]
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(with_table(text))

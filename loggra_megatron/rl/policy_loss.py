@@ -1,0 +1,224 @@
+"""The policy loss: an object with its own settings that reads a micro-batch's vocab-parallel
+logits and returns ``(loss, metrics)``, registered by name (``--policy-loss``; cf. verl's
+policy-loss registry, torchtitan's ``DAPOLoss``).
+
+A loss is the sum of its *terms* (:class:`LossTerm`). Each term reads a :class:`LossInputs`:
+the batch, the token log-probs computed once from the logits with the TP group
+(:func:`~loggra_megatron.model.vocab_parallel.vocab_parallel_log_probs`: this rank's
+``[b, s, V/TP]`` shard is never gathered), the logits themselves, and the
+:class:`Aggregation` that turns per-token values into this micro-batch's share of the
+mini-batch loss (``--loss-aggregation`` over the DP-global counts, ``rl/losses.py``). It
+returns its value and its metrics, each a key declared in :mod:`loggra_megatron.metric_keys`.
+
+:class:`PPOClipLoss` (``ppo_clip``) is GRPO / Dr.GRPO / DAPO (by the aggregation) with
+clip-higher: the clipped surrogate (:class:`ClippedSurrogate`) plus β · KL to the reference
+(:class:`KLToReference`, β the adaptive coefficient). Adding a term (e.g. an entropy bonus):
+its class here, its setting in :class:`PolicyLossConfig`, one line in
+:meth:`PPOClipLoss.build_terms`, and its metric in ``metric_keys.py``
+(``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.config import applies, at_least, check_fields, one_of
+from loggra_megatron.model.vocab_parallel import sampled_kl, vocab_parallel_log_probs
+from loggra_megatron.rl.losses import (
+    AGGREGATIONS,
+    AdaptiveKLCoefficient,
+    aggregate,
+    kl_to_reference,
+    masked_mean,
+    ppo_clip_per_token,
+)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy loss (``--policy-loss``) and the settings of its terms."""
+
+    policy_loss: str = "ppo_clip"
+    """ppo_clip: the clipped surrogate (GRPO / Dr.GRPO / DAPO by --loss-aggregation) + β·KL to
+    the reference model."""
+    clip_low: float = 0.2
+    """PPO clip range below 1."""
+    clip_high: float = 0.28
+    """PPO clip range above 1 (clip-higher)."""
+    loss_aggregation: str = "token_mean"
+    """token_mean (DAPO) | seq_mean_token_sum_norm (Dr.GRPO) | seq_mean_token_mean (GRPO)."""
+    kl_ref_estimator: str = applies("k3", "with --kl-coef > 0", lambda s: s["kl_coef"] > 0)
+    """k1 | k2 | k3."""
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            [
+                ("policy_loss", one_of(*POLICY_LOSSES), f"one of {', '.join(POLICY_LOSSES)}"),
+                ("clip_low", lambda c: 0 <= c < 1, "in [0, 1)"),
+                ("clip_high", at_least(0), ">= 0"),
+                ("loss_aggregation", one_of(*AGGREGATIONS), f"one of {', '.join(AGGREGATIONS)}"),
+                ("kl_ref_estimator", one_of("k1", "k2", "k3"), "one of k1, k2, k3"),
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """Per-token values ``[b, s]`` → this micro-batch's share of the mini-batch loss
+    (:func:`~loggra_megatron.rl.losses.aggregate`)."""
+
+    mode: str = "token_mean"
+    """``--loss-aggregation``."""
+    num_tokens: float | None = None
+    """Valid tokens of the mini-batch over all micro-batches and DP ranks (None: this
+    micro-batch's own)."""
+    num_seqs: float | None = None
+    """Sequences of the mini-batch over all micro-batches and DP ranks (None: its own)."""
+    max_len: int | None = None
+    """Dr.GRPO's constant length (``--max-new-tokens``; None: the micro-batch's width)."""
+
+    def __call__(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return aggregate(values, mask, self.mode, self.num_tokens, self.num_seqs, self.max_len)
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as the terms read it (position ``t`` scores ``tokens[:, t + 1]``)."""
+
+    batch: dict[str, torch.Tensor]
+    """``tokens [b, s + 1]``, ``mask [b, s]`` (response targets), ``old [b, s]`` (sampling
+    log-probs), ``adv [b]`` (advantages), ``ref [b, s]`` (reference log-probs, when there is
+    a reference model)."""
+    log_probs: torch.Tensor
+    """``[b, s]`` log π_θ of the targets (differentiable)."""
+    aggregate: Aggregation
+    logits: torch.Tensor | None = None
+    """``[b, s, V/TP]`` this TP rank's vocab-parallel logits (None where a term is tried on
+    given log-probs alone)."""
+    tp_group: dist.ProcessGroup | None = None
+    """The group the vocabulary is split over (None: whole logits)."""
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.batch["mask"]
+
+
+class LossTerm(Protocol):
+    """One additive term: ``(its value, its metrics)`` on a micro-batch; the value carries the
+    term's coefficient and the aggregation's global denominators."""
+
+    def __call__(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+class ClippedSurrogate:
+    """The PPO-clip surrogate with clip-higher (``rl/losses.py``). Metrics: ``loss/policy``,
+    ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3 KL(π_old ‖ π_θ))."""
+
+    def __init__(self, clip_low: float, clip_high: float):
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def __call__(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        b, m = x.batch, x.mask.bool()
+        per_token, clipped, ratio = ppo_clip_per_token(
+            x.log_probs, b["old"], b["adv"], m, self.clip_low, self.clip_high
+        )
+        loss = x.aggregate(per_token, m)
+        old_new = sampled_kl(
+            torch.where(m, b["old"].detach(), 0.0), torch.where(m, x.log_probs.detach(), 0.0), "k3"
+        )
+        return loss, {
+            "loss/policy": loss.detach(),
+            "clip/fraction": masked_mean(clipped.float(), m),
+            "ratio/mean": masked_mean(ratio, m),
+            "kl/old_new": masked_mean(old_new, m),
+        }
+
+
+class KLToReference:
+    """β · the aggregated k1/k2/k3 estimate of KL(π_θ ‖ π_ref), β read at each call from the
+    (adaptive) coefficient. Metrics: ``loss/kl_ref`` (the β-scaled term), ``kl/ref`` (the
+    unscaled token mean); zeros without a reference model."""
+
+    def __init__(self, estimator: str, coef: AdaptiveKLCoefficient):
+        self.estimator, self.coef = estimator, coef
+
+    def __call__(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        beta, ref = self.coef.value, x.batch.get("ref")
+        if ref is None:
+            if beta != 0.0:
+                raise ValueError("a KL coefficient != 0 needs the reference log-probs ('ref')")
+            zero = x.log_probs.new_zeros(())
+            return zero, {"loss/kl_ref": zero, "kl/ref": zero}
+        kl = kl_to_reference(x.log_probs, ref, x.mask, self.estimator)  # [b, s]
+        loss = beta * x.aggregate(kl, x.mask)
+        return loss, {"loss/kl_ref": loss.detach(), "kl/ref": masked_mean(kl, x.mask)}
+
+
+class PolicyLoss:
+    """``loss(batch, logits, counts) -> (loss, metrics)``: the sum of :attr:`terms` on a
+    micro-batch, plus ``loss/total``. ``counts``: ``(valid tokens, sequences)`` of the
+    mini-batch over DP (:func:`~loggra_megatron.rl.actor.global_counts`), so that the
+    micro-batch losses add up to the mini-batch loss (None: this micro-batch's own).
+
+    A registered loss is built as ``cls(settings, max_len, kl_coef, tp_group)`` and says
+    which terms it sums (:meth:`build_terms`)."""
+
+    def __init__(
+        self,
+        settings: PolicyLossConfig,
+        max_len: int | None,
+        kl_coef: AdaptiveKLCoefficient,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        self.settings, self.max_len, self.tp_group = settings, max_len, tp_group
+        self.terms: list[LossTerm] = self.build_terms(settings, kl_coef)
+
+    def build_terms(
+        self, settings: PolicyLossConfig, kl_coef: AdaptiveKLCoefficient
+    ) -> list[LossTerm]:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        batch: dict[str, torch.Tensor],
+        logits: torch.Tensor,
+        counts: tuple[float, float] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        num_tokens, num_seqs = counts if counts is not None else (None, None)
+        aggregation = Aggregation(
+            self.settings.loss_aggregation, num_tokens, num_seqs, self.max_len
+        )
+        log_probs = vocab_parallel_log_probs(logits, batch["tokens"][:, 1:], self.tp_group)
+        return self.sum_terms(LossInputs(batch, log_probs, aggregation, logits, self.tp_group))
+
+    def sum_terms(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The terms, in order, on ``x``: ``(their sum, their metrics + loss/total)``."""
+        total, metrics = None, {}
+        for term in self.terms:
+            value, term_metrics = term(x)
+            total = value if total is None else total + value
+            metrics.update(term_metrics)
+        metrics["loss/total"] = total.detach()
+        return total, metrics
+
+
+class PPOClipLoss(PolicyLoss):
+    """GRPO / Dr.GRPO / DAPO: the clipped surrogate + β · KL to the reference, one aggregation
+    for both."""
+
+    def build_terms(
+        self, settings: PolicyLossConfig, kl_coef: AdaptiveKLCoefficient
+    ) -> list[LossTerm]:
+        return [
+            ClippedSurrogate(settings.clip_low, settings.clip_high),
+            KLToReference(settings.kl_ref_estimator, kl_coef),
+        ]
+
+
+POLICY_LOSSES: dict[str, type[PolicyLoss]] = {"ppo_clip": PPOClipLoss}
+"""``--policy-loss`` name → loss class (one line per loss)."""

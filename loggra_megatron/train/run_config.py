@@ -1,0 +1,94 @@
+"""Every setting of a ``pretrain_rl.py`` run, by section (:class:`RunConfig`).
+
+| section | settings | owner |
+|---|---|---|
+| model | :class:`~loggra_megatron.model.config.ModelConfig` | the policy model |
+| parallel | :class:`~loggra_megatron.parallel.ParallelConfig` | process groups |
+| training | :class:`~loggra_megatron.train.config.TrainingConfig` | the training loop |
+| optimizer | :class:`~loggra_megatron.optim.config.OptimConfig` | the optimizer |
+| loggra | :class:`~loggra_megatron.optim.config.LoGRAConfig` | LoGRA |
+| rollout | :class:`~loggra_megatron.rollout.config.RolloutConfig` | rollout sampling |
+| grpo | :class:`~loggra_megatron.rl.config.GRPOConfig` | the GRPO/PPO update |
+| loss | :class:`~loggra_megatron.rl.policy_loss.PolicyLossConfig` | the policy loss |
+| kl_control | :class:`~loggra_megatron.rl.config.KLControlConfig` | predicted-KL control |
+| data | :class:`~loggra_megatron.data.config.DataConfig` | prompts, tokenizer, reward |
+| checkpoint | :class:`~loggra_megatron.checkpointing.config.CheckpointConfig` | checkpoints |
+| logging | :class:`~loggra_megatron.metrics.LoggingConfig` | metrics |
+
+The command line is generated from the sections (:mod:`loggra_megatron.arguments`); the
+builders of a run (:mod:`loggra_megatron.train.build`) read a :class:`RunConfig` and give each
+component its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from loggra_megatron.checkpointing.config import CheckpointConfig
+from loggra_megatron.checkpointing.resume import StartPlan
+from loggra_megatron.data.config import DataConfig
+from loggra_megatron.metrics import LoggingConfig
+from loggra_megatron.model.config import ModelConfig
+from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
+from loggra_megatron.parallel import ParallelConfig
+from loggra_megatron.rl.config import GRPOConfig, KLControlConfig
+from loggra_megatron.rl.policy_loss import PolicyLossConfig
+from loggra_megatron.rollout.config import RolloutConfig
+from loggra_megatron.train.config import TrainingConfig
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimConfig,
+    "loggra": LoGRAConfig,
+    "rollout": RolloutConfig,
+    "grpo": GRPOConfig,
+    "loss": PolicyLossConfig,
+    "kl_control": KLControlConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Every setting of a ``pretrain_rl.py`` run, by section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimConfig = field(default_factory=OptimConfig)
+    loggra: LoGRAConfig = field(default_factory=LoGRAConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl_control: KLControlConfig = field(default_factory=KLControlConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    world_size: int = 1
+    """From torchrun's WORLD_SIZE."""
+    start: StartPlan = field(default_factory=StartPlan)
+    """How the run starts (fresh, resume, weights, converted): decided by
+    :func:`~loggra_megatron.arguments.parse_args` from --load/--save, not a flag."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    @property
+    def metrics_dir(self) -> str:
+        """Where ``metrics.jsonl`` goes (:meth:`LoggingConfig.metrics_dir`)."""
+        return self.logging.metrics_dir(self.checkpoint.save)
+
+    def flags(self) -> dict:
+        """``{field name: value}`` of every flag (``run_config.json``, resume comparisons)."""
+        return {k: v for section in SECTIONS for k, v in vars(getattr(self, section)).items()}
+
+    def to_dict(self) -> dict:
+        """The settings by section (W&B config), without the start plan."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "start"}
