@@ -221,6 +221,7 @@ def _cross_section_problems(cfg: RunConfig):
     if rollout % t.global_batch_size:
         yield (f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
                f"--num-generations = {rollout}")  # fmt: skip
+    yield from _optimizer_problems(cfg)
     if OPTIMIZERS[opt.optimizer].sketched and lg.loggra_rank > m.hidden_size // tp:
         yield (f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
                f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
@@ -233,6 +234,23 @@ def _cross_section_problems(cfg: RunConfig):
             "16-bit weights while the fp32 master weights keep the current ones)"
         )
     yield from _gpu_only_problems(cfg, tp)
+
+
+def _optimizer_problems(cfg):
+    """What the ``--optimizer`` registry entry says it cannot do."""
+    name, spec = cfg.optimizer.optimizer, OPTIMIZERS[cfg.optimizer.optimizer]
+    if cfg.optimizer.use_distributed_optimizer and not spec.distributed:
+        yield (
+            f"--use-distributed-optimizer: Megatron's distributed optimizer cannot hold "
+            f"--optimizer {name} (it takes Adam only); add --no-use-distributed-optimizer"
+        )
+    if cfg.kl_control.enabled and not spec.candidate:
+        able = ", ".join(n for n, o in OPTIMIZERS.items() if o.candidate)
+        yield (
+            f"--kl-target: --optimizer {name} computes no side-effect-free candidate update, "
+            "which predicted-KL control tries before it commits a step; drop --kl-target or "
+            f"use an optimizer that does ({able})"
+        )
 
 
 def _on_gpu(cfg) -> bool:

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=list(OPTIMIZERS),
         default="loggra",
-        help="the optimizer the run uses (marked *); both are always shown",
+        help="the optimizer the run uses (marked *); dense Adam and LoGRA are always shown",
     )
     s.add_argument("--loggra-rank", type=pos, default=128)
     s.add_argument("--loggra-min-dim", type=pos, default=64)
@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, parallel, step = _configs(args, parser)
-        steps = {opt: dataclasses.replace(step, optimizer=opt) for opt in ("adam", "loggra")}
+        names = dict.fromkeys(("adam", "loggra", step.optimizer))  # and the run's own
+        steps = {opt: dataclasses.replace(step, optimizer=opt) for opt in names}
         results = {opt: estimate_rl_step_memory(model, parallel, s) for opt, s in steps.items()}
     except MemoryConfigError as e:
         parser.error(f"argument {_flag(e.field, args)}: {e.message}")
