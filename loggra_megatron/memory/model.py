@@ -38,6 +38,7 @@ from loggra_megatron.memory.transient import (
     rollout_kv_cache_bytes,
 )
 from loggra_megatron.optim.registry import sketches_shape
+from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 
 __all__ = [
     "GiB",
@@ -353,7 +354,7 @@ def _rollout_terms(model, parallel, step, last: bool, kv_bytes: int) -> dict[str
     )
     # the dynamic engine recomputes the policy's log-probs as the reference forward runs:
     # micro-batches of --log-prob-micro-batch-size sequences; the static one samples them
-    recompute = rows and step.rollout_engine == "dynamic"
+    recompute = rows and ROLLOUT_ENGINES[step.rollout_engine].recomputes_log_probs
     lp_rows = step.log_prob_rows if recompute else 0
     return {
         "kv_cache": kv,

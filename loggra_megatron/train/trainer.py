@@ -76,7 +76,7 @@ class RLTrainer:
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
         self.actor = Actor(self.policy, self.optimizer, step, self.dp_group, cfg.training)
         self.experience = ExperienceMaker(self.policy, self.reference, host, cfg)
-        self._log(f" rollouts: {self.experience.engine} engine"
+        self._log(f" rollouts: {self.experience.engine.name} engine"
                   + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
         self.evaluator = (Evaluator(self.experience, host.eval_dataset, cfg, self.dp_group)
                           if host.eval_dataset is not None else None)  # fmt: skip
