@@ -27,6 +27,8 @@ from loggra_megatron.config import (
     settings_that_do_not_apply,
 )
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.rollout.protocol import EngineTarget
+from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
@@ -145,6 +147,7 @@ def _cross_section_problems(cfg: RunConfig):
     if rollout % t.global_batch_size:
         yield (f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
                f"--num-generations = {rollout}")  # fmt: skip
+    yield from _optimizer_problems(cfg)
     if OPTIMIZERS[opt.optimizer].sketched and lg.loggra_rank > m.hidden_size // tp:
         yield (f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
                f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
@@ -157,6 +160,24 @@ def _cross_section_problems(cfg: RunConfig):
             "16-bit weights while the fp32 master weights keep the current ones)"
         )
     yield from _gpu_only_problems(cfg, tp)
+    yield from _rollout_engine_problems(cfg)
+
+
+def _optimizer_problems(cfg):
+    """What the ``--optimizer`` registry entry says it cannot do."""
+    name, spec = cfg.optimizer.optimizer, OPTIMIZERS[cfg.optimizer.optimizer]
+    if cfg.optimizer.use_distributed_optimizer and not spec.distributed:
+        yield (
+            f"--use-distributed-optimizer: Megatron's distributed optimizer cannot hold "
+            f"--optimizer {name} (it takes Adam only); add --no-use-distributed-optimizer"
+        )
+    if cfg.kl_control.enabled and not spec.candidate:
+        able = ", ".join(n for n, o in OPTIMIZERS.items() if o.candidate)
+        yield (
+            f"--kl-target: --optimizer {name} computes no side-effect-free candidate update, "
+            "which predicted-KL control tries before it commits a step; drop --kl-target or "
+            f"use an optimizer that does ({able})"
+        )
 
 
 def _on_gpu(cfg: RunConfig) -> bool:
@@ -189,16 +210,20 @@ def _gpu_only_problems(cfg: RunConfig, tp: int):
         elif m.fp8_recipe == "mxfp8" and capability < (10, 0):
             yield (f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
                    "(current scaling, docs/rollouts.md) or delayed")
-    if cfg.rollout.rollout_engine == "dynamic":
-        from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
 
-        reason = "it runs on CUDA only" if not _on_gpu(cfg) else dynamic_engine_unavailable()
-        if reason is None and not m.bf16:
-            reason = "flash-attn takes fp16/bf16 only; add --bf16"
-        if reason is None and m.fp8_format is not None and m.fp8_recipe == "blockwise":
-            reason = ("blockwise FP8's weight workspace, first built under inference mode, "
-                      "keeps only the row-wise data training needs; use --fp8-recipe "
-                      "tensorwise")
-        if reason is not None:
-            yield (f"--rollout-engine: Megatron-Core's dynamic inference engine cannot run "
-                   f"here ({reason}; docs/rollouts.md); use static or auto")
+
+def _rollout_engine_problems(cfg):
+    """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over)."""
+    name = cfg.rollout.rollout_engine
+    if name == AUTO:
+        return
+    m = cfg.model
+    recipe = m.fp8_recipe if m.fp8_format else None
+    target = EngineTarget(cuda=_on_gpu(cfg), half=m.bf16, fp8_recipe=recipe)
+    reason = ROLLOUT_ENGINES[name].unavailable(target)
+    if reason is not None:
+        others = " or ".join([*(n for n in ROLLOUT_ENGINES if n != name), AUTO])
+        yield (
+            f"--rollout-engine: the {name} engine cannot run here ({reason}; "
+            f"docs/rollouts.md); use {others}"
+        )

@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
-from loggra_megatron.memory.config import DYNAMIC_BLOCK_TOKENS, DYNAMIC_TOKEN_ROUNDER
 from loggra_megatron.memory.model import (
     GiB,
     MemoryConfigError,
@@ -37,6 +36,7 @@ from loggra_megatron.memory.runtime import (
     communicators,
 )
 from loggra_megatron.memory.transient import LOGITS_COPIES, TRAINING_LOGITS_COPIES
+from loggra_megatron.rollout.registry import DynamicEngine
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -122,8 +122,8 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
 
     from loggra_megatron.rollout.dynamic import DEFAULT_BLOCK_SIZE
 
-    assert DYNAMIC_BLOCK_TOKENS == DEFAULT_BLOCK_SIZE
-    assert DYNAMIC_TOKEN_ROUNDER == DynamicInferenceContext.TOKEN_ROUNDER
+    assert DynamicEngine.block_tokens == DEFAULT_BLOCK_SIZE
+    assert DynamicEngine.token_rounder == DynamicInferenceContext.TOKEN_ROUNDER
     model, par = _27b(sequence_parallel=True)
     s, new, m = 16384, 15360, 524288
     static = RLStepConfig(

@@ -69,7 +69,8 @@ def test_optimizer_choices_the_memory_model_and_the_builder_read_the_registry(
         parse_args(tiny_argv(tokenizer, optimizer="my_adam"))
     assert "one of adam, loggra" in capsys.readouterr().err
     spec = OptimizerSpec("my_adam", "dense, for the test", "tests:unused", sketched=False,
-                         grads_per_weight=False)  # fmt: skip
+                         grads_per_weight=False, distributed=True, candidate=True,
+                         state_bytes_per_param=8, state_bytes_per_tensor=4)  # fmt: skip
     monkeypatch.setitem(OPTIMIZERS, "my_adam", spec)
     assert parse_args(tiny_argv(tokenizer, optimizer="my_adam")).optimizer.optimizer == "my_adam"
     params = [ParamSpec("w", (256, 256), "linear")]

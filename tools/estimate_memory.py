@@ -50,6 +50,8 @@ from loggra_megatron.memory.model import (
 )
 from loggra_megatron.memory.report import report
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.rollout.protocol import EngineTarget
+from loggra_megatron.rollout.registry import engine_choices, select_engine
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=list(OPTIMIZERS),
         default="loggra",
-        help="the optimizer the run uses (marked *); both are always shown",
+        help="the optimizer the run uses (marked *); dense Adam and LoGRA are always shown",
     )
     s.add_argument("--loggra-rank", type=pos, default=128)
     s.add_argument("--loggra-min-dim", type=pos, default=64)
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--prompts-per-step", type=pos, default=None, help="over all DP ranks")
     s.add_argument("--num-generations", type=pos, default=4)
-    s.add_argument("--rollout-engine", choices=["auto", "static", "dynamic"], default="auto")
+    s.add_argument("--rollout-engine", choices=engine_choices(), default="auto")
     s.add_argument(
         "--inference-max-tokens",
         type=pos,
@@ -331,14 +333,13 @@ def _step(args, parser, dp: int) -> RLStepConfig:
     if args.fp8_format and not args.bf16:
         err("argument --fp8-format: FP8 training needs --bf16")
     precision = "fp8" if args.fp8_format else "bf16" if args.bf16 else "fp32"
-    engine = args.rollout_engine
-    if engine == "auto":  # as pretrain_rl.py: flash-attn takes fp16/bf16 only
-        engine = "static" if precision == "fp32" else "dynamic"
-    if args.fp8_format and args.fp8_recipe == "blockwise" and engine == "dynamic":
-        err(
-            "argument --fp8-recipe: blockwise FP8 is refused with the dynamic engine (as by "
-            "pretrain_rl.py); use another recipe or --rollout-engine static"
-        )
+    # auto as pretrain_rl.py on a GPU, by the precision (flash-attn takes fp16/bf16 only)
+    on_gpu = EngineTarget(cuda=True, half=precision != "fp32")
+    engine, _ = select_engine(args.rollout_engine, on_gpu, planning=True)
+    recipe = args.fp8_recipe if args.fp8_format else None
+    reason = engine.refusal(EngineTarget(cuda=True, half=True, fp8_recipe=recipe))
+    if reason is not None:
+        err(f"argument --fp8-recipe: {reason} (as pretrain_rl.py), or another --rollout-engine")
     if args.runtime_overhead_gb < 0:
         err("argument --runtime-overhead-gb: must be >= 0")
     if args.kl_coef and args.no_reference_model:
@@ -394,7 +395,7 @@ def _step(args, parser, dp: int) -> RLStepConfig:
         recompute_num_layers=args.recompute_num_layers or 1,
         rollout_batch_size=rollout,
         inference_max_tokens=args.inference_max_tokens,
-        rollout_engine=engine,
+        rollout_engine=engine.name,
         max_new_tokens=args.max_new_tokens,
         log_prob_micro_batch_size=args.log_prob_micro_batch_size,
         num_microbatches=num_micro,
@@ -411,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, parallel, step = _configs(args, parser)
-        steps = {opt: dataclasses.replace(step, optimizer=opt) for opt in ("adam", "loggra")}
+        names = dict.fromkeys(("adam", "loggra", step.optimizer))  # and the run's own
+        steps = {opt: dataclasses.replace(step, optimizer=opt) for opt in names}
         results = {opt: estimate_rl_step_memory(model, parallel, s) for opt, s in steps.items()}
     except MemoryConfigError as e:
         parser.error(f"argument {_flag(e.field, args)}: {e.message}")

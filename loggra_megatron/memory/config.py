@@ -12,18 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 
 GiB = 1024**3
 PRECISIONS = ("fp32", "bf16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
-ROLLOUT_ENGINES = ("static", "dynamic")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-DYNAMIC_BLOCK_TOKENS = 256
-"""Tokens per KV block of the dynamic engine (``rollout.dynamic.DEFAULT_BLOCK_SIZE``)."""
-DYNAMIC_TOKEN_ROUNDER = 64
-"""Megatron's ``DynamicInferenceContext.TOKEN_ROUNDER``: tokens per forward are rounded up
-to a multiple of ``ceil(64 / TP) · TP``."""
 
 
 class MemoryConfigError(ValueError):
@@ -193,8 +188,8 @@ class RLStepConfig:
     """``--inference-max-tokens``: bound on the rollout KV cache in tokens (None: the whole
     rollout batch at once)."""
     rollout_engine: str = "static"
-    """``static`` (chunks of whole rows) or ``dynamic`` (a paged buffer of
-    ``inference_max_tokens`` tokens)."""
+    """An entry of ``rollout.registry.ROLLOUT_ENGINES``: ``static`` (chunks of whole rows) or
+    ``dynamic`` (a paged buffer of ``inference_max_tokens`` tokens)."""
     max_new_tokens: int | None = None
     """Response tokens; prompts are then at most ``seq_length − max_new_tokens`` and the
     rollout's prefill is counted (None: prefill not counted)."""
@@ -235,7 +230,7 @@ class RLStepConfig:
         _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "recompute_granularity", RECOMPUTE)
         _choice(self, "recompute_method", RECOMPUTE_METHODS)
-        _choice(self, "rollout_engine", ROLLOUT_ENGINES)
+        _choice(self, "rollout_engine", tuple(ROLLOUT_ENGINES))
         for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             _choice(self, name, tuple(DTYPE_BYTES))
 
@@ -246,14 +241,13 @@ class RLStepConfig:
 
     @property
     def rollout_kv_tokens(self) -> int:
-        """Tokens the rollout KV cache holds at once: ``min(B·s, M)`` for ``B`` rollout rows
-        of full length ``s`` and ``M = inference_max_tokens`` (at least one row; the
-        dynamic engine's paged buffer is ``max(M, s)`` tokens whatever the batch)."""
-        full = self.rollout_batch_size * self.seq_length
-        if self.inference_max_tokens is None or not full:
-            return full
-        budget = max(self.inference_max_tokens, self.seq_length)
-        return budget if self.rollout_engine == "dynamic" else min(full, budget)
+        """Tokens the rollout KV cache holds at once: ``B·s`` for ``B`` rollout rows of full
+        length ``s``, or the engine's under ``M = inference_max_tokens`` (the static engine:
+        ``min(B·s, max(M, s))``; the dynamic engine's paged buffer: ``max(M, s)`` tokens
+        whatever the batch)."""
+        if not self.rollout_batch_size:
+            return 0
+        return ROLLOUT_ENGINES[self.rollout_engine].kv_cache_tokens(self)
 
     @property
     def rollout_rows(self) -> int:
@@ -261,10 +255,7 @@ class RLStepConfig:
         engine), or the dynamic engine's requests in flight (one per KV block at most)."""
         if not self.rollout_batch_size:
             return 0
-        if self.rollout_engine == "dynamic":
-            blocks = ceil_div(self.rollout_kv_tokens, DYNAMIC_BLOCK_TOKENS)
-            return min(self.rollout_batch_size, blocks)
-        return min(self.rollout_batch_size, max(1, self.rollout_kv_tokens // self.seq_length))
+        return ROLLOUT_ENGINES[self.rollout_engine].decode_rows(self)
 
     @property
     def prompt_tokens(self) -> int | None:

@@ -38,6 +38,7 @@ from loggra_megatron.memory.transient import (
     rollout_kv_cache_bytes,
 )
 from loggra_megatron.optim.registry import sketches_shape
+from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 
 __all__ = [
     "GiB",
@@ -67,9 +68,7 @@ __all__ = [
     "weight_bytes",
 ]
 
-_ADAM_SCALAR_BYTES = 4  # torch.optim.AdamW: fp32 `step` per tensor
 _LOGGRA_SKETCHED_SCALAR_BYTES = 3 * 8  # step, nonfinite_skips, basis_seed (int64)
-_LOGGRA_DENSE_SCALAR_BYTES = 2 * 8  # step, nonfinite_skips (int64)
 
 
 # ---------------------------------------------------------------------- parameters
@@ -187,7 +186,13 @@ def bytes_per_master(step: RLStepConfig) -> int:
         return 0
     if OPTIMIZERS[step.optimizer].grads_per_weight:
         return 2 if step.loggra_param_remainders else 4
-    return 2 if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype) else 4
+    return 2 if _bf16_moments(step) else 4
+
+
+def _bf16_moments(step: RLStepConfig) -> bool:
+    """Megatron's precision-aware optimizer keeps a moment in bf16 (dense Adam only)."""
+    aware = OPTIMIZERS[step.optimizer].precision_aware
+    return aware and "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype)
 
 
 def is_sketched(spec: ParamSpec, min_dim: int = 64) -> bool:
@@ -209,22 +214,25 @@ def optimizer_state_bytes(
 
     With ``dp=1`` this equals ``loggra_megatron.optim.state_bytes`` of a ``LoGRAAdamW``
     (embeddings/output layer in ``sketch=False`` groups) or a ``torch.optim.AdamW`` over
-    fp32 tensors of these shapes, after their first step.
+    fp32 tensors of these shapes, after their first step. Densely updated parameters take
+    the registry entry's ``state_bytes_per_param`` per element and ``state_bytes_per_tensor``
+    (``exp_avg_bytes + exp_avg_sq_bytes`` per element for a ``precision_aware`` one).
     """
     if optimizer not in OPTIMIZERS:
         raise MemoryConfigError("optimizer", f"{optimizer!r} is not one of {tuple(OPTIMIZERS)}")
+    spec = OPTIMIZERS[optimizer]
+    per_element = spec.state_bytes_per_param
+    if spec.precision_aware:
+        per_element = exp_avg_bytes + exp_avg_sq_bytes
     total = 0
     for s in params:
-        if not OPTIMIZERS[optimizer].sketched:
-            total += (exp_avg_bytes + exp_avg_sq_bytes) * ceil_div(s.numel, dp)
-            total += _ADAM_SCALAR_BYTES
-        elif is_sketched(s, min_dim):
+        if spec.sketched and is_sketched(s, min_dim):
             m, n = s.shape
             r = min(rank, m, n)
             rows = m if dp == 1 else min(m, ceil_div(m, dp) + 1)
             total += 4 * (2 * rows * r + n * r) + _LOGGRA_SKETCHED_SCALAR_BYTES
         else:
-            total += 8 * ceil_div(s.numel, dp) + _LOGGRA_DENSE_SCALAR_BYTES
+            total += per_element * ceil_div(s.numel, dp) + spec.state_bytes_per_tensor
     return total
 
 
@@ -330,7 +338,7 @@ def main_grad_copy_bytes(params: list[ParamSpec], step: RLStepConfig, dp: int = 
     shards = [ceil_div(s.numel, dp) for s in params]
     if OPTIMIZERS[step.optimizer].grads_per_weight and not step.loggra_fp32_grad_copy:
         return 4 * max(shards, default=0)  # one weight at a time (optim/megatron/model_grads.py)
-    if "bf16" in (step.exp_avg_dtype, step.exp_avg_sq_dtype):
+    if _bf16_moments(step):
         return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
     return 4 * sum(shards)
 
@@ -346,7 +354,7 @@ def _rollout_terms(model, parallel, step, last: bool, kv_bytes: int) -> dict[str
     )
     # the dynamic engine recomputes the policy's log-probs as the reference forward runs:
     # micro-batches of --log-prob-micro-batch-size sequences; the static one samples them
-    recompute = rows and step.rollout_engine == "dynamic"
+    recompute = rows and ROLLOUT_ENGINES[step.rollout_engine].recomputes_log_probs
     lp_rows = step.log_prob_rows if recompute else 0
     return {
         "kv_cache": kv,

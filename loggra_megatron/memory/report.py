@@ -50,7 +50,8 @@ def _gib(x: int) -> str:
 
 
 def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
-    """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}``)."""
+    """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}``, and the
+    ``selected`` optimizer's, summed up under the table, if it is another one)."""
     dense, loggra = results["adam"], results["loggra"]
     step = steps["loggra"]
     t, p, d = (
@@ -142,6 +143,13 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     lines.append(f"{'max rollout rows at once':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
     budget = {k: "none" if v is None else str(v * step.seq_length) for k, v in cap.items()}
     lines.append(f"{'  = KV budget (tokens)':<28}{budget['adam']:>20}{budget['loggra']:>20}")
+    if selected not in mark:
+        own = results[selected]
+        lines.append(
+            f"{selected}*: optimizer state {_gib(own.optimizer_state)}, masters "
+            f"{_gib(own.master_params)}, TOTAL per GPU {_gib(own.total_bytes)}, fits "
+            f"{gb:g} GiB: {verdict(own)}"
+        )
     return "\n".join(lines)
 
 

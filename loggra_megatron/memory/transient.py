@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 from loggra_megatron.memory.config import (
-    DYNAMIC_TOKEN_ROUNDER,
     ParallelConfig,
     RLStepConfig,
     TransformerShape,
     ceil_div,
 )
+from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 
 __all__ = [
     "LOGITS_COPIES",
@@ -126,20 +126,13 @@ def logits_bytes(
 
 
 def prefill_tokens(step: RLStepConfig, tensor_parallel: int) -> int:
-    """Tokens of the rollout's largest prefill forward (0 when the prompt length is unknown):
-    the static engine prefills a chunk of rows (``rows × prompt``); the dynamic engine admits
-    every waiting prompt in one flat step of ``min(M, B·prompt)`` tokens (at least one per
-    request), rounded up as Megatron's ``DynamicInferenceContext.round_up_tokens``."""
-    prompt, batch = step.prompt_tokens, step.rollout_batch_size
-    if prompt is None or not batch:
+    """Tokens of the rollout's largest prefill forward (0 when the prompt length is unknown),
+    the engine's: the static engine prefills a chunk of rows (``rows × prompt``); the dynamic
+    engine admits every waiting prompt in one flat step of ``min(M, B·prompt)`` tokens (at
+    least one per request), rounded up as Megatron's ``round_up_tokens``."""
+    if step.prompt_tokens is None or not step.rollout_batch_size:
         return 0
-    if step.rollout_engine == "static":
-        return step.rollout_rows * prompt
-    tokens = batch * prompt
-    if step.inference_max_tokens is not None:
-        tokens = min(tokens, step.inference_max_tokens)
-    rounder = ceil_div(DYNAMIC_TOKEN_ROUNDER, tensor_parallel) * tensor_parallel
-    return ceil_div(max(tokens, step.rollout_rows), rounder) * rounder
+    return ROLLOUT_ENGINES[step.rollout_engine].prefill_tokens(step, tensor_parallel)
 
 
 def kv_cache_bytes(

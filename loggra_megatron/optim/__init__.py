@@ -3,14 +3,15 @@ sharded form, its integration into Megatron-Core's optimizers (``optim.megatron`
 registry behind ``--optimizer`` (``optim.registry``) and state accounting.
 
 Names are imported on first use, so that the registry and the settings load without torch
-and the torch-only math without megatron-core.
+and the torch-only math without megatron-core (``state_bytes`` takes a torch or a Megatron
+optimizer, so it imports megatron-core).
 """
 
 from importlib import import_module
 
 _EXPORTS = {
     "LoGRAAdamW": "loggra_megatron.optim.loggra_adamw",
-    "state_bytes": "loggra_megatron.optim.loggra_adamw",
+    "state_bytes": "loggra_megatron.optim.megatron.optimizer_state",
     "LoGRAOptimizerConfig": "loggra_megatron.optim.megatron.factory",
     "get_loggra_optimizer": "loggra_megatron.optim.megatron.factory",
     "OPTIMIZERS": "loggra_megatron.optim.registry",

@@ -326,16 +326,9 @@ def validate_group(group: dict) -> None:
         bad("scale", "must be > 0")
 
 
-def state_bytes(optimizer) -> int:
-    """Exact bytes of optimizer state on this rank: every tensor in ``optimizer.state``.
-
-    Accepts a torch optimizer or a Megatron-Core optimizer (``ChainedOptimizer`` and
-    leaf wrappers are unwrapped; their fp32 main params are not optimizer state)."""
-    if hasattr(optimizer, "chained_optimizers"):
-        return sum(state_bytes(o) for o in optimizer.chained_optimizers)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        inner = getattr(optimizer, "optimizer", None)
-        return 0 if inner is None else state_bytes(inner)
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Exact bytes of a torch optimizer's state: every tensor in ``optimizer.state`` (a
+    Megatron-Core optimizer: ``optim.megatron.optimizer_state.state_bytes``)."""
     return sum(
         t.numel() * t.element_size()
         for s in optimizer.state.values()

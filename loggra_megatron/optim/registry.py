@@ -1,9 +1,13 @@
 """The optimizers ``pretrain_rl.py`` can train with (``--optimizer``), by name.
 
-Each :class:`OptimizerSpec` says how to build the Megatron-Core optimizer and how its state
-is laid out, for the trainer (:func:`build`), the flag's choices and the memory model
-(``loggra_megatron.memory``). Imports neither torch nor Megatron; builders are imported when
-called. Adding an optimizer variant: one builder module, one line in :data:`OPTIMIZERS`
+Each :class:`OptimizerSpec` says how to build the Megatron-Core optimizer and what the rest
+of the code needs to know of it, as Megatron's ``EmergingOptimizerEntry`` does for its own
+registry: how its state is laid out and counted (the memory model), how that state is
+allocated before a checkpoint is loaded into it (``optim/megatron/optimizer_state``), whether
+Megatron's distributed optimizer can hold it and whether predicted-KL control can try its
+update before committing it (``arguments.validate``, exit 2 before any process group). Imports
+neither torch nor Megatron; builders and state initialisers are imported when called.
+Adding an optimizer variant: one builder module, one line in :data:`OPTIMIZERS`
 (``docs/architecture.md``).
 """
 
@@ -11,6 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import import_module
+
+
+def resolve(reference: str):
+    """The object a ``"module:name"`` reference names (the module is imported now)."""
+    module, _, name = reference.partition(":")
+    return getattr(import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -25,24 +35,66 @@ class OptimizerSpec:
     grads_per_weight: bool
     """With bf16 grad buffers it converts one weight's gradient at a time to fp32 (else
     Megatron copies every shard before the step)."""
+    distributed: bool
+    """Megatron's ``DistributedOptimizer`` can hold it (``--use-distributed-optimizer``, the
+    default): that class takes Adam only ("Only Adam ... currently supported, due to
+    checkpointing requirements"); LoGRA replaces the Adam it was built with."""
+    candidate: bool
+    """Its inner optimizer computes a side-effect-free candidate update ``θ + η·Δθ``
+    (:func:`~loggra_megatron.optim.candidate.write_candidate`), which predicted-KL control
+    (``--kl-target``) tries before it commits a step."""
+    state_bytes_per_param: int
+    """Bytes of optimizer state per element of a densely updated parameter, in fp32 (Adam's
+    two moments: 8, SGD's momentum: 4, plain SGD: 0); the memory model counts them (LoGRA's
+    sketched weights by their own formula)."""
+    state_bytes_per_tensor: int = 0
+    """Bytes of per-tensor scalars (torch AdamW's fp32 ``step``: 4; LoGRA's int64 step and
+    skip counters: 16)."""
+    precision_aware: bool = False
+    """Megatron's precision-aware optimizer can run it (TE's FusedAdam: moments at
+    ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, masters as remainders with bf16 moments);
+    the memory model reads those dtypes for it only."""
+    init_state: str | None = None
+    """``"module:function"``: ``function(optimizer, config=None)`` gives every parameter of a
+    torch optimizer its state (zeros), as Megatron's ``init_state_fn``, so that a checkpoint
+    can be loaded into an optimizer that has not stepped yet. ``build`` installs it on every
+    leaf. None: the optimizer Megatron builds has its own (Adam) or checkpoints its state
+    itself (LoGRA)."""
 
     def build(self, optim, loggra, model_chunks):
-        module, _, function = self.builder.partition(":")
-        return getattr(import_module(module), function)(optim, loggra, model_chunks)
+        optimizer = resolve(self.builder)(optim, loggra, model_chunks)
+        if self.init_state is not None:
+            from loggra_megatron.optim.megatron.optimizer_state import install_state_init
+
+            install_state_init(optimizer, resolve(self.init_state))
+        return optimizer
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adam": OptimizerSpec(
-        "adam", "Megatron's dense (distributed) Adam",
+        "adam",
+        "Megatron's dense (distributed) Adam",
         "loggra_megatron.optim.megatron.factory:build_dense_adam",
-        sketched=False, grads_per_weight=False,
+        sketched=False,
+        grads_per_weight=False,
+        distributed=True,
+        candidate=True,
+        state_bytes_per_param=8,
+        state_bytes_per_tensor=4,
+        precision_aware=True,
     ),
     "loggra": OptimizerSpec(
-        "loggra", "LoGRA: Adam's moments in low-rank gradient sketches",
+        "loggra",
+        "LoGRA: Adam's moments in low-rank gradient sketches",
         "loggra_megatron.optim.megatron.factory:build_loggra",
-        sketched=True, grads_per_weight=True,
+        sketched=True,
+        grads_per_weight=True,
+        distributed=True,
+        candidate=True,
+        state_bytes_per_param=8,
+        state_bytes_per_tensor=16,
     ),
-}  # fmt: skip
+}
 
 
 def sketches_shape(shape: tuple[int, ...], min_dim: int) -> bool:

@@ -19,7 +19,6 @@ trains on.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +29,8 @@ from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.rl.config import GRPOConfig
 from loggra_megatron.rl.losses import group_advantages
 from loggra_megatron.rollout.config import RolloutConfig
+from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
+from loggra_megatron.rollout.registry import select_engine
 from loggra_megatron.tasks.rewards import RewardFunctionError, Scoring, compute_rewards
 
 if TYPE_CHECKING:
@@ -67,22 +68,6 @@ class Experience:
         return batch
 
 
-def rollout_engine(name: str, policy: MegatronModule) -> tuple[str, str | None]:
-    """``--rollout-engine`` and a note: ``auto`` is Megatron-Core's dynamic engine where it
-    can run (CUDA, flash-attn, einops), else the static one; ``dynamic`` where it cannot
-    run is an error (preflight refuses it on CPU)."""
-    from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
-
-    if name == "static":
-        return name, None
-    reason = dynamic_engine_unavailable(policy)
-    if name == "dynamic" and reason is not None:
-        raise RuntimeError(f"--rollout-engine dynamic: {reason}")
-    if reason is not None:
-        return "static", None if "CUDA" in reason else f"--rollout-engine auto: static ({reason})"
-    return "dynamic", None
-
-
 class ExperienceMaker:
     """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
 
@@ -109,7 +94,10 @@ class ExperienceMaker:
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         """Sequences per micro-batch of the reference and log-prob forwards."""
         self.device = next(policy.parameters()).device
-        self.engine, self.engine_note = rollout_engine(rollout.rollout_engine, policy)
+        self.engine, self.engine_note = select_engine(
+            rollout.rollout_engine, EngineTarget.of_model(policy)
+        )
+        """The ``--rollout-engine`` (``auto`` chosen here) and a note on the choice."""
         self.row_multiple = fp8_alignment(get_model_config(policy))
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
@@ -147,34 +135,23 @@ class ExperienceMaker:
     def generate(self, examples: list[dict], step: int, temperature: float):
         """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`) from
         the ``--rollout-engine``, its KV cache bounded by ``--inference-max-tokens``."""
-        from loggra_megatron.rollout.engine import generate_chunked, kv_cache_bytes
-
         tok, r = self.tokenizer, self.rollout
+        request = RolloutRequest(
+            max_new_tokens=r.max_new_tokens,
+            temperature=temperature,
+            top_p=r.top_p,
+            stop_ids=tok.stop_ids,
+            pad_id=tok.pad,
+            vocab_size=tok.vocab_size,
+            seed=self.seed,
+            step=step,
+            max_tokens=r.inference_max_tokens,
+            log_prob_micro_batch_size=self.log_prob_micro_batch_size,
+            row_multiple=self.row_multiple,
+        )
+        self.engine.sync_weights(self.policy)
         prompts = [self.renderer.ids(e["prompt"]) for e in examples]
-        kwargs = dict(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
-                      eos_id=tok.stop_ids, pad_id=tok.pad, seed=self.seed, step=step,
-                      vocab_size=tok.vocab_size)  # fmt: skip
-        t0 = time.perf_counter()
-        if self.engine == "dynamic":
-            from loggra_megatron.rollout.dynamic import generate_rollout_dynamic, kv_cache_tokens
-
-            rollout = generate_rollout_dynamic(
-                self.policy,
-                prompts,
-                max_tokens=r.inference_max_tokens,
-                log_prob_micro_batch_size=self.log_prob_micro_batch_size,
-                **kwargs,
-            )
-            tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens,
-                                     r.inference_max_tokens)  # fmt: skip
-            kv_bytes = kv_cache_bytes(self.policy, 1, tokens)  # the engine's paged buffer
-        else:
-            rollout, kv_bytes = generate_chunked(self.policy, prompts, row_multiple=self.row_multiple,
-                                                 max_tokens=r.inference_max_tokens, **kwargs)  # fmt: skip
-        seconds = time.perf_counter() - t0
-        tokens = float(rollout.response_lengths.sum())
-        self.last_stats = {"time/rollout_s": seconds, "memory/kv_cache_bytes": float(kv_bytes),
-                           "throughput/rollout_tokens_per_s": tokens / max(seconds, 1e-9)}  # fmt: skip
+        rollout, self.last_stats = self.engine.generate(self.policy, prompts, request)
         return rollout
 
     def score(self, rollout, group: list[dict], where: str) -> tuple[torch.Tensor, list[bool]]:

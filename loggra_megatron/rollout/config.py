@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
-
-ROLLOUT_ENGINES = ("auto", "static", "dynamic")
+from loggra_megatron.rollout.registry import engine_choices
 
 
 @dataclass
@@ -22,16 +21,17 @@ class RolloutConfig:
     rollout_engine: str = "auto"
     """static (this project's KV-cached loop, CPU and GPU) | dynamic (Megatron-Core's
     DynamicInferenceEngine: paged KV cache, continuous batching; GPU only) | auto (dynamic
-    on GPU, static on CPU)."""
+    where it can run, else static; see loggra_megatron.rollout.registry)."""
     inference_max_tokens: int | None = None
     """Bound on the rollout KV cache, in tokens: the static engine generates in chunks of
     rows with rows × (longest prompt + --max-new-tokens) ≤ this; the dynamic engine sizes its
     paged buffer to it (default: the whole rollout batch at once)."""
 
     def __post_init__(self):
+        engines = engine_choices()
         check_fields(self, [
             ("max_new_tokens", positive, ">= 1"), ("temperature", at_least(0), ">= 0 (0: greedy)"),
             ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
-            ("rollout_engine", one_of(*ROLLOUT_ENGINES), f"one of {', '.join(ROLLOUT_ENGINES)}"),
+            ("rollout_engine", one_of(*engines), f"one of {', '.join(engines)}"),
             ("inference_max_tokens", positive, ">= 1"),
         ])  # fmt: skip

@@ -38,27 +38,16 @@ __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 DEFAULT_BLOCK_SIZE = 256
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-"""flash-attn's kernels take these only."""
-
-
 def dynamic_engine_unavailable(model=None) -> str | None:
     """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
     can): it needs the model on CUDA in fp16/bf16 (flash-attn's paged kernels take nothing
     else), those kernels and einops, and no blockwise FP8 (whose weight workspace, first
-    built under inference mode, keeps only the row-wise data training then needs)."""
-    on_cuda = model is None or next(model.parameters()).is_cuda
-    if not (torch.cuda.is_available() and on_cuda):
-        return "the dynamic engine needs CUDA (flash-attn paged attention)"
-    if model is not None:
-        from megatron.core.utils import get_model_config
+    built under inference mode, keeps only the row-wise data training then needs). The
+    registry entry's check (``rollout.registry.DynamicEngine.unavailable``) on the model."""
+    from loggra_megatron.rollout.protocol import EngineTarget
+    from loggra_megatron.rollout.registry import DynamicEngine
 
-        config = get_model_config(model)
-        if config.params_dtype not in FLASH_DTYPES:
-            return "flash-attn takes fp16/bf16 only: the dynamic engine needs --bf16"
-        if config.fp8 and str(config.fp8_recipe).endswith("blockwise"):
-            return "blockwise FP8 cannot run under the dynamic engine (--fp8-recipe)"
-    return mcore_engine.missing_attention_kernels()
+    return DynamicEngine().unavailable(EngineTarget.of_model(model))
 
 
 def _stop_list(eos_id: int | Sequence[int] | None) -> list[int]:

@@ -98,7 +98,7 @@ class RLTrainer:
             t.seed,
             t.forward_micro_batch_size,
         )
-        self._log(f" rollouts: {self.experience.engine} engine"
+        self._log(f" rollouts: {self.experience.engine.name} engine"
                   + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
         self.evaluator = None
         if host.eval_dataset is not None:

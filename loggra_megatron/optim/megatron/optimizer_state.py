@@ -1,26 +1,38 @@
-"""A Megatron optimizer's state for ``dist_checkpointing``: request, compatibility, load.
+"""A Megatron optimizer's state: its leaves, its size, and ``dist_checkpointing`` (request,
+compatibility, load).
 
 ``checkpointing/dist_ckpt.py`` saves and loads whole checkpoints; what it needs to know of
 Megatron's optimizer classes is here:
 
-* the leaf optimizers of a ``ChainedOptimizer``;
+* the leaf optimizers of a ``ChainedOptimizer`` (:func:`leaf_optimizers`) and the bytes of
+  their inner optimizers' state (:func:`state_bytes`);
 * Megatron's dense ``DistributedOptimizer`` in its ``dp_reshardable`` format (bucket-wise,
   reshardable over DP, Megatron-LM's default). Its buckets carry *padding* entries (the gaps
   between parameters, flagged ``padding``) whose tensors Megatron allocates with
   ``torch.empty`` and drops on load: they are zeroed here on save and on load, so the
   checkpoint's bytes are deterministic and the finite checks judge only real state
   (uninitialised memory can hold NaN bit patterns; megatron-core 0.16-0.19 alike);
-* torch AdamW's state, which Megatron allocates only at the first step (a dummy step at
-  lr 0 here, before a load) and whose per-parameter ``step`` the ``dp_reshardable`` load
-  overwrites with a placeholder (restored from the saved param groups);
+* the state a load needs before the first step (:func:`allocate_state`): the format reads
+  the live optimizer's state, which a torch optimizer allocates at its first step. Megatron's
+  ``Float16``/``FP32`` optimizers call their ``init_state_fn`` (Megatron's for Adam, the
+  registry entry's ``init_state`` otherwise, :func:`install_state_init`); the
+  ``DistributedOptimizer`` (Adam only) takes Megatron's dummy step, at lr 0 here. Its
+  ``dp_reshardable`` load overwrites each param's ``step`` with a placeholder (restored from
+  the saved param groups);
 * LoGRA's leaves (:class:`~loggra_megatron.optim.megatron.checkpoint.LoGRACheckpointMixin`),
-  which check their own compatibility.
+  which allocate and check their own state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from loggra_megatron.optim import loggra_adamw
+from loggra_megatron.optim.megatron.checkpoint import LoGRACheckpointMixin
 
 DENSE_OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 """Megatron's dense DistributedOptimizer format. megatron-core 0.16's own default cannot be
@@ -30,6 +42,24 @@ saved."""
 def leaf_optimizers(optimizer) -> list:
     """The optimizers a (possibly chained) Megatron optimizer is made of."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def state_bytes(optimizer) -> int:
+    """Exact bytes of optimizer state on this rank: every tensor in the state of a torch
+    optimizer, or of the inner optimizers of a Megatron-Core optimizer (a ``ChainedOptimizer``
+    or a leaf; their fp32 main params are not optimizer state)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return loggra_adamw.state_bytes(optimizer)
+    inners = (getattr(leaf, "optimizer", None) for leaf in leaf_optimizers(optimizer))
+    return sum(loggra_adamw.state_bytes(inner) for inner in inners if inner is not None)
+
+
+def install_state_init(optimizer, init_state: Callable) -> None:
+    """Make ``init_state(inner, config=None)`` every leaf's ``init_state_fn``: the hook
+    Megatron's ``Float16``/``FP32`` optimizers call to allocate their inner optimizer's state
+    before a checkpoint is loaded into it (Megatron sets it for Adam only)."""
+    for leaf in leaf_optimizers(optimizer):
+        leaf.init_state_fn = init_state
 
 
 def _is_padding(entry: dict) -> bool:
@@ -55,14 +85,21 @@ def zero_padding(state) -> None:
 
 
 @torch.no_grad()
-def _allocate_dense_state(leaf) -> None:
-    """A fresh torch AdamW (no TE/apex) has no state until its first step, but Megatron's
-    ``DistributedOptimizer.sharded_state_dict()`` needs it: allocate it as Megatron does
-    (zero grads, one inner step) at lr 0, so no parameter changes."""
+def allocate_state(leaf) -> None:
+    """Give ``leaf``'s inner optimizer the state a checkpoint is loaded into, before its first
+    step. LoGRA's leaves allocate their own; Megatron's ``Float16``/``FP32`` optimizers call
+    their ``init_state_fn`` in ``sharded_state_dict`` (refused here if there is none); the
+    ``DistributedOptimizer`` takes Megatron's dummy step (zero grads, one inner step), at lr 0
+    so that no parameter changes."""
     inner = getattr(leaf, "optimizer", None)
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(inner.state):
+    if inner is None or len(inner.state) or isinstance(leaf, LoGRACheckpointMixin):
         return
-    if not hasattr(leaf, "_init_optimizer_states_with_dummy_values"):
+    if not isinstance(leaf, DistributedOptimizer):
+        if getattr(leaf, "init_state_fn", None) is None:
+            raise ValueError(
+                f"{type(inner).__name__} has no state initialisation for loading a checkpoint: "
+                "give its --optimizer registry entry an init_state (optim/registry.py)"
+            )
         return
     lrs = [g["lr"] for g in inner.param_groups]
     for g in inner.param_groups:
@@ -79,7 +116,7 @@ def sharded_state_dict(optimizer, model_sharded_state_dict: dict, is_loading: bo
     leaves = leaf_optimizers(optimizer)
     if is_loading:
         for leaf in leaves:
-            _allocate_dense_state(leaf)
+            allocate_state(leaf)
     state = [
         leaf.sharded_state_dict(
             model_sharded_state_dict, is_loading=is_loading, metadata=DENSE_OPTIMIZER_SHARDING
@@ -104,8 +141,8 @@ def check_compatible(optimizer, saved: list, path: str) -> None:
             leaf.check_compatible(leaf_saved.get("loggra"))
         elif "loggra" in leaf_saved:
             raise ValueError(
-                f"checkpoint {path} holds LoGRA optimizer state but this run uses Megatron's "
-                "dense Adam: resume with --optimizer loggra, or load the weights only with "
+                f"checkpoint {path} holds LoGRA optimizer state but this run's optimizer is "
+                "not LoGRA: resume with --optimizer loggra, or load the weights only with "
                 "--no-load-optim"
             )
 
@@ -116,19 +153,20 @@ def load_state(optimizer, loaded: list) -> None:
     the live optimizer."""
     for leaf, leaf_state in zip(leaf_optimizers(optimizer), loaded, strict=True):
         leaf.load_state_dict(leaf_state)
-        _restore_torch_adam_step(leaf, leaf_state)
+        _restore_per_param_step(leaf, leaf_state)
 
 
-def _restore_torch_adam_step(leaf, leaf_state) -> None:
-    """Megatron's dense DistributedOptimizer keeps torch AdamW's step (CPU, no TE/apex) in
-    the saved param groups, but ``dp_reshardable`` then copies every param's placeholder
-    step over it; set each param's step from the param groups, as a tensor of its own."""
+def _restore_per_param_step(leaf, leaf_state) -> None:
+    """Megatron's dense DistributedOptimizer keeps the inner optimizer's step (torch AdamW's
+    per-param ``step``: CPU, no TE/apex) in the saved param groups, but ``dp_reshardable``
+    then copies every param's placeholder step over it; set each param's step from the param
+    groups, as a tensor of its own."""
     inner = getattr(leaf, "optimizer", None)
     groups = leaf_state.get("optimizer", {}).get("param_groups", [])
     steps = {g["step"] for g in groups if "step" in g}
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or len(steps) != 1:
+    if not isinstance(leaf, DistributedOptimizer) or inner is None or len(steps) != 1:
         return
     (step,) = steps
     for state in inner.state.values():
-        if "step" in state:
+        if torch.is_tensor(state.get("step")):
             state["step"] = torch.tensor(float(step))

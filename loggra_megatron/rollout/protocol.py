@@ -1,0 +1,132 @@
+"""What a rollout engine (``--rollout-engine``) is: the protocol every entry of
+:data:`~loggra_megatron.rollout.registry.ROLLOUT_ENGINES` implements, in the shape of verl's
+``BaseRollout`` (an availability check, ``generate``, weight sync, and the KV-cache numbers
+the memory model needs).
+
+Imports neither torch nor Megatron (the memory model reads the registry); engines import
+their generation code when they generate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """What decides whether an engine can run a policy: known from the settings before any
+    process group (``arguments.validate``, the memory estimator) or read from the policy
+    (:meth:`of_model`, ``rl.experience``)."""
+
+    cuda: bool
+    """The policy runs on a CUDA device."""
+    half: bool
+    """Its parameters are fp16/bf16 (``--bf16``)."""
+    fp8_recipe: str | None = None
+    """The FP8 recipe with ``--fp8-format`` (None: no FP8)."""
+
+    @classmethod
+    def of_model(cls, model=None) -> EngineTarget:
+        """The target of ``model`` on this process (None: this process's device only, a
+        16-bit model without FP8)."""
+        import torch
+
+        on_cuda = model is None or next(model.parameters()).is_cuda
+        cuda = torch.cuda.is_available() and on_cuda
+        if model is None:
+            return cls(cuda=cuda, half=True)
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model)
+        half = config.params_dtype in (torch.float16, torch.bfloat16)
+        recipe = str(config.fp8_recipe).rsplit(".", 1)[-1] if config.fp8 else None
+        return cls(cuda=cuda, half=half, fp8_recipe=recipe)
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout: how to sample and within which bounds."""
+
+    max_new_tokens: int
+    temperature: float
+    """0: greedy."""
+    top_p: float
+    stop_ids: tuple[int, ...]
+    """Generation of a row ends at any of these (the first is the engine's termination id)."""
+    pad_id: int
+    vocab_size: int | None
+    """Ids from this on are padded embedding rows, never sampled."""
+    seed: int
+    step: int
+    """The RL step (sampling generators are seeded by ``(seed, step, DP rank, ...)``)."""
+    max_tokens: int | None = None
+    """``--inference-max-tokens``: the KV-cache bound (None: the whole batch at once)."""
+    log_prob_micro_batch_size: int = 1
+    """Rows per forward of a log-prob recompute after generation."""
+    row_multiple: int = 1
+    """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
+
+
+def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:
+    """The statistics ``generate`` returns, which the trainer logs: ``time/rollout_s``,
+    ``memory/kv_cache_bytes`` (this rank) and ``throughput/rollout_tokens_per_s``."""
+    tokens = float(rollout.response_lengths.sum())
+    return {
+        "time/rollout_s": seconds,
+        "memory/kv_cache_bytes": float(kv_cache_bytes),
+        "throughput/rollout_tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+class RolloutEngine:
+    """One ``--rollout-engine``: a module-level instance in ``ROLLOUT_ENGINES``.
+
+    Override :meth:`generate` and the memory model's three numbers (:meth:`kv_cache_tokens`,
+    :meth:`decode_rows`, :meth:`prefill_tokens`), and :meth:`refusal` /
+    :meth:`unavailable` where the engine cannot run everywhere. ``step`` arguments are
+    :class:`~loggra_megatron.memory.config.RLStepConfig` (``rollout_batch_size`` > 0 rows of
+    ``seq_length`` tokens, ``inference_max_tokens``, ``prompt_tokens``).
+    """
+
+    name: str = ""
+    description: str = ""
+    auto_priority: int | None = None
+    """``--rollout-engine auto`` takes the engine of highest priority that can run (None:
+    never chosen by ``auto``)."""
+    recomputes_log_probs: bool = False
+    """The old log-probs come from a forward after generation, in micro-batches of
+    ``--log-prob-micro-batch-size`` rows (else they are sampled while decoding)."""
+
+    def refusal(self, target: EngineTarget) -> str | None:
+        """Why a run with these settings cannot use this engine (None: it can). Decided by
+        the settings alone: the memory estimator plans with it for a machine it is not on."""
+        return None
+
+    def unavailable(self, target: EngineTarget) -> str | None:
+        """Why it cannot run here (None: it can): :meth:`refusal`, then what this process
+        lacks (libraries, kernels)."""
+        return self.refusal(target)
+
+    def generate(self, policy, prompts: list[list[int]], request: RolloutRequest):
+        """One completion of each prompt (token ids), by every rank of the model replica
+        alike: ``(Rollout, stats)`` with the stats of :func:`rollout_stats`."""
+        raise NotImplementedError
+
+    def sync_weights(self, policy) -> None:
+        """Make the weights the engine samples with the policy's current ones; called before
+        each :meth:`generate`. A no-op for an engine that runs on the training model object
+        itself (both built-in engines: no copy, nothing to sync); an engine with its own
+        copy (a separate inference server) updates it here."""
+
+    def kv_cache_tokens(self, step) -> int:
+        """Tokens the KV cache holds at once (memory model)."""
+        raise NotImplementedError
+
+    def decode_rows(self, step) -> int:
+        """Sequences decoded at once (memory model: the rollout's logits)."""
+        raise NotImplementedError
+
+    def prefill_tokens(self, step, tensor_parallel: int) -> int:
+        """Tokens of the largest prefill forward, prompts of ``step.prompt_tokens`` tokens
+        (memory model)."""
+        raise NotImplementedError

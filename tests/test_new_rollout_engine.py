@@ -1,0 +1,169 @@
+"""The rollout-engine recipe of docs/architecture.md, tried: a new ``--rollout-engine`` (the
+static engine, counted, with a double-buffered KV cache) is one module, written here into a
+temporary directory, plus one registry line, registered at run time. Start-up refuses it where
+its entry says it cannot run, ``auto`` prefers it by its priority, ``ExperienceMaker`` runs it
+(weight sync, generation, the logged stats) and the memory model and the estimator count its
+KV cache.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch
+
+from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
+from loggra_megatron.testing import run_distributed
+
+pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
+
+ENGINE_MODULE = '''
+"""The static engine, counted, with a double-buffered KV cache (one engine module)."""
+
+from loggra_megatron.rollout.registry import StaticEngine
+
+
+class CountingEngine(StaticEngine):
+    name = "counting"
+    description = "the static engine, counted, with a double-buffered KV cache"
+    auto_priority = 2  # auto takes it over the static and the dynamic engine
+    calls = {"sync": 0, "generate": 0}
+
+    def refusal(self, target):
+        return None if target.half else "it samples in bf16 only: add --bf16"
+
+    def sync_weights(self, policy):
+        self.calls["sync"] += 1
+
+    def generate(self, policy, prompts, request):
+        self.calls["generate"] += 1
+        return super().generate(policy, prompts, request)
+
+    def kv_cache_tokens(self, step):
+        return 2 * super().kv_cache_tokens(step)
+'''
+
+
+@pytest.fixture
+def engine_dir(tmp_path, monkeypatch):
+    """The engine module in a temporary directory, and its entry in the registry."""
+    (tmp_path / "counting_engine.py").write_text(textwrap.dedent(ENGINE_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import counting_engine
+
+    monkeypatch.setitem(ROLLOUT_ENGINES, "counting", counting_engine.CountingEngine())
+    return str(tmp_path)
+
+
+def _experience(rank, engine_dir, tokenizer):
+    """One RL step's experience with ``--rollout-engine auto`` and ``static``."""
+    from rl_runs import tiny_argv
+
+    from loggra_megatron.arguments import parse_args
+    from loggra_megatron.rl.experience import ExperienceMaker
+    from loggra_megatron.train import build
+    from loggra_megatron.train.preflight import preflight
+
+    sys.path.insert(0, engine_dir)
+    import counting_engine
+
+    ROLLOUT_ENGINES["counting"] = counting_engine.CountingEngine()  # the registry line
+    cfg = parse_args(tiny_argv(tokenizer, bf16=True), world_size=1)
+    host = preflight(cfg)
+    args = build.model_args(cfg, host.tokenizer)
+    policy = build.gpt_model(cfg, args, torch.device("cpu"), trainable=True)
+    examples = next(host.dataset.batches(cfg.grpo.prompts_per_step, dp_rank=0, dp_size=1))
+    out = {}
+    for name in ("auto", "static"):
+        cfg.rollout.rollout_engine = name
+        t = cfg.training
+        maker = ExperienceMaker(
+            policy,
+            None,
+            host.tokenizer,
+            host.renderer,
+            host.scoring,
+            cfg.rollout,
+            cfg.grpo,
+            t.seed,
+            t.forward_micro_batch_size,
+        )
+        exp = maker.make(examples, step=0)
+        out[name] = {
+            "engine": maker.engine.name,
+            "note": maker.engine_note,
+            "tokens": exp.tokens,
+            "metrics": exp.metrics,
+        }
+    out["calls"] = dict(counting_engine.CountingEngine.calls)
+    return out
+
+
+def test_a_new_rollout_engine_runs_through_the_experience_maker(engine_dir, tokenizer):
+    (out,) = run_distributed(_experience, 1, engine_dir, tokenizer)
+    assert out["auto"]["engine"] == "counting" and out["auto"]["note"] is None
+    assert out["static"]["engine"] == "static"
+    assert out["calls"] == {"sync": 1, "generate": 1}  # synced before it generated
+    assert torch.equal(out["auto"]["tokens"], out["static"]["tokens"])
+    counted, static = out["auto"]["metrics"], out["static"]["metrics"]
+    for key in ("reward/mean", "reward/accuracy", "memory/kv_cache_bytes"):
+        assert counted[key] == static[key], key
+    assert counted["time/rollout_s"] > 0 and counted["throughput/rollout_tokens_per_s"] > 0
+
+
+def test_start_up_refuses_it_where_its_entry_says_it_cannot_run(engine_dir, tokenizer, capsys):
+    from rl_runs import refused, tiny_argv
+
+    from loggra_megatron.arguments import parse_args
+
+    argv = tiny_argv(tokenizer, **{"rollout-engine": "counting"})
+    refused(argv, capsys, "--rollout-engine", "counting", "add --bf16")
+    assert parse_args([*argv, "--bf16"], world_size=2).rollout.rollout_engine == "counting"
+    refused(tiny_argv(tokenizer, **{"rollout-engine": "paged"}), capsys, "counting")  # a choice
+
+
+def test_the_memory_model_and_the_estimator_count_its_kv_cache(engine_dir, capsys):
+    from loggra_megatron.memory.model import (
+        ParallelConfig,
+        RLStepConfig,
+        TransformerShape,
+        estimate_rl_step_memory,
+    )
+
+    shape = TransformerShape(
+        num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, vocab_size=32000
+    )
+    step = RLStepConfig(seq_length=1024, max_new_tokens=512, rollout_batch_size=16)
+    est = {
+        name: estimate_rl_step_memory(shape, ParallelConfig(), replace(step, rollout_engine=name))
+        for name in ("counting", "static")
+    }
+    assert est["counting"].kv_cache == 2 * est["static"].kv_cache > 0
+    assert est["counting"].prefill_activations == est["static"].prefill_activations
+    assert est["counting"].old_log_prob_activations == 0  # log-probs sampled while decoding
+
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory_cli",
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "estimate_memory.py"),
+    )
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    shape_flags = {
+        "num-layers": 4,
+        "hidden-size": 512,
+        "ffn-hidden-size": 1408,
+        "num-attention-heads": 8,
+        "vocab-size": 32000,
+    }
+    flags = [f"--{k}={v}" for k, v in shape_flags.items()]
+    flags += ["--seq-length=1024", "--rollout-batch-size=16", "--bf16", "--json"]
+    kv = {}
+    for name in ("counting", "static", "auto"):
+        assert cli.main([*flags, "--rollout-engine", name]) == 0
+        kv[name] = json.loads(capsys.readouterr().out)["loggra"]["kv_cache"]
+    assert kv["counting"] == 2 * kv["static"] > 0
+    assert kv["auto"] == kv["counting"]  # auto takes the engine of highest priority
