@@ -76,6 +76,7 @@ def _train(rank, builder_dir, bf16, steps, save=None, load=None):
     from loggra_megatron.memory.model import ParamSpec, optimizer_state_bytes
     from loggra_megatron.optim import state_bytes
     from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
+    from loggra_megatron.optim.megatron.factory import build_optimizer
     from loggra_megatron.testing import train_step, wrap_ddp
 
     sys.path.insert(0, builder_dir)
@@ -84,7 +85,7 @@ def _train(rank, builder_dir, bf16, steps, save=None, load=None):
     model = tiny_bf16_gpt_model(**shape) if bf16 else tiny_gpt_model(**shape)
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     optim = OptimConfig(optimizer="sgd_momentum", lr=0.05, use_distributed_optimizer=False)
-    opt = OPTIMIZERS["sgd_momentum"].build(optim, LoGRAConfig(), [ddp])
+    opt = build_optimizer(OPTIMIZERS["sgd_momentum"], optim, LoGRAConfig(), [ddp])
     if load is not None:
         load_checkpoint(load, [ddp], opt)
     dp, dp_rank = (

@@ -57,17 +57,9 @@ class OptimizerSpec:
     init_state: str | None = None
     """``"module:function"``: ``function(optimizer, config=None)`` gives every parameter of a
     torch optimizer its state (zeros), as Megatron's ``init_state_fn``, so that a checkpoint
-    can be loaded into an optimizer that has not stepped yet. ``build`` installs it on every
-    leaf. None: the optimizer Megatron builds has its own (Adam) or checkpoints its state
-    itself (LoGRA)."""
-
-    def build(self, optim, loggra, model_chunks):
-        optimizer = resolve(self.builder)(optim, loggra, model_chunks)
-        if self.init_state is not None:
-            from loggra_megatron.optim.megatron.optimizer_state import install_state_init
-
-            install_state_init(optimizer, resolve(self.init_state))
-        return optimizer
+    can be loaded into an optimizer that has not stepped yet. the factory installs it on every
+    leaf (``optim.megatron.factory.build_optimizer``). None: the optimizer Megatron builds
+    has its own (Adam) or checkpoints its state itself (LoGRA)."""
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {

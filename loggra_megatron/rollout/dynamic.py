@@ -32,22 +32,35 @@ from loggra_megatron.rollout.generate import (
     sample_tokens,
     sampling_generator,
 )
+from loggra_megatron.rollout.protocol import EngineTarget
 
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 
 DEFAULT_BLOCK_SIZE = 256
 
 
+def refusal(target: EngineTarget) -> str | None:
+    """What the dynamic engine cannot run, from the settings alone (``None``: nothing): it
+    needs CUDA, fp16/bf16 weights (flash-attn's paged kernels take nothing else), and no
+    blockwise FP8 (whose weight workspace, first built under inference mode, keeps only the
+    row-wise data training then needs)."""
+    if not target.cuda:
+        return "the dynamic engine needs CUDA (flash-attn paged attention)"
+    if not target.half:
+        return "flash-attn takes fp16/bf16 only: the dynamic engine needs --bf16"
+    if target.fp8_recipe == "blockwise":
+        return (
+            "blockwise FP8 cannot run under the dynamic engine: its weight workspace, "
+            "first built under inference mode, keeps only the row-wise data training "
+            "needs; use --fp8-recipe tensorwise"
+        )
+    return None
+
+
 def dynamic_engine_unavailable(model=None) -> str | None:
     """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
-    can): it needs the model on CUDA in fp16/bf16 (flash-attn's paged kernels take nothing
-    else), those kernels and einops, and no blockwise FP8 (whose weight workspace, first
-    built under inference mode, keeps only the row-wise data training then needs). The
-    registry entry's check (``rollout.registry.DynamicEngine.unavailable``) on the model."""
-    from loggra_megatron.rollout.protocol import EngineTarget
-    from loggra_megatron.rollout.registry import DynamicEngine
-
-    return DynamicEngine().unavailable(EngineTarget.of_model(model))
+    can): :func:`refusal`, then flash-attn's kernels and einops."""
+    return refusal(EngineTarget.of_model(model)) or mcore_engine.missing_attention_kernels()
 
 
 def _stop_list(eos_id: int | Sequence[int] | None) -> list[int]:

@@ -94,17 +94,9 @@ class DynamicEngine(RolloutEngine):
     up to a multiple of ``ceil(64 / TP) · TP``."""
 
     def refusal(self, target: EngineTarget) -> str | None:
-        if not target.cuda:
-            return "the dynamic engine needs CUDA (flash-attn paged attention)"
-        if not target.half:
-            return "flash-attn takes fp16/bf16 only: the dynamic engine needs --bf16"
-        if target.fp8_recipe == "blockwise":
-            return (
-                "blockwise FP8 cannot run under the dynamic engine: its weight workspace, "
-                "first built under inference mode, keeps only the row-wise data training "
-                "needs; use --fp8-recipe tensorwise"
-            )
-        return None
+        from loggra_megatron.rollout.dynamic import refusal
+
+        return refusal(target)
 
     def unavailable(self, target: EngineTarget) -> str | None:
         from loggra_megatron.rollout import mcore_engine

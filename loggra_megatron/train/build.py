@@ -74,9 +74,11 @@ def gpt_model(
 
 def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimizer:
     """``--optimizer`` from the registry, over the policy."""
+    from loggra_megatron.optim.megatron.factory import build_optimizer
     from loggra_megatron.optim.registry import OPTIMIZERS
 
-    return OPTIMIZERS[cfg.optimizer.optimizer].build(cfg.optimizer, cfg.loggra, [policy])
+    spec = OPTIMIZERS[cfg.optimizer.optimizer]
+    return build_optimizer(spec, cfg.optimizer, cfg.loggra, [policy])
 
 
 def policy_loss(cfg: RunConfig, kl_coef: AdaptiveKLCoefficient) -> PolicyLoss:

@@ -46,8 +46,10 @@ from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
 from loggra_megatron.optim.loggra_adamw import basis_seed
 from loggra_megatron.optim.megatron.leaves import loggra_class_for
+from loggra_megatron.optim.megatron.optimizer_state import install_state_init
 from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, main_params_of
 from loggra_megatron.optim.projection import PROJECTIONS
+from loggra_megatron.optim.registry import OptimizerSpec, resolve
 from loggra_megatron.optim.weight_layout import WeightLayout
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
@@ -101,6 +103,15 @@ def megatron_optimizer_config(optim: OptimConfig, model_chunks, cls=OptimizerCon
         use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_param_gather_with_optimizer_step=False, **extra,
     )  # fmt: skip
+
+
+def build_optimizer(spec: OptimizerSpec, optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
+    """The Megatron optimizer of ``--optimizer`` registry entry ``spec``: its builder, and
+    its ``init_state`` installed on every leaf (so a checkpoint loads before a step)."""
+    optimizer = resolve(spec.builder)(optim, loggra, model_chunks)
+    if spec.init_state is not None:
+        install_state_init(optimizer, resolve(spec.init_state))
+    return optimizer
 
 
 def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
