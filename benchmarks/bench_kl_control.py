@@ -82,11 +82,13 @@ def backward(ddp, opt, tokens):
 def controller(ddp, opt, **cfg):
     from megatron.core import parallel_state as ps
 
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.rl.config import KLControlConfig
     from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 
     return PredictedKLController(
-        KLControlConfig(**cfg), opt, gpt_probe_forward(ddp), ps.get_tensor_model_parallel_group(),
+        KLControlConfig(**cfg), MegatronStepper(opt), gpt_probe_forward(ddp),
+        ps.get_tensor_model_parallel_group(),
         ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
     )  # fmt: skip
 

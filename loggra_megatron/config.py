@@ -5,7 +5,7 @@ fields in ``__post_init__`` with :func:`check_fields` (every ``float`` finite an
 float32's range, then the given rules) and raises :class:`ConfigError`, whose message names
 the flag (``--field-name``), the value and the fix; ``pretrain_rl.py`` turns it into exit
 status 2 before any process group or file is touched. A field that does something only
-under a condition on other settings declares it (:func:`applies`: ``--kl-coef-target``
+under a condition on other settings declares it (:func:`applies`: ``--kl-ref-target``
 applies with ``--kl-coef`` > 0); :func:`settings_that_do_not_apply` refuses such a field
 given with a value of its own while its condition fails, for every declared field alike.
 :func:`add_flags` turns the fields into Megatron-LM-style flags (help text from the field

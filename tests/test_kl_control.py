@@ -100,9 +100,11 @@ def _backward(ddp, opt, tokens):
 def _controller(ddp, opt, **cfg):
     from megatron.core import parallel_state as ps
 
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
     config = KLControlConfig(**cfg)
     return PredictedKLController(
-        config, opt, _forward_fn(ddp), ps.get_tensor_model_parallel_group(),
+        config, MegatronStepper(opt), _forward_fn(ddp), ps.get_tensor_model_parallel_group(),
         ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
     )  # fmt: skip
 
@@ -260,12 +262,14 @@ def test_nonfinite_kl_skips_the_update_and_leaves_everything_untouched():
 def _fp32_refused(rank):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
     model = tiny_gpt_model(num_layers=1, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
     ddp = wrap_ddp(model)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True)
     opt = get_megatron_optimizer(config, [ddp])
     with pytest.raises(ValueError, match="--bf16"):
-        PredictedKLController(KLControlConfig(kl_target=0.1), opt, lambda b: None)
+        PredictedKLController(KLControlConfig(kl_target=0.1), MegatronStepper(opt), lambda b: None)
     return True
 
 
@@ -276,6 +280,7 @@ def test_fp32_models_are_refused_with_a_clear_error():
 def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     """The probe reference kept from a GRPO training forward (ReferenceCollector) against the
     controller's own probe forward at the same weights, then a step with the kept one."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.rl.actor import forward_backward, split_micro
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
@@ -291,7 +296,7 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     config = KLControlConfig(kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator)
     k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
     forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
-    ctl = PredictedKLController(config, opt, forward,
+    ctl = PredictedKLController(config, MegatronStepper(opt), forward,
                                 ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
                                 ps.get_pipeline_model_parallel_group())  # fmt: skip
     tokens = _local(TOKENS)

@@ -309,10 +309,10 @@ def test_grpo_loss_metrics_and_gradients():
 
 
 def test_adaptive_kl_coefficient_direction_and_clipping():
-    ctl = AdaptiveKLCoefficient(0.1, kl_target=0.05, horizon=1000)
+    ctl = AdaptiveKLCoefficient(0.1, ref_kl_target=0.05, horizon=1000)
     # KL 10 % above target: e = 0.1, K = 64/1000 → β · (1 + 0.0064)
     assert ctl.update(0.055, n_steps=64) == pytest.approx(0.1 * 1.0064)
-    ctl.load_state_dict({"value": 0.1, "kl_target": 0.05, "horizon": 1000.0})
+    ctl.load_state_dict({"value": 0.1, "ref_kl_target": 0.05, "horizon": 1000.0})
     assert ctl.update(0.045, n_steps=64) == pytest.approx(0.1 * (1 - 0.0064))  # below: down
     ctl.load_state_dict({"value": 0.1, "kl_target": 0.05, "horizon": 1000.0})
     assert ctl.update(5.0, n_steps=100) == pytest.approx(0.1 * 1.02)  # e clipped at +0.2
@@ -323,7 +323,7 @@ def test_adaptive_kl_coefficient_direction_and_clipping():
 def test_fixed_kl_coefficient_and_state_dict_roundtrip():
     fixed = AdaptiveKLCoefficient(0.04)
     assert not fixed.adaptive and fixed.update(10.0, n_steps=64) == 0.04
-    ctl = AdaptiveKLCoefficient(0.2, kl_target=0.1, horizon=500)
+    ctl = AdaptiveKLCoefficient(0.2, ref_kl_target=0.1, horizon=500)
     for kl in (0.3, 0.12, 0.01):
         ctl.update(kl, n_steps=32)
     state = ctl.state_dict()

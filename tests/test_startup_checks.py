@@ -83,7 +83,7 @@ def test_every_setting_that_does_not_apply_is_refused(tokenizer, tmp_path, capsy
     declared = _declared()
     names = {f.name for f, _ in declared}
     for expected in (
-        "kl_coef_target",
+        "kl_ref_target",
         "kl_probe_fraction",
         "eval_data_path",
         "loggra_rank",

@@ -176,6 +176,7 @@ class PromptDataset:
         dp_rank: int = 0,
         dp_size: int = 1,
         start_index: int | None = None,
+        advance: bool = True,
     ) -> Iterator[list[dict]]:
         """Yield this DP rank's ``global_batch_size // dp_size`` examples of each global
         batch, forever, starting at stream position ``start_index`` (default: the restored
@@ -183,7 +184,9 @@ class PromptDataset:
         dataset ``index``.
 
         ``consumed_samples`` advances by ``global_batch_size`` as each batch is yielded, so
-        a :meth:`state_dict` taken after a training step resumes at the next batch.
+        a :meth:`state_dict` taken after a training step resumes at the next batch;
+        ``advance=False`` leaves it alone (a reader that keeps its own position, such as the
+        supervised warm-up).
         """
         if global_batch_size <= 0 or dp_size <= 0 or global_batch_size % dp_size:
             raise ValueError(
@@ -195,15 +198,16 @@ class PromptDataset:
         position = self.consumed_samples if start_index is None else int(start_index)
         if position < 0:
             raise ValueError(f"start_index must be >= 0, got {position}")
-        return self._batch_stream(position, global_batch_size, dp_rank, dp_size)
+        return self._batch_stream(position, global_batch_size, dp_rank, dp_size, advance)
 
-    def _batch_stream(self, position: int, global_batch_size: int, dp_rank: int, dp_size: int):
+    def _batch_stream(self, position, global_batch_size, dp_rank, dp_size, advance):
         local = global_batch_size // dp_size
         while True:
             first = position + dp_rank * local
             batch = [self.example_at(p) for p in range(first, first + local)]
             position += global_batch_size
-            self.consumed_samples = position
+            if advance:
+                self.consumed_samples = position
             yield batch
 
     @property

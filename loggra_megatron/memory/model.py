@@ -68,7 +68,7 @@ __all__ = [
     "weight_bytes",
 ]
 
-_LOGGRA_SKETCHED_SCALAR_BYTES = 3 * 8  # step, nonfinite_skips, basis_seed (int64)
+_LOGGRA_SKETCHED_SCALAR_BYTES = 2 * 8  # step, basis_seed (int64)
 
 
 # ---------------------------------------------------------------------- parameters

@@ -115,8 +115,11 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._consensus_group = consensus_group
         self.num_steps = 0
         """Optimizer steps taken (skipped steps excluded); drives the refresh schedule."""
-        self.num_skipped_steps = 0
-        """Steps skipped because a gradient was non-finite on some rank."""
+        self.skipped_last_step = False
+        """The last :meth:`step` found a non-finite gradient on some rank and changed
+        nothing. Skipped steps are counted by the trainer (``train.steps.SkipCounter``);
+        through :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper` the global
+        grad norm catches them before this optimizer runs."""
         self.model_grads: dict[torch.Tensor, torch.Tensor] = {}
         """Gradients of main params whose ``.grad`` is None, in the model's precision (views
         of Megatron's grad buffer); see :meth:`set_model_grads`."""
@@ -164,7 +167,6 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         n, r = layout.shape[1], layout.rank
         self.state[p] = state = {
             "step": torch.tensor(self.num_steps, dtype=torch.int64),
-            "nonfinite_skips": torch.zeros((), dtype=torch.int64),
             "exp_avg": torch.zeros(hi - lo, r, **f32),
             "exp_avg_sq": torch.zeros(hi - lo, r, **f32),
             "basis": self._projection.initial_basis(n, r, **f32),
@@ -228,10 +230,6 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         elif p in self.param_remainders:
             store_master(p.detach(), self.param_remainders[p], target)
 
-    @property
-    def num_nonfinite_skips(self) -> int:
-        return self.num_skipped_steps
-
     def layout_of(self, p: torch.Tensor) -> WeightLayout | None:
         """The layout of a sketched shard held here (None for densely updated params)."""
         w = self._index_of.get(p)
@@ -273,11 +271,10 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         cache = self._candidate_cache(held, keep=not commit)
         if commit:
             self._candidates = None
+        if commit:
+            self.skipped_last_step = not cache["ok"]
         if not cache["ok"]:
             if commit:
-                for _, _, state in held:
-                    state["nonfinite_skips"] += 1
-                self.num_skipped_steps += 1
                 self._candidates = None
             return False
         refresh = needs_refresh(self.num_steps, self._settings)

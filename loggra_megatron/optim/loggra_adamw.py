@@ -20,8 +20,8 @@ With ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``
 ``sketch=False`` (embeddings, output layer) take the dense AdamW update.
 
 State per sketched matrix: ``exp_avg`` and ``exp_avg_sq`` ``[m, r]`` and ``basis``
-``[n, r]`` in fp32 (``2·m·r + n·r`` floats) plus three int64 scalars (``step``,
-``basis_seed``, ``nonfinite_skips``). State is tensors only, so it shards and
+``[n, r]`` in fp32 (``2·m·r + n·r`` floats) plus two int64 scalars (``step``,
+``basis_seed``). State is tensors only, so it shards and
 checkpoints like Adam's; the Gaussian test matrices are re-derived from
 ``(basis_seed, refresh index)``, so no RNG state is needed to resume bitwise.
 
@@ -112,6 +112,9 @@ class LoGRAAdamW(torch.optim.Optimizer):
             min_dim=min_dim, sketch=sketch, seed=seed,
         )  # fmt: skip
         self._num_params_seen = 0
+        self.num_nonfinite_skips = 0
+        """How many (param, step) updates were skipped for non-finite gradients (not
+        checkpointed; the trainer counts skipped steps itself)."""
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ validation
@@ -142,7 +145,6 @@ class LoGRAAdamW(torch.optim.Optimizer):
         f32 = dict(device=p.device, dtype=torch.float32)
         self.state[p] = {
             "step": torch.zeros((), dtype=torch.int64),
-            "nonfinite_skips": torch.zeros((), dtype=torch.int64),
             "exp_avg": torch.zeros(m, r, **f32),
             "exp_avg_sq": torch.zeros(m, r, **f32),
             "basis": projection_of(group).initial_basis(n, r, **f32),
@@ -165,11 +167,6 @@ class LoGRAAdamW(torch.optim.Optimizer):
                 k: v.to(p.device if v.dim() else "cpu", copy=True) for k, v in saved.items()
             }
 
-    @property
-    def num_nonfinite_skips(self) -> int:
-        """How many (param, step) updates were skipped for non-finite gradients."""
-        return sum(int(s["nonfinite_skips"]) for s in self.state.values())
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -189,7 +186,7 @@ class LoGRAAdamW(torch.optim.Optimizer):
                 else:
                     applied = self._dense_update(master, grad, state, group)
                 if not applied:
-                    state["nonfinite_skips"] += 1
+                    self.num_nonfinite_skips += 1
                 elif master is not p:
                     p.copy_(master)
         return loss
@@ -242,7 +239,6 @@ def dense_state(p: torch.Tensor, dtype: torch.dtype | None = None) -> dict:
     param's)."""
     return {
         "step": torch.zeros((), dtype=torch.int64),
-        "nonfinite_skips": torch.zeros((), dtype=torch.int64),
         "exp_avg": torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
     }

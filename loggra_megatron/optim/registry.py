@@ -48,8 +48,7 @@ class OptimizerSpec:
     two moments: 8, SGD's momentum: 4, plain SGD: 0); the memory model counts them (LoGRA's
     sketched weights by their own formula)."""
     state_bytes_per_tensor: int = 0
-    """Bytes of per-tensor scalars (torch AdamW's fp32 ``step``: 4; LoGRA's int64 step and
-    skip counters: 16)."""
+    """Bytes of per-tensor scalars (torch AdamW's fp32 ``step``: 4; LoGRA's int64 step: 8)."""
     precision_aware: bool = False
     """Megatron's precision-aware optimizer can run it (TE's FusedAdam: moments at
     ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, masters as remainders with bf16 moments);
@@ -84,7 +83,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         distributed=True,
         candidate=True,
         state_bytes_per_param=8,
-        state_bytes_per_tensor=16,
+        state_bytes_per_tensor=8,
     ),
 }
 

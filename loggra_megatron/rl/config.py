@@ -33,10 +33,11 @@ class GRPOConfig:
     """Dr.GRPO advantages: subtract the group mean only."""
     kl_coef: float = 0.0
     """β of the KL-to-reference loss (0: no reference model)."""
-    kl_coef_target: float | None = applies(None, "with --kl-coef > 0", _reference_model)
-    """Adaptive β (Ziegler et al. 2019): the KL-to-reference it steers to."""
+    kl_ref_target: float | None = applies(None, "with --kl-coef > 0", _reference_model)
+    """Adaptive β (Ziegler et al. 2019): the KL to the reference model (``kl/ref``) that β
+    steers toward. Not ``--kl-target``, predicted-KL step control's per-update target."""
     kl_coef_horizon: float = applies(
-        10000.0, "with --kl-coef-target", lambda s: s["kl_coef_target"] is not None
+        10000.0, "with --kl-ref-target", lambda s: s["kl_ref_target"] is not None
     )
     """Adaptive β horizon, in samples."""
 
@@ -46,7 +47,7 @@ class GRPOConfig:
             ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
             ("ppo_epochs", positive, ">= 1"),
             ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
-            ("kl_coef_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
+            ("kl_ref_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
         ])  # fmt: skip
 
     @property

@@ -52,7 +52,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from loggra_megatron.model.vocab_parallel import (
     vocab_parallel_log_probs,
 )
 from loggra_megatron.rl.config import KLControlConfig
+
+if TYPE_CHECKING:  # imports Megatron
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +190,8 @@ class PredictedKLController:
 
     Args:
         config: the ``--kl-*`` settings (``kl_target`` must be set).
-        optimizer: a Megatron-Core optimizer (LoGRA's or dense Adam) with 16-bit params.
+        stepper: the run's :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`
+            over a Megatron-Core optimizer (LoGRA's or dense Adam) with 16-bit params.
         forward: the probe forward (no grad) of the policy.
         tp_group, dp_group, pp_group: Megatron's process groups (None: size 1).
         forward_rows: rows per call of ``forward`` when a KL is measured (None: all at
@@ -198,34 +202,31 @@ class PredictedKLController:
     def __init__(
         self,
         config: KLControlConfig,
-        optimizer,
+        stepper: MegatronStepper,
         forward: ProbeForward,
         tp_group=None,
         dp_group=None,
         pp_group=None,
         forward_rows: int | None = None,
     ):
-        from loggra_megatron.optim.megatron.stepper import MegatronStepper
-
         if not config.enabled:
             raise ValueError("PredictedKLController needs --kl-target")
         self.config, self.forward, self.forward_rows = config, forward, forward_rows
-        self.stepper = MegatronStepper(optimizer)
-        self.stepper.require_separate_model_weights()
+        self.stepper = stepper
+        """The run's one stepping seam over its optimizer (shared with the plain step)."""
+        stepper.require_separate_model_weights()
         self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
         self.num_steps = 0
-        """Committed steps (drives the kl/realized interval)."""
-        self.num_skipped_steps = 0
-        """Steps skipped for a non-finite gradient norm or predicted KL."""
-        self._device = next(
-            (p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu")
-        )
+        """Committed steps (drives the kl/realized interval). Skipped steps are the caller's
+        to count (``train.steps.SkipCounter``)."""
+        params = (p for g in stepper.optimizer.param_groups for p in g["params"])
+        self._device = next((p.device for p in params), torch.device("cpu"))
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps}
+        return {"num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_steps, self.num_skipped_steps = state["num_steps"], state["num_skipped_steps"]
+        self.num_steps = state["num_steps"]
 
     # ------------------------------------------------------------------ public
     def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor, reference=None):
@@ -289,7 +290,6 @@ class PredictedKLController:
         prepared = self.stepper.prepare(project=True)  # work of the step, not of control
         grad_norm, num_zeros = prepared.grad_norm, prepared.num_zeros
         if not prepared.ok:  # fp16 overflow or a non-finite gradient norm
-            self.num_skipped_steps += 1
             metrics = {"kl/step_scale": 0.0, "time/kl_control_s": t_control}
             return StepResult(False, grad_norm, num_zeros, metrics)
 
@@ -316,12 +316,11 @@ class PredictedKLController:
         }
         if not (math.isfinite(kl_raw) and math.isfinite(kl_committed)):
             self.stepper.restore_model_weights()
-            self.num_skipped_steps += 1
             logger.warning(
                 "predicted-KL control: the KL of the candidate update is non-finite "
-                "(kl/predicted=%s); skipping this optimizer step (%d skipped so far)",
-                kl_raw, self.num_skipped_steps,
-            )  # fmt: skip
+                "(kl/predicted=%s); skipping this optimizer step",
+                kl_raw,
+            )
             metrics.update({"kl/step_scale": 0.0, "time/kl_control_s": t_control})
             return StepResult(False, grad_norm, num_zeros, metrics)
 

@@ -166,25 +166,30 @@ def kl_to_reference(
 class AdaptiveKLCoefficient:
     """β for the KL-to-reference penalty: adaptive (Ziegler et al. 2019) or fixed.
 
-    ``kl_target=None`` → fixed β. ``update(kl, n_steps)`` takes the measured KL (same
-    units as ``kl_target``, e.g. the ``kl/ref`` metric averaged over the step) and the
+    ``ref_kl_target=None`` → fixed β (``--kl-ref-target``; not ``--kl-target``, which is
+    predicted-KL step control's). ``update(kl, n_steps)`` takes the measured KL (same units
+    as ``ref_kl_target``, e.g. the ``kl/ref`` metric averaged over the step) and the
     step's size in the units of ``horizon`` (Ziegler et al.: samples, horizon 10 000).
     """
 
-    def __init__(self, init_coef: float, kl_target: float | None = None, horizon: float = 10_000.0):
+    def __init__(
+        self, init_coef: float, ref_kl_target: float | None = None, horizon: float = 10_000.0
+    ):
         if init_coef < 0:
             raise ValueError(f"init_coef must be >= 0, got {init_coef}")
-        if kl_target is not None and kl_target <= 0:
-            raise ValueError(f"kl_target must be > 0 (or None for a fixed β), got {kl_target}")
+        if ref_kl_target is not None and ref_kl_target <= 0:
+            raise ValueError(
+                f"ref_kl_target must be > 0 (or None for a fixed β), got {ref_kl_target}"
+            )
         if horizon <= 0:
             raise ValueError(f"horizon must be > 0, got {horizon}")
         self.value = float(init_coef)
-        self.kl_target = None if kl_target is None else float(kl_target)
+        self.ref_kl_target = None if ref_kl_target is None else float(ref_kl_target)
         self.horizon = float(horizon)
 
     @property
     def adaptive(self) -> bool:
-        return self.kl_target is not None
+        return self.ref_kl_target is not None
 
     def update(self, kl: float | torch.Tensor, n_steps: float = 1) -> float:
         """One controller step; returns the new β (unchanged in fixed mode)."""
@@ -196,14 +201,16 @@ class AdaptiveKLCoefficient:
         kl = float(kl)
         if not math.isfinite(kl):
             raise ValueError(f"measured KL is not finite: {kl}")
-        error = min(max((kl - self.kl_target) / self.kl_target, -_MAX_KL_ERROR), _MAX_KL_ERROR)
+        target = self.ref_kl_target
+        error = min(max((kl - target) / target, -_MAX_KL_ERROR), _MAX_KL_ERROR)
         self.value *= 1.0 + k_beta * error
         return self.value
 
     def state_dict(self) -> dict[str, float | None]:
-        return {"value": self.value, "kl_target": self.kl_target, "horizon": self.horizon}
+        return {"value": self.value, "ref_kl_target": self.ref_kl_target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, float | None]) -> None:
         self.value = float(state["value"])
-        self.kl_target = None if state["kl_target"] is None else float(state["kl_target"])
+        target = state.get("ref_kl_target", state.get("kl_target"))  # older checkpoints
+        self.ref_kl_target = None if target is None else float(target)
         self.horizon = float(state["horizon"])

@@ -20,7 +20,7 @@ from loggra_megatron.tasks.base import Task
 from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 BOXED = "\\boxed{"
-TIMEOUT_S = 1
+TIMEOUT_S = 2
 """math-verify's time limit (whole seconds: a SIGALRM) of one parse and of one comparison."""
 MAX_ANSWER_CHARS = 1000
 """A final answer longer than this is judged wrong without being parsed."""

@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # Megatron is imported when a builder runs
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import MegatronModule
 
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
 
 def model_args(cfg: RunConfig, tokenizer: Tokenizer) -> GPTModelArgs:
     """The architecture: the loaded model's (its vocabulary was checked against the
@@ -114,9 +116,10 @@ def lr_scheduler(cfg: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParam
 
 
 def kl_controller(
-    cfg: RunConfig, optimizer: MegatronOptimizer, policy: DistributedDataParallel
+    cfg: RunConfig, stepper: MegatronStepper, policy: DistributedDataParallel
 ) -> PredictedKLController | None:
-    """Predicted-KL step control over ``optimizer`` (None without ``--kl-target``)."""
+    """Predicted-KL step control through the run's ``stepper`` (None without
+    ``--kl-target``)."""
     from megatron.core import parallel_state as ps
 
     from loggra_megatron.rl.kl_control import gpt_probe_forward
@@ -127,7 +130,11 @@ def kl_controller(
     full = cfg.kl_control.kl_estimator == "full"  # logits kept: one micro-batch per call
     forward = gpt_probe_forward(policy, rows, log_probs=not full)
     return PredictedKLController(
-        cfg.kl_control, optimizer, forward, ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
+        cfg.kl_control,
+        stepper,
+        forward,
+        ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
         forward_rows=rows if full else None,
-    )  # fmt: skip
+    )

@@ -71,8 +71,8 @@ class RLTrainer:
         self.scheduler = build.lr_scheduler(cfg, self.optimizer)
         stepper = MegatronStepper(self.optimizer)
         g = cfg.grpo
-        self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_coef_target, g.kl_coef_horizon)
-        self.kl_controller = build.kl_controller(cfg, self.optimizer, self.policy)
+        self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
+        self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
         step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
                              lambda: f"at RL step {self.step + 1}")  # fmt: skip
@@ -138,8 +138,6 @@ class RLTrainer:
         saved_at = self._progress() if resumed else None
         if not self.warmup.done:
             self.warmup.run(self._stop_requested, self._log)
-            if self.warmup.done:
-                self.scheduler.step(0)  # the RL learning rate again
         if self.warmup.done and (self.cfg.training.sft_iters or not resumed) and self.step == 0:
             self._copy_policy_to_reference()  # the reference is the policy as RL starts
         while self.warmup.done and self.step < cfg.training.train_iters:

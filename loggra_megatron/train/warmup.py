@@ -3,13 +3,16 @@ solutions, so that a model trained from scratch can earn rewards before RL.
 
 Each step takes a global batch of examples from the prompt stream, masks the prompt
 tokens out of the loss (:func:`~loggra_megatron.rl.actor.sft_loss_fn`) and takes one
-optimizer step at the constant ``--sft-lr`` (:class:`ConstantLR`; the RL schedule takes over
-again afterwards). It is resumable: it continues from ``step`` with the stream's saved
-position, and stops at a step boundary when asked (SIGTERM), leaving a consistent state.
+optimizer step at the constant ``--sft-lr`` (:func:`constant_lr`; the RL schedule's rates
+are back afterwards). It reads the prompt stream from its own position, so RL starts from
+the stream's beginning. It is resumable: it continues from ``step``, and stops at a step
+boundary when asked (SIGTERM), leaving a consistent state.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,18 +26,19 @@ if TYPE_CHECKING:  # imports Megatron
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 
-class ConstantLR:
-    """The warm-up's learning-rate schedule: ``lr`` (× each group's ``lr_mult``) from now on.
-    Megatron's ``OptimizerParamScheduler`` cannot express it: it reads every group's
-    ``max_lr``, which Megatron sets to the RL ``--lr``."""
-
-    def __init__(self, optimizer, lr: float):
-        self.optimizer, self.lr = optimizer, lr
-        self.step()
-
-    def step(self, increment: int = 1) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * group.get("lr_mult", 1.0)
+@contextlib.contextmanager
+def constant_lr(optimizer, lr: float) -> Iterator[None]:
+    """The warm-up's learning rate: ``lr`` (× each group's ``lr_mult``) inside, the rates it
+    replaced restored on exit. Megatron's ``OptimizerParamScheduler`` cannot express it: it
+    reads every group's ``max_lr``, which Megatron sets to the RL ``--lr``."""
+    before = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+    try:
+        yield
+    finally:
+        for group, rate in zip(optimizer.param_groups, before, strict=True):
+            group["lr"] = rate
 
 
 class SupervisedWarmup:
@@ -62,24 +66,28 @@ class SupervisedWarmup:
         return self.step >= self.training.sft_iters
 
     def run(self, stop_requested, log) -> None:
-        """Steps until done or ``stop_requested()``; ``log(message)`` prints progress."""
+        """Steps until done or ``stop_requested()``; ``log(message)`` prints progress. The
+        warm-up reads the prompt stream from its own position (``step`` × global batch),
+        leaving the RL position alone, and its learning rate holds only while it runs."""
         t, dp = self.training, self.actor.dp
-        ConstantLR(self.actor.optimizer, t.sft_lr if t.sft_lr is not None else self.optim.lr)
-        batches = self.dataset.batches(t.global_batch_size, dp_rank=self.dp_rank, dp_size=dp)
-        while not self.done:
-            if stop_requested():
-                return
-            tokens, mask = self._batch(next(batches))
-            n_tok, _ = global_counts(mask, len(tokens), self.actor.dp_group)
-            outs = self.actor.train_on({"tokens": tokens, "mask": mask}, sft_loss_fn(n_tok))
-            prepared = self.stepper.step()
-            self.skips.count(prepared.ok, prepared.grad_norm, f"at warm-up step {self.step + 1}")
-            self.step += 1
-            if outs and self.step % 10 == 0:  # the loss lives on the last pipeline stage
-                share = sum(float(out["loss/sft"]) for out in outs)  # this rank's, of the loss
-                # × DP: the global loss when the ranks' shares are even (not all-reduced)
-                log(f" sft {self.step:5d}/{t.sft_iters} | loss {share * dp:.4f}")
-        self.dataset.consumed_samples = 0  # RL starts from the beginning of the prompt stream
+        gbs = t.global_batch_size
+        batches = self.dataset.batches(gbs, self.dp_rank, dp, self.step * gbs, advance=False)
+        lr = t.sft_lr if t.sft_lr is not None else self.optim.lr
+        with constant_lr(self.actor.optimizer, lr):
+            while not self.done and not stop_requested():
+                self._step(next(batches), log)
+
+    def _step(self, examples: list[dict], log) -> None:
+        tokens, mask = self._batch(examples)
+        n_tok, _ = global_counts(mask, len(tokens), self.actor.dp_group)
+        outs = self.actor.train_on({"tokens": tokens, "mask": mask}, sft_loss_fn(n_tok))
+        prepared = self.stepper.step()
+        self.skips.count(prepared.ok, prepared.grad_norm, f"at warm-up step {self.step + 1}")
+        self.step += 1
+        if outs and self.step % 10 == 0:  # the loss lives on the last pipeline stage
+            share = sum(float(out["loss/sft"]) for out in outs)  # this rank's, of the loss
+            # × DP: the global loss when the ranks' shares are even (not all-reduced)
+            log(f" sft {self.step:5d}/{self.training.sft_iters} | loss {share * self.actor.dp:.4f}")
 
     def _batch(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [b, width + 1]`` (prompt, the task's reference completion, EOS, padding)
@@ -96,7 +104,11 @@ class SupervisedWarmup:
         return tokens.to(self.device), mask.to(self.device)
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "own_stream": True}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+        if not state.get("own_stream") and not self.done:
+            # saved before the warm-up kept its own stream position: the data position
+            # saved with it was the warm-up's; RL starts from the beginning of the stream
+            self.dataset.consumed_samples = 0

@@ -65,7 +65,6 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "projection": inner.param_groups[0]["projection"],
             "num_steps": inner.num_steps,
-            "num_skipped_steps": inner.num_skipped_steps,
         }
 
     def check_compatible(self, saved_meta: dict) -> None:
@@ -165,8 +164,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         grad_scaler = getattr(self, "grad_scaler", None)
         if grad_scaler is not None and "grad_scaler" in state_dict:
             grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        inner.num_steps = state_dict["loggra"]["num_steps"]
-        inner.num_skipped_steps = state_dict["loggra"]["num_skipped_steps"]
+        inner.num_steps = state_dict["loggra"]["num_steps"]  # (older: also a skip count)
         for key, _, main, _ in self.loggra_params:
             saved = state_dict["param_state"][key]
             state = inner.state[main] if main in inner.state else inner.init_state_of(main)
@@ -175,7 +173,6 @@ class LoGRACheckpointMixin(MegatronOptimizer):
                 if name in saved:
                     state[name].view(-1).copy_(saved[name])
             state["step"].fill_(inner.num_steps)
-            state["nonfinite_skips"].fill_(inner.num_skipped_steps)
         # fp32 model params alias their main params; 16-bit model params come from the
         # model checkpoint, so nothing is copied back to the model here, except with
         # remainders: each DP rank has just written its shard of the bf16 weights (the
