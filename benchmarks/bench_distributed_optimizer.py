@@ -39,8 +39,12 @@ def parse_args():
     ap.add_argument("--rank", type=int, default=None, help="LoGRA rank (default hidden/8)")
     ap.add_argument("--update-interval", type=int, default=200)
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up)")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)")  # fmt: skip
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)",
+    )
     return ap.parse_args()
 
 
@@ -58,18 +62,24 @@ def run(args, kind: str, device: torch.device) -> dict:
 
     torch.manual_seed(0)
     model = tiny_gpt_model(
-        num_layers=args.layers, hidden_size=args.hidden, heads=args.heads, vocab=args.vocab,
-        seq=args.seq, query_groups=args.kv_groups, ffn_hidden_size=args.ffn,
-    )  # fmt: skip
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        query_groups=args.kv_groups,
+        ffn_hidden_size=args.ffn,
+    )
     ddp = wrap_ddp(model)
     base = dict(optimizer="adam", lr=1e-4, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     else:
         config = LoGRAOptimizerConfig(
-            **base, loggra_rank=args.rank or args.hidden // 8,
+            **base,
+            loggra_rank=args.rank or args.hidden // 8,
             loggra_update_interval=args.update_interval,
-        )  # fmt: skip
+        )
         opt = get_loggra_optimizer(config, [ddp])
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
@@ -122,8 +132,10 @@ def main() -> None:
             f"(TP={args.tp}, DP={dp}), {rows[0]['params'] / 1e6:.1f}M params per TP rank, "
             f"{device.type}"
         )
-        print("\n| rank | dense state (MiB) | LoGRA state (MiB) | state ratio | "
-              "opt.step dense (ms) | opt.step LoGRA (ms) | ratio | train step ratio |")  # fmt: skip
+        print(
+            "\n| rank | dense state (MiB) | LoGRA state (MiB) | state ratio | "
+            "opt.step dense (ms) | opt.step LoGRA (ms) | ratio | train step ratio |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r, (dense, loggra) in enumerate(all_rows):
             print(

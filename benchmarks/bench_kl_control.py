@@ -40,8 +40,12 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     ap.add_argument("--run-steps", type=int, default=20, help="steps of the honesty run")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)")  # fmt: skip
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda (NCCL) when a GPU is visible, else cpu (gloo)",
+    )
     return ap.parse_args()
 
 
@@ -57,14 +61,22 @@ def build(args):
 
     torch.manual_seed(0)
     model = tiny_gpt_model(
-        num_layers=args.layers, hidden_size=args.hidden, heads=args.heads, vocab=args.vocab,
-        seq=args.seq, bf16=True,
-    )  # fmt: skip
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        bf16=True,
+    )
     ddp = wrap_ddp(model)
     config = LoGRAOptimizerConfig(
-        optimizer="adam", lr=args.lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0,
+        optimizer="adam",
+        lr=args.lr,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
         loggra_rank=args.hidden // 8,
-    )  # fmt: skip
+    )
     return ddp, get_loggra_optimizer(config, [ddp])
 
 
@@ -87,10 +99,13 @@ def controller(ddp, opt, **cfg):
     from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
 
     return PredictedKLController(
-        KLControlConfig(**cfg), MegatronStepper(opt), gpt_probe_forward(ddp),
+        KLControlConfig(**cfg),
+        MegatronStepper(opt),
+        gpt_probe_forward(ddp),
         ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
-    )  # fmt: skip
+        ps.get_data_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+    )
 
 
 def main() -> None:
@@ -120,16 +135,22 @@ def main() -> None:
 
     mask = torch.ones(args.batch, args.seq, dtype=torch.bool, device=device)
 
-    def controller_share(frac: float, kept: bool, target: float | None = 1e9,
-                         realized: bool = False) -> float:  # fmt: skip
+    def controller_share(
+        frac: float, kept: bool, target: float | None = 1e9, realized: bool = False
+    ) -> float:
         """Median controller time / baseline step. ``kept``: the probe reference comes from
         the training forward, as in pretrain_rl.py (computed here outside the timer), else
         the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
         quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
         ``realized``: ``kl/realized`` on the held-out rows every step (the default of
         ``--kl-realized-interval``)."""
-        ctl = controller(ddp, opt, kl_target=target or 1e9, kl_probe_fraction=frac,
-                         kl_realized_interval=int(realized))  # fmt: skip
+        ctl = controller(
+            ddp,
+            opt,
+            kl_target=target or 1e9,
+            kl_probe_fraction=frac,
+            kl_realized_interval=int(realized),
+        )
         probe, holdout = ctl.config.probe_split(args.batch)
         rows = holdout.stop if realized else probe.stop  # what the training forward keeps
         times = []
@@ -177,15 +198,20 @@ def main() -> None:
             f"{device.type}"
         )
         print(f"\nbaseline step (fwd+bwd+opt): {1e3 * t_base:.0f} ms")
-        print("\n| probe fraction | own reference forward | reference from the training "
-              "forward (pretrain_rl.py) | target |")
+        print(
+            "\n| probe fraction | own reference forward | reference from the training "
+            "forward (pretrain_rl.py) | target |"
+        )
         print("|---|---:|---:|---|")
         for frac, (own, kept) in overhead.items():
-            print(f"| 1/{round(1 / frac)} | {100 * own:.1f} % | {100 * kept:.1f} % "
-                  f"| < 10 % at 1/8 |")  # fmt: skip
+            print(
+                f"| 1/{round(1 / frac)} | {100 * own:.1f} % | {100 * kept:.1f} % | < 10 % at 1/8 |"
+            )
         print(f"| 1/8, every step scaled (η ≈ 1/2: one more trial) | | {100 * scaled:.1f} % | |")
-        print(f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
-              f"{100 * checked:.1f} % | |")  # fmt: skip
+        print(
+            f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
+            f"{100 * checked:.1f} % | |"
+        )
         print(
             f"\npredicted vs realized over {len(p)} steps (probe 1/8, held-out 1/8): "
             f"Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "

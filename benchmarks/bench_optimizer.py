@@ -70,8 +70,10 @@ def main() -> None:
     shapes = layer_shapes(args.hidden, args.ffn, args.heads, args.kv_groups) * args.layers
     grads = [torch.randn(s) * 1e-3 for s in shapes]
     numel = sum(m * n for m, n in shapes)
-    print(f"# bench_optimizer: {args.layers} layer(s) {shapes[:4]}, {numel / 1e6:.1f}M params, "
-          f"rank={rank}, threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}")  # fmt: skip
+    print(
+        f"# bench_optimizer: {args.layers} layer(s) {shapes[:4]}, {numel / 1e6:.1f}M params, "
+        f"rank={rank}, threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    )
 
     adam_params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     adam = torch.optim.AdamW(adam_params, lr=1e-4, foreach=True)
@@ -113,10 +115,15 @@ def main() -> None:
     rows = [
         ("optimizer state (MiB)", s_adam / 2**20, s_loggra / 2**20, s_loggra / s_adam, "<= 0.20"),
         ("step, non-refresh (ms)", 1e3 * t_adam, 1e3 * t_step, t_step / t_adam, ""),
-        (f"step, amortised T={interval} (ms)", 1e3 * t_adam, 1e3 * t_amortised,
-         t_amortised / t_adam, "<= 1.5"),
+        (
+            f"step, amortised T={interval} (ms)",
+            1e3 * t_adam,
+            1e3 * t_amortised,
+            t_amortised / t_adam,
+            "<= 1.5",
+        ),
         ("refresh step (ms)", 1e3 * t_adam, 1e3 * t_refresh_step, t_refresh_step / t_adam, ""),
-    ]  # fmt: skip
+    ]
     print("\n| quantity | torch AdamW | LoGRA | LoGRA / AdamW | target |")
     print("|---|---:|---:|---:|---|")
     for name, a, b, ratio, target in rows:

@@ -72,11 +72,25 @@ import tempfile
 import time
 
 MODELS = {  # shape, seq_length of its example, default prompt lengths and new tokens
-    "tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, vocab=256, seq=64,
-                 prompts=(16, 64), new=64),
-    "h512": dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab=8192, seq=256,
-                 prompts=(16, 32), new=32),
-}  # fmt: skip
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        vocab=256,
+        seq=64,
+        prompts=(16, 64),
+        new=64,
+    ),
+    "h512": dict(
+        num_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        vocab=8192,
+        seq=256,
+        prompts=(16, 32),
+        new=32,
+    ),
+}
 MODES = {"sample": 1.0, "greedy": 0.0}
 MIB = 2**20
 
@@ -89,13 +103,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-min", type=int, help="default: 16")
     ap.add_argument("--prompt-max", type=int, help="default: 64 (tiny), 32 (h512)")
     ap.add_argument("--max-new-tokens", type=int, help="default: 64 (tiny), 32 (h512)")
-    ap.add_argument("--fractions", default="4,16",
-                    help="KV budgets of the new loop, as 1/k of the whole batch's KV tokens")  # fmt: skip
+    ap.add_argument(
+        "--fractions",
+        default="4,16",
+        help="KV budgets of the new loop, as 1/k of the whole batch's KV tokens",
+    )
     ap.add_argument("--modes", default="sample,greedy", help=f"of {', '.join(MODES)}")
     ap.add_argument("--stop-id", type=int, help="a stop token id (default: none)")
-    ap.add_argument("--no-onednn", action="store_true",
-                    help="torch.backends.mkldnn off: with --bf16, oneDNN keeps per-shape "
-                         "matmul state that the RSS peak would count")  # fmt: skip
+    ap.add_argument(
+        "--no-onednn",
+        action="store_true",
+        help="torch.backends.mkldnn off: with --bf16, oneDNN keeps per-shape "
+        "matmul state that the RSS peak would count",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timed generations per variant")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
@@ -178,9 +198,13 @@ def build_model(args):
 
     spec = MODELS[args.model]
     seq = max(spec["seq"], args.prompt_max + args.max_new_tokens)
-    cfg = ModelConfig(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
-                      num_attention_heads=spec["num_attention_heads"], seq_length=seq,
-                      bf16=args.bf16)  # fmt: skip
+    cfg = ModelConfig(
+        num_layers=spec["num_layers"],
+        hidden_size=spec["hidden_size"],
+        num_attention_heads=spec["num_attention_heads"],
+        seq_length=seq,
+        bf16=args.bf16,
+    )
     torch.manual_seed(args.seed)
     model = build_gpt_model(cfg.model_args(spec["vocab"]), use_cpu_initialization=True)
     if args.bf16:
@@ -213,8 +237,13 @@ def run_worker(args) -> None:
     model, _ = build_model(args)
     vocab = MODELS[args.model]["vocab"]
     prompts = make_prompts(args, vocab)
-    sampling = dict(temperature=MODES[spec["mode"]], eos_id=args.stop_id, pad_id=0,
-                    seed=args.seed, vocab_size=vocab)  # fmt: skip
+    sampling = dict(
+        temperature=MODES[spec["mode"]],
+        eos_id=args.stop_id,
+        pad_id=0,
+        seed=args.seed,
+        vocab_size=vocab,
+    )
     new, budget = args.max_new_tokens, spec["max_tokens"]
     width = max(map(len, prompts)) + new
 
@@ -222,8 +251,9 @@ def run_worker(args) -> None:
         if budget is None:  # the old loop: one static batch of every row
             rollout = generate_rollout(model, batch, max_new_tokens=max_new_tokens, **sampling)
             return rollout, kv_cache_bytes(model, len(batch), max(map(len, batch)) + max_new_tokens)
-        return generate_chunked(model, batch, max_new_tokens=max_new_tokens, max_tokens=budget,
-                                **sampling)  # fmt: skip
+        return generate_chunked(
+            model, batch, max_new_tokens=max_new_tokens, max_tokens=budget, **sampling
+        )
 
     generate(prompts[:2], 2)  # warm-up on a tiny batch
     gc.collect()
@@ -241,18 +271,33 @@ def run_worker(args) -> None:
         del rollout
     peak = _peak_rss(hwm_reset) - rss_before
     seconds = statistics.median(times)
-    torch.save({"tokens": first.tokens, "log_probs": first.log_probs,
-                "response_mask": first.response_mask}, spec["tokens_path"])  # fmt: skip
+    torch.save(
+        {
+            "tokens": first.tokens,
+            "log_probs": first.log_probs,
+            "response_mask": first.response_mask,
+        },
+        spec["tokens_path"],
+    )
     result = dict(
-        mode=spec["mode"], variant=spec["variant"], max_tokens=budget,
-        rows_per_chunk=chunk_rows(len(prompts), width, budget), generated_tokens=tokens,
-        seconds=times, median_seconds=seconds, tokens_per_s=tokens / seconds,
+        mode=spec["mode"],
+        variant=spec["variant"],
+        max_tokens=budget,
+        rows_per_chunk=chunk_rows(len(prompts), width, budget),
+        generated_tokens=tokens,
+        seconds=times,
+        median_seconds=seconds,
+        tokens_per_s=tokens / seconds,
         best_tokens_per_s=tokens / min(times),
-        cpu_seconds=cpu_times, median_cpu_seconds=statistics.median(cpu_times),
-        kv_bytes=kv_bytes, peak_bytes=peak, rss_before_bytes=rss_before,
+        cpu_seconds=cpu_times,
+        median_cpu_seconds=statistics.median(cpu_times),
+        kv_bytes=kv_bytes,
+        peak_bytes=peak,
+        rss_before_bytes=rss_before,
         peak_method="VmHWM reset" if hwm_reset else "ru_maxrss",
-        load_before=load_before, load_after=os.getloadavg()[0],
-    )  # fmt: skip
+        load_before=load_before,
+        load_after=os.getloadavg()[0],
+    )
     with open(spec["out"], "w") as f:
         json.dump(result, f)
 
@@ -268,8 +313,11 @@ def worker_env() -> dict:
 
 def measure(argv: list[str], spec: dict, tmp: str) -> dict:
     name = f"{spec['mode']}_{spec['variant'].replace('/', '_')}"
-    spec = {**spec, "out": os.path.join(tmp, name + ".json"),
-            "tokens_path": os.path.join(tmp, name + ".pt")}  # fmt: skip
+    spec = {
+        **spec,
+        "out": os.path.join(tmp, name + ".json"),
+        "tokens_path": os.path.join(tmp, name + ".pt"),
+    }
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
     done = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True)
     if done.returncode:
@@ -292,37 +340,50 @@ def compare_tokens(result: dict, old: dict) -> dict:
 
 def header(args) -> str:
     spec = MODELS[args.model]
-    return (f"# bench_rollout: {args.model} ({spec['num_layers']} layers, hidden "
-            f"{spec['hidden_size']}, {spec['num_attention_heads']} heads, vocab {spec['vocab']}), "
-            f"{'bf16' if args.bf16 else 'fp32'}, {args.rows} rows, prompts "
-            f"{args.prompt_min}..{args.prompt_max}, {args.max_new_tokens} new tokens, stop id "
-            f"{args.stop_id}, {args.repeats} repeats, {args.threads} threads"
-            f"{', oneDNN off' if args.no_onednn else ''}")  # fmt: skip
+    return (
+        f"# bench_rollout: {args.model} ({spec['num_layers']} layers, hidden "
+        f"{spec['hidden_size']}, {spec['num_attention_heads']} heads, vocab {spec['vocab']}), "
+        f"{'bf16' if args.bf16 else 'fp32'}, {args.rows} rows, prompts "
+        f"{args.prompt_min}..{args.prompt_max}, {args.max_new_tokens} new tokens, stop id "
+        f"{args.stop_id}, {args.repeats} repeats, {args.threads} threads"
+        f"{', oneDNN off' if args.no_onednn else ''}"
+    )
 
 
 def print_table(args, results: list[dict]) -> None:
     print(header(args))
-    print("\n| mode | variant | KV budget (tokens) | rows / chunk | KV cache (MiB) | "
-          "peak gen. memory (MiB) | peak / old | tokens/s | tokens/s / old | best tokens/s "
-          "| best / old |")  # fmt: skip
+    print(
+        "\n| mode | variant | KV budget (tokens) | rows / chunk | KV cache (MiB) | "
+        "peak gen. memory (MiB) | peak / old | tokens/s | tokens/s / old | best tokens/s "
+        "| best / old |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         budget = "–" if r["max_tokens"] is None else r["max_tokens"]
-        print(f"| {r['mode']} | {r['variant']} | {budget} | {r['rows_per_chunk']} | "
-              f"{r['kv_bytes'] / MIB:.2f} | {r['peak_bytes'] / MIB:.1f} | "
-              f"{r['peak_ratio']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.3f} | "
-              f"{r['best_tokens_per_s']:.0f} | {r['best_tokens_per_s_ratio']:.3f} |")  # fmt: skip
+        print(
+            f"| {r['mode']} | {r['variant']} | {budget} | {r['rows_per_chunk']} | "
+            f"{r['kv_bytes'] / MIB:.2f} | {r['peak_bytes'] / MIB:.1f} | "
+            f"{r['peak_ratio']:.3f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.3f} | "
+            f"{r['best_tokens_per_s']:.0f} | {r['best_tokens_per_s_ratio']:.3f} |"
+        )
     for r in results:
         if r["mode"] == "greedy" and r["variant"] != "old":
             ok = "identical" if r["tokens_identical_to_old"] else "DIFFERENT"
             gap = r["log_prob_max_abs_diff"]
-            print(f"\ngreedy {r['variant']}: tokens {ok} to the old loop's"
-                  + (f", log-probs max |diff| {gap:.2e}" if gap is not None else ""))  # fmt: skip
-    busy = [f"{r['mode']} {r['variant']}" for r in results
-            if max(r["load_before"], r["load_after"]) > args.threads + 0.5]  # fmt: skip
+            print(
+                f"\ngreedy {r['variant']}: tokens {ok} to the old loop's"
+                + (f", log-probs max |diff| {gap:.2e}" if gap is not None else "")
+            )
+    busy = [
+        f"{r['mode']} {r['variant']}"
+        for r in results
+        if max(r["load_before"], r["load_after"]) > args.threads + 0.5
+    ]
     if busy:
-        print(f"\nload average above {args.threads} threads around: {', '.join(busy)} "
-              "(other processes: those timings are pessimistic)")  # fmt: skip
+        print(
+            f"\nload average above {args.threads} threads around: {', '.join(busy)} "
+            "(other processes: those timings are pessimistic)"
+        )
 
 
 def main(argv=None) -> None:
@@ -347,8 +408,12 @@ def main(argv=None) -> None:
                 r["kv_ratio"] = r["kv_bytes"] / old["kv_bytes"]
                 r.update(compare_tokens(r, old))
                 results.append(r)
-                print(f"# {mode} {variant}: {r['tokens_per_s']:.0f} tokens/s, peak "
-                      f"{r['peak_bytes'] / MIB:.1f} MiB", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"# {mode} {variant}: {r['tokens_per_s']:.0f} tokens/s, peak "
+                    f"{r['peak_bytes'] / MIB:.1f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
     for r in results:
         r.pop("tokens_path")
     print_table(args, results)
@@ -356,8 +421,9 @@ def main(argv=None) -> None:
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("worker", "json")}
         with open(args.json, "w") as f:
-            json.dump({"config": config, "model": MODELS[args.model], "results": results}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {"config": config, "model": MODELS[args.model], "results": results}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

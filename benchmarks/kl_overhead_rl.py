@@ -36,23 +36,75 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 EXAMPLE = [
-    "--task", "arithmetic", "--num-tasks", "20000", "--task-digits", "1",
-    "--task-operators", "+-", "--num-layers", "4", "--hidden-size", "128",
-    "--num-attention-heads", "4", "--seq-length", "64", "--bf16", "--sft-iters", "200",
-    "--sft-lr", "3e-3", "--prompts-per-step", "16", "--num-generations", "8",
-    "--max-new-tokens", "16", "--global-batch-size", "64", "--micro-batch-size", "32",
-    "--lr", "1e-4", "--lr-warmup-iters", "5", "--optimizer", "loggra", "--loggra-rank", "16",
-    "--loggra-min-dim", "32", "--loggra-update-interval", "50", "--kl-coef", "0.01",
-    "--kl-ref-estimator", "k3",
-]  # fmt: skip
+    "--task",
+    "arithmetic",
+    "--num-tasks",
+    "20000",
+    "--task-digits",
+    "1",
+    "--task-operators",
+    "+-",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--bf16",
+    "--sft-iters",
+    "200",
+    "--sft-lr",
+    "3e-3",
+    "--prompts-per-step",
+    "16",
+    "--num-generations",
+    "8",
+    "--max-new-tokens",
+    "16",
+    "--global-batch-size",
+    "64",
+    "--micro-batch-size",
+    "32",
+    "--lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "5",
+    "--optimizer",
+    "loggra",
+    "--loggra-rank",
+    "16",
+    "--loggra-min-dim",
+    "32",
+    "--loggra-update-interval",
+    "50",
+    "--kl-coef",
+    "0.01",
+    "--kl-ref-estimator",
+    "k3",
+]
 """``examples/tiny_cpu/run.sh``'s flags, less ``--kl-target``, ``--train-iters`` and saving."""
 
 
 def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[str]) -> list:
     out = os.path.join(workdir, name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(ROOT, "pretrain_rl.py"), "--tokenizer-model", tokenizer, *EXAMPLE,
-           "--train-iters", str(train_iters), "--output-dir", out, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--standalone",
+        os.path.join(ROOT, "pretrain_rl.py"),
+        "--tokenizer-model",
+        tokenizer,
+        *EXAMPLE,
+        "--train-iters",
+        str(train_iters),
+        "--output-dir",
+        out,
+        *extra,
+    ]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     from loggra_megatron.metrics import read_metrics
@@ -69,10 +121,22 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kl_overhead_") as tmp:
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"),
-                        "--builtin-tasks", "20000", "--seed", "0", "--vocab-size", "256",
-                        "--output-prefix", os.path.join(tmp, "tok")], check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "tools", "train_tokenizer.py"),
+                "--builtin-tasks",
+                "20000",
+                "--seed",
+                "0",
+                "--vocab-size",
+                "256",
+                "--output-prefix",
+                os.path.join(tmp, "tok"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         tok = os.path.join(tmp, "tok.model")
         runs = {"plain": [], "controlled": []}
         arms = [("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])]
@@ -82,36 +146,58 @@ def main() -> None:
                 runs[name].append(rows)
                 tps = statistics.median(r["throughput/tokens_per_s"] for r in rows)
                 print(f"repeat {i + 1} {name:10s}: {tps:8.0f} tokens/s", flush=True)
-    tps = {k: statistics.median(statistics.median(r["throughput/tokens_per_s"] for r in rows)
-                                for rows in v) for k, v in runs.items()}  # fmt: skip
-    phases = {  # median over all kept steps: where the time (and the noise) goes
-        k: {key: statistics.median(r[key] for rows in v for r in rows)
-            for key in ("time/rollout_s", "time/train_s", "time/step_s")}
+    tps = {
+        k: statistics.median(
+            statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v
+        )
         for k, v in runs.items()
-    }  # fmt: skip
-    shares = sorted(r["time/kl_control_s"] / r["time/step_s"]
-                    for rows in runs["controlled"] for r in rows)  # fmt: skip
+    }
+    phases = {  # median over all kept steps: where the time (and the noise) goes
+        k: {
+            key: statistics.median(r[key] for rows in v for r in rows)
+            for key in ("time/rollout_s", "time/train_s", "time/step_s")
+        }
+        for k, v in runs.items()
+    }
+    shares = sorted(
+        r["time/kl_control_s"] / r["time/step_s"] for rows in runs["controlled"] for r in rows
+    )
     scaled = [r["kl/step_scale"] < 1 for rows in runs["controlled"] for r in rows]
-    per_run = {k: [statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v]
-               for k, v in runs.items()}  # fmt: skip
+    per_run = {
+        k: [statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v]
+        for k, v in runs.items()
+    }
     paired = [c / p for c, p in zip(per_run["controlled"], per_run["plain"], strict=True)]
     result = {
-        "tokens_per_s": tps, "ratio": tps["controlled"] / tps["plain"], "phases_s": phases,
-        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        "tokens_per_s": tps,
+        "ratio": tps["controlled"] / tps["plain"],
+        "phases_s": phases,
+        "paired_ratios": paired,
+        "paired_ratio_median": statistics.median(paired),
         "kl_control_share_median": statistics.median(shares),
         "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
-        "scaled_steps": sum(scaled) / len(scaled), "steps": len(shares),
-        "repeats": args.repeats, "train_iters": args.train_iters, "skip": args.skip,
-    }  # fmt: skip
-    print(f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
-          f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
-          f"(ratio {result['ratio']:.3f}, {100 * (1 - result['ratio']):+.1f} % cost)")
-    print("ratio within each repeat (adjacent runs): " + ", ".join(f"{r:.3f}" for r in paired)
-          + f"; median {result['paired_ratio_median']:.3f}")
-    print(f"time/kl_control_s / time/step_s over {len(shares)} steps: median "
-          f"{100 * result['kl_control_share_median']:.1f} %, p90 "
-          f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
-          f"{100 * result['scaled_steps']:.0f} %")  # fmt: skip
+        "scaled_steps": sum(scaled) / len(scaled),
+        "steps": len(shares),
+        "repeats": args.repeats,
+        "train_iters": args.train_iters,
+        "skip": args.skip,
+    }
+    print(
+        f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
+        f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
+        f"(ratio {result['ratio']:.3f}, {100 * (1 - result['ratio']):+.1f} % cost)"
+    )
+    print(
+        "ratio within each repeat (adjacent runs): "
+        + ", ".join(f"{r:.3f}" for r in paired)
+        + f"; median {result['paired_ratio_median']:.3f}"
+    )
+    print(
+        f"time/kl_control_s / time/step_s over {len(shares)} steps: median "
+        f"{100 * result['kl_control_share_median']:.1f} %, p90 "
+        f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
+        f"{100 * result['scaled_steps']:.0f} %"
+    )
     for name, times in phases.items():
         print(f"{name:10s} median s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
     if args.json:

@@ -105,8 +105,11 @@ class AllocationPeak:
             self.profile.export_chrome_trace(path)
             with open(path) as f:
                 events = json.load(f)["traceEvents"]
-        collectives = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
-                       and e.get("name", "").startswith(("c10d::", "gloo:"))]  # fmt: skip
+        collectives = [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("ph") == "X" and e.get("name", "").startswith(("c10d::", "gloo:"))
+        ]
         memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
         live = self.peak = 0
         seen, left_out = set(), set()
@@ -132,8 +135,15 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     from loggra_megatron.testing import tiny_gpt_model, wrap_ddp
 
     torch.manual_seed(0)
-    shape = dict(num_layers=args.layers, hidden_size=args.hidden, heads=args.heads,
-                 vocab=args.vocab, seq=args.seq, ffn_hidden_size=args.ffn, bf16=True)  # fmt: skip
+    shape = dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        ffn_hidden_size=args.ffn,
+        bf16=True,
+    )
     if args.fp8:  # Transformer Engine layers; FP8 GEMMs inside Megatron's fp8 context
         shape.update(use_te=True, fp8=args.fp8, fp8_recipe="delayed")
     policy = wrap_ddp(tiny_gpt_model(**shape), grad_reduce_in_fp32=not bf16_grads)
@@ -142,9 +152,11 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
     config = LoGRAOptimizerConfig(
-        **base, loggra_rank=args.hidden // 8, loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+        **base,
+        loggra_rank=args.hidden // 8,
+        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
         loggra_param_remainders=remainders,
-    )  # fmt: skip
+    )
     return policy, reference, get_loggra_optimizer(config, [policy])
 
 
@@ -230,8 +242,13 @@ def _measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders
     base = storage_bytes(persistent)
     step_grads = storage_bytes(persistent + main_grads.grads) - base
     step_grads += main_grads.largest_converted
-    return {**result, "persistent": base, **peaks, "step_grads": step_grads,
-            "peak": base + max(peaks.values())}  # fmt: skip
+    return {
+        **result,
+        "persistent": base,
+        **peaks,
+        "step_grads": step_grads,
+        "peak": base + max(peaks.values()),
+    }
 
 
 SETTINGS = {  # optimizer: its legal settings, (grad buffers in bf16, masters as remainders)
@@ -254,15 +271,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=64, help="prompt + response tokens")
     ap.add_argument("--new-tokens", type=int, help="response tokens (default: seq/2)")
-    ap.add_argument("--rollout-rows", type=int, default=8,
-                    help="sequences sampled at once (the KV cache) and trained on")  # fmt: skip
-    ap.add_argument("--reference", choices=["both", "yes", "no"], default="both",
-                    help="settings with the frozen reference model resident, absent, or both")  # fmt: skip
-    ap.add_argument("--loggra-fp32-grad-copy", action="store_true",
-                    help="ablation: let Megatron copy bf16 grads to fp32 for LoGRA too")  # fmt: skip
+    ap.add_argument(
+        "--rollout-rows",
+        type=int,
+        default=8,
+        help="sequences sampled at once (the KV cache) and trained on",
+    )
+    ap.add_argument(
+        "--reference",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="settings with the frozen reference model resident, absent, or both",
+    )
+    ap.add_argument(
+        "--loggra-fp32-grad-copy",
+        action="store_true",
+        help="ablation: let Megatron copy bf16 grads to fp32 for LoGRA too",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--fp8", choices=["hybrid", "e4m3"],
-                    help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)")  # fmt: skip
+    ap.add_argument(
+        "--fp8",
+        choices=["hybrid", "e4m3"],
+        help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)",
+    )
     ap.add_argument("--timed-steps", type=int, default=2)
     args = ap.parse_args(argv)
     if args.fp8 and args.device != "cuda":
@@ -279,14 +310,20 @@ def main() -> None:
 
     initialize_megatron(device=args.device)
     gib = 2**30
-    print(f"# memory_rl: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, vocab "
-          f"{args.vocab}, rollout {args.rollout_rows} x ({args.seq - args.new_tokens} + {args.new_tokens})"
-          f" tokens, micro-batch 1, bf16, LoGRA rank {args.hidden // 8}, "
-          f"{f'FP8 {args.fp8}, ' if args.fp8 else ''}"
-          f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}{args.device}")  # fmt: skip
-    columns = [("state", "optimizer state"), ("persistent", "persistent"),
-               *((p, f"{p} phase") for p in PHASES), ("step_grads", "fp32 main grads"),
-               ("peak", "**peak**")]  # fmt: skip
+    print(
+        f"# memory_rl: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, vocab "
+        f"{args.vocab}, rollout {args.rollout_rows} x ({args.seq - args.new_tokens} + {args.new_tokens})"
+        f" tokens, micro-batch 1, bf16, LoGRA rank {args.hidden // 8}, "
+        f"{f'FP8 {args.fp8}, ' if args.fp8 else ''}"
+        f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}{args.device}"
+    )
+    columns = [
+        ("state", "optimizer state"),
+        ("persistent", "persistent"),
+        *((p, f"{p} phase") for p in PHASES),
+        ("step_grads", "fp32 main grads"),
+        ("peak", "**peak**"),
+    ]
     if args.device == "cuda":
         columns = [("state", "optimizer state"), ("peak", "**peak**")]
     print(f"\n| optimizer | setting | reference | {' | '.join(n for _, n in columns)} | step (s) |")
@@ -299,8 +336,11 @@ def main() -> None:
                 r = measure(kind, args, bf16_grads, with_reference, remainders)
                 name = setting_name(kind, bf16_grads, remainders)
                 cells = " | ".join(f"{r[key] / gib:.3f}" for key, _ in columns)
-                print(f"| {kind} | {name} | {'yes' if with_reference else 'no'} | {cells} | "
-                      f"{r['step_s']:.3f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {kind} | {name} | {'yes' if with_reference else 'no'} | {cells} | "
+                    f"{r['step_s']:.3f} |",
+                    flush=True,
+                )
                 key = (kind, with_reference)
                 if key not in best or r["peak"] < best[key][1]["peak"]:
                     best[key] = (name, r)
@@ -309,8 +349,10 @@ def main() -> None:
     for with_reference in references:
         (dn, d), (gn, g) = best[("dense", with_reference)], best[("loggra", with_reference)]
         ratio = g["peak"] / d["peak"]
-        print(f"| {'yes' if with_reference else 'no'} | {d['peak'] / gib:.3f} ({dn}) | "
-              f"{g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |")  # fmt: skip
+        print(
+            f"| {'yes' if with_reference else 'no'} | {d['peak'] / gib:.3f} ({dn}) | "
+            f"{g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |"
+        )
 
 
 if __name__ == "__main__":

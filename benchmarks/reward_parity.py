@@ -45,15 +45,43 @@ CONFIGS = {
         "1e-3",
         "--kl-target",
         "{kl_target}",
-    ],  # fmt: skip
+    ],
 }
 COMMON = [
-    "--task", "arithmetic", "--num-tasks", "20000", "--task-digits", "1", "--task-operators", "+-",
-    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-    "--bf16", "--prompts-per-step", "16",
-    "--num-generations", "8", "--max-new-tokens", "16", "--global-batch-size", "64",
-    "--micro-batch-size", "32", "--lr", "1e-4", "--lr-warmup-iters", "5", "--kl-coef", "0.01",
-]  # fmt: skip
+    "--task",
+    "arithmetic",
+    "--num-tasks",
+    "20000",
+    "--task-digits",
+    "1",
+    "--task-operators",
+    "+-",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--bf16",
+    "--prompts-per-step",
+    "16",
+    "--num-generations",
+    "8",
+    "--max-new-tokens",
+    "16",
+    "--global-batch-size",
+    "64",
+    "--micro-batch-size",
+    "32",
+    "--lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "5",
+    "--kl-coef",
+    "0.01",
+]
 
 
 def run_dir(out: str, name: str, seed: int) -> str:
@@ -85,26 +113,71 @@ def main() -> None:
     tokenizer = os.path.join(args.out, "tokenizer")
     if not args.summarize:
         os.makedirs(args.out, exist_ok=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"),
-                        "--builtin-tasks", "20000", "--vocab-size", "256",
-                        "--output-prefix", tokenizer], check=True)  # fmt: skip
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_rl.py"), *COMMON,
-                  "--tokenizer-model", f"{tokenizer}.model"]  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "tools", "train_tokenizer.py"),
+                "--builtin-tasks",
+                "20000",
+                "--vocab-size",
+                "256",
+                "--output-prefix",
+                tokenizer,
+            ],
+            check=True,
+        )
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(ROOT, "pretrain_rl.py"),
+            *COMMON,
+            "--tokenizer-model",
+            f"{tokenizer}.model",
+        ]
         warmup = os.path.join(args.out, "warmup")
         if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
             print("== supervised warm-up", flush=True)
-            subprocess.run([*launch, *LOGRA, "--sft-iters", "200", "--sft-lr", "3e-3",
-                            "--train-iters", "0", "--save", warmup], check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
+            subprocess.run(
+                [
+                    *launch,
+                    *LOGRA,
+                    "--sft-iters",
+                    "200",
+                    "--sft-lr",
+                    "3e-3",
+                    "--train-iters",
+                    "0",
+                    "--save",
+                    warmup,
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         for name in args.configs:
             flags = [f.format(kl_target=args.kl_target) for f in CONFIGS[name]]
             for seed in args.seeds:
                 print(f"== {name}, seed {seed}", flush=True)
-                subprocess.run([*launch, *flags, "--load", warmup, "--no-load-optim",
-                                "--seed", str(seed), "--train-iters", str(args.train_iters),
-                                "--output-dir", run_dir(args.out, name, seed)],
-                               check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                subprocess.run(
+                    [
+                        *launch,
+                        *flags,
+                        "--load",
+                        warmup,
+                        "--no-load-optim",
+                        "--seed",
+                        str(seed),
+                        "--train-iters",
+                        str(args.train_iters),
+                        "--output-dir",
+                        run_dir(args.out, name, seed),
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
     summarize(args)
 
 
@@ -114,8 +187,10 @@ def summarize(args) -> None:
     def fmt(values):
         return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
-    print("\n| configuration | final reward | reward AUC | final accuracy | KL to ref "
-          "| steps scaled (η<1) | tokens/s |")  # fmt: skip
+    print(
+        "\n| configuration | final reward | reward AUC | final accuracy | KL to ref "
+        "| steps scaled (η<1) | tokens/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     finals = {}
     for name in CONFIGS:
@@ -133,9 +208,11 @@ def summarize(args) -> None:
             cols["scaled"].append(sum(x < 1 for x in scales) / len(rows))
             cols["tps"].append(statistics.mean(r["throughput/tokens_per_s"] for r in rows))
         finals[name] = statistics.mean(cols["final"])
-        print(f"| {name} | {fmt(cols['final'])} | {fmt(cols['auc'])} | {fmt(cols['acc'])} "
-              f"| {fmt(cols['kl'])} | {100 * statistics.mean(cols['scaled']):.0f} % "
-              f"| {statistics.mean(cols['tps']):.0f} |")  # fmt: skip
+        print(
+            f"| {name} | {fmt(cols['final'])} | {fmt(cols['auc'])} | {fmt(cols['acc'])} "
+            f"| {fmt(cols['kl'])} | {100 * statistics.mean(cols['scaled']):.0f} % "
+            f"| {statistics.mean(cols['tps']):.0f} |"
+        )
     base = finals.get("dense Adam")
     for name, value in finals.items() if base else ():
         print(f"{name}: final reward {100 * (value - base) / base:+.1f} % vs dense Adam")

@@ -148,9 +148,12 @@ def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> Non
                 )
             else:
                 group.add_argument(
-                    flag(f.name), dest=f.name, type=kind, default=None,
+                    flag(f.name),
+                    dest=f.name,
+                    type=kind,
+                    default=None,
                     help=f"{docs.get(f.name, '')} (default: {f.default})",
-                )  # fmt: skip
+                )
 
 
 def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict) -> dict:

@@ -102,9 +102,13 @@ _BACKWARD_ARGS = {
 
 
 def _engine_backward(
-    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+    tensors,
+    grad_tensors=None,
+    retain_graph=None,
+    create_graph=False,
+    grad_variables=None,
     inputs=None,
-):  # fmt: skip
+):
     """``torch.autograd.backward`` minus its ``__torch_function__`` re-dispatch."""
     tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
     grads = grad_variables if grad_tensors is None else grad_tensors
@@ -119,9 +123,14 @@ def _engine_backward(
         filled.append(g)
     inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else inputs
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors, tuple(filled), create_graph if retain_graph is None else retain_graph,
-        create_graph, tuple(inputs), allow_unreachable=True, accumulate_grad=True,
-    )  # fmt: skip
+        tensors,
+        tuple(filled),
+        create_graph if retain_graph is None else retain_graph,
+        create_graph,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 class _CudaToCpuMode(TorchFunctionMode):

@@ -232,9 +232,12 @@ def tiny_bf16_gpt_model(**shape: Any):
     """:func:`tiny_gpt_model` entirely in bf16 (norms included, CPU-initialized), wrapped in
     Megatron's ``Float16Module``: what the distributed optimizer keeps fp32 masters of."""
     model = tiny_gpt_model(
-        **shape, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        **shape,
+        use_cpu_initialization=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-    )  # fmt: skip
+    )
     model.bfloat16()
     return model
 

@@ -38,20 +38,59 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _FACTORIES = {
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-    "randint", "randperm", "linspace", "eye", "zeros_like", "ones_like", "empty_like",
-    "full_like", "rand_like", "randn_like", "from_numpy", "scalar_tensor",
-}  # fmt: skip
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "eye",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "from_numpy",
+    "scalar_tensor",
+}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
 _NEW = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
-_TRANSFERS = {"copy_", "__setitem__", "__getitem__", "index_select", "to", "set_", "__set__",
-              "__get__"}  # fmt: skip
+_TRANSFERS = {
+    "copy_",
+    "__setitem__",
+    "__getitem__",
+    "index_select",
+    "to",
+    "set_",
+    "__set__",
+    "__get__",
+}
 _CUDA0 = torch.device("cuda", 0)
 _COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "reduce_scatter", "send", "recv", "isend", "irecv", "reduce", "gather", "scatter",
-    "_all_gather_base", "_reduce_scatter_base", "all_to_all_single",
-)  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "reduce",
+    "gather",
+    "scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "all_to_all_single",
+)
 DEVICE, HOST = "device", "host"
 
 

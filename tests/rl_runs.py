@@ -16,12 +16,23 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
     switch). With a dense ``optimizer`` (adam) LoGRA's flags are left out (they would not
     apply)."""
     flags = {
-        "tokenizer-model": tokenizer, "num-layers": 2, "hidden-size": 64,
-        "num-attention-heads": 4, "seq-length": 64, "max-new-tokens": 12,
-        "prompts-per-step": 4, "num-generations": 4, "global-batch-size": 8,
-        "micro-batch-size": 2, "train-iters": 2, "lr": 3e-3, "loggra-rank": 8,
-        "loggra-min-dim": 16, "reward-fn": f"{REWARD}:digit_count", "seed": 7,
-    }  # fmt: skip
+        "tokenizer-model": tokenizer,
+        "num-layers": 2,
+        "hidden-size": 64,
+        "num-attention-heads": 4,
+        "seq-length": 64,
+        "max-new-tokens": 12,
+        "prompts-per-step": 4,
+        "num-generations": 4,
+        "global-batch-size": 8,
+        "micro-batch-size": 2,
+        "train-iters": 2,
+        "lr": 3e-3,
+        "loggra-rank": 8,
+        "loggra-min-dim": 16,
+        "reward-fn": f"{REWARD}:digit_count",
+        "seed": 7,
+    }
     spec = OPTIMIZERS.get(overrides.get("optimizer", "loggra"))
     if spec is not None and not spec.sketched:
         del flags["loggra-rank"], flags["loggra-min-dim"]
@@ -38,8 +49,15 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
 def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
     """``torchrun --nproc-per-node nproc script argv`` (a path under the repository); the
     finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", os.path.join(ROOT, script), *argv]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        os.path.join(ROOT, script),
+        *argv,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(

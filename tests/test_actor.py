@@ -38,11 +38,23 @@ def _one_grpo_step(rank, pad_to: int = 1):
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
 
-    model = tiny_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
-                           use_cpu_initialization=True)  # fmt: skip
+    model = tiny_gpt_model(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        heads=HEADS,
+        vocab=VOCAB,
+        seq=SEQ,
+        use_cpu_initialization=True,
+    )
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
-    config = OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0,
-                             clip_grad=0.0, use_distributed_optimizer=False)  # fmt: skip
+    config = OptimizerConfig(
+        optimizer="sgd",
+        lr=LR,
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        use_distributed_optimizer=False,
+    )
     opt = get_megatron_optimizer(config, [ddp])
     before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     batch = _grpo_batch()
@@ -106,8 +118,9 @@ def test_sequence_multiple():
     from loggra_megatron.model.forward import fp8_alignment, sequence_multiple
 
     def cfg(sp=False, tp=1, fp8=None, recipe="delayed"):
-        return SimpleNamespace(sequence_parallel=sp, tensor_model_parallel_size=tp, fp8=fp8,
-                               fp8_recipe=recipe)  # fmt: skip
+        return SimpleNamespace(
+            sequence_parallel=sp, tensor_model_parallel_size=tp, fp8=fp8, fp8_recipe=recipe
+        )
 
     assert sequence_multiple(cfg()) == 1
     assert sequence_multiple(cfg(sp=True, tp=8)) == 8
@@ -132,8 +145,13 @@ def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
 
-    per_update = iter([{"time/kl_control_s": 0.25, "kl/step_scale": 1.0, "optimizer/skipped_steps": 0.0},
-                       {"time/kl_control_s": 0.5, "kl/step_scale": 0.5, "optimizer/skipped_steps": 1.0}])  # fmt: skip
+    per_update = iter(
+        [
+            {"time/kl_control_s": 0.25, "kl/step_scale": 1.0, "optimizer/skipped_steps": 0.0},
+            {"time/kl_control_s": 0.5, "kl/step_scale": 0.5, "optimizer/skipped_steps": 1.0},
+        ]
+    )
+
     class Step:
         reference_collector = staticmethod(lambda n: None)
 

@@ -51,8 +51,24 @@ def _measure_bf16_grads(rank):
 
     initialize_megatron(device="cpu")
     bench = _memory_rl()
-    args = bench.parse_args(["--layers", "2", "--hidden", "64", "--ffn", "176", "--heads", "4",
-                             "--vocab", "128", "--seq", "16", "--timed-steps", "1"])  # fmt: skip
+    args = bench.parse_args(
+        [
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--ffn",
+            "176",
+            "--heads",
+            "4",
+            "--vocab",
+            "128",
+            "--seq",
+            "16",
+            "--timed-steps",
+            "1",
+        ]
+    )
     return {
         kind: bench.measure(kind, args, bf16_grads=True, with_reference=True)
         for kind in ("dense", "loggra")
@@ -80,9 +96,28 @@ def test_bench_rollout_smoke(tmp_path):
     import sys
 
     out = tmp_path / "rollout.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rollout.py"), "--model",
-           "tiny", "--rows", "4", "--prompt-min", "2", "--prompt-max", "5", "--max-new-tokens",
-           "3", "--repeats", "1", "--fractions", "2", "--modes", "greedy", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "bench_rollout.py"),
+        "--model",
+        "tiny",
+        "--rows",
+        "4",
+        "--prompt-min",
+        "2",
+        "--prompt-max",
+        "5",
+        "--max-new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--fractions",
+        "2",
+        "--modes",
+        "greedy",
+        "--json",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {"old", "new 1/2"}

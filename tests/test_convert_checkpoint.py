@@ -33,22 +33,51 @@ VOCAB, SEQ, BATCH = 100, 16, 2
 ATOL = 1e-4
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
 COMMON = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-}  # fmt: skip
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 # name -> (config class, model class, extra config). Covers GQA, MQA (1 KV head: TP=2 splits
 # a query group), tied/untied embeddings, Llama 3 RoPE scaling, QKV bias, QK-norm + head_dim.
 CASES = {
-    "llama_gqa_untied": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384)),
-    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen3_qknorm_mqa": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=True)),
-    "qwen2_bf16": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True, dtype="bfloat16")),
-}  # fmt: skip
+    "llama_gqa_untied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=2, rope_parameters=LLAMA3_ROPE, max_position_embeddings=16384),
+    ),
+    "llama_tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "qwen2_bias": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "qwen3_qknorm_mqa": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=True),
+    ),
+    "qwen2_bf16": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_key_value_heads=2, tie_word_embeddings=True, dtype="bfloat16"),
+    ),
+}
 # bf16 parameters: Megatron and HF round differently, so only a loose check of the logits.
 ATOL_CASE = {"qwen2_bf16": 2e-2}
 
@@ -223,8 +252,11 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     mg, out = tmp_path / "mg", tmp_path / "hf"
     r = subprocess.run(
         [sys.executable, CLI, "--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)],
-        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "layer 1" in r.stdout and "done: 2 layers" in r.stdout
     args = GPTModelArgs.load_json(mg / "loggra_model_args.json")
@@ -293,16 +325,25 @@ def test_refuses_unsupported_configs():
     base = {**COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
     assert gpt_args_from_hf(base).num_query_groups == 4
     refusals = {
-        "unsupported Hugging Face model": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
-        "unsupported Hugging Face architecture": {"architectures": ["LlamaForSequenceClassification"]},
+        "unsupported Hugging Face model": {
+            "model_type": "mistral",
+            "architectures": ["MistralForCausalLM"],
+        },
+        "unsupported Hugging Face architecture": {
+            "architectures": ["LlamaForSequenceClassification"]
+        },
         "RoPE scaling type 'yarn'": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
         "high_freq_factor": {"rope_parameters": {**LLAMA3_ROPE, "high_freq_factor": 2.0}},
         "attention_bias": {"attention_bias": True},
         "mlp_bias": {"mlp_bias": True},
         "hidden_act": {"hidden_act": "gelu"},
-        "sliding-window": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
+        "sliding-window": {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "use_sliding_window": True,
+        },
         "required field 'vocab_size'": {"vocab_size": None},
-    }  # fmt: skip
+    }
     for msg, patch in refusals.items():
         with pytest.raises(ValueError, match=msg):
             gpt_args_from_hf({**base, **patch})
@@ -385,8 +426,15 @@ def _te_extra_state_load(rank, root):
     from loggra_megatron.testing import tiny_gpt_model
 
     local = tiny_gpt_model(use_cpu_initialization=True)
-    args = GPTModelArgs(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                        vocab_size=64, make_vocab_size_divisible_by=1, max_position_embeddings=16)  # fmt: skip
+    args = GPTModelArgs(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=64,
+        make_vocab_size_divisible_by=1,
+        max_position_embeddings=16,
+    )
     save_megatron_checkpoint(local, root, args)
     te_like = tiny_gpt_model(use_cpu_initialization=True, init_method_std=0.5)
     for layer in te_like.decoder.layers:  # as TE layers: in every layer

@@ -199,9 +199,13 @@ def test_tp2_recompute_replays_dropout_rng():
     kw = dict(tp=2, steps=3, hidden_dropout=0.1, attention_dropout=0.1)
     plain = run_distributed(_train, 2, **kw)
     full = run_distributed(
-        _train, 2, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, **kw,
-    )  # fmt: skip
+        _train,
+        2,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        **kw,
+    )
     no_dropout = run_distributed(_train, 2, tp=2, steps=3)
     assert plain[0]["losses"] != no_dropout[0]["losses"]  # dropout is really active
     for a, b in zip(plain, full, strict=True):

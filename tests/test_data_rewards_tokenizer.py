@@ -151,7 +151,9 @@ def test_jsonl_non_utf8_byte_names_file_and_line(tmp_path):
     path = tmp_path / "data.jsonl"
     good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}).encode()
     path.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n')
-    with pytest.raises(DatasetFormatError, match=rf"^{path}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+    with pytest.raises(
+        DatasetFormatError, match=rf"^{path}:2: not UTF-8 \(byte 0xe9 at column 16\)"
+    ):
         PromptDataset.from_files(path)
 
 
@@ -357,9 +359,20 @@ def test_tokenizer_errors_name_the_flag(tmp_path):
 
 def test_train_tokenizer_cli(tmp_path):
     prefix = tmp_path / "out" / "math"
-    cmd = [sys.executable, os.path.join(REPO, "tools", "train_tokenizer.py"),
-           "--builtin-tasks", "500", "--seed", "1", "--vocab-size", "256",
-           "--model-type", "unigram", "--output-prefix", str(prefix)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "train_tokenizer.py"),
+        "--builtin-tasks",
+        "500",
+        "--seed",
+        "1",
+        "--vocab-size",
+        "256",
+        "--model-type",
+        "unigram",
+        "--output-prefix",
+        str(prefix),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"wrote {prefix}.model" in result.stdout
@@ -376,8 +389,11 @@ def _exits(prompt, completion, answer, metadata):
 
 def test_reward_problems_keep_their_reason_and_sys_exit_is_caught():
     """NaN/None/str keep their own reason; sys.exit() in a reward is an error, not an exit."""
-    for bad, shown in ((float("nan"), "returned nan"), (None, "returned None"),
-                       ("1.0", "returned '1.0'")):  # fmt: skip
+    for bad, shown in (
+        (float("nan"), "returned nan"),
+        (None, "returned None"),
+        ("1.0", "returned '1.0'"),
+    ):
         with pytest.raises(RewardFunctionError) as e:
             compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
         assert shown in str(e.value) and "need a finite float" in e.value.problem
@@ -400,9 +416,14 @@ def test_accuracy_comes_from_the_reward_or_its_own_verdict():
         return {"reward": 0.5, "correct": c == a}
 
     assert compute_rewards(spelled, prompts, completions, answers) == (
-        [1.0, 0.0, 0.0], [True, False, False])  # fmt: skip
+        [1.0, 0.0, 0.0],
+        [True, False, False],
+    )
     assert compute_rewards(spelled, prompts, completions, answers, accuracy_threshold=0.0)[1] == [
-        True, True, True]  # fmt: skip
+        True,
+        True,
+        True,
+    ]
     assert compute_rewards(verdict, prompts, completions, answers)[1] == [True, False, False]
     for bad in ({"score": 1.0}, {"reward": 1.0, "correct": "yes"}):
         with pytest.raises(RewardFunctionError, match="returned"):

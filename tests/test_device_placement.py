@@ -18,8 +18,11 @@ def _reports(report_dir) -> list[dict]:
     return [json.load(open(os.path.join(report_dir, f"rank{r}.json"))) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("parallel", [{"sft-iters": 2, "save-interval": 2}, {"pipeline-model-parallel-size": 2}],
-                         ids=["dp2-warmup-save", "pp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "parallel",
+    [{"sft-iters": 2, "save-interval": 2}, {"pipeline-model-parallel-size": 2}],
+    ids=["dp2-warmup-save", "pp2"],
+)
 def test_trainer_on_simulated_cuda_keeps_every_tensor_on_the_device(tokenizer, tmp_path, parallel):
     """`pretrain_rl.py --device cuda` on the simulated device: the policy and the reference
     (every parameter and buffer) are on the device, no op mixes device and host tensors, and
@@ -27,12 +30,23 @@ def test_trainer_on_simulated_cuda_keeps_every_tensor_on_the_device(tokenizer, t
     warm-up and a checkpoint save) and PP=2, with the reference model, predicted-KL control
     and a held-out evaluation."""
     report, held_out = tmp_path / "audit", tmp_path / "eval.jsonl"
-    held_out.write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n' for a in range(4)))
-    argv = tiny_argv(tokenizer, **{
-        "bf16": True, "kl-coef": 0.01, "kl-target": 0.05, "rollout-engine": "static",
-        "output-dir": tmp_path / "out", "eval-interval": 2, "eval-data-path": held_out,
-        **({"save": tmp_path / "ckpt"} if "save-interval" in parallel else {}), **parallel,
-    })  # fmt: skip
+    held_out.write_text(
+        "".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n' for a in range(4))
+    )
+    argv = tiny_argv(
+        tokenizer,
+        **{
+            "bf16": True,
+            "kl-coef": 0.01,
+            "kl-target": 0.05,
+            "rollout-engine": "static",
+            "output-dir": tmp_path / "out",
+            "eval-interval": 2,
+            "eval-data-path": held_out,
+            **({"save": tmp_path / "ckpt"} if "save-interval" in parallel else {}),
+            **parallel,
+        },
+    )
     proc = torchrun([str(report), "--", *argv], script="tests/device_audit.py")
     for rank, r in enumerate(_reports(report)):
         assert r["exit"] == 0, f"rank {rank} exited {r['exit']}: {proc.stderr[-3000:]}"
@@ -62,8 +76,15 @@ def test_the_audit_flags_what_a_gpu_would_reject():
 
     code = _SELF_TEST.format(port=free_port())
     env = {**ENV, "PYTHONPATH": os.path.join(ROOT, "tests")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=120, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout
     violations = eval(out.strip().splitlines()[-1])  # noqa: S307 (our own printed list)
     heads = [v.splitlines()[0] for v in violations]
     assert heads[0] == "norm weight: on the host device"

@@ -211,10 +211,18 @@ def test_readme_has_build_and_8_gpu_torchrun_lines():
     assert run, "no torchrun line for 8 GPUs"
     flags = set(re.findall(r"--[a-z0-9-]+", run[1]))
     expected = {
-        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--bf16",
-        "--fp8-format", "--optimizer", "--loggra-rank", "--kl-target", "--tokenizer-model",
-        "--data-path", "--save", "--load",
-    }  # fmt: skip
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--bf16",
+        "--fp8-format",
+        "--optimizer",
+        "--loggra-rank",
+        "--kl-target",
+        "--tokenizer-model",
+        "--data-path",
+        "--save",
+        "--load",
+    }
     assert expected <= flags, expected - flags
     assert "--optimizer loggra" in run[1] and "--fp8-format hybrid" in run[1]
 

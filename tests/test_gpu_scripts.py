@@ -76,8 +76,13 @@ def test_example_flags_are_pretrain_rl_flags(estimator_flags):
         assert set(flags) <= pretrain, set(flags) - pretrain
         shared = set(flags) & estimator_flags
         assert shared <= pretrain  # the estimator's counterparts carry the same names
-        for needed in ("--inference-max-tokens", "--log-prob-micro-batch-size",
-                       "--recompute-granularity", "--sequence-parallel", "--fp8-format"):  # fmt: skip
+        for needed in (
+            "--inference-max-tokens",
+            "--log-prob-micro-batch-size",
+            "--recompute-granularity",
+            "--sequence-parallel",
+            "--fp8-format",
+        ):
             assert needed in shared, f"{path}: {needed}"
 
 
@@ -171,8 +176,11 @@ def _gpu_scripts() -> list[str]:
 @pytest.mark.parametrize("path", _gpu_scripts(), ids=os.path.basename)
 def test_gpu_scripts_export_cuda_device_max_connections(path):
     code = [line.strip() for line in _read(path).splitlines() if not line.lstrip().startswith("#")]
-    exports = [i for i, line in enumerate(code)
-               if re.match(r"export (\S+ )*CUDA_DEVICE_MAX_CONNECTIONS=1( |$)", line)]  # fmt: skip
+    exports = [
+        i
+        for i, line in enumerate(code)
+        if re.match(r"export (\S+ )*CUDA_DEVICE_MAX_CONNECTIONS=1( |$)", line)
+    ]
     assert exports, f"{path} does not export CUDA_DEVICE_MAX_CONNECTIONS=1"
     launches = [i for i, line in enumerate(code) if re.match(r"(srun|torchrun|section) ", line)]
     assert launches and exports[0] < launches[0]
@@ -210,8 +218,12 @@ def _env(bin_dir: str, tmp_path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in unset}
     env["PATH"] = bin_dir + os.pathsep + env["PATH"]
     (tmp_path / "ckpt").mkdir(exist_ok=True)
-    env.update(CKPT=str(tmp_path / "ckpt"), TOKENIZER=str(tmp_path / "tok" / "sp.model"),
-               DATA=str(tmp_path / "data" / "p.jsonl"), **extra)  # fmt: skip
+    env.update(
+        CKPT=str(tmp_path / "ckpt"),
+        TOKENIZER=str(tmp_path / "tok" / "sp.model"),
+        DATA=str(tmp_path / "data" / "p.jsonl"),
+        **extra,
+    )
     return env
 
 
@@ -224,8 +236,14 @@ def test_single_node_script_takes_pretrain_rl_from_the_repository(tmp_path):
     bin_dir = _fake_bin(tmp_path, torchrun="")
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    proc = subprocess.run(["bash", SH, "--extra-flag", "1"], cwd=cwd, env=_env(bin_dir, tmp_path),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", SH, "--extra-flag", "1"],
+        cwd=cwd,
+        env=_env(bin_dir, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     args = _lines(tmp_path / "torchrun.args")
     assert args[:3] == ["--nproc-per-node", "8", os.path.join(ROOT, "pretrain_rl.py")]
@@ -239,8 +257,14 @@ def test_slurm_script_submits_itself_recording_the_repository(tmp_path):
     bin_dir = _fake_bin(tmp_path, sbatch="")
     cwd = tmp_path / "submit"
     cwd.mkdir()
-    proc = subprocess.run(["bash", SLURM], cwd=cwd, env=_env(bin_dir, tmp_path),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", SLURM],
+        cwd=cwd,
+        env=_env(bin_dir, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     args = _lines(tmp_path / "sbatch.args")
     assert args[0] == f"--export=ALL,REPO={ROOT}" and os.path.samefile(args[1], SLURM)
@@ -262,12 +286,22 @@ def test_slurm_job_runs_in_a_container_from_the_repository(tmp_path, image):
     shutil.copy(SLURM, spool / "slurm_script")
     cwd = tmp_path / "submit"
     cwd.mkdir()
-    extra = dict(SLURM_JOB_ID="77", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[1-2]",
-                 CONTAINER_MOUNTS="/lustre:/lustre")  # fmt: skip
+    extra = dict(
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="node[1-2]",
+        CONTAINER_MOUNTS="/lustre:/lustre",
+    )
     if image:
         extra["IMAGE"] = image
-    proc = subprocess.run(["bash", str(spool / "slurm_script")], cwd=cwd, timeout=60,
-                          env=_env(bin_dir, tmp_path, **extra), capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(spool / "slurm_script")],
+        cwd=cwd,
+        timeout=60,
+        env=_env(bin_dir, tmp_path, **extra),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     args = _lines(tmp_path / "srun.args")
     opts = dict(a.split("=", 1) for a in args if a.startswith("--container-"))
@@ -286,8 +320,13 @@ def test_slurm_job_runs_in_a_container_from_the_repository(tmp_path, image):
 
 def test_slurm_script_refuses_an_unknown_repository(tmp_path):
     bin_dir = _fake_bin(tmp_path, sbatch="", srun="")
-    proc = subprocess.run(["bash", SLURM], env=_env(bin_dir, tmp_path, REPO=str(tmp_path)),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", SLURM],
+        env=_env(bin_dir, tmp_path, REPO=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "has no pretrain_rl.py" in proc.stderr
     assert not (tmp_path / "sbatch.args").exists() and not (tmp_path / "srun.args").exists()
 
@@ -334,7 +373,9 @@ def test_h200_check_fetches_the_dockerfile_megatron_core(tmp_path):
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], "PYTHON": "python3"}
     subprocess.run(["bash", H200, "fetch-wheels"], env=env, check=True, timeout=60)
     args = _lines(tmp_path / "python3.args")
-    pin = re.search(r"^ARG MEGATRON_CORE_VERSION=(\S+)", _read(os.path.join(ROOT, "docker", "Dockerfile")), re.M)[1]  # fmt: skip
+    pin = re.search(
+        r"^ARG MEGATRON_CORE_VERSION=(\S+)", _read(os.path.join(ROOT, "docker", "Dockerfile")), re.M
+    )[1]
     assert args[:3] == ["-m", "pip", "download"] and f"megatron-core=={pin}" in args
     assert "3.12" in args and args[args.index("-d") + 1] == ".whl"
 
@@ -366,12 +407,21 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     """The whole script on CPU with tiny shapes, as on a GPU without flash-attn and
     Transformer Engine: what can run runs first and its numbers reach the results file; the
     dynamic engine and FP8 are recorded as not available, with the reason, not as failures."""
-    rl = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
-          "--num-query-groups 2 --seq-length 128 --max-new-tokens 16 --loggra-rank 8 "
-          "--loggra-min-dim 16 --inference-max-tokens 512")  # fmt: skip
-    mem = "--device cpu --layers 2 --hidden 64 --ffn 128 --heads 4 --vocab 128 --seq 16 --new-tokens 8 --timed-steps 1"  # fmt: skip
-    proc, text = _rehearse(tmp_path, BUDGET_S="500", STEPS="1", TOK_TASKS="1000",
-                           RL_DEVICE="cpu", RL_EXTRA=rl, MEM_EXTRA=mem)  # fmt: skip
+    rl = (
+        "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+        "--num-query-groups 2 --seq-length 128 --max-new-tokens 16 --loggra-rank 8 "
+        "--loggra-min-dim 16 --inference-max-tokens 512"
+    )
+    mem = "--device cpu --layers 2 --hidden 64 --ffn 128 --heads 4 --vocab 128 --seq 16 --new-tokens 8 --timed-steps 1"
+    proc, text = _rehearse(
+        tmp_path,
+        BUDGET_S="500",
+        STEPS="1",
+        TOK_TASKS="1000",
+        RL_DEVICE="cpu",
+        RL_EXTRA=rl,
+        MEM_EXTRA=mem,
+    )
     assert proc.returncode == 0, proc.stderr
     sections = re.findall(r"^## (\w+)", text, re.M)
     runs = ["environment", "tokenizer", "estimate_rl_static", "rl_static", "memory_bf16"]
@@ -394,22 +444,40 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
 @pytest.mark.parametrize(
     "script,flags",
     [
-        ("bench_distributed_optimizer.py", "--layers 1 --hidden 64 --ffn 128 --heads 4 "
-         "--kv-groups 2 --vocab 128 --seq 16 --steps 1"),
-        ("bench_kl_control.py", "--layers 1 --hidden 64 --heads 4 --vocab 128 --seq 16 "
-         "--batch 8 --steps 1 --run-steps 3"),
+        (
+            "bench_distributed_optimizer.py",
+            "--layers 1 --hidden 64 --ffn 128 --heads 4 "
+            "--kv-groups 2 --vocab 128 --seq 16 --steps 1",
+        ),
+        (
+            "bench_kl_control.py",
+            "--layers 1 --hidden 64 --heads 4 --vocab 128 --seq 16 "
+            "--batch 8 --steps 1 --run-steps 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_gpu_benchmarks_take_a_device_and_run_on_cpu(script, flags):
     path = os.path.join(ROOT, "benchmarks", script)
     text = _read(path)
     assert "initialize_megatron(" in text and "device=args.device" in text
     assert "tokens.to(device)" in text  # inputs live where the model is
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", path,
-         "--device", "cpu", *flags.split()],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            path,
+            "--device",
+            "cpu",
+            *flags.split(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("# bench"))
     assert header.endswith(", cpu")

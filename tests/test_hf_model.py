@@ -46,9 +46,11 @@ def test_chat_template_rendering_equals_transformers(hf_dir):
     messages = [{"role": "user", "content": "What is 3 divided by 4?"}]
     renderer = PromptRenderer(tok, TASKS["math"](), chat=True, system_prompt="Be brief.")
     expected = reference.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, *messages], add_generation_prompt=True,
-        tokenize=True, return_dict=True,
-    )["input_ids"]  # fmt: skip
+        [{"role": "system", "content": "Be brief."}, *messages],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     assert renderer.ids(messages) == list(expected)
     question = renderer.messages("What is 3 divided by 4?")  # a string prompt: + instruction
     assert question[-1]["content"].endswith("within \\boxed{}.")
@@ -66,17 +68,24 @@ def _sample_and_stop(rank, vocab_size):
     with torch.no_grad():  # output rows ≥ vocab_size (padding) dominate every step
         model.output_layer.weight[vocab_size:] = 10.0 * model.output_layer.weight[:1].sign()
     unmasked = generate_rollout(model, [[1, 2, 3]] * 2, max_new_tokens=6, temperature=1.0)
-    masked = generate_rollout(model, [[1, 2, 3]] * 2, max_new_tokens=6, temperature=1.0,
-                              vocab_size=vocab_size)  # fmt: skip
-    greedy = partial(generate_rollout, model, [[1, 2, 3]], max_new_tokens=6, temperature=0.0,
-                     vocab_size=vocab_size)  # fmt: skip
+    masked = generate_rollout(
+        model, [[1, 2, 3]] * 2, max_new_tokens=6, temperature=1.0, vocab_size=vocab_size
+    )
+    greedy = partial(
+        generate_rollout,
+        model,
+        [[1, 2, 3]],
+        max_new_tokens=6,
+        temperature=0.0,
+        vocab_size=vocab_size,
+    )
     first = int(greedy().tokens[0, 3])
     stopped = greedy(eos_id=[63, first])  # the second of two stop ids
     return unmasked.tokens[:, 3:], masked.tokens[:, 3:], stopped
 
 
 def test_padded_vocab_rows_are_never_sampled_and_any_stop_id_stops():
-    (unmasked, masked, stopped), = run_distributed(_sample_and_stop, 1, 48)
+    ((unmasked, masked, stopped),) = run_distributed(_sample_and_stop, 1, 48)
     assert (unmasked >= 48).any()  # the padded rows win without the mask...
     assert (masked < 48).all()  # ...and are never sampled with it
     assert int(stopped.response_lengths[0]) == 1 and not bool(stopped.truncated[0])
@@ -109,23 +118,75 @@ def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
 
     cli = os.path.join(ROOT, "tools", "convert_checkpoint.py")
     mcore, run, back = tmp_path / "mcore", tmp_path / "run", tmp_path / "hf_out"
-    _run([sys.executable, cli, "--direction", "hf-to-megatron", "--load", str(hf_dir / "hf"),
-          "--save", str(mcore)])  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            cli,
+            "--direction",
+            "hf-to-megatron",
+            "--load",
+            str(hf_dir / "hf"),
+            "--save",
+            str(mcore),
+        ]
+    )
     data = hf_dir / "data"
     flags = [
-        "--load", mcore, "--save", run, "--tokenizer-model", hf_dir / "hf", "--task", "math",
-        "--data-path", data / "train.parquet", "--eval-data-path", data / "eval.parquet",
-        "--eval-interval", 2, "--seq-length", 96, "--max-new-tokens", 16,
-        "--prompts-per-step", 4, "--num-generations", 4, "--global-batch-size", 8,
-        "--micro-batch-size", 4, "--train-iters", 2, "--lr", 3e-3, "--loggra-rank", 8,
-        "--loggra-min-dim", 16, "--sft-iters", 2, "--sft-lr", 1e-3,
-    ]  # fmt: skip
+        "--load",
+        mcore,
+        "--save",
+        run,
+        "--tokenizer-model",
+        hf_dir / "hf",
+        "--task",
+        "math",
+        "--data-path",
+        data / "train.parquet",
+        "--eval-data-path",
+        data / "eval.parquet",
+        "--eval-interval",
+        2,
+        "--seq-length",
+        96,
+        "--max-new-tokens",
+        16,
+        "--prompts-per-step",
+        4,
+        "--num-generations",
+        4,
+        "--global-batch-size",
+        8,
+        "--micro-batch-size",
+        4,
+        "--train-iters",
+        2,
+        "--lr",
+        3e-3,
+        "--loggra-rank",
+        8,
+        "--loggra-min-dim",
+        16,
+        "--sft-iters",
+        2,
+        "--sft-lr",
+        1e-3,
+    ]
     torchrun([str(f) for f in flags])
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[1]
     assert all(0 <= r["reward/accuracy"] <= 1 for r in rows)
-    _run([sys.executable, cli, "--direction", "megatron-to-hf", "--load", str(run),
-          "--save", str(back)])  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            cli,
+            "--direction",
+            "megatron-to-hf",
+            "--load",
+            str(run),
+            "--save",
+            str(back),
+        ]
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
     with torch.no_grad():
         expected = hf(IDS).logits
@@ -141,14 +202,49 @@ def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
 def test_text_answers_with_a_custom_reward_train(tokenizer, tmp_path):
     """--task jsonl with answers that are words and a user reward: no numeric check runs."""
     data = tmp_path / "words.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Spell {n}", "answer": w}) + "\n"
-                            for n, w in ((3, "three"), (7, "seven"), (9, "nine"), (1, "one"))))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Spell {n}", "answer": w}) + "\n"
+            for n, w in ((3, "three"), (7, "seven"), (9, "nine"), (1, "one"))
+        )
+    )
     out = tmp_path / "run"
-    torchrun(["--tokenizer-model", tokenizer, "--data-path", str(data), "--reward-fn",
-              f"{REWARD}:spelled_number", "--output-dir", str(out), "--num-layers", "2",
-              "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "48",
-              "--max-new-tokens", "8", "--prompts-per-step", "2", "--num-generations", "2",
-              "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "1",
-              "--loggra-rank", "8", "--loggra-min-dim", "16"], nproc=1)  # fmt: skip
+    torchrun(
+        [
+            "--tokenizer-model",
+            tokenizer,
+            "--data-path",
+            str(data),
+            "--reward-fn",
+            f"{REWARD}:spelled_number",
+            "--output-dir",
+            str(out),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "48",
+            "--max-new-tokens",
+            "8",
+            "--prompts-per-step",
+            "2",
+            "--num-generations",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "1",
+            "--loggra-rank",
+            "8",
+            "--loggra-min-dim",
+            "16",
+        ],
+        nproc=1,
+    )
     (row,) = read_metrics(out)
     assert 0 <= row["reward/accuracy"] <= 1

@@ -69,9 +69,14 @@ def _build(kind="loggra", lr=1e-2):
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
-        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
-        use_cpu_initialization=True, bf16=True,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=HIDDEN,
+        heads=HEADS,
+        vocab=VOCAB,
+        seq=SEQ,
+        use_cpu_initialization=True,
+        bf16=True,
+    )
     ddp = wrap_ddp(model)
     base = dict(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
@@ -104,9 +109,13 @@ def _controller(ddp, opt, **cfg):
 
     config = KLControlConfig(**cfg)
     return PredictedKLController(
-        config, MegatronStepper(opt), _forward_fn(ddp), ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group(),
-    )  # fmt: skip
+        config,
+        MegatronStepper(opt),
+        _forward_fn(ddp),
+        ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+    )
 
 
 def _local(tokens):
@@ -168,9 +177,11 @@ def _predicted_vs_exact(rank):
     ddp.start_param_sync(force_sync=True)
     after = forward(batch[probe])
     exact = F.kl_div(
-        after.logits.log_softmax(-1), before.logits.log_softmax(-1), log_target=True,
+        after.logits.log_softmax(-1),
+        before.logits.log_softmax(-1),
+        log_target=True,
         reduction="none",
-    ).sum(-1)  # fmt: skip
+    ).sum(-1)
     from megatron.core import parallel_state as ps
 
     totals = torch.stack([exact.sum(), torch.tensor(float(exact.numel()))])
@@ -296,15 +307,24 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     config = KLControlConfig(kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator)
     k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
     forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
-    ctl = PredictedKLController(config, MegatronStepper(opt), forward,
-                                ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
-                                ps.get_pipeline_model_parallel_group())  # fmt: skip
+    ctl = PredictedKLController(
+        config,
+        MegatronStepper(opt),
+        forward,
+        ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+    )
     tokens = _local(TOKENS)
     gen = torch.Generator().manual_seed(5)
     mask = torch.ones(len(tokens), SEQ, dtype=torch.bool)
     mask[:, :3] = False
-    batch = {"tokens": tokens, "mask": mask, "old": -4.0 + torch.zeros(len(tokens), SEQ),
-             "adv": torch.randn(len(tokens), generator=gen)}  # fmt: skip
+    batch = {
+        "tokens": tokens,
+        "mask": mask,
+        "old": -4.0 + torch.zeros(len(tokens), SEQ),
+        "adv": torch.randn(len(tokens), generator=gen),
+    }
     tp = ps.get_tensor_model_parallel_group()
     loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.0), tp)
     loss_fn = partial(loss, counts=(float(mask.sum()) * 2, float(len(tokens)) * 2))
@@ -319,7 +339,9 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     return kept, own, result.metrics, forwards, holdout
 
 
-@pytest.mark.parametrize(("estimator", "pad_to"), [("k3", 1), ("full", 1), ("k3", 16), ("full", 16)])
+@pytest.mark.parametrize(
+    ("estimator", "pad_to"), [("k3", 1), ("full", 1), ("k3", 16), ("full", 16)]
+)
 def test_reference_kept_from_the_training_forward_equals_the_probe_forward(estimator, pad_to):
     """Predicted-KL control without its own reference forwards: the training forward's
     logits (or their log-probs) of the probe and held-out rows equal what the probe forward

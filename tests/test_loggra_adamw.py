@@ -35,8 +35,15 @@ def _max_diff(a, b):
 
 def test_identity_projection_equals_torch_adamw():
     ours, ref = _params(), _params()
-    opt = LoGRAAdamW(ours, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                     projection="identity", min_dim=1)  # fmt: skip
+    opt = LoGRAAdamW(
+        ours,
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        projection="identity",
+        min_dim=1,
+    )
     ref_opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for step in range(25):
         _feed_grads(ours, step)
@@ -127,8 +134,9 @@ def _low_rank_regression(interval: int, steps: int = 12):
     x = torch.randn(64, 5, generator=gen)
     y = torch.randn(96, 5, generator=gen)
     w = torch.nn.Parameter(torch.randn(96, 64, generator=gen) * 0.1)
-    opt = LoGRAAdamW([w], lr=1e-2, weight_decay=0.05, rank=5, oversample=3,
-                     update_interval=interval, min_dim=1)  # fmt: skip
+    opt = LoGRAAdamW(
+        [w], lr=1e-2, weight_decay=0.05, rank=5, oversample=3, update_interval=interval, min_dim=1
+    )
     for _ in range(steps):
         opt.zero_grad()
         (0.5 * (w @ x - y).pow(2).sum()).backward()
@@ -166,8 +174,9 @@ def test_state_bytes_matches_formula():
 def test_save_load_continue_is_bitwise(projection):
     def make():
         params = _params()
-        return params, LoGRAAdamW(params, lr=1e-2, rank=6, update_interval=3,
-                                  projection=projection, min_dim=8)  # fmt: skip
+        return params, LoGRAAdamW(
+            params, lr=1e-2, rank=6, update_interval=3, projection=projection, min_dim=8
+        )
 
     base_params, base = make()
     for step in range(10):
@@ -202,8 +211,9 @@ def test_loggra_trains_a_small_mlp(projection):
         y = teacher(x)
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
-    opt = LoGRAAdamW(model.parameters(), lr=1e-2, rank=4, update_interval=10,
-                     projection=projection, min_dim=8)  # fmt: skip
+    opt = LoGRAAdamW(
+        model.parameters(), lr=1e-2, rank=4, update_interval=10, projection=projection, min_dim=8
+    )
     losses = []
     for _ in range(150):
         opt.zero_grad()
@@ -221,8 +231,9 @@ def test_residual_term_matches_hand_computed_first_step():
     w0 = w.detach().clone()
     grad = torch.randn(40, 30, generator=gen)
     lr, wd, rho, alpha, eps = 0.1, 0.01, 0.5, 0.8, 1e-8
-    opt = LoGRAAdamW([w], lr=lr, weight_decay=wd, rank=4, scale=alpha, residual_scale=rho,
-                     eps=eps, min_dim=1)  # fmt: skip
+    opt = LoGRAAdamW(
+        [w], lr=lr, weight_decay=wd, rank=4, scale=alpha, residual_scale=rho, eps=eps, min_dim=1
+    )
     w.grad = grad.clone()
     opt.step()
     q = opt.state[w]["basis"]

@@ -27,15 +27,25 @@ def _build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
-        num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ,
+        num_layers=2,
+        hidden_size=HIDDEN,
+        heads=HEADS,
+        vocab=VOCAB,
+        seq=SEQ,
         use_cpu_initialization=True,
-    )  # fmt: skip
+    )
     ddp_kw = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
     ddp = wrap_ddp(model, use_distributed_optimizer=use_dist, **(ddp_kw if overlap else {}))
     base = dict(
-        optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-        adam_eps=1e-8, use_distributed_optimizer=use_dist, clip_grad=1.0,
-    )  # fmt: skip
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        use_distributed_optimizer=use_dist,
+        clip_grad=1.0,
+    )
     if kind == "dense":
         return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     loggra = {"loggra_min_dim": 1, "loggra_rank": 4, "loggra_oversample": 2, **loggra}
@@ -375,10 +385,17 @@ def _bf16_grads(rank, fp32_copy):
 
     ddp = wrap_ddp(_bf16_model(), grad_reduce_in_fp32=False)
     config = LoGRAOptimizerConfig(
-        optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=0.05,
-        loggra_min_dim=1, loggra_rank=4, loggra_oversample=2, loggra_update_interval=2,
+        optimizer="adam",
+        lr=1e-2,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=0.05,
+        loggra_min_dim=1,
+        loggra_rank=4,
+        loggra_oversample=2,
+        loggra_update_interval=2,
         loggra_fp32_grad_copy=fp32_copy,
-    )  # fmt: skip
+    )
     opt = get_loggra_optimizer(config, [ddp])
     (leaf,) = opt.chained_optimizers
     inner = leaf.optimizer
@@ -456,10 +473,18 @@ def _scheduled(rank):
 
     ddp, opt = _build("loggra", True)
     sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10,
-        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
         wd_incr_style="constant",
-    )  # fmt: skip
+    )
     batch, micro = _local_batch(TOKENS[:2])
     before = _params(ddp)
     train_step(ddp, opt, batch, num_microbatches=micro)  # lr = init_lr = 0: no change

@@ -144,14 +144,23 @@ def _zero1_rank(rank: int) -> dict:
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
-        num_layers=2, hidden_size=40, heads=4, vocab=64, seq=8, bf16=True,
+        num_layers=2,
+        hidden_size=40,
+        heads=4,
+        vocab=64,
+        seq=8,
+        bf16=True,
         use_cpu_initialization=True,
-    )  # fmt: skip
+    )
     ddp = wrap_ddp(model, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
     config = LoGRAOptimizerConfig(
-        optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
-        loggra_rank=8, loggra_min_dim=16,
-    )  # fmt: skip
+        optimizer="adam",
+        lr=1e-3,
+        bf16=True,
+        use_distributed_optimizer=True,
+        loggra_rank=8,
+        loggra_min_dim=16,
+    )
     opt = get_loggra_optimizer(config, [ddp])
     tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(rank))
     train_step(ddp, opt, tokens)
@@ -167,9 +176,14 @@ def _zero1_rank(rank: int) -> dict:
 
 def test_zero1_accounting_matches_megatron_distributed_optimizer_dp2():
     model = TransformerShape(  # tiny_gpt_model: SwiGLU with ffn = 2·hidden, untied, no padding
-        num_layers=2, hidden_size=40, ffn_hidden_size=80, num_attention_heads=4, vocab_size=64,
-        untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=64,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=40,
+        ffn_hidden_size=80,
+        num_attention_heads=4,
+        vocab_size=64,
+        untie_embeddings_and_output_weights=True,
+        make_vocab_size_divisible_by=64,
+    )
     specs = stage_parameters(model, ParallelConfig(data_parallel_size=2))
     numel = sum(s.numel for s in specs)
     res = run_distributed(_zero1_rank, 2)
@@ -205,12 +219,19 @@ def test_activations_reduce_to_korthikanti_for_gpt(sp):
     """GPT (MHA, GeLU 4h): sbh(10 + 24/t) [paper] − sbh dropout masks ×2 + 4sba/t (LSE)."""
     s, b, h, a, t = 512, 2, 1024, 16, 4
     gpt = TransformerShape(
-        num_layers=8, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=a,
-        vocab_size=1000, swiglu=False,
-    )  # fmt: skip
+        num_layers=8,
+        hidden_size=h,
+        ffn_hidden_size=4 * h,
+        num_attention_heads=a,
+        vocab_size=1000,
+        swiglu=False,
+    )
     par = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=sp)
     replicated = 8 * s * b * h // (t if sp else 1)
-    assert activation_bytes_per_layer(gpt, par, b, s) == replicated + (24 * s * b * h + 4 * s * b * a) // t  # fmt: skip
+    assert (
+        activation_bytes_per_layer(gpt, par, b, s)
+        == replicated + (24 * s * b * h + 4 * s * b * a) // t
+    )
     step = RLStepConfig(micro_batch_size=b, seq_length=s, recompute_granularity="full")
     layer_in = 2 * s * b * h // (t if sp else 1)
     per_layer = activation_bytes_per_layer(gpt, par, b, s)
@@ -249,7 +270,9 @@ def test_estimate_terms_and_phases():
     assert max_rollout_batch_size(model, par, step, gpu) is None  # 8k training does not fit
     step = dataclasses.replace(step, recompute_granularity="full")
     cap = max_rollout_batch_size(model, par, step, gpu)
-    assert estimate_rl_step_memory(model, par, dataclasses.replace(step, rollout_batch_size=cap)).fits(gpu)  # fmt: skip
+    assert estimate_rl_step_memory(
+        model, par, dataclasses.replace(step, rollout_batch_size=cap)
+    ).fits(gpu)
     over = dataclasses.replace(step, rollout_batch_size=cap + 1)
     assert not estimate_rl_step_memory(model, par, over).fits(gpu)
 
@@ -280,11 +303,25 @@ def _cli_module():
 
 
 HEADLINE = [
-    "--hf-config", os.path.join(CONFIGS, "llama-style-27b.json"),
-    "--tensor-model-parallel-size", "8", "--sequence-parallel", "--world-size", "8",
-    "--micro-batch-size", "1", "--seq-length", "8192", "--bf16", "--loggra-rank", "128",
-    "--rollout-batch-size", "64", "--gpu-memory-gb", "80",
-]  # fmt: skip
+    "--hf-config",
+    os.path.join(CONFIGS, "llama-style-27b.json"),
+    "--tensor-model-parallel-size",
+    "8",
+    "--sequence-parallel",
+    "--world-size",
+    "8",
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    "8192",
+    "--bf16",
+    "--loggra-rank",
+    "128",
+    "--rollout-batch-size",
+    "64",
+    "--gpu-memory-gb",
+    "80",
+]
 
 
 def test_cli_prints_table_for_a_config_file_and_reproduces_docs(capsys):

@@ -86,15 +86,21 @@ def test_kv_budget_term_is_min_of_rollout_and_inference_max_tokens():
     # under PP each stage holds its own layers' cache
     pp = ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2)
     step = RLStepConfig(seq_length=s, rollout_batch_size=64, inference_max_tokens=16 * s)
-    assert estimate_rl_step_memory(model, pp, step, stage=0).kv_cache == 16 * s * 32 * 2 * 2 * 128 * 2  # fmt: skip
+    assert (
+        estimate_rl_step_memory(model, pp, step, stage=0).kv_cache == 16 * s * 32 * 2 * 2 * 128 * 2
+    )
     with pytest.raises(MemoryConfigError, match="inference_max_tokens"):
         RLStepConfig(inference_max_tokens=0)
 
 
 def test_max_rollout_rows_ignore_the_budget_and_terminate():
     model, par = _27b()
-    step = RLStepConfig(seq_length=16384, rollout_batch_size=64, inference_max_tokens=16384,
-                        recompute_granularity="full")  # fmt: skip
+    step = RLStepConfig(
+        seq_length=16384,
+        rollout_batch_size=64,
+        inference_max_tokens=16384,
+        recompute_granularity="full",
+    )
     cap = max_rollout_batch_size(model, par, step, 80 * GiB)
     free = dataclasses.replace(step, inference_max_tokens=None)
     assert cap == max_rollout_batch_size(model, par, free, 80 * GiB) and 0 < cap < 200
@@ -141,7 +147,7 @@ def test_log_prob_forward_uses_the_log_prob_micro_batch_size():
         assert b.log_prob_activations == forward_activation_bytes(model, par, lp, s)
         assert b.phases()["ref log-probs"] == b.log_prob_logits + b.log_prob_activations
         assert b.logits == default.logits  # the training micro-batch is unchanged
-    b8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, log_prob_micro_batch_size=8))  # fmt: skip
+    b8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, log_prob_micro_batch_size=8))
     assert b8.peak_phase == "ref log-probs"
     no_ref = dataclasses.replace(step, reference_model=False, log_prob_micro_batch_size=8)
     b = estimate_rl_step_memory(model, par, no_ref)
@@ -168,8 +174,9 @@ def test_fp8_caches_prefill_and_kl_probe_terms():
     assert k.kl_probe_activations == forward_activation_bytes(model, par, rows, s)
     full = estimate_rl_step_memory(model, par, dataclasses.replace(probe, kl_estimator="full"))
     # every row's reference logits kept; one micro-batch's candidate logits and KL temporaries
-    assert full.kl_probe_logits == (logits_bytes(model, par, 8 * s, copies=1)
-                                    + logits_bytes(model, par, rows * s, copies=4))  # fmt: skip
+    assert full.kl_probe_logits == (
+        logits_bytes(model, par, 8 * s, copies=1) + logits_bytes(model, par, rows * s, copies=4)
+    )
     with pytest.raises(MemoryConfigError, match="max_new_tokens"):
         RLStepConfig(seq_length=128, max_new_tokens=128)
 
@@ -183,7 +190,9 @@ def test_loggra_fp32_grad_copy_and_no_distributed_optimizer():
     assert main_grad_copy_bytes(params, copy, 2) == 4 * sum(shards)
     assert main_grad_copy_bytes(params, step, 2) == 4 * max(shards)
     zero1 = estimate_rl_step_memory(model, par, step)
-    plain = estimate_rl_step_memory(model, par, dataclasses.replace(step, distributed_optimizer=False))  # fmt: skip
+    plain = estimate_rl_step_memory(
+        model, par, dataclasses.replace(step, distributed_optimizer=False)
+    )
     assert plain.master_params == master_param_bytes(params, 1) > zero1.master_params
 
 
@@ -215,26 +224,62 @@ def _cli_json(capsys, argv):
 
 
 EXAMPLE_LIKE = [
-    "--hf-config", os.path.join(CONFIGS, "llama-style-27b.json"), "--world-size", "16",
-    "--tensor-model-parallel-size", "8", "--bf16", "--fp8-format", "hybrid",
-    "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
-    "--recompute-num-layers", "1", "--seq-length", "16384", "--max-new-tokens", "15360",
-    "--prompts-per-step", "16", "--num-generations", "8", "--global-batch-size", "128",
-    "--inference-max-tokens", "524288", "--log-prob-micro-batch-size", "4",
-    "--kl-target", "0.01", "--kl-estimator", "k3", "--kl-coef", "0.001",
-]  # fmt: skip
+    "--hf-config",
+    os.path.join(CONFIGS, "llama-style-27b.json"),
+    "--world-size",
+    "16",
+    "--tensor-model-parallel-size",
+    "8",
+    "--bf16",
+    "--fp8-format",
+    "hybrid",
+    "--sequence-parallel",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+    "--seq-length",
+    "16384",
+    "--max-new-tokens",
+    "15360",
+    "--prompts-per-step",
+    "16",
+    "--num-generations",
+    "8",
+    "--global-batch-size",
+    "128",
+    "--inference-max-tokens",
+    "524288",
+    "--log-prob-micro-batch-size",
+    "4",
+    "--kl-target",
+    "0.01",
+    "--kl-estimator",
+    "k3",
+    "--kl-coef",
+    "0.001",
+]
 
 
 def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     res = _cli_json(capsys, EXAMPLE_LIKE)["loggra"]
     model, par = _27b()
-    par = ParallelConfig(tensor_model_parallel_size=8, data_parallel_size=2, sequence_parallel=True)  # fmt: skip
+    par = ParallelConfig(tensor_model_parallel_size=8, data_parallel_size=2, sequence_parallel=True)
     step = RLStepConfig(
-        seq_length=16384, precision="fp8", recompute_granularity="full",
-        rollout_batch_size=64, inference_max_tokens=524288, max_new_tokens=15360,
-        log_prob_micro_batch_size=4, num_microbatches=64, kl_probe_sequences=16,
-        kl_estimator="k3", rollout_engine="dynamic",
-    )  # fmt: skip  # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences
+        seq_length=16384,
+        precision="fp8",
+        recompute_granularity="full",
+        rollout_batch_size=64,
+        inference_max_tokens=524288,
+        max_new_tokens=15360,
+        log_prob_micro_batch_size=4,
+        num_microbatches=64,
+        kl_probe_sequences=16,
+        kl_estimator="k3",
+        rollout_engine="dynamic",
+    )  # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences
     b = estimate_rl_step_memory(model, par, step)
     assert res["total"] == pytest.approx(b.total_bytes / GiB)
     assert res["kv_cache"] == pytest.approx(16.0) and res["peak_phase"] == b.peak_phase
@@ -250,8 +295,9 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     # full-vocab KL: the 8 held-out rows of kl/realized join the trial forward, their fp32
     # reference logits (16k × V/8 each) kept
     full = _cli_json(capsys, [*EXAMPLE_LIKE, "--kl-estimator", "full"])["loggra"]
-    no_check = _cli_json(capsys, [*EXAMPLE_LIKE, "--kl-estimator", "full",
-                                  "--kl-realized-interval", "0"])["loggra"]  # fmt: skip
+    no_check = _cli_json(
+        capsys, [*EXAMPLE_LIKE, "--kl-estimator", "full", "--kl-realized-interval", "0"]
+    )["loggra"]
     held_reference = 8 * 16384 * model.padded_vocab_size(8) // 8 * 4 / GiB
     assert full["kl_probe_logits"] - no_check["kl_probe_logits"] == pytest.approx(held_reference)
     more = _cli_json(capsys, [*EXAMPLE_LIKE, "--inference-max-tokens", "1048576"])["loggra"]

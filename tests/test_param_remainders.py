@@ -60,11 +60,19 @@ def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
     config = LoGRAOptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.01, bf16=True, use_distributed_optimizer=True,
-        clip_grad=clip_grad, loggra_min_dim=1, loggra_rank=4, loggra_oversample=2,
-        loggra_update_interval=2, loggra_projection=projection,
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=clip_grad,
+        loggra_min_dim=1,
+        loggra_rank=4,
+        loggra_oversample=2,
+        loggra_update_interval=2,
+        loggra_projection=projection,
         loggra_param_remainders=remainders,
-    )  # fmt: skip
+    )
     return get_loggra_optimizer(config, [ddp])
 
 
@@ -100,7 +108,9 @@ def _fixed_grad_steps(rank, remainders, grad_reduce_in_fp32, clip_grad):
 
 
 @pytest.mark.parametrize(
-    ("grad_reduce_in_fp32", "clip_grad"), [(True, 0.0), (False, 0.05)], ids=["fp32grads", "bf16grads-clip"]
+    ("grad_reduce_in_fp32", "clip_grad"),
+    [(True, 0.0), (False, 0.05)],
+    ids=["fp32grads", "bf16grads-clip"],
 )
 def test_masters_are_bitwise_those_of_fp32_master_copies(grad_reduce_in_fp32, clip_grad):
     fp32 = run_distributed(_fixed_grad_steps, 2, False, grad_reduce_in_fp32, clip_grad)
@@ -151,8 +161,14 @@ def test_config_cross_checks():  # the flags' checks: tests/test_pretrain_rl.py
     with pytest.raises(ValueError, match="loggra_param_remainders needs bf16"):
         LoGRAOptimizerConfig(optimizer="adam", lr=1e-3, loggra_param_remainders=True)
     with pytest.raises(ValueError, match="excludes loggra_fp32_grad_copy"):
-        LoGRAOptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
-                             loggra_param_remainders=True, loggra_fp32_grad_copy=True)  # fmt: skip
+        LoGRAOptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            bf16=True,
+            use_distributed_optimizer=True,
+            loggra_param_remainders=True,
+            loggra_fp32_grad_copy=True,
+        )
 
 
 TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -173,7 +189,10 @@ def _trained(rank, remainders, steps, save=None, load=None):
         load_checkpoint(load, [ddp], opt)
         out["loaded_masters"] = _masters(opt)
         out["loaded_weights"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    dp, dp_rank = (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
     batch = TOKENS[dp_rank::dp]
     for step in range(steps):
         assert train_step(ddp, opt, batch, num_microbatches=batch.shape[0])[1][0]
@@ -186,7 +205,9 @@ def _trained(rank, remainders, steps, save=None, load=None):
 
 
 def _bitwise(a: list, b: list) -> bool:
-    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
+    return all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True)
+    )
 
 
 def test_save_resume_equals_uninterrupted_and_checkpoints_load_across_modes(tmp_path):

@@ -28,7 +28,7 @@ def _run(path, reward_slope, with_kl):
                         "kl/step_scale": 0.8,
                     }
                 )
-            log.log(step, metrics)  # fmt: skip
+            log.log(step, metrics)
 
 
 def test_plots_every_logged_topic_for_several_runs(tmp_path):
@@ -36,9 +36,18 @@ def test_plots_every_logged_topic_for_several_runs(tmp_path):
     _run(tmp_path / "loggra", 0.02, with_kl=True)
     out = tmp_path / "plots"
     proc = subprocess.run(
-        [sys.executable, TOOL, f"dense={tmp_path / 'dense'}", str(tmp_path / "loggra" / "metrics.jsonl"),
-         "--out", str(out)], capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            TOOL,
+            f"dense={tmp_path / 'dense'}",
+            str(tmp_path / "loggra" / "metrics.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     written = sorted(os.path.basename(p) for p in proc.stdout.split())
     assert written == ["kl.png", "memory.png", "reward.png", "step_scale.png", "throughput.png"]
     for name in written:

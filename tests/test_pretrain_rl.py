@@ -150,8 +150,11 @@ FP8 = {"bf16": True, "fp8-format": "hybrid", "transformer-impl": "transformer_en
     [
         ({**FP8, "fp8-recipe": "mxfp8"}, "--fp8-recipe", "Blackwell"),
         ({"rollout-engine": "dynamic"}, "--rollout-engine", "fp16/bf16"),
-        ({**FP8, "fp8-recipe": "blockwise", "rollout-engine": "dynamic"}, "--rollout-engine",
-         "blockwise"),
+        (
+            {**FP8, "fp8-recipe": "blockwise", "rollout-engine": "dynamic"},
+            "--rollout-engine",
+            "blockwise",
+        ),
     ],
 )
 def test_what_the_gpu_or_engine_cannot_run_exits_2(
@@ -185,8 +188,15 @@ def test_what_the_gpu_and_engine_can_run_is_accepted(tokenizer, simulated_hopper
 def test_yaml_config_supplies_defaults_and_flags_override(tokenizer, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("hidden-size: 128\nnum_attention_heads: 8\nlr: 0.5\n")
-    cfg = parse_args([*tiny_argv(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
-                      "--config", str(config), "--lr", "0.25"])  # fmt: skip
+    cfg = parse_args(
+        [
+            *tiny_argv(tokenizer, **{"hidden-size": None, "num-attention-heads": None}),
+            "--config",
+            str(config),
+            "--lr",
+            "0.25",
+        ]
+    )
     assert (cfg.model.hidden_size, cfg.model.num_attention_heads) == (128, 8)
     assert cfg.optimizer.lr == 0.25
     bad = tmp_path / "bad.yaml"
@@ -224,8 +234,13 @@ def _check_metrics(out_dir, steps):
 )
 def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     out = tmp_path / "run"
-    torchrun(tiny_argv(tokenizer, **parallel, **{"output-dir": out, "bf16": True,
-                                               "kl-target": 0.05, "kl-coef": 0.01}))  # fmt: skip
+    torchrun(
+        tiny_argv(
+            tokenizer,
+            **parallel,
+            **{"output-dir": out, "bf16": True, "kl-target": 0.05, "kl-coef": 0.01},
+        )
+    )
     rows = _check_metrics(out, 2)
     assert any(r["grad/norm"] > 0 for r in rows)  # the digit reward gives a real signal
     assert all(0 < r["kl/step_scale"] <= 1 for r in rows)
@@ -243,13 +258,18 @@ def test_activation_recompute_changes_no_number(tokenizer, tmp_path):
     train exactly as without recompute: same losses, KL and rewards (1 process, fp32)."""
     runs = {
         "plain": {},
-        "full": {"recompute-granularity": "full", "recompute-method": "uniform",
-                 "recompute-num-layers": 1},
+        "full": {
+            "recompute-granularity": "full",
+            "recompute-method": "uniform",
+            "recompute-num-layers": 1,
+        },
         "selective": {"recompute-granularity": "selective"},
-    }  # fmt: skip
+    }
     for name, flags in runs.items():
-        torchrun(tiny_argv(tokenizer, **flags, **{"kl-coef": 0.01, "output-dir": tmp_path / name}),
-                 nproc=1)  # fmt: skip
+        torchrun(
+            tiny_argv(tokenizer, **flags, **{"kl-coef": 0.01, "output-dir": tmp_path / name}),
+            nproc=1,
+        )
     keys = ("loss/total", "loss/policy", "kl/ref", "reward/mean", "grad/norm")
     for name in ("full", "selective"):
         _same_numbers(tmp_path / "plain", tmp_path / name, keys, rel=1e-6)
@@ -275,16 +295,25 @@ def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(tokenizer
 
 @pytest.mark.parametrize(
     ("optimizer", "memory"),
-    [("loggra", {}), ("adam", {}),
-     ("loggra", {"loggra-param-remainders": True, "grad-reduce-in-bf16": True})],
+    [
+        ("loggra", {}),
+        ("adam", {}),
+        ("loggra", {"loggra-param-remainders": True, "grad-reduce-in-bf16": True}),
+    ],
     ids=["loggra", "adam", "loggra-remainders-bf16-grads"],
-)  # fmt: skip
+)
 def test_resume_equals_uninterrupted(tokenizer, tmp_path, optimizer, memory):
     """DP=2 with KL control: save at step 2, resume, and every metric of steps 3-4 equals
     the uninterrupted run's (dense Adam's distributed optimizer could not save before;
     with masters kept as remainders the weights are the masters' 16 upper bits)."""
-    common = {"train-iters": 4, "bf16": True, "kl-coef": 0.01, "kl-target": 0.05,
-              "optimizer": optimizer, **memory}  # fmt: skip
+    common = {
+        "train-iters": 4,
+        "bf16": True,
+        "kl-coef": 0.01,
+        "kl-target": 0.05,
+        "optimizer": optimizer,
+        **memory,
+    }
     if optimizer == "loggra":
         common["loggra-update-interval"] = 3  # refreshes within the run (dense Adam: refused)
     full = tmp_path / "full"
@@ -304,7 +333,7 @@ def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenize
         tiny_argv(
             tokenizer,
             **{"reward-fn": f"{REWARD}:fails_on_fourth_sample", "output-dir": tmp_path / "r"},
-        ),  # fmt: skip
+        ),
         nproc=1,
         check=False,
     )
@@ -323,8 +352,9 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
         script = f.read()
     body = script.split("pretrain_rl.py", 1)[1].split('"$@"')[0]
 
-    gpt_args_from_hf(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
-                                ).save_json(tmp_path / "loggra_model_args.json")  # fmt: skip
+    gpt_args_from_hf(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")).save_json(
+        tmp_path / "loggra_model_args.json"
+    )
     release = tmp_path / "release"  # a converted model's files (weights not read here)
     release.mkdir()
     (release / "metadata.json").write_text("{}")
@@ -333,8 +363,12 @@ def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
-    paths = {'"$LOAD"': tmp_path, '"$TOKENIZER"': tokenizer, '"$DATA"': data,
-             '"$OUT"': tmp_path / "out"}  # fmt: skip
+    paths = {
+        '"$LOAD"': tmp_path,
+        '"$TOKENIZER"': tokenizer,
+        '"$DATA"': data,
+        '"$OUT"': tmp_path / "out",
+    }
     argv = [str(paths.get(a, a)) for a in body.replace("\\\n", " ").split()]
     with pytest.raises(SystemExit):
         parse_args(argv, world_size=8)
@@ -363,20 +397,42 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
     import transformers
 
     config = transformers.Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--direction",
-         "hf-to-megatron", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")],
-        check=True, capture_output=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+            "--direction",
+            "hf-to-megatron",
+            "--load",
+            str(tmp_path / "hf"),
+            "--save",
+            str(tmp_path / "ckpt"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     out = tmp_path / "run"
-    flags = {"load": tmp_path / "ckpt", "output-dir": out, "train-iters": 1, "bf16": True,
-             "num-layers": None, "hidden-size": None, "num-attention-heads": None}  # fmt: skip
+    flags = {
+        "load": tmp_path / "ckpt",
+        "output-dir": out,
+        "train-iters": 1,
+        "bf16": True,
+        "num-layers": None,
+        "hidden-size": None,
+        "num-attention-heads": None,
+    }
     torchrun(tiny_argv(tokenizer, **flags), nproc=1)
     (row,) = _check_metrics(out, 1)
     assert row["grad/norm"] > 0
@@ -384,8 +440,11 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
 
 def test_sigterm_saves_a_checkpoint_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"),
-           *tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "pretrain_rl.py"),
+        *tiny_argv(tokenizer, **{"train-iters": 1000, "save": save}),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     for line in proc.stdout:  # wait for the first step, then ask the job to stop
         if line.startswith(" step"):
@@ -405,7 +464,14 @@ def test_weights_only_load_starts_from_the_loaded_policy(tokenizer, tmp_path):
     first = tmp_path / "first"
     torchrun(tiny_argv(tokenizer, **common, **{"train-iters": 2, "lr": 3e-2}, save=first))
     out = tmp_path / "second"
-    torchrun(tiny_argv(tokenizer, **common, **{"train-iters": 1, "seed": 4}, load=first,
-                    **{"no-load-optim": True, "output-dir": out}))  # fmt: skip
+    torchrun(
+        tiny_argv(
+            tokenizer,
+            **common,
+            **{"train-iters": 1, "seed": 4},
+            load=first,
+            **{"no-load-optim": True, "output-dir": out},
+        )
+    )
     (row,) = read_metrics(out)
     assert row["kl/ref"] < 0.05  # two optimizer steps away from the loaded reference

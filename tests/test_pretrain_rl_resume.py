@@ -32,14 +32,22 @@ def saved(tokenizer, tmp_path_factory):
 
 # ---------------------------------------------------------------- parse time
 def test_a_fresh_run_never_overwrites_another_run(tokenizer, saved, tmp_path, capsys):
-    refused(tiny_argv(tokenizer, **COSINE, save=saved), capsys,
-             "--save", "already holds a checkpoint", f"--load {saved}")  # fmt: skip
+    refused(
+        tiny_argv(tokenizer, **COSINE, save=saved),
+        capsys,
+        "--save",
+        "already holds a checkpoint",
+        f"--load {saved}",
+    )
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     refused(tiny_argv(tokenizer, **{"output-dir": out}), capsys, "metrics of another run")
-    refused(tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}), capsys,
-             "--no-load-optim starts a new run")  # fmt: skip
+    refused(
+        tiny_argv(tokenizer, load=saved, save=saved, **{"no-load-optim": True}),
+        capsys,
+        "--no-load-optim starts a new run",
+    )
 
 
 def test_load_equal_to_save_starts_fresh_until_there_is_a_checkpoint(tokenizer, tmp_path, capsys):
@@ -48,14 +56,22 @@ def test_load_equal_to_save_starts_fresh_until_there_is_a_checkpoint(tokenizer, 
     refused(tiny_argv(tokenizer, load=tmp_path / "nope"), capsys, "--load", "no such directory")
     empty = tmp_path / "empty"
     empty.mkdir()
-    refused(tiny_argv(tokenizer, load=empty), capsys,
-             "neither a pretrain_rl.py checkpoint", "nor a converted model")  # fmt: skip
+    refused(
+        tiny_argv(tokenizer, load=empty),
+        capsys,
+        "neither a pretrain_rl.py checkpoint",
+        "nor a converted model",
+    )
 
 
 def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsys):
     base = {**COSINE, "load": saved, "save": saved}
-    refused(tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}), capsys,
-             "--hidden-size 128 (checkpoint: 64)", "--num-layers 3 (checkpoint: 2)")  # fmt: skip
+    refused(
+        tiny_argv(tokenizer, **{**base, "hidden-size": 128, "num-layers": 3}),
+        capsys,
+        "--hidden-size 128 (checkpoint: 64)",
+        "--num-layers 3 (checkpoint: 2)",
+    )
     for change, needle in (
         ({"bf16": False}, "--bf16: the checkpoint was saved with --bf16 True"),
         ({"kl-coef": None}, "--kl-coef: the checkpoint was saved with --kl-coef 0.01"),
@@ -64,14 +80,16 @@ def test_changed_flags_on_resume_are_refused_or_followed(tokenizer, saved, capsy
         ({"tensor-model-parallel-size": 2}, "--tensor-model-parallel-size"),
     ):
         refused(tiny_argv(tokenizer, **{**base, **change}), capsys, needle, "--no-load-optim")
-    cfg = parse_args(tiny_argv(tokenizer, **{**base, "train-iters": 8, "kl-target": 0.05}),
-                     world_size=2)  # fmt: skip
+    cfg = parse_args(
+        tiny_argv(tokenizer, **{**base, "train-iters": 8, "kl-target": 0.05}), world_size=2
+    )
     assert cfg.start.mode == "resume" and cfg.start.checkpoint.iteration == 4
     notes = "\n".join(cfg.start.notes)
     assert "--train-iters 4 -> 8 (the LR schedule follows the new value)" in notes
     assert "--kl-target None -> 0.05" in notes
-    weights = parse_args(tiny_argv(tokenizer, load=saved, **{"no-load-optim": True,
-                                                              "hidden-size": None}))  # fmt: skip
+    weights = parse_args(
+        tiny_argv(tokenizer, load=saved, **{"no-load-optim": True, "hidden-size": None})
+    )
     assert weights.start.mode == "weights" and weights.model.hidden_size == 64
 
 
@@ -114,10 +132,18 @@ def _workers(proc) -> dict[int, psutil.Process]:
 
 
 def _launch(argv):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(ROOT, "pretrain_rl.py"), *argv]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=ENV, cwd=ROOT)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--standalone",
+        os.path.join(ROOT, "pretrain_rl.py"),
+        *argv,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT
+    )
 
 
 def _sigterm_one_rank_when(proc, prefix: str, rank: int) -> str:
@@ -145,7 +171,8 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
     assert "SIGTERM on rank 1" in log and "SIGTERM on another rank" in log
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= steps < 1000 and [r["step"] for r in read_metrics(save)] == list(
-        range(1, steps + 1))  # fmt: skip
+        range(1, steps + 1)
+    )
 
 
 def test_sigterm_during_the_warm_up_saves_and_the_resume_finishes_it(tokenizer, tmp_path):
@@ -166,18 +193,33 @@ def test_prompts_over_the_budget_are_dropped_and_text_answers_train(tokenizer, t
     """One process without torchrun (a free port, even with 29517 taken); a JSONL of text
     answers with a user reward; a prompt longer than --seq-length − --max-new-tokens."""
     data = tmp_path / "words.jsonl"
-    rows = [f'{{"prompt": "Spell {n}", "answer": "{w}"}}' for n, w in
-            ((14, "fourteen"), (3, "three"), (7, "seven"), (12, "twelve"))]  # fmt: skip
+    rows = [
+        f'{{"prompt": "Spell {n}", "answer": "{w}"}}'
+        for n, w in ((14, "fourteen"), (3, "three"), (7, "seven"), (12, "twelve"))
+    ]
     rows.append('{"prompt": "' + "Spell this very long number " * 20 + '", "answer": "x"}')
     data.write_text("\n".join(rows) + "\n")
     out = tmp_path / "run"
-    argv = tiny_argv(tokenizer, **{"data-path": data, "reward-fn": f"{REWARD}:spelled_number",
-                                   "output-dir": out, "train-iters": 1})  # fmt: skip
+    argv = tiny_argv(
+        tokenizer,
+        **{
+            "data-path": data,
+            "reward-fn": f"{REWARD}:spelled_number",
+            "output-dir": out,
+            "train-iters": 1,
+        },
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 29517))  # the port single-process runs used to hard-code
         taken.listen()
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *argv],
-                              capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *argv],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            cwd=ROOT,
+            timeout=300,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropped 1 of 5 prompts longer than 52 tokens" in proc.stdout
     (row,) = read_metrics(out)
@@ -193,8 +235,9 @@ def test_prompts_over_the_budget_are_dropped_and_text_answers_train(tokenizer, t
         ({"seq-length": 16, "max-new-tokens": 12}, "every prompt is longer than"),
     ],
 )
-def test_host_side_problems_exit_2_before_any_process_group(tokenizer, tmp_path, flags, message,
-                                                            capsys):  # fmt: skip
+def test_host_side_problems_exit_2_before_any_process_group(
+    tokenizer, tmp_path, flags, message, capsys
+):
     import torch.distributed as dist
 
     import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)

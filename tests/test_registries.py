@@ -38,9 +38,15 @@ class _Squares(Task):
 
     def example(self, rng: random.Random) -> dict:
         r = rng.randint(1, self.knobs["max_root"])
-        return {"prompt": f"What is {r} * {r}?", "answer": str(r * r),
-                "metadata": {"kind": "squares", "expression": f"{r} * {r}",
-                             "solution": f"{r} * {r} = {r * r}."}}  # fmt: skip
+        return {
+            "prompt": f"What is {r} * {r}?",
+            "answer": str(r * r),
+            "metadata": {
+                "kind": "squares",
+                "expression": f"{r} * {r}",
+                "solution": f"{r} * {r} = {r * r}.",
+            },
+        }
 
 
 def test_a_new_task_is_one_class_and_one_registry_line(monkeypatch, tokenizer):
@@ -68,9 +74,17 @@ def test_optimizer_choices_the_memory_model_and_the_builder_read_the_registry(
     with pytest.raises(SystemExit):
         parse_args(tiny_argv(tokenizer, optimizer="my_adam"))
     assert "one of adam, loggra" in capsys.readouterr().err
-    spec = OptimizerSpec("my_adam", "dense, for the test", "tests:unused", sketched=False,
-                         grads_per_weight=False, distributed=True, candidate=True,
-                         state_bytes_per_param=8, state_bytes_per_tensor=4)  # fmt: skip
+    spec = OptimizerSpec(
+        "my_adam",
+        "dense, for the test",
+        "tests:unused",
+        sketched=False,
+        grads_per_weight=False,
+        distributed=True,
+        candidate=True,
+        state_bytes_per_param=8,
+        state_bytes_per_tensor=4,
+    )
     monkeypatch.setitem(OPTIMIZERS, "my_adam", spec)
     assert parse_args(tiny_argv(tokenizer, optimizer="my_adam")).optimizer.optimizer == "my_adam"
     params = [ParamSpec("w", (256, 256), "linear")]

@@ -56,7 +56,10 @@ PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14]]
 # torch's CPU build / a CUDA build on a machine without a driver
 GEN_ERRORS = {
     ("RuntimeError", "Cannot access accelerator device when none is available"),
-    ("AcceleratorError", "CUDA error: CUDA driver version is insufficient for CUDA runtime version"),
+    (
+        "AcceleratorError",
+        "CUDA error: CUDA driver version is insufficient for CUDA runtime version",
+    ),
 }
 GEN_LINES = {"0.16.1": 75, "0.19.2": 251}  # TextGenerationController.__init__: torch.Generator
 FA_ERROR = ("ModuleNotFoundError", "No module named 'flash_attn'")
@@ -120,8 +123,9 @@ def test_cpu_documented_failure_generator(cpu_failure):
         assert (err["type"], head) in GEN_ERRORS, err
         path, name, line = err["frames"][-1]
         assert (path, name) == (
-            "inference/text_generation_controllers/text_generation_controller.py", "__init__"
-        ), err  # fmt: skip
+            "inference/text_generation_controllers/text_generation_controller.py",
+            "__init__",
+        ), err
         assert line == GEN_LINES.get(MCORE_VERSION, line), err
     assert cpu_failure["as_is_training"]
 
@@ -177,14 +181,23 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
 
     def spy(engine, num_requests):  # record what the engine did
         out = run(engine, num_requests)
-        last_run.update(blocks=mcore_engine.kv_block_count(engine.context),
-                        evicted=engine.evicted_request_count,
-                        generated=sum(len(tokens) for tokens in out.values()))  # fmt: skip
+        last_run.update(
+            blocks=mcore_engine.kv_block_count(engine.context),
+            evicted=engine.evicted_request_count,
+            generated=sum(len(tokens) for tokens in out.values()),
+        )
         return out
 
     mcore_engine.run_engine = spy
-    model = tiny_bf16_gpt_model(num_layers=2, hidden_size=32, heads=4, vocab=VOCAB, seq=MAX_SEQ,
-                                query_groups=2, init_method_std=0.3)  # flash-attn: bf16
+    model = tiny_bf16_gpt_model(
+        num_layers=2,
+        hidden_size=32,
+        heads=4,
+        vocab=VOCAB,
+        seq=MAX_SEQ,
+        query_groups=2,
+        init_method_std=0.3,
+    )  # flash-attn: bf16
     if full_state is not None:
         _load_pp_stage(model, full_state)
     model.train()
@@ -194,8 +207,9 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     def dyn(key, prompts=PROMPTS, **kwargs):
         last_run.clear()
         log_prob_rows.clear()
-        out[key] = generate_rollout_dynamic(model, prompts, block_size_tokens=BLOCK,
-                                            **{**gen, **kwargs})  # fmt: skip
+        out[key] = generate_rollout_dynamic(
+            model, prompts, block_size_tokens=BLOCK, **{**gen, **kwargs}
+        )
         out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows))
 
     dyn("greedy", temperature=0.0)
@@ -358,8 +372,10 @@ def test_pack_rollout_layout():
     prompts = torch.tensor([[5, 9, 17], [60, 2, PAD]])
     r = pack_rollout(prompts, torch.tensor([3, 2]), [[1, 8], [3, 4, 6, 2]], [True, False], PAD)
     assert r.tokens.tolist() == [[5, 9, 17, 1, 8, PAD], [60, 2, 3, 4, 6, 2]]
-    assert r.response_mask.tolist() == [[False, False, True, True, False],
-                                        [False, True, True, True, True]]  # fmt: skip
+    assert r.response_mask.tolist() == [
+        [False, False, True, True, False],
+        [False, True, True, True, True],
+    ]
     assert r.token_mask.tolist() == [[True] * 5 + [False], [True] * 6]
     assert r.response_lengths.tolist() == [2, 4] and r.truncated.tolist() == [False, True]
     assert r.log_probs.shape == (2, 5) and not r.log_probs.any()
@@ -369,8 +385,7 @@ def test_step_sampler_masks_padded_vocab_and_maps_stop_ids():
     logits = torch.zeros(3, 10)
     logits[:, 8:] = 100.0  # padded rows (vocab 8) dominate
     logits[0, 3], logits[1, 5], logits[2, 6] = 5.0, 5.0, 5.0
-    sampler = StepSampler(temperature=0.0, top_p=1.0, vocab_size=8, generator=None,
-                          stop_ids=[6, 5])  # fmt: skip
+    sampler = StepSampler(temperature=0.0, top_p=1.0, vocab_size=8, generator=None, stop_ids=[6, 5])
     ids = sampler(logits, torch.tensor([10, 11, 12]), skip_id=-1)
     assert ids.tolist() == [3, 6, 6] and sampler.substituted == {11: 5}
     ids = sampler(logits, torch.tensor([10, 11, 12]), skip_id=11)  # 11 in chunked prefill
@@ -418,8 +433,9 @@ def _greedy_gap(model, rollout) -> float:
     near-tie, large if the KV cache, positions or masking were wrong."""
     tokens = rollout.tokens
     model.eval()
-    logits = model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens),
-                   None).float()  # fmt: skip
+    logits = model(
+        tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None
+    ).float()
     model.train()
     lp = logits[:, :-1].log_softmax(-1)
     gap = lp.max(-1).values - lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)

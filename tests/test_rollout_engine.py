@@ -13,27 +13,40 @@ from loggra_megatron.testing import run_distributed, tiny_gpt_model
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 VOCAB, MAX_SEQ, NEW, PAD = 64, 40, 8, 0
-PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14], [8, 8], [1, 2, 3, 4, 5, 6],
-           [40, 41, 42], [7]]  # fmt: skip
+PROMPTS = [
+    [5, 9, 17],
+    [3, 4, 5, 6, 7],
+    [60, 2],
+    [11, 12, 13, 14],
+    [8, 8],
+    [1, 2, 3, 4, 5, 6],
+    [40, 41, 42],
+    [7],
+]
 
 
 def _worker(rank: int) -> dict:
-    model = tiny_gpt_model(2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True,
-                           init_method_std=0.3)  # fmt: skip
+    model = tiny_gpt_model(
+        2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True, init_method_std=0.3
+    )
     gen = dict(max_new_tokens=NEW, pad_id=PAD, temperature=0.0, eos_id=[3, 4])
     row_tokens = max(map(len, PROMPTS)) + NEW
     out = {"whole": generate_chunked(model, PROMPTS, **gen)}
     for rows in (1, 3, 5):  # budgets of 1, 3 and 5 full rows (the last chunk is shorter)
         out[rows] = generate_chunked(model, PROMPTS, max_tokens=rows * row_tokens, **gen)
     out["row_multiple"] = generate_rollout(model, PROMPTS, row_multiple=16, **gen)
-    out["sampled"] = generate_chunked(model, PROMPTS, max_tokens=3 * row_tokens, seed=1,
-                                      **{**gen, "temperature": 1.0})  # fmt: skip
+    out["sampled"] = generate_chunked(
+        model, PROMPTS, max_tokens=3 * row_tokens, seed=1, **{**gen, "temperature": 1.0}
+    )
     out["kv_1x10"] = kv_cache_bytes(model, 1, 10)
     return out
 
 
-@pytest.fixture(scope="module", params=[dict(world_size=1), dict(world_size=2, tp=2),
-                                        dict(world_size=2, pp=2)], ids=["tp1", "tp2", "pp2"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[dict(world_size=1), dict(world_size=2, tp=2), dict(world_size=2, pp=2)],
+    ids=["tp1", "tp2", "pp2"],
+)
 def results(request):
     return run_distributed(_worker, **request.param)
 
@@ -81,7 +94,9 @@ def test_sampled_chunks_are_valid_rollouts(results):
         for i, p in enumerate(PROMPTS):
             assert s.tokens[i, : len(p)].tolist() == p
             assert 1 <= int(s.response_lengths[i]) <= NEW
-    assert all(torch.equal(r["sampled"][0].tokens, results[0]["sampled"][0].tokens) for r in results)
+    assert all(
+        torch.equal(r["sampled"][0].tokens, results[0]["sampled"][0].tokens) for r in results
+    )
 
 
 def test_chunk_rows():

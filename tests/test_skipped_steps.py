@@ -49,13 +49,23 @@ def _nan_loss_run(rank, argv):
 )
 def test_nonfinite_gradients_skip_count_and_stop_the_run(tokenizer, tmp_path, extra):
     out = tmp_path / "run"
-    argv = tiny_argv(tokenizer, **{"bf16": True, "kl-coef": 0.01, "train-iters": 5,
-                                   "lr-decay-style": "linear", "output-dir": out,
-                                   "max-consecutive-skipped-steps": 4, **extra})  # fmt: skip
+    argv = tiny_argv(
+        tokenizer,
+        **{
+            "bf16": True,
+            "kl-coef": 0.01,
+            "train-iters": 5,
+            "lr-decay-style": "linear",
+            "output-dir": out,
+            "max-consecutive-skipped-steps": 4,
+            **extra,
+        },
+    )
     results = run_distributed(_nan_loss_run, 2, argv)
     for r in results:  # both ranks decide alike
-        assert r["stopped"] is not None and "4 consecutive optimizer steps were skipped" in (
-            r["stopped"]
+        assert (
+            r["stopped"] is not None
+            and "4 consecutive optimizer steps were skipped" in (r["stopped"])
         )
         assert "--max-consecutive-skipped-steps" in r["stopped"]
         assert r["unchanged"] and r["lr_unchanged"] and r["scheduler_steps"] == 0
@@ -81,8 +91,9 @@ def _stepper_skips(rank, kind):
     use_dist = kind != "dense-replicated"
     model = tiny_gpt_model(hidden_size=64, bf16=True, use_cpu_initialization=True)
     ddp = wrap_ddp(model, use_distributed_optimizer=use_dist)
-    base = dict(optimizer="adam", lr=1e-2, bf16=True, clip_grad=1.0,
-                use_distributed_optimizer=use_dist)  # fmt: skip
+    base = dict(
+        optimizer="adam", lr=1e-2, bf16=True, clip_grad=1.0, use_distributed_optimizer=use_dist
+    )
     opt = (
         get_loggra_optimizer(LoGRAOptimizerConfig(**base, loggra_rank=4, loggra_min_dim=8), [ddp])
         if kind == "loggra"
@@ -113,10 +124,13 @@ def _stepper_skips(rank, kind):
     megatron_ok, _, _ = opt.step()  # Megatron's own step, for contrast
     megatron_nan = any(not torch.isfinite(p).all() for p in model.parameters())
     return {
-        "ok": prepared.ok, "grad_norm": prepared.grad_norm, "megatron_nan": megatron_nan,
+        "ok": prepared.ok,
+        "grad_norm": prepared.grad_norm,
+        "megatron_nan": megatron_nan,
         "unchanged": all(torch.equal(before[k], after[k]) for k in before),
-        "same_state": same_state, "megatron_ok": megatron_ok,
-    }  # fmt: skip
+        "same_state": same_state,
+        "megatron_ok": megatron_ok,
+    }
 
 
 @pytest.mark.parametrize("kind", ["dense-replicated", "dense-distributed", "loggra"])

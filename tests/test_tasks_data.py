@@ -75,8 +75,9 @@ def test_chat_template_switch_is_automatic_or_explicit(tokenizer):
 
 
 def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
-    cfg = parse_args(tiny_argv(tokenizer, task="mixed", **{"task-digits": 1,
-                                                           "task-operators": "+"}))  # fmt: skip
+    cfg = parse_args(
+        tiny_argv(tokenizer, task="mixed", **{"task-digits": 1, "task-operators": "+"})
+    )
     tasks = generate_tasks("mixed", 200, seed=0, **cfg.data.task_knobs)
     arithmetic = [t for t in tasks if t["metadata"]["kind"] == "arithmetic"]
     assert arithmetic and all(
@@ -91,8 +92,10 @@ def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
 
 # ---------------------------------------------------------------- prompt files
 def test_parquet_and_jsonl_with_chat_messages_shards_and_extra_columns(tmp_path):
-    rows = [{"prompt": MESSAGES, "answer": "1", "level": 3},
-            {"prompt": MESSAGES, "answer": "2", "level": 5}]  # fmt: skip
+    rows = [
+        {"prompt": MESSAGES, "answer": "1", "level": 3},
+        {"prompt": MESSAGES, "answer": "2", "level": 5},
+    ]
     shards = tmp_path / "shards"
     shards.mkdir()
     pq.write_table(pa.Table.from_pylist(rows), shards / "part-0.parquet")
@@ -103,21 +106,26 @@ def test_parquet_and_jsonl_with_chat_messages_shards_and_extra_columns(tmp_path)
     assert len(both) == 2
     with pytest.raises(DatasetFormatError, match=r"part-1.jsonl:1: missing required field"):
         read_examples(str(shards))  # a directory: every shard, the JSONL one lacks 'prompt'
-    mixed = read_examples(str(shards / "part-1.jsonl"), prompt_key="question",
-                          answer_key="solution")  # fmt: skip
+    mixed = read_examples(
+        str(shards / "part-1.jsonl"), prompt_key="question", answer_key="solution"
+    )
     assert mixed == [{"prompt": "3+4?", "answer": "7", "metadata": {}}]
 
 
 def test_a_bad_parquet_row_names_file_and_row(tmp_path):
     path = tmp_path / "bad.parquet"
-    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2"},
-            {"prompt": "", "answer": "3"}]  # fmt: skip
+    rows = [
+        {"prompt": "p", "answer": "1"},
+        {"prompt": "q", "answer": "2"},
+        {"prompt": "", "answer": "3"},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     with pytest.raises(DatasetFormatError, match=rf"^{path}: row 3: 'prompt' is empty"):
         read_examples(str(path))
     bad_messages = tmp_path / "msgs.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user"}], "answer": "1"}]),
-                   bad_messages)  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": [{"role": "user"}], "answer": "1"}]), bad_messages
+    )
     with pytest.raises(
         DatasetFormatError, match=r"row 1: 'prompt' must be a non-empty string or a list"
     ):

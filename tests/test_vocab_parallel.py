@@ -45,8 +45,10 @@ def _values_and_grads(rank):
             group = ps.get_tensor_model_parallel_group() if split else None
             value = _paths(old, new, targets, group)[name]
             (value * weights).sum().backward()
-            grads = [g if g is not None else torch.zeros_like(x) for x, g in
-                     ((old, old.grad), (new, new.grad))]  # fmt: skip
+            grads = [
+                g if g is not None else torch.zeros_like(x)
+                for x, g in ((old, old.grad), (new, new.grad))
+            ]
             if not split:
                 grads = [g[..., shard] for g in grads]
             runs[split] = (value.detach(), *grads)

@@ -29,8 +29,10 @@ def _warmup_lrs(rank, argv):
 
 def test_warmup_runs_at_sft_lr_and_rl_resumes_its_schedule(tokenizer, tmp_path):
     out = tmp_path / "run"
-    argv = tiny_argv(tokenizer, **{"sft-iters": 3, "sft-lr": 0.05, "lr": 1e-4, "train-iters": 1,
-                                   "output-dir": out})  # fmt: skip
+    argv = tiny_argv(
+        tokenizer,
+        **{"sft-iters": 3, "sft-lr": 0.05, "lr": 1e-4, "train-iters": 1, "output-dir": out},
+    )
     for seen in run_distributed(_warmup_lrs, 2, argv):
         assert seen[:3] == [{0.05}] * 3  # every group, every warm-up step
     (row,) = read_metrics(out)

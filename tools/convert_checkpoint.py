@@ -159,7 +159,7 @@ def _preflight(opts) -> None:
         if count % tp:
             raise ValueError(
                 f"--tensor-model-parallel-size {tp} does not divide the model's {count} {name}"
-            )  # fmt: skip
+            )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp:
         raise ValueError(

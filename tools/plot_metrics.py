@@ -18,13 +18,18 @@ import sys
 
 PANELS = {
     "reward": [("reward/mean", "reward"), ("reward/accuracy", "accuracy")],
-    "kl": [("kl/ref", "KL to reference"), ("kl/predicted_committed", "predicted KL of the step"),
-           ("kl/realized", "realized KL (held out)")],
+    "kl": [
+        ("kl/ref", "KL to reference"),
+        ("kl/predicted_committed", "predicted KL of the step"),
+        ("kl/realized", "realized KL (held out)"),
+    ],
     "step_scale": [("kl/step_scale", "step scale η")],
-    "memory": [("memory/optimizer_state_bytes", "optimizer state (GiB)"),
-               ("memory/peak_bytes", "peak memory (GiB)")],
+    "memory": [
+        ("memory/optimizer_state_bytes", "optimizer state (GiB)"),
+        ("memory/peak_bytes", "peak memory (GiB)"),
+    ],
     "throughput": [("throughput/tokens_per_s", "tokens / s")],
-}  # fmt: skip
+}
 
 
 def parse_runs(specs: list[str]) -> list[tuple[str, str]]:

@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--builtin-tasks", type=int, metavar="N", help="train on N generated tasks (offline)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
-    p.add_argument("--task-kind", default="mixed",
-                   choices=[k for k, t in TASKS.items() if not t.needs_data])
+    p.add_argument(
+        "--task-kind", default="mixed", choices=[k for k, t in TASKS.items() if not t.needs_data]
+    )
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model, PREFIX.vocab")

@@ -33,11 +33,13 @@ def math_problems(n: int, seed: int) -> list[dict]:
         else:
             c = rng.randint(1, 9)
             question, answer, solution = f"What is {a} + {c}?", str(a + c), f"{a} + {c} = {a + c}"
-        rows.append({
-            "prompt": [{"role": "user", "content": question}],
-            "answer": answer,
-            "solution": f"{solution}.",
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": question}],
+                "answer": answer,
+                "solution": f"{solution}.",
+            }
+        )
     return rows
 
 
@@ -48,11 +50,18 @@ def build_tokenizer(out: str, texts: list[str], vocab_size: int = 400) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
     fast.save_pretrained(out)
 
 
@@ -67,10 +76,16 @@ def build_model(out: str, seed: int = 0) -> None:
     vocab_size = len(tok)
 
     config = transformers.Qwen2Config(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(seed)
     transformers.Qwen2ForCausalLM(config).save_pretrained(out)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

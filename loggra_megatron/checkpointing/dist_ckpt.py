@@ -281,8 +281,7 @@ def load_checkpoint(
     loaded = dist_checkpointing.load(request, path)
     if optimizer is not None:  # Megatron drops its padding; uninitialised there
         optimizer_state.zero_padding(loaded["optimizer"])
-    require_finite({k: v for k, v in loaded.items() if k != "common"},
-                   f"refusing to load {path}")  # fmt: skip
+    require_finite({k: v for k, v in loaded.items() if k != "common"}, f"refusing to load {path}")
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[_model_key(i, model_chunks)])
     for name, chunks in (extra_models or {}).items():

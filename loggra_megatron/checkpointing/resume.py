@@ -50,19 +50,35 @@ from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ARCHITECTURE, ModelConfig
 
 STATE_DEFINING = (
-    "bf16", "tensor_model_parallel_size", "pipeline_model_parallel_size", "optimizer",
-    "use_distributed_optimizer", "seed", "data_path", "task", "num_tasks", "task_digits",
+    "bf16",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "optimizer",
+    "use_distributed_optimizer",
+    "seed",
+    "data_path",
+    "task",
+    "num_tasks",
+    "task_digits",
     "task_operators",
-)  # fmt: skip
+)
 """Flags the saved optimizer state, reference model or data position depend on."""
 
 SKETCH_DEFINING = ("loggra_rank", "loggra_projection", "loggra_min_dim")
 """Flags the shapes of a sketching optimizer's saved state depend on."""
 
 SCHEDULE = (
-    "train_iters", "lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay",
-    "global_batch_size", "prompts_per_step", "num_generations", "ppo_epochs",
-)  # fmt: skip
+    "train_iters",
+    "lr",
+    "min_lr",
+    "lr_warmup_iters",
+    "lr_decay_style",
+    "weight_decay",
+    "global_batch_size",
+    "prompts_per_step",
+    "num_generations",
+    "ppo_epochs",
+)
 """Flags that shape the LR schedule; on resume they follow the new values."""
 
 NOT_COMPARED = ("save", "load", "ckpt_step", "no_load_optim", "output_dir", "wandb_run_name")

@@ -144,8 +144,10 @@ def _diagnose_jsonl(path: str, arrow_message: str) -> str:
                 kind = _json_type(value)
                 first_type = first_type or kind
                 if kind != first_type:
-                    return (f"{path}:{n}: column {'.'.join(column)!r} changed from {first_type} "
-                            f"to {kind} (each column needs one type; quote numbers as strings)")  # fmt: skip
+                    return (
+                        f"{path}:{n}: column {'.'.join(column)!r} changed from {first_type} "
+                        f"to {kind} (each column needs one type; quote numbers as strings)"
+                    )
     return f"{path}: {arrow_message}"
 
 
@@ -162,8 +164,15 @@ def _nested(record: dict, keys: list[str]):
 
 
 def _json_type(value) -> str:
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}[type(value)]  # fmt: skip
+    return {
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }[type(value)]
 
 
 def example_from_row(row: dict, prompt_key: str, answer_key: str, where) -> dict:
@@ -202,10 +211,16 @@ def _check_prompt(prompt, key: str, where) -> None:
         if not prompt.strip():
             raise DatasetFormatError(f"{where()}: {key!r} is empty")
         return
-    ok = isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt
-    )  # fmt: skip
+    ok = (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    )
     if not ok:
         raise DatasetFormatError(
             f"{where()}: {key!r} must be a non-empty string or a list of chat messages "

@@ -62,9 +62,11 @@ class PromptRenderer:
         self.system_prompt = system_prompt
 
     def messages(self, prompt) -> list[dict]:
-        messages = list(prompt) if isinstance(prompt, list) else [
-            {"role": "user", "content": self.task.user_message(prompt)}
-        ]  # fmt: skip
+        messages = (
+            list(prompt)
+            if isinstance(prompt, list)
+            else [{"role": "user", "content": self.task.user_message(prompt)}]
+        )
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
@@ -134,9 +136,13 @@ class PromptDataset:
 
     @classmethod
     def from_files(
-        cls, spec: str | os.PathLike, *, seed: int = 0, prompt_key: str = "prompt",
+        cls,
+        spec: str | os.PathLike,
+        *,
+        seed: int = 0,
+        prompt_key: str = "prompt",
         answer_key: str = "answer",
-    ) -> PromptDataset:  # fmt: skip
+    ) -> PromptDataset:
         """JSONL / Parquet files: a file, a directory or a glob (:mod:`.files`)."""
         spec, locations = os.fspath(spec), []
         examples = read_examples(spec, prompt_key, answer_key, locations)

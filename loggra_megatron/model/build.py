@@ -27,16 +27,23 @@ def fused_kernels(device_type: str, use_te: bool) -> dict[str, bool]:
     ``scaled_*_softmax_cuda`` extensions for the local spec) and the fused weight-gradient
     accumulation into ``main_grad`` (apex's ``fused_weight_gradient_mlp_cuda``, which
     Megatron's own output layer needs even with TE)."""
-    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-             "masked_softmax_fusion", "gradient_accumulation_fusion")  # fmt: skip
+    names = (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "masked_softmax_fusion",
+        "gradient_accumulation_fusion",
+    )
     if device_type != "cuda":
         return dict.fromkeys(names, False)
     has = importlib.util.find_spec
     return dict(
-        bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=use_te,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        apply_rope_fusion=use_te,
         masked_softmax_fusion=use_te or has("scaled_upper_triang_masked_softmax_cuda") is not None,
         gradient_accumulation_fusion=has("fused_weight_gradient_mlp_cuda") is not None,
-    )  # fmt: skip
+    )
 
 
 def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):

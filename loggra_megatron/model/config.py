@@ -13,9 +13,14 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 ARCHITECTURE = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "rotary_base", "untie_embeddings_and_output_weights",
-)  # fmt: skip
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "rotary_base",
+    "untie_embeddings_and_output_weights",
+)
 """Fields a checkpoint fixes; :class:`~loggra_megatron.model.args.GPTModelArgs` has them too,
 under the same names (a converted model's other fields are only in its args file)."""
 
@@ -79,21 +84,37 @@ class ModelConfig:
         return self.ffn_hidden_size or 64 * math.ceil(8 * self.hidden_size / 3 / 64)
 
     def __post_init__(self):
-        check_fields(self, [
-            ("num_layers", positive, ">= 1"), ("hidden_size", positive, ">= 1"),
-            ("ffn_hidden_size", positive, ">= 1"), ("num_attention_heads", positive, ">= 1"),
-            ("num_query_groups", positive, ">= 1"), ("seq_length", at_least(2), ">= 2"),
-            ("rotary_base", positive, "> 0"), ("init_method_std", positive, "> 0"),
-            ("fp8_format", one_of(*FP8_FORMATS), f"one of {', '.join(FP8_FORMATS)}"),
-            ("fp8_recipe", one_of(*FP8_RECIPES), f"one of {', '.join(FP8_RECIPES)}"),
-            ("transformer_impl", one_of(*TRANSFORMER_IMPLS),
-             f"one of {', '.join(TRANSFORMER_IMPLS)}"),
-            ("recompute_granularity", one_of(*RECOMPUTE_GRANULARITIES),
-             f"one of {', '.join(RECOMPUTE_GRANULARITIES)}"),
-            ("recompute_method", one_of(*RECOMPUTE_METHODS),
-             f"one of {', '.join(RECOMPUTE_METHODS)}"),
-            ("recompute_num_layers", positive, ">= 1"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("num_layers", positive, ">= 1"),
+                ("hidden_size", positive, ">= 1"),
+                ("ffn_hidden_size", positive, ">= 1"),
+                ("num_attention_heads", positive, ">= 1"),
+                ("num_query_groups", positive, ">= 1"),
+                ("seq_length", at_least(2), ">= 2"),
+                ("rotary_base", positive, "> 0"),
+                ("init_method_std", positive, "> 0"),
+                ("fp8_format", one_of(*FP8_FORMATS), f"one of {', '.join(FP8_FORMATS)}"),
+                ("fp8_recipe", one_of(*FP8_RECIPES), f"one of {', '.join(FP8_RECIPES)}"),
+                (
+                    "transformer_impl",
+                    one_of(*TRANSFORMER_IMPLS),
+                    f"one of {', '.join(TRANSFORMER_IMPLS)}",
+                ),
+                (
+                    "recompute_granularity",
+                    one_of(*RECOMPUTE_GRANULARITIES),
+                    f"one of {', '.join(RECOMPUTE_GRANULARITIES)}",
+                ),
+                (
+                    "recompute_method",
+                    one_of(*RECOMPUTE_METHODS),
+                    f"one of {', '.join(RECOMPUTE_METHODS)}",
+                ),
+                ("recompute_num_layers", positive, ">= 1"),
+            ],
+        )
         self._check_recompute()
         if self.hidden_size % self.num_attention_heads:
             reject(
@@ -136,9 +157,11 @@ class ModelConfig:
         if self.fp8_format:
             out.update(fp8=self.fp8_format, fp8_recipe=self.fp8_recipe)
         if self.recompute_granularity:
-            out.update(recompute_granularity=self.recompute_granularity,
-                       recompute_method=self.recompute_method,
-                       recompute_num_layers=self.recompute_num_layers)  # fmt: skip
+            out.update(
+                recompute_granularity=self.recompute_granularity,
+                recompute_method=self.recompute_method,
+                recompute_num_layers=self.recompute_num_layers,
+            )
         return out
 
     def model_args(self, vocab_size: int):
@@ -146,14 +169,19 @@ class ModelConfig:
         from loggra_megatron.model.args import GPTModelArgs
 
         return GPTModelArgs(
-            num_layers=self.num_layers, hidden_size=self.hidden_size,
-            ffn_hidden_size=self.ffn_size, num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups, vocab_size=vocab_size,
-            max_position_embeddings=self.seq_length, rotary_base=self.rotary_base,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            vocab_size=vocab_size,
+            max_position_embeddings=self.seq_length,
+            rotary_base=self.rotary_base,
             untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
-            params_dtype=self.params_dtype, init_method_std=self.init_method_std,
+            params_dtype=self.params_dtype,
+            init_method_std=self.init_method_std,
             make_vocab_size_divisible_by=64,
-        )  # fmt: skip
+        )
 
     @property
     def params_dtype(self) -> str:

@@ -106,9 +106,13 @@ def pad_micro_batch(batch: dict, multiple: int) -> dict:
 
 
 def run_schedule(
-    model, forward_step: Callable, micro: list[dict], *, forward_only: bool,
+    model,
+    forward_step: Callable,
+    micro: list[dict],
+    *,
+    forward_only: bool,
     collect_non_loss_data: bool = False,
-) -> list:  # fmt: skip
+) -> list:
     """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk), each
     micro-batch padded to the model's :func:`sequence_multiple`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -118,11 +122,15 @@ def run_schedule(
     micro = [pad_micro_batch(b, multiple) for b in micro]
     tokens = micro[0]["tokens"]
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-        num_microbatches=len(micro), seq_length=tokens.shape[1] - 1,
-        micro_batch_size=tokens.shape[0], forward_only=forward_only,
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=len(micro),
+        seq_length=tokens.shape[1] - 1,
+        micro_batch_size=tokens.shape[0],
+        forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
-    )  # fmt: skip
+    )
 
 
 def _map_step(fn, data_iterator, model):
@@ -139,8 +147,9 @@ def forward_map(model, micro: list[dict], fn: Callable[[dict, torch.Tensor], obj
     was_training = model.training
     model.eval()
     try:
-        out = run_schedule(model, partial(_map_step, fn), micro, forward_only=True,
-                           collect_non_loss_data=True)  # fmt: skip
+        out = run_schedule(
+            model, partial(_map_step, fn), micro, forward_only=True, collect_non_loss_data=True
+        )
     finally:
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None

@@ -64,16 +64,25 @@ class OptimConfig:
     then reads them without Megatron's fp32 copy (see --loggra-fp32-grad-copy)."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("optimizer", one_of(*OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)}"),
-            ("lr", at_least(0), ">= 0"), ("min_lr", at_least(0), ">= 0"),
-            ("lr_warmup_iters", at_least(0), ">= 0"),
-            ("lr_decay_style", one_of(*LR_DECAY_STYLES), f"one of {', '.join(LR_DECAY_STYLES)}"),
-            ("weight_decay", at_least(0), ">= 0"),
-            ("adam_beta1", lambda b: 0 <= b < 1, "in [0, 1)"),
-            ("adam_beta2", lambda b: 0 <= b < 1, "in [0, 1)"), ("adam_eps", positive, "> 0"),
-            ("clip_grad", at_least(0), ">= 0 (0: no clipping)"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("optimizer", one_of(*OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)}"),
+                ("lr", at_least(0), ">= 0"),
+                ("min_lr", at_least(0), ">= 0"),
+                ("lr_warmup_iters", at_least(0), ">= 0"),
+                (
+                    "lr_decay_style",
+                    one_of(*LR_DECAY_STYLES),
+                    f"one of {', '.join(LR_DECAY_STYLES)}",
+                ),
+                ("weight_decay", at_least(0), ">= 0"),
+                ("adam_beta1", lambda b: 0 <= b < 1, "in [0, 1)"),
+                ("adam_beta2", lambda b: 0 <= b < 1, "in [0, 1)"),
+                ("adam_eps", positive, "> 0"),
+                ("clip_grad", at_least(0), ">= 0 (0: no clipping)"),
+            ],
+        )
 
 
 @dataclass
@@ -115,13 +124,20 @@ class LoGRAConfig:
     instead of 4 bytes/param; needs --bf16 and the distributed optimizer)."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("loggra_rank", positive, ">= 1"), ("loggra_update_interval", positive, ">= 1"),
-            ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
-            ("loggra_oversample", at_least(0), ">= 0"), ("loggra_power_iters", at_least(0), ">= 0"),
-            ("loggra_min_dim", positive, ">= 1"), ("loggra_scale", positive, "> 0"),
-            ("loggra_seed", valid_seed, "in [0, 2^63)"),
-        ], owner=LoGRAConfig)  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("loggra_rank", positive, ">= 1"),
+                ("loggra_update_interval", positive, ">= 1"),
+                ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
+                ("loggra_oversample", at_least(0), ">= 0"),
+                ("loggra_power_iters", at_least(0), ">= 0"),
+                ("loggra_min_dim", positive, ">= 1"),
+                ("loggra_scale", positive, "> 0"),
+                ("loggra_seed", valid_seed, "in [0, 2^63)"),
+            ],
+            owner=LoGRAConfig,
+        )
 
     def rank_for(self, hidden_size: int) -> int:
         """The sketch rank for a model of width ``hidden_size``."""
@@ -130,8 +146,12 @@ class LoGRAConfig:
     def adamw_kwargs(self, hidden_size: int) -> dict:
         """LoGRA keyword arguments of :class:`~loggra_megatron.optim.LoGRAAdamW`."""
         return dict(
-            rank=self.rank_for(hidden_size), update_interval=self.loggra_update_interval,
-            projection=self.loggra_projection, oversample=self.loggra_oversample,
-            power_iters=self.loggra_power_iters, scale=self.loggra_scale,
-            min_dim=self.loggra_min_dim, seed=self.loggra_seed or 0,
-        )  # fmt: skip
+            rank=self.rank_for(hidden_size),
+            update_interval=self.loggra_update_interval,
+            projection=self.loggra_projection,
+            oversample=self.loggra_oversample,
+            power_iters=self.loggra_power_iters,
+            scale=self.loggra_scale,
+            min_dim=self.loggra_min_dim,
+            seed=self.loggra_seed or 0,
+        )

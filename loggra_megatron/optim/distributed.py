@@ -310,9 +310,14 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 continue
             lr = group["lr"] * scale
             _, _, direction, step_size = adam_moments(
-                state["exp_avg"], state["exp_avg_sq"], self._grad(p), step, group,
-                inplace=commit, lr=lr,
-            )  # fmt: skip
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                self._grad(p),
+                step,
+                group,
+                inplace=commit,
+                lr=lr,
+            )
             target = self._target(p, commit)
             target.mul_(1 - lr * group["weight_decay"])
             target.add_(direction, alpha=-step_size)
@@ -447,8 +452,9 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             omega = gaussian_test_matrix(layout.omega_rows, k, seed, self._device, torch.float32)
             return omega[layout.global_row_index(*owned).to(self._device)]
 
-        q_raw = projection.sharded_basis(rows, n, r, seed, settings, omega_rows, reduce,
-                                         self._device)  # fmt: skip
+        q_raw = projection.sharded_basis(
+            rows, n, r, seed, settings, omega_rows, reduce, self._device
+        )
         return None if grad is None else refreshed_state(q_raw, state, first)
 
     def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:

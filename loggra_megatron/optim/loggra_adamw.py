@@ -106,11 +106,21 @@ class LoGRAAdamW(torch.optim.Optimizer):
         seed: int = 0,
     ):
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=rank,
-            update_interval=update_interval, projection=projection, oversample=oversample,
-            power_iters=power_iters, scale=scale, residual_scale=residual_scale,
-            min_dim=min_dim, sketch=sketch, seed=seed,
-        )  # fmt: skip
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            rank=rank,
+            update_interval=update_interval,
+            projection=projection,
+            oversample=oversample,
+            power_iters=power_iters,
+            scale=scale,
+            residual_scale=residual_scale,
+            min_dim=min_dim,
+            sketch=sketch,
+            seed=seed,
+        )
         self._num_params_seen = 0
         self.num_nonfinite_skips = 0
         """How many (param, step) updates were skipped for non-finite gradients (not

@@ -193,8 +193,17 @@ class Projection:
         """``Q_raw [n, rank]`` from a whole ``[m, n]`` gradient."""
         raise NotImplementedError
 
-    def sharded_basis(self, rows, n: int, rank: int, seed: int, settings: dict,
-                      omega_rows: OmegaRows, all_reduce: AllReduce | None, device):  # fmt: skip
+    def sharded_basis(
+        self,
+        rows,
+        n: int,
+        rank: int,
+        seed: int,
+        settings: dict,
+        omega_rows: OmegaRows,
+        all_reduce: AllReduce | None,
+        device,
+    ):
         """``Q_raw [n, rank]`` from this rank's gradient ``rows``, identical on every rank
         that joins ``all_reduce`` (collective unless ``uses_gradient`` is False)."""
         raise NotImplementedError
@@ -205,15 +214,18 @@ class RangeFinder(Projection):
 
     def local_basis(self, grad, rank, seed, settings):
         m, n = grad.shape
-        omega = gaussian_test_matrix(m, self._k(rank, n, settings), seed, grad.device,
-                                     torch.float32)  # fmt: skip
-        return range_finder_basis(grad, rank, settings["oversample"], settings["power_iters"],
-                                  omega)  # fmt: skip
+        omega = gaussian_test_matrix(
+            m, self._k(rank, n, settings), seed, grad.device, torch.float32
+        )
+        return range_finder_basis(
+            grad, rank, settings["oversample"], settings["power_iters"], omega
+        )
 
     def sharded_basis(self, rows, n, rank, seed, settings, omega_rows, all_reduce, device):
         omega = omega_rows(self._k(rank, n, settings))
-        return range_finder_basis(rows, rank, settings["oversample"], settings["power_iters"],
-                                  omega, all_reduce)  # fmt: skip
+        return range_finder_basis(
+            rows, rank, settings["oversample"], settings["power_iters"], omega, all_reduce
+        )
 
     @staticmethod
     def _k(rank: int, n: int, settings: dict) -> int:

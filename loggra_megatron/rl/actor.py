@@ -58,8 +58,9 @@ class OptimizerStepFn(Protocol):
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
     """``(valid tokens, sequences)`` of a mini-batch summed over the DP group (reduced on
     the mask's device: NCCL takes no host tensors)."""
-    counts = torch.tensor([float(mask.sum()), float(num_seqs)], dtype=torch.float64,
-                          device=mask.device)  # fmt: skip
+    counts = torch.tensor(
+        [float(mask.sum()), float(num_seqs)], dtype=torch.float64, device=mask.device
+    )
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)
     return float(counts[0]), float(counts[1])

@@ -42,13 +42,17 @@ class GRPOConfig:
     """Adaptive β horizon, in samples."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("prompts_per_step", positive, ">= 1"),
-            ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
-            ("ppo_epochs", positive, ">= 1"),
-            ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
-            ("kl_ref_target", positive, "> 0"), ("kl_coef_horizon", positive, "> 0"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("prompts_per_step", positive, ">= 1"),
+                ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
+                ("ppo_epochs", positive, ">= 1"),
+                ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
+                ("kl_ref_target", positive, "> 0"),
+                ("kl_coef_horizon", positive, "> 0"),
+            ],
+        )
 
     @property
     def rollout_batch_size(self) -> int:
@@ -74,14 +78,17 @@ class KLControlConfig:
     """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("kl_target", positive, "a positive number (omit it to disable)"),
-            ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
-            ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
-            ("kl_max_backtracks", at_least(0), ">= 0"),
-            ("kl_backtrack_tolerance", at_least(1), ">= 1"),
-            ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("kl_target", positive, "a positive number (omit it to disable)"),
+                ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
+                ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
+                ("kl_max_backtracks", at_least(0), ">= 0"),
+                ("kl_backtrack_tolerance", at_least(1), ">= 1"),
+                ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
+            ],
+        )
 
     @property
     def enabled(self) -> bool:

@@ -60,9 +60,11 @@ class Experience:
     def training_batch(self, device) -> dict[str, torch.Tensor]:
         """The tensors the GRPO loss reads, on ``device``."""
         batch = {
-            "tokens": self.tokens.to(device), "mask": self.response_mask.to(device),
-            "old": self.old_log_probs.to(device), "adv": self.advantages.to(device),
-        }  # fmt: skip
+            "tokens": self.tokens.to(device),
+            "mask": self.response_mask.to(device),
+            "old": self.old_log_probs.to(device),
+            "adv": self.advantages.to(device),
+        }
         if self.ref_log_probs is not None:
             batch["ref"] = self.ref_log_probs.to(device)
         return batch
@@ -117,11 +119,15 @@ class ExperienceMaker:
         )
         ref = None
         if self.reference is not None:
-            ref = compute_log_probs(self.reference, rollout.tokens,
-                                    micro_batch_size=self.log_prob_micro_batch_size)  # fmt: skip
+            ref = compute_log_probs(
+                self.reference, rollout.tokens, micro_batch_size=self.log_prob_micro_batch_size
+            )
         return Experience(
-            tokens=rollout.tokens, response_mask=rollout.response_mask,
-            old_log_probs=rollout.log_probs, advantages=advantages, ref_log_probs=ref,
+            tokens=rollout.tokens,
+            response_mask=rollout.response_mask,
+            old_log_probs=rollout.log_probs,
+            advantages=advantages,
+            ref_log_probs=ref,
             num_tokens=rollout.token_mask.sum(),
             metrics={
                 "reward/mean": rewards.mean().item(),
@@ -130,7 +136,7 @@ class ExperienceMaker:
                 "response/length_mean": rollout.response_lengths.float().mean().item(),
                 **generated,
             },
-        )  # fmt: skip
+        )
 
     def generate(self, examples: list[dict], step: int, temperature: float):
         """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`) from
@@ -163,12 +169,19 @@ class ExperienceMaker:
                 rollout.tokens, rollout.prompt_lengths, rollout.response_lengths, strict=True
             )
         ]
-        args = ([prompt_text(e["prompt"]) for e in group], completions, [e["answer"] for e in group])
+        args = (
+            [prompt_text(e["prompt"]) for e in group],
+            completions,
+            [e["answer"] for e in group],
+        )
         try:
             rewards, correct = compute_rewards(
-                scoring.reward_fn, *args, [e["metadata"] for e in group], scoring.threshold,
+                scoring.reward_fn,
+                *args,
+                [e["metadata"] for e in group],
+                scoring.threshold,
                 scoring.is_correct,
-            )  # fmt: skip
+            )
         except RewardFunctionError as e:
             raise e.at(f"{where} (dataset prompt index {group[e.index]['index']})") from None
         return torch.tensor(rewards), correct

@@ -122,10 +122,15 @@ class ReferenceCollector:
             if take:  # the probe forward's length: the schedule's padding cut off
                 seq = unpadded_length(batch)
                 with torch.no_grad():
-                    self._parts.append(self.controller.as_reference(ProbeOutput(
-                        logits.detach()[:take, :seq], batch["tokens"][:take, 1 : seq + 1],
-                        batch["mask"][:take, :seq],
-                    )))  # fmt: skip
+                    self._parts.append(
+                        self.controller.as_reference(
+                            ProbeOutput(
+                                logits.detach()[:take, :seq],
+                                batch["tokens"][:take, 1 : seq + 1],
+                                batch["mask"][:take, :seq],
+                            )
+                        )
+                    )
             return loss_fn(batch, logits)
 
         return keeping
@@ -136,8 +141,9 @@ class ReferenceCollector:
         if not self._parts:
             return REFERENCE_ON_LAST_STAGE
         parts = self._parts
-        return ProbeOutput(*(torch.cat([getattr(p, f) for p in parts])
-                             for f in ("logits", "targets", "mask")))  # fmt: skip
+        return ProbeOutput(
+            *(torch.cat([getattr(p, f) for p in parts]) for f in ("logits", "targets", "mask"))
+        )
 
 
 def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: bool = False):
@@ -166,8 +172,9 @@ def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: boo
                 return logits
             return token_log_probs(logits, b["tokens"][:, 1 : seq + 1], vocab)
 
-        out = forward_map(model, [{"tokens": padded[i : i + mbs]}
-                                  for i in range(0, len(padded), mbs)], keep)  # fmt: skip
+        out = forward_map(
+            model, [{"tokens": padded[i : i + mbs]} for i in range(0, len(padded), mbs)], keep
+        )
         if out is None:
             return None
         targets = tokens[:, 1:]
@@ -277,8 +284,10 @@ class PredictedKLController:
             if reference is None and holdout_reference is None:
                 ref = self._reference(batch)
             else:
-                ref = _cat_outputs(self._given_or_own_reference(reference, probe_batch),
-                                   self._given_or_own_reference(holdout_reference, holdout_batch))  # fmt: skip
+                ref = _cat_outputs(
+                    self._given_or_own_reference(reference, probe_batch),
+                    self._given_or_own_reference(holdout_reference, holdout_batch),
+                )
         else:
             batch, split = probe_batch, None
             ref = self._given_or_own_reference(reference, probe_batch)
@@ -424,8 +433,9 @@ def _num_rows(batch) -> int:
 def _cat_outputs(a: ProbeOutput | None, b: ProbeOutput | None) -> ProbeOutput | None:
     if a is None:  # a pipeline stage other than the last
         return None
-    return ProbeOutput(*(torch.cat([getattr(a, f), getattr(b, f)])
-                         for f in ("logits", "targets", "mask")))  # fmt: skip
+    return ProbeOutput(
+        *(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("logits", "targets", "mask"))
+    )
 
 
 def _rows(out: ProbeOutput, rows: slice) -> ProbeOutput:

@@ -29,9 +29,13 @@ class RolloutConfig:
 
     def __post_init__(self):
         engines = engine_choices()
-        check_fields(self, [
-            ("max_new_tokens", positive, ">= 1"), ("temperature", at_least(0), ">= 0 (0: greedy)"),
-            ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
-            ("rollout_engine", one_of(*engines), f"one of {', '.join(engines)}"),
-            ("inference_max_tokens", positive, ">= 1"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("max_new_tokens", positive, ">= 1"),
+                ("temperature", at_least(0), ">= 0 (0: greedy)"),
+                ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
+                ("rollout_engine", one_of(*engines), f"one of {', '.join(engines)}"),
+                ("inference_max_tokens", positive, ">= 1"),
+            ],
+        )

@@ -134,8 +134,9 @@ class StepSampler:
         hit = torch.isin(ids, self.other_stops.to(ids.device))
         hit &= request_ids.to(ids.device) != skip_id
         if bool(hit.any()):
-            for rid, tok in zip(request_ids[hit.to(request_ids.device)].tolist(),
-                                ids[hit].tolist(), strict=True):  # fmt: skip
+            for rid, tok in zip(
+                request_ids[hit.to(request_ids.device)].tolist(), ids[hit].tolist(), strict=True
+            ):
                 self.substituted[int(rid)] = int(tok)
             ids = torch.where(hit, torch.full_like(ids, self.termination_id), ids)
         return ids
@@ -324,10 +325,20 @@ def generate_rollout_dynamic(
     stop_ids = _stop_list(eos_id)
     responses: list[list[int]] = [[] for _ in range(buf.shape[0])]
     if max_new_tokens > 0:
-        responses = _generate(model, buf, lengths, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, stop_ids=stop_ids,
-                              vocab_size=vocab_size, seed=seed, step=step, max_tokens=max_tokens,
-                              block_size=block_size_tokens)  # fmt: skip
+        responses = _generate(
+            model,
+            buf,
+            lengths,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_ids=stop_ids,
+            vocab_size=vocab_size,
+            seed=seed,
+            step=step,
+            max_tokens=max_tokens,
+            block_size=block_size_tokens,
+        )
     cut = [truncate_at_stop(r, stop_ids) for r in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
     rollout.log_probs = _policy_log_probs(model, rollout, log_prob_micro_batch_size)

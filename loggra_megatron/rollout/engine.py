@@ -71,18 +71,26 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         return torch.cat(rows)
 
     return Rollout(
-        tokens=cat("tokens", pad_id), log_probs=cat("log_probs", 0.0, 1),
-        response_mask=cat("response_mask", False, 1), token_mask=cat("token_mask", False),
+        tokens=cat("tokens", pad_id),
+        log_probs=cat("log_probs", 0.0, 1),
+        response_mask=cat("response_mask", False, 1),
+        token_mask=cat("token_mask", False),
         prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
         response_lengths=torch.cat([p.response_lengths for p in parts]),
         truncated=torch.cat([p.truncated for p in parts]),
-    )  # fmt: skip
+    )
 
 
 def generate_chunked(
-    model, prompts: list[list[int]], *, max_new_tokens: int, max_tokens: int | None = None,
-    row_multiple: int = 1, step: int = 0, **sampling,
-) -> tuple[Rollout, int]:  # fmt: skip
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    max_tokens: int | None = None,
+    row_multiple: int = 1,
+    step: int = 0,
+    **sampling,
+) -> tuple[Rollout, int]:
     """:func:`generate_rollout` over chunks of rows that fit ``max_tokens`` KV-cache tokens.
 
     ``sampling``: the other keyword arguments of :func:`generate_rollout`. Returns the
@@ -96,8 +104,15 @@ def generate_chunked(
         width = max(len(p) for p in part) + max_new_tokens
         padded_rows = -(-len(part) // row_multiple) * row_multiple
         peak = max(peak, kv_cache_bytes(model, padded_rows, width))
-        parts.append(generate_rollout(
-            model, part, max_new_tokens=max_new_tokens, step=step, chunk=chunk,
-            row_multiple=row_multiple, **sampling,
-        ))  # fmt: skip
+        parts.append(
+            generate_rollout(
+                model,
+                part,
+                max_new_tokens=max_new_tokens,
+                step=step,
+                chunk=chunk,
+                row_multiple=row_multiple,
+                **sampling,
+            )
+        )
     return concat_rollouts(parts, sampling.get("pad_id", 0)), peak

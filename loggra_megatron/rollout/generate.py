@@ -316,14 +316,21 @@ def generate_rollout(
     tp_group, pp_group, tp, pp = _groups()
     last = pp_group.rank() == pp - 1
     pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
-    hidden_dtype = torch.float32 if config.fp32_residual_connection else (
-        config.pipeline_dtype or config.params_dtype
-    )  # fmt: skip
+    hidden_dtype = (
+        torch.float32
+        if config.fp32_residual_connection
+        else (config.pipeline_dtype or config.params_dtype)
+    )
     generator = None
     if last and dist.get_rank(tp_group) == 0 and temperature > 0:
         generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device, chunk)
-    sample = partial(_next_tokens, temperature=temperature, top_p=top_p, generator=generator,
-                     vocab_size=vocab_size)  # fmt: skip
+    sample = partial(
+        _next_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        generator=generator,
+        vocab_size=vocab_size,
+    )
 
     log_probs = torch.zeros(batch, total - 1, dtype=torch.float32, device=device)
     response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)
@@ -360,8 +367,9 @@ def generate_rollout(
     if pp > 1:
         dist.broadcast(log_probs, src=pp_last_rank, group=pp_group)
     n = real_rows
-    return _trimmed_rollout(buf[:n], log_probs[:n], response_mask[:n], lengths[:n], gen_len[:n],
-                            stopped[:n])  # fmt: skip
+    return _trimmed_rollout(
+        buf[:n], log_probs[:n], response_mask[:n], lengths[:n], gen_len[:n], stopped[:n]
+    )
 
 
 def _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped) -> Rollout:

@@ -234,9 +234,14 @@ class RewardFunctionError(RuntimeError):
     ``problem`` (what it did wrong) and the original ``traceback_text``."""
 
     def __init__(
-        self, fn_name: str, index: int, prompt: str, problem: str, traceback_text: str,
+        self,
+        fn_name: str,
+        index: int,
+        prompt: str,
+        problem: str,
+        traceback_text: str,
         where: str = "",
-    ):  # fmt: skip
+    ):
         self.fn_name, self.index, self.prompt = fn_name, index, prompt
         self.problem, self.traceback_text = problem, traceback_text
         excerpt = prompt if len(prompt) <= 200 else prompt[:200] + "..."

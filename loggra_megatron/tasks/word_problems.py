@@ -40,7 +40,6 @@ _ITEMS = ("apples", "pencils", "marbles", "stickers", "cookies", "cards", "shell
 _GIFTS = ("bike", "game", "jacket", "lamp", "watch")
 
 
-
 # Each template draws its numbers from ``rng`` (scaled by ``m`` = max_number) and returns
 # (prompt, expression, solution). Numbers are chosen so that every step stays a
 # non-negative integer (and divisions are exact).

@@ -56,8 +56,11 @@ def gpt_model(
     from loggra_megatron.model.build import build_gpt_model, fused_kernels, wrap_ddp
 
     m, use_te = cfg.model, use_transformer_engine(cfg, device)
-    overrides = dict(use_cpu_initialization=device.type == "cpu",
-                     **fused_kernels(device.type, use_te), **m.transformer_overrides())  # fmt: skip
+    overrides = dict(
+        use_cpu_initialization=device.type == "cpu",
+        **fused_kernels(device.type, use_te),
+        **m.transformer_overrides(),
+    )
     model = build_gpt_model(args, use_te=use_te, **overrides)
     if cfg.start.mode == "converted":  # verified once; the reference becomes the policy
         load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
@@ -68,10 +71,12 @@ def gpt_model(
         return model
     opt = cfg.optimizer
     return wrap_ddp(
-        model, use_distributed_optimizer=opt.use_distributed_optimizer,
-        overlap_grad_reduce=opt.overlap_grad_reduce, overlap_param_gather=opt.overlap_param_gather,
+        model,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        overlap_grad_reduce=opt.overlap_grad_reduce,
+        overlap_param_gather=opt.overlap_param_gather,
         grad_reduce_in_fp32=not opt.grad_reduce_in_bf16,
-    )  # fmt: skip
+    )
 
 
 def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimizer:
@@ -107,12 +112,20 @@ def lr_scheduler(cfg: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParam
     # Megatron's scheduler needs warm-up < decay (also for --train-iters 0 warm-up runs)
     decay = max(updates_per_rl_step(cfg) * cfg.training.train_iters, opt.lr_warmup_iters + 1)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if opt.lr_warmup_iters else opt.lr, max_lr=opt.lr,
-        min_lr=opt.min_lr, lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=decay,
-        lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
-        wd_incr_steps=decay, wd_incr_style="constant", override_opt_param_scheduler=True,
+        optimizer,
+        init_lr=0.0 if opt.lr_warmup_iters else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        override_opt_param_scheduler=True,
         use_checkpoint_opt_param_scheduler=False,
-    )  # fmt: skip
+    )
 
 
 def kl_controller(

@@ -35,13 +35,19 @@ class TrainingConfig:
     """Learning rate of the warm-up (default: --lr)."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("train_iters", at_least(0), ">= 0"), ("micro_batch_size", positive, ">= 1"),
-            ("log_prob_micro_batch_size", positive, ">= 1"),
-            ("global_batch_size", positive, ">= 1"), ("seed", valid_seed, "in [0, 2^63)"),
-            ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
-            ("sft_iters", at_least(0), ">= 0"), ("sft_lr", at_least(0), ">= 0"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("train_iters", at_least(0), ">= 0"),
+                ("micro_batch_size", positive, ">= 1"),
+                ("log_prob_micro_batch_size", positive, ">= 1"),
+                ("global_batch_size", positive, ">= 1"),
+                ("seed", valid_seed, "in [0, 2^63)"),
+                ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
+                ("sft_iters", at_least(0), ">= 0"),
+                ("sft_lr", at_least(0), ">= 0"),
+            ],
+        )
 
     @property
     def forward_micro_batch_size(self) -> int:

@@ -50,8 +50,9 @@ class Evaluator:
             group = self.mine[i : i + self.chunk]
             rollout = self.experience.generate(group, step, temperature=0.0)
             rewards, correct = self.experience.score(rollout, group, f" in the eval at step {step}")
-            totals += torch.tensor([float(rewards.sum()), float(sum(correct)), len(group)],
-                                   dtype=torch.float64)  # fmt: skip
+            totals += torch.tensor(
+                [float(rewards.sum()), float(sum(correct)), len(group)], dtype=torch.float64
+            )
         if dist.get_world_size(self.dp_group) > 1:  # on the device: NCCL takes no host tensors
             totals = totals.to(self.experience.device)
             dist.all_reduce(totals, group=self.dp_group)

@@ -129,8 +129,10 @@ def _prompts(
     except (DatasetFormatError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{flag if spec else '--task'}: {e}") from None
     if not renderer.chat and any(not isinstance(e["prompt"], str) for e in dataset.examples):
-        raise ConfigError(f"{flag}: chat-message prompts need --apply-chat-template (a tokenizer "
-                          "with a chat template)")  # fmt: skip
+        raise ConfigError(
+            f"{flag}: chat-message prompts need --apply-chat-template (a tokenizer "
+            "with a chat template)"
+        )
     flag = flag if spec else "--task"
     if d.reward_fn is None:
         _check_answers(renderer.task, dataset, flag)

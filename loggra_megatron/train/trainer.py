@@ -56,17 +56,23 @@ class RLTrainer:
         from loggra_megatron.train.warmup import SupervisedWarmup
 
         cfg, host, p = self.cfg, self.host, self.cfg.parallel
-        self.device = initialize_megatron(p.tensor_model_parallel_size,
-                                          p.pipeline_model_parallel_size, cfg.training.seed,
-                                          p.device)  # fmt: skip
+        self.device = initialize_megatron(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            cfg.training.seed,
+            p.device,
+        )
         self.rank, self.dp_group = dist.get_rank(), ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self._log(*(f" {note}" for note in host.notes))
         self.dataset = host.dataset
         self.model_args = build.model_args(cfg, host.tokenizer)
         self.policy = build.gpt_model(cfg, self.model_args, self.device, trainable=True)
-        self.reference = (build.gpt_model(cfg, self.model_args, self.device, trainable=False)
-                          if cfg.grpo.kl_coef > 0 else None)  # fmt: skip
+        self.reference = (
+            build.gpt_model(cfg, self.model_args, self.device, trainable=False)
+            if cfg.grpo.kl_coef > 0
+            else None
+        )
         self.optimizer = build.optimizer(cfg, self.policy)
         self.scheduler = build.lr_scheduler(cfg, self.optimizer)
         stepper = MegatronStepper(self.optimizer)
@@ -74,8 +80,13 @@ class RLTrainer:
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
-        step = OptimizerStep(stepper, self.kl_controller, self.scheduler, self.skips,
-                             lambda: f"at RL step {self.step + 1}")  # fmt: skip
+        step = OptimizerStep(
+            stepper,
+            self.kl_controller,
+            self.scheduler,
+            self.skips,
+            lambda: f"at RL step {self.step + 1}",
+        )
         loss = build.policy_loss(cfg, self.kl_coef)
         t = cfg.training
         self.actor = Actor(
@@ -98,8 +109,10 @@ class RLTrainer:
             t.seed,
             t.forward_micro_batch_size,
         )
-        self._log(f" rollouts: {self.experience.engine.name} engine"
-                  + (f"; {self.experience.engine_note}" if self.experience.engine_note else ""))  # fmt: skip
+        self._log(
+            f" rollouts: {self.experience.engine.name} engine"
+            + (f"; {self.experience.engine_note}" if self.experience.engine_note else "")
+        )
         self.evaluator = None
         if host.eval_dataset is not None:
             self.evaluator = Evaluator(
@@ -109,25 +122,35 @@ class RLTrainer:
                 cfg.grpo.rollout_batch_size,
                 self.dp_group,
             )
-        self.warmup = SupervisedWarmup(self.actor, stepper, self.skips, host, cfg, self.device,
-                                       ps.get_data_parallel_rank())  # fmt: skip
+        self.warmup = SupervisedWarmup(
+            self.actor, stepper, self.skips, host, cfg, self.device, ps.get_data_parallel_rank()
+        )
         self._load()
         for model in (self.policy, self.reference):  # before any inference-mode forward
             if model is not None:
                 initialize_fp8_state(model)
         self.metrics = MetricsLogger(
-            cfg.metrics_dir, rank=self.rank, total_steps=cfg.training.train_iters,
-            wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
-            tensorboard_dir=cfg.logging.tensorboard_dir, config=cfg.to_dict(),
-        )  # fmt: skip
+            cfg.metrics_dir,
+            rank=self.rank,
+            total_steps=cfg.training.train_iters,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.wandb_run_name,
+            tensorboard_dir=cfg.logging.tensorboard_dir,
+            config=cfg.to_dict(),
+        )
         self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         return self
 
     def stateful(self) -> dict:
         """The components whose state a checkpoint carries, by name."""
-        parts = {"data": self.dataset, "scheduler": self.scheduler, "kl_coef": self.kl_coef,
-                 "skipped_steps": self.skips, "warmup": self.warmup}  # fmt: skip
+        parts = {
+            "data": self.dataset,
+            "scheduler": self.scheduler,
+            "kl_coef": self.kl_coef,
+            "skipped_steps": self.skips,
+            "warmup": self.warmup,
+        }
         if self.kl_controller is not None:
             parts["kl_controller"] = self.kl_controller
         return parts
@@ -163,8 +186,9 @@ class RLTrainer:
         t1 = time.perf_counter()
         updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
-        metrics = reduce_metrics({**updates, **exp.metrics}, self.pp_group, self.dp_group,
-                                 self.device)  # fmt: skip
+        metrics = reduce_metrics(
+            {**updates, **exp.metrics}, self.pp_group, self.dp_group, self.device
+        )
         if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
         step_time = time.perf_counter() - t0
@@ -172,22 +196,27 @@ class RLTrainer:
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
-        metrics.update({
-            "kl/coef": self.kl_coef.value,
-            "optimizer/skipped_steps_total": float(self.skips.total),
-            "data/dropped_prompts": float(self.host.dropped_prompts),
-            "time/step_s": step_time, "time/experience_s": t_experience, "time/train_s": t_train,
-            "throughput/tokens_per_s": float(tokens) / step_time,
-        })  # fmt: skip
+        metrics.update(
+            {
+                "kl/coef": self.kl_coef.value,
+                "optimizer/skipped_steps_total": float(self.skips.total),
+                "data/dropped_prompts": float(self.host.dropped_prompts),
+                "time/step_s": step_time,
+                "time/experience_s": t_experience,
+                "time/train_s": t_train,
+                "throughput/tokens_per_s": float(tokens) / step_time,
+            }
+        )
         return metrics
 
     def _next_prompts(self) -> list[dict]:
         """This DP rank's prompts of the next RL step (resumable via the dataset state)."""
         if not hasattr(self, "_batches"):
             self._batches = self.dataset.batches(
-                self.cfg.grpo.prompts_per_step, dp_rank=dist.get_rank(self.dp_group),
+                self.cfg.grpo.prompts_per_step,
+                dp_rank=dist.get_rank(self.dp_group),
                 dp_size=dist.get_world_size(self.dp_group),
-            )  # fmt: skip
+            )
         return next(self._batches)
 
     def _progress(self) -> tuple[int, int]:
@@ -230,15 +259,23 @@ class RLTrainer:
         from loggra_megatron.checkpointing.layout import MODEL_ARGS, RUN_CONFIG
 
         root = self.cfg.checkpoint.save
-        common = {"step": self.step, "model_args": self.model_args.to_dict(),
-                  **{name: c.state_dict() for name, c in self.stateful().items()}}  # fmt: skip
+        common = {
+            "step": self.step,
+            "model_args": self.model_args.to_dict(),
+            **{name: c.state_dict() for name, c in self.stateful().items()},
+        }
         run = {"flags": self.cfg.flags(), "step": self.step, "data": self.dataset.state_dict()}
         try:
             save_checkpoint(
-                root, self.step, [self.policy], self.optimizer, common, self._extra_models(),
+                root,
+                self.step,
+                [self.policy],
+                self.optimizer,
+                common,
+                self._extra_models(),
                 files={RUN_CONFIG: json.dumps(run, indent=1, default=str) + "\n"},
                 checksums=self.cfg.checkpoint.checkpoint_checksums,
-            )  # fmt: skip
+            )
         except CheckpointError as e:
             raise TrainingStopped(str(e)) from None
         if self.rank == 0:
@@ -267,8 +304,9 @@ class RLTrainer:
                 load_checkpoint(ref, [self.policy], None, verify=False)
                 self.optimizer.reload_model_params()
                 return
-            common = load_checkpoint(ref, [self.policy], self.optimizer,
-                                     extra_models=self._extra_models(), verify=False)  # fmt: skip
+            common = load_checkpoint(
+                ref, [self.policy], self.optimizer, extra_models=self._extra_models(), verify=False
+            )
         except (CheckpointError, ValueError) as e:
             raise TrainingStopped(str(e)) from None
         self.step = common["step"]

@@ -124,15 +124,26 @@ class LoGRACheckpointMixin(MegatronOptimizer):
                 master = torch.empty(main.shape, device=main.device)
             else:
                 master = inner.master_of(main)
-            entry = {"fp32_param": _flat_sharded(
-                f"{prefix}.{key}.fp32_param", master.view(-1), numel, start, dp_replica, is_loading
-            )}  # fmt: skip
+            entry = {
+                "fp32_param": _flat_sharded(
+                    f"{prefix}.{key}.fp32_param",
+                    master.view(-1),
+                    numel,
+                    start,
+                    dp_replica,
+                    is_loading,
+                )
+            }
             if layout is None:
                 for name in ("exp_avg", "exp_avg_sq"):
                     entry[name] = _flat_sharded(
-                        f"{prefix}.{key}.{name}", state[name].view(-1), numel, start, dp_replica,
+                        f"{prefix}.{key}.{name}",
+                        state[name].view(-1),
+                        numel,
+                        start,
+                        dp_replica,
                         is_loading,
-                    )  # fmt: skip
+                    )
             else:
                 entry.update(self._sketch_entries(f"{prefix}.{key}", layout, state, is_loading))
             param_state[key] = entry
@@ -150,10 +161,15 @@ class LoGRACheckpointMixin(MegatronOptimizer):
                 rows = state[name][lo - t_lo : hi - t_lo].reshape(-1)
                 entries[name] = _flat_sharded(
                     f"{key}.{name}", rows, m * r, lo * r, True, is_loading
-                )  # fmt: skip
+                )
         entries["basis"] = _flat_sharded(
-            f"{key}.basis", state["basis"].view(-1), n * r, 0, self._main_replica(layout), is_loading
-        )  # fmt: skip
+            f"{key}.basis",
+            state["basis"].view(-1),
+            n * r,
+            0,
+            self._main_replica(layout),
+            is_loading,
+        )
         return entries
 
     @torch.no_grad()

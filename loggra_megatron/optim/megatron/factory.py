@@ -73,9 +73,12 @@ class LoGRAOptimizerConfig(OptimizerConfig, LoGRAConfig):
         if self.optimizer != "adam":
             raise ValueError(f"LoGRAOptimizerConfig: optimizer={self.optimizer!r}; LoGRA is Adam")
         if self.loggra_param_remainders and not (
-            self.bf16 and self.use_distributed_optimizer and not self.loggra_fp32_grad_copy
-            and not self.log_num_zeros_in_grad and not self.use_precision_aware_optimizer
-        ):  # fmt: skip
+            self.bf16
+            and self.use_distributed_optimizer
+            and not self.loggra_fp32_grad_copy
+            and not self.log_num_zeros_in_grad
+            and not self.use_precision_aware_optimizer
+        ):
             raise ValueError(
                 "LoGRAOptimizerConfig: loggra_param_remainders needs bf16=True and "
                 "use_distributed_optimizer=True, and excludes loggra_fp32_grad_copy, "
@@ -97,12 +100,19 @@ def megatron_optimizer_config(optim: OptimConfig, model_chunks, cls=OptimizerCon
     """Megatron's ``OptimizerConfig`` (or ``cls``) from the ``--optimizer`` section; bf16
     main params follow the model's dtype."""
     return cls(
-        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad, bf16=bool(model_chunks[0].config.bf16),
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=bool(model_chunks[0].config.bf16),
         use_distributed_optimizer=optim.use_distributed_optimizer,
-        overlap_param_gather_with_optimizer_step=False, **extra,
-    )  # fmt: skip
+        overlap_param_gather_with_optimizer_step=False,
+        **extra,
+    )
 
 
 def build_optimizer(spec: OptimizerSpec, optim: OptimConfig, loggra: LoGRAConfig, model_chunks):

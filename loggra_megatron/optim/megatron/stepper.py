@@ -150,8 +150,11 @@ class MegatronStepper:
         """Refuse models whose weights *are* their fp32 masters (fp32 models): a candidate
         could not be tried on the model weights while the masters keep θ. (bf16 weights
         whose masters are kept as remainders are backed up for the trial, 2 bytes/param.)"""
-        aliased = sum(main.numel() for _, main, model, _, _ in self._params
-                      if main.dtype == torch.float32 and shares_storage(main, model))  # fmt: skip
+        aliased = sum(
+            main.numel()
+            for _, main, model, _, _ in self._params
+            if main.dtype == torch.float32 and shares_storage(main, model)
+        )
         total = sum(model.numel() for _, _, model, _, _ in self._params) or 1
         if aliased > 0.01 * total:
             raise ValueError(
@@ -165,8 +168,11 @@ class MegatronStepper:
         ones :meth:`commit` at η leaves (every inner optimizer computes its candidates as its
         step does, e.g. LoGRA's, and the model weights are plain 16-bit tensors), so that a
         forward in the last trial is a forward at the committed weights."""
-        exact = all(getattr(leaf.optimizer, "candidates_are_commits", False)
-                    for leaf in self.leaves if getattr(leaf, "optimizer", None) is not None)  # fmt: skip
+        exact = all(
+            getattr(leaf.optimizer, "candidates_are_commits", False)
+            for leaf in self.leaves
+            if getattr(leaf, "optimizer", None) is not None
+        )
         return exact and all(type(model.data) is torch.Tensor for _, _, model, _, _ in self._params)
 
     @contextlib.contextmanager
@@ -178,9 +184,11 @@ class MegatronStepper:
         backup = [main.detach().clone() for main in aliased]
         trial = CandidateTrial(True, sum(_nbytes(b) for b in backup))
         model_of = {main: (model, start, end) for _, main, model, start, end in self._params}
-        remainders = {main for leaf in self.leaves
-                      for main in getattr(getattr(leaf, "optimizer", None), "param_remainders",
-                                          ())}  # fmt: skip
+        remainders = {
+            main
+            for leaf in self.leaves
+            for main in getattr(getattr(leaf, "optimizer", None), "param_remainders", ())
+        }
 
         def write(main, candidate):
             trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + sum(map(_nbytes, backup)))
