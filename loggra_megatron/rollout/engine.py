@@ -1,28 +1,15 @@
 """The rollout engines behind ``--rollout-engine``, with the KV cache bounded by
 ``--inference-max-tokens``.
 
-Static engine (CPU and GPU): :func:`~loggra_megatron.rollout.generate.generate_rollout`,
-Megatron's static-batch scheme, whose KV cache holds ``rows × (P + N)`` tokens for ``rows``
-prompts of longest length ``P`` and ``N = --max-new-tokens``. :func:`generate_chunked` runs
-it over chunks of ``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``), so the
-cache never holds more than ``max(M, P + N)`` tokens::
-
-    KV bytes per rank = 2 (K, V) · layers of the stage · c · (P + N)
-                        · (query groups / TP) · kv_channels · bytes per element
-
-(:func:`kv_cache_bytes`, the layout of Megatron's ``StaticInferenceContext``). Each chunk is
-generated as its own static batch and the chunks are concatenated (right-padded to the
-longest). At temperature 0 the tokens equal those of one big batch (greedy decoding is
-row-wise; ``tests/test_rollout_engine.py``); at temperature > 0 each chunk draws from its
-own generator seeded by ``(seed, step, DP rank, chunk)``, so the draws depend on the chunking
-but not their distribution.
-
-Dynamic engine (GPU): :mod:`loggra_megatron.rollout.dynamic`, Megatron-Core's
-``DynamicInferenceEngine`` (paged KV cache of ``M`` tokens, continuous batching).
-
-Under FP8 every decode step is a GEMM over ``rows`` tokens, which Transformer Engine needs
-to be a multiple of 16 (32 for MXFP8): chunks are padded with finished rows
-(``generate_rollout(row_multiple=...)``).
+Static engine (CPU and GPU): :func:`generate_chunked` runs
+:func:`~loggra_megatron.rollout.generate.generate_rollout` over chunks of
+``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``, ``P`` the longest prompt,
+``N = --max-new-tokens``), so the KV cache never holds more than ``max(M, P + N)`` tokens
+(:func:`kv_cache_bytes`); each chunk samples from its own generator and, under FP8, is padded
+with finished rows to Transformer Engine's GEMM multiple. Dynamic engine (GPU):
+:mod:`loggra_megatron.rollout.dynamic`, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
+cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
+``docs/rollouts.md#the-static-engine``.
 """
 
 from __future__ import annotations

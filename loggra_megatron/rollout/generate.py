@@ -1,65 +1,14 @@
 """KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``, and log-prob recompute.
 
-Layout (right padding, Megatron's static-batch scheme)
-------------------------------------------------------
-Prompts are *right*-padded: sequence ``i`` occupies positions ``0 .. p_i - 1`` and its
-response follows at ``p_i, p_i + 1, ...``, so every token sits at its natural position and no
-attention mask or position shift is ever needed (causal attention never looks right).
-Megatron's ``StaticInferenceContext`` applies RoPE from one shared ``sequence_len_offset``
-for the whole batch, which is what makes this layout (and not left padding) the natural one.
-:func:`generate_rollout` drives the context exactly as Megatron's
-``TextGenerationController.generate_all_output_tokens_static_batch`` does:
-
-1. *prefill* positions ``[0, min_i p_i)`` in one forward (causal mask, KV cache filled);
-2. then one token per step: the forward of position ``t - 1`` (attending to the cache, no
-   mask) gives the next-token logits at ``t``; sequences whose prompt is longer than ``t``
-   keep their prompt token there (the sample is discarded), the others take the sample;
-   ``sequence_len_offset`` advances by the window length after every forward.
-
-A sequence stops after a stop token (``eos_id``) or ``max_new_tokens`` tokens; finished rows
-are fed ``pad_id`` until the whole batch is done (static batching). Results (:class:`Rollout`)
-use the shifted convention of a causal-LM loss: ``log_probs[:, t]`` and
-``response_mask[:, t]`` describe the *target* ``tokens[:, t + 1]``.
-
-Sampling and log-probs
-----------------------
-``temperature == 0`` is greedy (argmax, lowest id on ties); otherwise logits are divided by
-``temperature``, cut to the smallest top-p nucleus (at least one token kept) and sampled.
-The returned ``log_probs`` are ``log π(a)`` of the *untempered, unfiltered* policy
-(temperature 1) -- the quantity the GRPO ratio and the KL penalty need, and exactly what
-:func:`compute_log_probs` recomputes on the finished sequences.
-
-The sampling generator is seeded from ``(seed, step, data-parallel rank)`` (hashed), so DP
-ranks draw different samples while a rerun with the same arguments is bit-reproducible.
-
-Parallelism and communication
------------------------------
-* **TP.** In inference mode ``GPTModel`` always all-gathers the last-token logits over the TP
-  group (``runtime_gather_output=True`` is asserted), so every TP rank holds the same
-  ``[B, V]`` row. TP rank 0 samples and broadcasts the ``[B]`` token ids over the TP group, so
-  all TP ranks feed the same next token even if sampling kernels were non-deterministic.
-  The log-prob is computed *vocab-parallel* (each rank's own ``V/TP`` slice,
-  :func:`~loggra_megatron.model.vocab_parallel.vocab_parallel_log_probs`: two ``[B]`` all-reduces for the
-  log-sum-exp, one for the target logit) -- the same arithmetic as :func:`compute_log_probs`.
-* **PP.** Each step runs stage by stage: a stage receives the ``[s, B, H]`` hidden states from
-  the previous stage, runs its layers with its own KV cache (one context per process; caches
-  are keyed by global layer number) and sends its output on (Megatron's
-  ``inference.communication_utils`` p2p helpers). The last stage samples and broadcasts the
-  ``[B]`` token ids over the PP group, so every stage knows the next input and which rows
-  are done (the loop ends on all ranks together). The ``[B, L - 1]`` log-probs are broadcast
-  once at the end: every rank of the model-parallel group returns the same :class:`Rollout`.
-* Per step: one TP broadcast and one PP broadcast of ``B`` ids, three ``[B]`` TP
-  all-reduces, plus Megatron's own TP collectives and one PP send/recv of ``[s, B, H]``.
-* Sequence parallelism is switched off for generation (Megatron's static batching does not
-  support it) and restored afterwards. Context parallelism is not supported.
-
-Every rank of a model replica (all TP and PP ranks) must call :func:`generate_rollout` /
-:func:`compute_log_probs` with the same prompts / tokens and arguments.
-
-:func:`compute_log_probs` runs a plain forward (no cache, no grad, eval mode) through
-Megatron's ``get_forward_backward_func(forward_only=True)`` -- i.e. the pipelined 1F1B
-schedule over micro-batches under PP -- with vocab-parallel logits (never gathered). Its
-result lives on the *last pipeline stage* only (``None`` elsewhere), where the loss is.
+:func:`generate_rollout` is Megatron's static-batch scheme on ``StaticInferenceContext``:
+right-padded prompts, one prefill of the shortest prompt, then one token per step (finished
+rows idle until the whole batch is done), with the log-probs of the temperature-1 policy of
+every sampled token. TP rank 0 samples from the TP-gathered last-token logits and broadcasts
+the ``[B]`` ids over TP, the log-prob is vocab-parallel (three ``[B]`` all-reduces); under
+PP each step runs stage by stage (one send/recv of ``[s, B, H]``) and the last stage
+broadcasts the ids over PP. :func:`compute_log_probs` recomputes the same log-probs with a
+forward-only schedule. Layout, sampling, the communication per step and why:
+``docs/rollouts.md#the-static-engine``.
 """
 
 from __future__ import annotations
@@ -283,7 +232,7 @@ def generate_rollout(
     row_multiple: int = 1,
     chunk: int = 0,
 ) -> Rollout:
-    """Sample up to ``max_new_tokens`` tokens after each prompt; see the module docstring.
+    """Sample up to ``max_new_tokens`` tokens after each prompt (``docs/rollouts.md``).
 
     ``model`` is this rank's ``GPTModel`` stage (optionally wrapped in DDP / Float16Module);
     it is put in eval mode and restored. ``prompts`` is a list of token-id lists, or a
@@ -297,30 +246,17 @@ def generate_rollout(
     """
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
-    from megatron.core.utils import get_model_config
 
     _check_sampling(max_new_tokens, temperature, top_p)
-    config = get_model_config(model)
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
-    real_rows, extra = buf.shape[0], -buf.shape[0] % row_multiple
-    if extra:  # finished rows that only fill the GEMMs: the longest prompt, so no shorter prefill
-        longest = int(lengths.argmax())
-        buf = torch.cat([buf, buf[longest].expand(extra, -1)])
-        lengths = torch.cat([lengths, lengths[longest].expand(extra)])
-    batch, max_prompt = buf.shape[0], int(lengths.max())
-    total = max_prompt + max_new_tokens
-    buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
-    stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
-
-    tp_group, pp_group, tp, pp = _groups()
-    last = pp_group.rank() == pp - 1
-    pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
-    hidden_dtype = (
-        torch.float32
-        if config.fp32_residual_connection
-        else (config.pipeline_dtype or config.params_dtype)
+    real_rows = buf.shape[0]
+    state = _DecodeState.start(
+        *_fill_rows(buf, lengths, row_multiple), real_rows, max_new_tokens, pad_id
     )
+    stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
+    tp_group, pp_group, _, pp = _groups()
+    last = pp_group.rank() == pp - 1
     generator = None
     if last and dist.get_rank(tp_group) == 0 and temperature > 0:
         generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device, chunk)
@@ -331,61 +267,117 @@ def generate_rollout(
         generator=generator,
         vocab_size=vocab_size,
     )
-
-    log_probs = torch.zeros(batch, total - 1, dtype=torch.float32, device=device)
-    response_mask = torch.zeros(batch, total - 1, dtype=torch.bool, device=device)
-    gen_len = torch.zeros(batch, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    done[real_rows:] = True
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+    batch, total = state.buf.shape
     context = StaticInferenceContext(batch, total) if use_kv_cache else None
-
     with _generation_mode(model):
-        start, t = 0, int(lengths.min())
-        while t < total and max_new_tokens > 0 and not bool(done.all()):
-            lo = start if use_kv_cache else 0
-            logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
-            next_ids = torch.empty(batch, dtype=torch.long, device=device)
-            if last:
-                next_ids, lp = sample(logits, next_ids)
-            if pp > 1:
-                dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
-
-            active = (lengths <= t) & ~done  # rows whose token at t is a sample
-            buf[:, t] = torch.where(active, next_ids, buf[:, t])
-            response_mask[:, t - 1] = active
-            if last:
-                log_probs[:, t - 1] = torch.where(active, lp, 0.0)
-            gen_len += active.long()
-            hit_stop = active & torch.isin(next_ids, stop_ids)
-            stopped |= hit_stop
-            done |= hit_stop | (gen_len >= max_new_tokens)
-            if context is not None and bool((lengths <= t).all()):
-                context.enable_decode_mode()  # every prompt is fully in the cache
-            start, t = t, t + 1
-
+        _decode(model, state, sample, stop_ids, context, pp_group)
     if pp > 1:
-        dist.broadcast(log_probs, src=pp_last_rank, group=pp_group)
-    n = real_rows
-    return _trimmed_rollout(
-        buf[:n], log_probs[:n], response_mask[:n], lengths[:n], gen_len[:n], stopped[:n]
-    )
+        src = dist.get_process_group_ranks(pp_group)[-1]
+        dist.broadcast(state.log_probs, src=src, group=pp_group)
+    return state.rollout(real_rows)
 
 
-def _trimmed_rollout(buf, log_probs, response_mask, lengths, gen_len, stopped) -> Rollout:
-    """The :class:`Rollout`, cut to the longest finished sequence."""
-    seq_len = lengths + gen_len
-    width = int(seq_len.max())
-    positions = torch.arange(width, device=buf.device)
-    return Rollout(
-        tokens=buf[:, :width].contiguous(),
-        log_probs=log_probs[:, : width - 1].contiguous(),
-        response_mask=response_mask[:, : width - 1].contiguous(),
-        token_mask=positions.unsqueeze(0) < seq_len.unsqueeze(1),
-        prompt_lengths=lengths,
-        response_lengths=gen_len,
-        truncated=~stopped,
+def _fill_rows(buf, lengths, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buf`` and ``lengths`` with finished rows appended up to a multiple of ``row_multiple``:
+    copies of the longest prompt, which fill the GEMMs without a shorter prefill."""
+    extra = -buf.shape[0] % row_multiple
+    if not extra:
+        return buf, lengths
+    longest = int(lengths.argmax())
+    buf = torch.cat([buf, buf[longest].expand(extra, -1)])
+    return buf, torch.cat([lengths, lengths[longest].expand(extra)])
+
+
+@dataclass
+class _DecodeState:
+    """What the decode loop reads and writes, per row (``B``) and position (``L``)."""
+
+    buf: torch.Tensor  # [B, L] prompts, then samples, then pad_id
+    lengths: torch.Tensor  # [B] prompt lengths
+    max_new_tokens: int
+    log_probs: torch.Tensor  # [B, L - 1] of the targets tokens[:, t + 1]
+    response_mask: torch.Tensor  # [B, L - 1]
+    gen_len: torch.Tensor  # [B] generated tokens
+    done: torch.Tensor  # [B] finished (fill rows are from the start)
+    stopped: torch.Tensor  # [B] by a stop token
+
+    @classmethod
+    def start(cls, buf, lengths, real_rows: int, max_new_tokens: int, pad_id: int):
+        batch, device = buf.shape[0], buf.device
+        total = int(lengths.max()) + max_new_tokens
+        buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        done[real_rows:] = True
+        return cls(
+            buf=buf,
+            lengths=lengths,
+            max_new_tokens=max_new_tokens,
+            log_probs=torch.zeros(batch, total - 1, dtype=torch.float32, device=device),
+            response_mask=torch.zeros(batch, total - 1, dtype=torch.bool, device=device),
+            gen_len=torch.zeros(batch, dtype=torch.long, device=device),
+            done=done,
+            stopped=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
+    def record(self, t: int, next_ids, lp, stop_ids) -> None:
+        """Position ``t`` takes ``next_ids`` in the rows past their prompt and not finished
+        (``lp``: their log-probs, ``None`` off the last stage)."""
+        active = (self.lengths <= t) & ~self.done  # rows whose token at t is a sample
+        self.buf[:, t] = torch.where(active, next_ids, self.buf[:, t])
+        self.response_mask[:, t - 1] = active
+        if lp is not None:
+            self.log_probs[:, t - 1] = torch.where(active, lp, 0.0)
+        self.gen_len += active.long()
+        hit_stop = active & torch.isin(next_ids, stop_ids)
+        self.stopped |= hit_stop
+        self.done |= hit_stop | (self.gen_len >= self.max_new_tokens)
+
+    def rollout(self, n: int) -> Rollout:
+        """The :class:`Rollout` of the first ``n`` rows, cut to the longest finished one."""
+        lengths, gen_len = self.lengths[:n], self.gen_len[:n]
+        seq_len = lengths + gen_len
+        width = int(seq_len.max())
+        positions = torch.arange(width, device=self.buf.device)
+        return Rollout(
+            tokens=self.buf[:n, :width].contiguous(),
+            log_probs=self.log_probs[:n, : width - 1].contiguous(),
+            response_mask=self.response_mask[:n, : width - 1].contiguous(),
+            token_mask=positions.unsqueeze(0) < seq_len.unsqueeze(1),
+            prompt_lengths=lengths,
+            response_lengths=gen_len,
+            truncated=~self.stopped[:n],
+        )
+
+
+def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> None:
+    """Prefill, then one token per step until every row is done (on all ranks together:
+    the last stage broadcasts the ids over PP)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    hidden_dtype = (
+        torch.float32
+        if config.fp32_residual_connection
+        else (config.pipeline_dtype or config.params_dtype)
     )
+    pp = pp_group.size()
+    last = pp_group.rank() == pp - 1
+    pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
+    buf, lengths = state.buf, state.lengths
+    batch, total = buf.shape
+    start, t = 0, int(lengths.min())
+    while t < total and state.max_new_tokens > 0 and not bool(state.done.all()):
+        lo = start if context is not None else 0
+        logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
+        next_ids, lp = torch.empty(batch, dtype=torch.long, device=buf.device), None
+        if last:
+            next_ids, lp = sample(logits, next_ids)
+        if pp > 1:
+            dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
+        state.record(t, next_ids, lp, stop_ids)
+        if context is not None and bool((lengths <= t).all()):
+            context.enable_decode_mode()  # every prompt is fully in the cache
+        start, t = t, t + 1
 
 
 @torch.no_grad()
