@@ -65,14 +65,8 @@ from loggra_megatron.optim.loggra_adamw import (
     validate_group,
 )
 from loggra_megatron.optim.param_remainders import join_master, store_master
-from loggra_megatron.optim.projection import gaussian_test_matrix
-from loggra_megatron.optim.weight_layout import WeightLayout, cut_rows
-
-
-def _all_reduce_fn(group):
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    return lambda t: dist.all_reduce(t, group=group)
+from loggra_megatron.optim.row_sketch import RowShardedSketch, all_reduce_fn
+from loggra_megatron.optim.weight_layout import WeightLayout
 
 
 class ShardedLoGRAAdamW(LoGRAAdamW):
@@ -110,8 +104,6 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._held = held
         self._index_of = {p: w for w, p in held.items()}
         self._dp_rank = dp_rank
-        self._dp_reduce = _all_reduce_fn(dp_group)
-        self._tp_dp_reduce = _all_reduce_fn(tp_dp_group)
         self._consensus_group = consensus_group
         self.num_steps = 0
         """Optimizer steps taken (skipped steps excluded); drives the refresh schedule."""
@@ -139,6 +131,14 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
+        self._rows = RowShardedSketch(
+            all_layouts,
+            dp_rank,
+            all_reduce_fn(dp_group),
+            all_reduce_fn(tp_dp_group),
+            self._projection,
+            self._device,
+        )
 
     candidates_are_commits = True
     """:meth:`write_candidate` at η hands out, bit for bit, the fp32 masters that a step at
@@ -271,62 +271,66 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         cache = self._candidate_cache(held, keep=not commit)
         if commit:
             self._candidates = None
-        if commit:
             self.skipped_last_step = not cache["ok"]
         if not cache["ok"]:
-            if commit:
-                self._candidates = None
             return False
         refresh = needs_refresh(self.num_steps, self._settings)
-        step = self.num_steps + 1
         for w, layout in enumerate(self._all_layouts):
             p = self._stepped(w)
             if w not in cache:
                 cache[w] = self._project(w, layout, p, refresh, cache)
-            basis_and_moments, sketch = cache[w]
-            if commit:
-                del cache[w]
-            if p is None:
-                continue
-            state = self.state[p]
-            basis, exp_avg, exp_avg_sq = basis_and_moments
-            if commit and refresh:
-                keys = ("basis", "exp_avg", "exp_avg_sq")
-                for key, value in zip(keys, basis_and_moments, strict=True):
-                    state[key].copy_(value)
-                basis, exp_avg, exp_avg_sq = state["basis"], state["exp_avg"], state["exp_avg_sq"]
-            group = self._group_of[p]
-            lr = group["lr"] * scale  # as a commit at lr·η computes it: trial == commit
-            _, _, direction, step_size = adam_moments(
-                exp_avg, exp_avg_sq, sketch, step, group, inplace=commit, lr=lr
-            )
-            target = self._target(p, commit)
-            target.mul_(1 - lr * group["weight_decay"])
-            self._add_low_rank(target, layout, direction, basis, -step_size * group["scale"])
-            state["step"] += int(commit)
-            self._finish(p, target, commit, write)
+            basis_and_moments, sketch = cache.pop(w) if commit else cache[w]
+            if p is not None:
+                self._update_sketched(
+                    p, layout, basis_and_moments, sketch, refresh, commit, scale, write
+                )
         for p, group, state in held:
-            if p in self._index_of:
-                continue
-            lr = group["lr"] * scale
-            _, _, direction, step_size = adam_moments(
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                self._grad(p),
-                step,
-                group,
-                inplace=commit,
-                lr=lr,
-            )
-            target = self._target(p, commit)
-            target.mul_(1 - lr * group["weight_decay"])
-            target.add_(direction, alpha=-step_size)
-            state["step"] += int(commit)
-            self._finish(p, target, commit, write)
+            if p not in self._index_of:
+                self._update_dense(p, group, state, commit, scale, write)
         if commit:
             self.num_steps += 1
             self.model_grads = {}  # views of grad buffers that are about to be zeroed
         return True
+
+    def _update_sketched(self, p, layout, basis_and_moments, sketch, refresh, commit, scale, write):
+        """Adam on weight ``p``'s sketch and ``θ ← θ(1 − lr·wd) − step·(D Qᵀ)`` on its slice,
+        handed to ``write`` (a candidate) or committed: the moments updated in place, after a
+        refresh's new basis and moments replace the state's."""
+        state, group = self.state[p], self._group_of[p]
+        if commit and refresh:
+            for key, value in zip(
+                ("basis", "exp_avg", "exp_avg_sq"), basis_and_moments, strict=True
+            ):
+                state[key].copy_(value)
+            basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
+        basis, exp_avg, exp_avg_sq = basis_and_moments
+        lr = group["lr"] * scale  # as a commit at lr·η computes it: trial == commit
+        _, _, direction, step_size = adam_moments(
+            exp_avg, exp_avg_sq, sketch, self.num_steps + 1, group, inplace=commit, lr=lr
+        )
+        target = self._target(p, commit)
+        target.mul_(1 - lr * group["weight_decay"])
+        self._rows.add_low_rank(target, layout, direction, basis, -step_size * group["scale"])
+        state["step"] += int(commit)
+        self._finish(p, target, commit, write)
+
+    def _update_dense(self, p, group, state, commit, scale, write):
+        """Dense AdamW on a param that is not sketched (as :meth:`_update_sketched`)."""
+        lr = group["lr"] * scale
+        _, _, direction, step_size = adam_moments(
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            self._grad(p),
+            self.num_steps + 1,
+            group,
+            inplace=commit,
+            lr=lr,
+        )
+        target = self._target(p, commit)
+        target.mul_(1 - lr * group["weight_decay"])
+        target.add_(direction, alpha=-step_size)
+        state["step"] += int(commit)
+        self._finish(p, target, commit, write)
 
     @torch.no_grad()
     def project_gradients(self) -> bool:
@@ -371,15 +375,17 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
     def _project(self, w, layout, p, refresh: bool, cache: dict):
         """``(basis and moments, sketch)`` of weight ``w`` this step (collective)."""
         if refresh and self._projection.uses_gradient and "split_rows" not in cache:
-            cache["split_rows"] = self._gather_split_rows()
+            cache["split_rows"] = self._rows.gather_split_rows(self._raw_grad_of, self._fp32_of)
         state = self.state[p] if p is not None else None
         grad = self._grad(p).view(-1) if p is not None else None  # this weight's slice
         basis_and_moments = None
         if refresh:
-            basis_and_moments = self._refreshed(w, layout, grad, state, cache.get("split_rows", {}))
+            basis_and_moments = self._refreshed(w, grad, state, cache.get("split_rows", {}))
         elif p is not None:
             basis_and_moments = (state["basis"], state["exp_avg"], state["exp_avg_sq"])
-        return basis_and_moments, self._exact_sketch(layout, grad, basis_and_moments)
+        basis, moment = (basis_and_moments or (None, None))[:2]
+        shape = None if moment is None else moment.shape
+        return basis_and_moments, self._rows.sketch(layout, grad, basis, shape)
 
     def _any_nonfinite(self, grads) -> bool:
         """Whether any rank of the consensus group holds a non-finite gradient: one fused
@@ -395,101 +401,19 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             dist.all_reduce(bad, group=group)
         return bool(bad > 0)
 
-    def _exact_sketch(self, layout, grad, basis_and_moments) -> torch.Tensor | None:
-        """``S [touched rows, r]`` of a weight on this rank from its flat fp32 gradient slice
-        (None: no slice here); split rows are summed over DP (an all-reduce of
-        ``[split rows, r]`` that every DP rank joins)."""
-        split = layout.split_rows() if self._dp_reduce is not None else []
-        lo = layout.touched_rows(self._dp_rank)[0]
-        edge = torch.zeros(len(split), layout.rank, device=self._device) if split else None
-        s = None
-        if grad is not None:
-            basis = basis_and_moments[0]
-            start, end = layout.dp_ranges[self._dp_rank]
-            pieces = cut_rows(grad, start, end, layout.shape[1])
-            s = torch.empty(basis_and_moments[1].shape, device=basis.device)
-            s[pieces.body_rows[0] - lo : pieces.body_rows[1] - lo] = pieces.body @ basis
-            for row, c0, c1, values in pieces.partial:
-                s[row - lo] = values @ basis[c0:c1]
-            if edge is not None:
-                for row, *_ in pieces.partial:
-                    edge[split.index(row)] = s[row - lo]
-        if edge is not None:
-            self._dp_reduce(edge)
-            if s is not None:
-                for row, *_ in pieces.partial:
-                    s[row - lo] = edge[split.index(row)]
-        return s
-
-    def _add_low_rank(self, target, layout, direction, basis, alpha) -> None:
-        """``target += alpha · (direction Qᵀ)`` restricted to this rank's slice."""
-        lo = layout.touched_rows(self._dp_rank)[0]
-        start, end = layout.dp_ranges[self._dp_rank]
-        pieces = cut_rows(target.view(-1), start, end, layout.shape[1])
-        b0, b1 = pieces.body_rows
-        pieces.body.addmm_(direction[b0 - lo : b1 - lo], basis.t(), alpha=alpha)
-        for row, c0, c1, values in pieces.partial:
-            values.add_(direction[row - lo] @ basis[c0:c1].t(), alpha=alpha)
-
     # ------------------------------------------------------------------ refresh
-    def _refreshed(self, w, layout, grad, state, full_split_rows):
+    def _refreshed(self, w, grad, state, split_rows):
         """``(basis, exp_avg, exp_avg_sq)`` of weight ``w`` after this step's basis refresh,
         as new tensors (None where this rank holds no slice, ``grad`` None). Collective over
         DP (and TP for column-parallel weights) unless the projection is random."""
-        settings, projection = self._settings, self._projection
-        first = self.num_steps == 0
-        seed = refresh_seed(layout.seed, self.num_steps, settings)
-        n, r = layout.shape[1], layout.rank
-        if not projection.uses_gradient:  # no collective: nothing to join without a slice
-            if grad is None:
-                return None
-            q_raw = projection.sharded_basis(None, n, r, seed, settings, None, None, grad.device)
-            return refreshed_state(q_raw, state, first)
-        rows, owned = self._owned_rows(w, layout, grad, full_split_rows)
-        reduce = self._tp_dp_reduce if layout.reduce_over_tp else self._dp_reduce
+        seed = refresh_seed(self._all_layouts[w].seed, self.num_steps, self._settings)
+        q_raw = self._rows.basis(w, grad, seed, self._settings, split_rows)
+        return None if grad is None else refreshed_state(q_raw, state, self.num_steps == 0)
 
-        def omega_rows(k: int) -> torch.Tensor:  # Ω's rows of this rank's owned rows
-            omega = gaussian_test_matrix(layout.omega_rows, k, seed, self._device, torch.float32)
-            return omega[layout.global_row_index(*owned).to(self._device)]
+    def _raw_grad_of(self, w: int) -> torch.Tensor | None:
+        """The raw gradient slice of sketched weight ``w`` held here (None: none)."""
+        p = self._held.get(w)
+        return None if p is None else self._raw_grad(p)
 
-        q_raw = projection.sharded_basis(
-            rows, n, r, seed, settings, omega_rows, reduce, self._device
-        )
-        return None if grad is None else refreshed_state(q_raw, state, first)
-
-    def _gather_split_rows(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Full gradient rows of every split row, summed over DP (one all-reduce)."""
-        offsets, total = {}, 0
-        for w, layout in enumerate(self._all_layouts):
-            for row in layout.split_rows():
-                offsets[(w, row)] = total
-                total += layout.shape[1]
-        if not total:
-            return {}
-        buf = torch.zeros(total, device=self._device)
-        for w, layout in enumerate(self._all_layouts):
-            p = self._held.get(w)
-            if p is None or self._raw_grad(p) is None:
-                continue
-            start, end = layout.dp_ranges[self._dp_rank]
-            for row, c0, c1, values in cut_rows(  # converts only the split rows' pieces
-                self._raw_grad(p).view(-1), start, end, layout.shape[1]
-            ).partial:
-                o = offsets[(w, row)]
-                buf[o + c0 : o + c1] = self._fp32(p, values)
-        if self._dp_reduce is not None:
-            self._dp_reduce(buf)
-        return {key: buf[o : o + self._all_layouts[key[0]].shape[1]] for key, o in offsets.items()}
-
-    def _owned_rows(self, w, layout, grad, full_split_rows):
-        """This rank's owned gradient rows ``[rows, n]`` and their local row range."""
-        n = layout.shape[1]
-        if grad is None:
-            return torch.zeros(0, n, device=self._device), (0, 0)
-        lo, hi = layout.owned_rows(self._dp_rank)
-        start, end = layout.dp_ranges[self._dp_rank]
-        pieces = cut_rows(grad, start, end, n)
-        rows = pieces.body
-        if hi > pieces.body_rows[1]:  # the tail row is split and owned here
-            rows = torch.cat([rows, full_split_rows[(w, hi - 1)].view(1, n)])
-        return rows, (lo, hi)
+    def _fp32_of(self, w: int, piece: torch.Tensor) -> torch.Tensor:
+        return self._fp32(self._held[w], piece)

@@ -46,14 +46,7 @@ class RLTrainer:
     def setup(self) -> RLTrainer:
         from megatron.core import parallel_state as ps
 
-        from loggra_megatron.metrics import MetricsLogger
         from loggra_megatron.model.forward import initialize_fp8_state
-        from loggra_megatron.optim.megatron.stepper import MegatronStepper
-        from loggra_megatron.rl import AdaptiveKLCoefficient
-        from loggra_megatron.rl.actor import Actor
-        from loggra_megatron.rl.experience import ExperienceMaker
-        from loggra_megatron.train.evaluation import Evaluator
-        from loggra_megatron.train.warmup import SupervisedWarmup
 
         cfg, host, p = self.cfg, self.host, self.cfg.parallel
         self.device = initialize_megatron(
@@ -66,20 +59,48 @@ class RLTrainer:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self._log(*(f" {note}" for note in host.notes))
         self.dataset = host.dataset
-        self.model_args = build.model_args(cfg, host.tokenizer)
+        stepper = self._build_models()
+        self._build_rl(stepper)
+        self._load()
+        for model in (self.policy, self.reference):  # before any inference-mode forward
+            if model is not None:
+                initialize_fp8_state(model)
+        self.metrics = self._metrics_logger()
+        self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _build_models(self):
+        """The policy, the reference, the optimizer and what steps it; returns the stepper."""
+        from loggra_megatron.optim.megatron.stepper import MegatronStepper
+        from loggra_megatron.rl import AdaptiveKLCoefficient
+
+        cfg, g = self.cfg, self.cfg.grpo
+        self.model_args = build.model_args(cfg, self.host.tokenizer)
         self.policy = build.gpt_model(cfg, self.model_args, self.device, trainable=True)
         self.reference = (
             build.gpt_model(cfg, self.model_args, self.device, trainable=False)
-            if cfg.grpo.kl_coef > 0
+            if g.kl_coef > 0
             else None
         )
         self.optimizer = build.optimizer(cfg, self.policy)
         self.scheduler = build.lr_scheduler(cfg, self.optimizer)
         stepper = MegatronStepper(self.optimizer)
-        g = cfg.grpo
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
+        return stepper
+
+    def _build_rl(self, stepper) -> None:
+        """The actor, the experience maker, the evaluator and the warm-up."""
+        from megatron.core import parallel_state as ps
+
+        from loggra_megatron.rl.actor import Actor
+        from loggra_megatron.rl.experience import ExperienceMaker
+        from loggra_megatron.train.evaluation import Evaluator
+        from loggra_megatron.train.warmup import SupervisedWarmup
+
+        cfg, host, t = self.cfg, self.host, self.cfg.training
         step = OptimizerStep(
             stepper,
             self.kl_controller,
@@ -88,7 +109,6 @@ class RLTrainer:
             lambda: f"at RL step {self.step + 1}",
         )
         loss = build.policy_loss(cfg, self.kl_coef)
-        t = cfg.training
         self.actor = Actor(
             self.policy,
             self.optimizer,
@@ -109,9 +129,9 @@ class RLTrainer:
             t.seed,
             t.forward_micro_batch_size,
         )
+        note = self.experience.engine_note
         self._log(
-            f" rollouts: {self.experience.engine.name} engine"
-            + (f"; {self.experience.engine_note}" if self.experience.engine_note else "")
+            f" rollouts: {self.experience.engine.name} engine" + (f"; {note}" if note else "")
         )
         self.evaluator = None
         if host.eval_dataset is not None:
@@ -125,11 +145,12 @@ class RLTrainer:
         self.warmup = SupervisedWarmup(
             self.actor, stepper, self.skips, host, cfg, self.device, ps.get_data_parallel_rank()
         )
-        self._load()
-        for model in (self.policy, self.reference):  # before any inference-mode forward
-            if model is not None:
-                initialize_fp8_state(model)
-        self.metrics = MetricsLogger(
+
+    def _metrics_logger(self):
+        from loggra_megatron.metrics import MetricsLogger
+
+        cfg = self.cfg
+        return MetricsLogger(
             cfg.metrics_dir,
             rank=self.rank,
             total_steps=cfg.training.train_iters,
@@ -138,9 +159,6 @@ class RLTrainer:
             tensorboard_dir=cfg.logging.tensorboard_dir,
             config=cfg.to_dict(),
         )
-        self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
 
     def stateful(self) -> dict:
         """The components whose state a checkpoint carries, by name."""
