@@ -1,26 +1,18 @@
 """Megatron ``dist_checkpointing`` save/load of model + optimizer: atomic, verified, finite.
 
-Save (:func:`save_checkpoint`, collective), with the layout of
-:mod:`loggra_megatron.checkpointing.layout`:
+:func:`save_checkpoint` (collective) gathers the weights other DP ranks updated, refuses a
+non-finite tensor on all ranks before anything is written
+(:class:`~loggra_megatron.checkpointing.integrity.CheckpointError`), writes ``iter_N.tmp``
+(``torch_dist``) with a manifest of sizes and CRC-32s written last, renames it into place
+and then replaces the tracker (layout: :mod:`loggra_megatron.checkpointing.layout`), so
+every crash point leaves a complete checkpoint. :func:`load_checkpoint` (collective)
+verifies the files against the manifest (falling back to an older complete checkpoint),
+checks that the optimizer state fits this run, loads every tensor into fresh buffers,
+checks them finite, and only then copies them into the live model and optimizer: a refused
+load changes nothing.
 
-1. the weights other DP ranks updated are gathered (``--overlap-param-gather`` defers it
-   to the next forward), then every floating-point tensor is checked finite on every rank; a NaN/inf anywhere refuses
-   the save on all ranks (:class:`~loggra_megatron.checkpointing.integrity.CheckpointError`)
-   before anything is written, so the last good checkpoint stays the latest;
-2. all ranks write ``iter_N.tmp`` (``torch_dist``), rank 0 adds the extra files (the run's
-   settings), the files are checksummed in parallel and rank 0 writes the manifest last.
-   An I/O error on any rank (a full disk) removes ``iter_N.tmp`` and refuses the save on
-   every rank in one line;
-3. rank 0 moves ``iter_N.tmp`` into place (an existing ``iter_N`` is first renamed to
-   ``iter_N.old``) and replaces the tracker. Every crash point leaves a complete checkpoint
-   that :func:`~loggra_megatron.checkpointing.layout.select_checkpoint` finds.
-
-Load (:func:`load_checkpoint`, collective) verifies the files against the manifest's CRC-32
-(falling back to an older complete checkpoint if they fail), reads the common (non-tensor)
-state, checks that the optimizer state fits this run (LoGRA: same TP/PP size and
-projection, any DP size; Megatron's dense Adam: ``dp_reshardable``, any DP size), loads
-every tensor into fresh buffers, checks them finite, and only then copies them into the
-live model and optimizer: a refused load changes nothing.
+Step by step: docs/checkpointing.md#saving-atomic-verified-finite and
+docs/checkpointing.md#loading-which-iteration.
 """
 
 from __future__ import annotations

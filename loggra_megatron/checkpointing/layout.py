@@ -1,29 +1,18 @@
 """On-disk layout of trainer checkpoints, and which iteration a ``--load`` resumes.
 
-A checkpoint root (``--save DIR``), Megatron-LM's layout::
+A checkpoint root (``--save DIR``) has Megatron-LM's layout: the tracker
+``latest_checkpointed_iteration.txt``, one ``torch_dist`` directory ``iter_NNNNNNN`` per
+saved iteration with its ``run_config.json`` and a ``manifest.json`` written last (every
+file's size and CRC-32), and ``loggra_model_args.json`` (the architecture). A directory is
+*complete* when its manifest is valid and describes it. :func:`select_checkpoint` resumes
+the tracked iteration if its directory is complete, and otherwise falls back, with a
+warning, to the newest complete directory: ``iter_N``, then a complete ``iter_N.tmp``, then
+``iter_N.old``. An incomplete ``iter_N.tmp`` is an *interrupted save*, removed when the
+next run claims the directory. Nothing here needs a process group: ``pretrain_rl.py``
+resolves ``--load`` before it starts one.
 
-    DIR/latest_checkpointed_iteration.txt   the iteration to resume ("release": a converted
-                                            model, see loggra_megatron.convert.checkpoint)
-    DIR/iter_0000100/                       one torch_dist checkpoint of iteration 100
-        run_config.json                     the run's settings (read before any process starts)
-        manifest.json                       written last: every file's size and CRC-32
-    DIR/loggra_model_args.json              the architecture (for tools/convert_checkpoint.py)
-
-Saving (:mod:`loggra_megatron.checkpointing.dist_ckpt`) writes ``iter_N.tmp``; a directory
-is *complete* when its manifest is valid and describes it: every file of the directory is
-listed with its size (and the small ``run_config.json`` matches its CRC-32). A checkpoint
-this project wrote always has one, since the manifest is written last: a missing or
-unreadable manifest means an interrupted save, never a checkpoint to trust. A new iteration
-is renamed into place and the tracker replaced after it. Re-saving an existing iteration
-renames the old one to ``iter_N.old`` first, so a crash between the two renames leaves the
-complete ``iter_N.tmp`` (new) and ``iter_N.old`` (previous) but no ``iter_N``.
-
-:func:`select_checkpoint` therefore resumes the tracked iteration if its directory is
-complete, and otherwise falls back, with a warning, to the newest complete directory:
-``iter_N``, then a complete ``iter_N.tmp``, then ``iter_N.old``. An incomplete
-``iter_N.tmp`` is an *interrupted save*: it holds nothing to resume, does not make the
-directory another run's, and is removed when the next run claims the directory. Nothing
-here needs a process group: ``pretrain_rl.py`` resolves ``--load`` before it starts one.
+The layout, completeness, and why every crash point leaves a complete checkpoint:
+docs/checkpointing.md#layout and docs/checkpointing.md#what-counts-as-complete.
 """
 
 from __future__ import annotations

@@ -3,29 +3,15 @@
 :func:`plan_start` (then :func:`check_resume`) reads only small files (tracker,
 manifests, ``run_config.json``, ``loggra_model_args.json``) and returns a
 :class:`StartPlan`, or raises :class:`~loggra_megatron.config.ConfigError` (exit status 2)
-with one sentence. ``--save`` and the output directory must be (or be creatable as)
-writable directories, and ``--save`` must not hold a converted model (a run's first save
-would replace its tracker).
+with one sentence. The plan is **fresh** (no ``--load``, or the first launch of an
+auto-resume script), **resume** (a trainer checkpoint: architecture adopted or checked, the
+settings the saved state depends on unchanged, schedule flags following the new values),
+**weights** (``--no-load-optim``: the policy's weights only) or **converted** (a model from
+``tools/convert_checkpoint.py``). Nothing is overwritten or appended to: a ``--save`` that
+holds another run's checkpoint or a converted model, or an output directory with another
+run's ``metrics.jsonl``, is refused.
 
-* **fresh**: no ``--load``; or ``--load`` equal to ``--save`` with no checkpoint there yet
-  (the first launch of an auto-resume script; interrupted saves, ``iter_N.tmp`` without a
-  manifest, are no checkpoint). A ``--save`` that already holds another run's checkpoint,
-  or an output directory with another run's ``metrics.jsonl``, is refused, so that nothing
-  is overwritten or appended to. A resumed run truncates its ``metrics.jsonl`` to the
-  resumed step, so no step appears twice.
-* **resume**: ``--load`` holds a trainer checkpoint (the tracked iteration, or ``--ckpt-step``;
-  an incomplete tracked one falls back to the newest complete one, with a warning).
-  Architecture flags given on the command line must match the checkpoint (every mismatch is
-  named with both values); those not given are adopted. Settings that the saved state
-  depends on (``--bf16``, ``--optimizer``, LoGRA's rank/projection/min-dim, a reference
-  model from ``--kl-coef``, TP/PP size, ``--use-distributed-optimizer``, ``--seed`` and the
-  prompt data) must be unchanged. Schedule flags (``--train-iters``, ``--lr``, warm-up,
-  decay, batch sizes) follow the new values, as Megatron-LM's
-  ``--override-opt_param-scheduler``; every changed flag is reported.
-* **weights**: the same with ``--no-load-optim``: the policy's weights only (any TP/PP; the
-  reference model, optimizer, schedule and data position start fresh).
-* **converted**: ``--load`` holds a model from ``tools/convert_checkpoint.py``; its
-  architecture is adopted as above.
+Every situation and its result: docs/checkpointing.md#what---load-and---save-mean.
 """
 
 from __future__ import annotations

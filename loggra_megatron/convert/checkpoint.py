@@ -1,25 +1,19 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Megatron-Core distributed checkpoints of a converted GPT model.
 
-Layout (the one Megatron-LM's ``--load`` understands, iteration ``release``)::
-
-    DIR/latest_checkpointed_iteration.txt   "release"
-    DIR/release/                            dist_checkpointing, torch_dist format:
-                                            {"model": model.sharded_state_dict(),
-                                             "checkpoint_version": 3.0, "iteration": 0}
-        manifest.json                       written last: every file's size and CRC-32
-    DIR/loggra_model_args.json              GPTModelArgs (the architecture)
-    DIR/hf_config.json                      original HF config.json (if converted from HF)
-
-``torch_dist`` stores *global* tensors (TP shards and PP stages are reassembled on save), so
-a checkpoint saved at one TP/PP loads at any other that the architecture allows; the
-embedding/output rows are loaded with ``allow_shape_mismatch`` so a different vocabulary
-padding is fine too. Converted models and ``pretrain_rl.py`` checkpoints are written and
-read through the same code (:mod:`loggra_megatron.checkpointing`): atomic saves with a
-manifest, the same selection of the iteration, the CRC-32 and finite-value checks.
+The layout is the one Megatron-LM's ``--load`` understands, iteration ``release``
+(``DIR/release/`` in ``torch_dist`` format with its manifest, ``DIR/loggra_model_args.json``
+with the architecture, ``DIR/hf_config.json`` with the original HF config). ``torch_dist``
+stores *global* tensors (TP shards and PP stages are reassembled on save), so a checkpoint
+saved at one TP/PP loads at any other that the architecture allows; the embedding/output
+rows are loaded with ``allow_shape_mismatch`` so a different vocabulary padding is fine too.
+Converted models and ``pretrain_rl.py`` checkpoints are written and read through the same
+code (:mod:`loggra_megatron.checkpointing`): atomic saves with a manifest, the same
+selection of the iteration, the CRC-32 and finite-value checks.
 
 All functions are collective over the default process group and need
-``megatron.core.parallel_state`` to be initialised.
+``megatron.core.parallel_state`` to be initialised. Layout in full:
+docs/checkpointing.md#converted-models.
 """
 
 from __future__ import annotations

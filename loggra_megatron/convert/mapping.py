@@ -16,12 +16,7 @@ kind           HF tensors                                 Megatron layout / TP s
 ``replicated`` norms (incl. Qwen3 ``q_norm``/``k_norm``)  identical on every TP rank
 =============  =========================================  =======================================
 
-QKV interleaving: with ``ng`` query groups, ``n = heads // ng`` query heads per group and head
-dim ``d``, Megatron's ``linear_qkv`` output is ``ng`` blocks of ``(n + 2) * d`` rows, block g
-holding query heads ``g*n .. g*n+n-1``, then key head g, then value head g; HF's GQA
-(``repeat_kv``) pairs the same query heads with key/value head g. Column-parallel TP gives rank
-r the r-th contiguous chunk of that layout (whole groups when ``ng % tp == 0``; when
-``tp > ng`` a rank holds part of a group and Megatron all-gathers inside attention).
+The ``qkv`` interleaving and each kind's TP split: docs/checkpointing.md#converted-models.
 """
 
 from __future__ import annotations

@@ -5,48 +5,15 @@ slices ``[start, end)`` of each flattened, TP-local weight ``W ∈ R^{m×n}``; t
 partition the weight across the data-parallel (DP) ranks without respecting rows. A
 slice is at most a partial head row, a run of whole rows (the *body*) and a partial tail
 row. With a right basis ``Q ∈ R^{n×r}`` shared by the DP ranks, row i of ``S = G Q``
-depends only on row i of ``G``, so:
+depends only on row i of ``G``: each rank sketches its rows locally, the partial sketches
+of rows split between ranks are summed with a small DP all-reduce (``[split rows, r]``
+floats per weight), and a basis refresh all-reduces the range finder's row sums (over
+TP × DP for column-parallel weights, none over TP for row-parallel ones), so the ranks
+compute the same ``Q`` and the trajectory is DP-invariant. Non-finite gradients skip the
+whole step on every rank. With ``projection="identity"`` the update is dense AdamW.
 
-* **Per step (sketch).** Each rank sketches its body rows locally (``G_body Q``) and the
-  partial rows as partial sums (``g_i[c0:c1] Q[c0:c1]``). The partial sketches of the
-  *split rows* (rows touched by two or more DP ranks; at most one per DP shard boundary)
-  are summed with a DP all-reduce of ``[split rows, r]`` floats for each weight that has
-  any (weights are processed one at a time so that transients stay one weight's worth),
-  so every rank holds the exact sketch of every row it touches. Adam then runs on the
-  ``[rows, r]``
-  sketch (a split row's moments live, identically, on each rank that touches it) and the
-  update ``U Qᵀ`` is applied to the rank's own columns of each row. No TP communication.
-* **Per refresh (basis).** The split rows' gradients are first summed over DP (one
-  all-reduce of ``Σ_split n`` floats) and each split row is *owned* by the rank that
-  holds its first element, so the owned rows partition the weight. The range finder
-  (:func:`~loggra_megatron.optim.projection.range_finder_basis`) then all-reduces its
-  row sums: ``n·k`` floats (``k = r + p``) per power iteration plus one, and ``k²``
-  float64, per weight. Ranks that hold no row of a weight contribute zeros, so all ranks
-  issue the same collectives and compute the same ``Q``. The GaLore baseline
-  (``projection="svd"``) instead all-reduces each weight's Gram matrix ``GᵀG``
-  (``n²`` float64) and takes its top-r eigenvectors, G's top right singular vectors.
-* **TP.** Column-parallel weights (rows split over TP: ``linear_qkv``, ``linear_fc1``)
-  reduce the range finder over TP × DP, so ``Q`` is the basis of the whole matrix and
-  the trajectory is TP-invariant. Row-parallel weights (columns split over TP:
-  ``linear_proj``, ``linear_fc2``) take their basis along the split dimension, so each
-  TP rank keeps its own basis of its column block (a block-diagonal basis of rank
-  ``tp·r`` on the full matrix): no TP communication, but not TP-invariant.
-* **PP.** Each stage's optimizer only sees its own layers; nothing crosses stages.
-* **Gradients in the model's precision.** With bf16 grad buffers Megatron copies every
-  gradient shard to fp32 before the step (4 bytes per parameter at once). The LoGRA leaf
-  optimizers hand this optimizer the bf16 shards instead (:meth:`ShardedLoGRAAdamW.
-  set_model_grads`, with the clipping coefficient), and each one is converted to fp32
-  when its weight comes up, so only one weight's fp32 gradient exists at a time.
-* **Master weights as remainders** (``param_remainders``): a bf16 shard param *is* the
-  model's weight and its fp32 master is that weight plus an int16 remainder
-  (:mod:`~loggra_megatron.optim.param_remainders`, exact); each weight's master is
-  rebuilt, updated and split back one weight at a time.
-* **Non-finite gradients** skip the whole step on every rank (one scalar all-reduce over
-  the optimizer's grad-stats group), as Megatron does for fp16 overflow, so collectives
-  and step counters never diverge.
-
-With ``projection="identity"`` (``Q = I``) the update equals dense AdamW element by
-element, which is how the integration is tested against Megatron's own Adam.
+Sharding and communication per step and per refresh, TP, PP, bf16 gradients and
+remainders: docs/optimizer.md#sharding.
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """LoGRA-AdamW: AdamW whose state lives in low-rank gradient sketches.
 
-Math (design note §1)
----------------------
 For each sketched 2-D weight ``W ∈ R^{m×n}`` with gradient ``G`` and orthonormal right
 basis ``Q ∈ R^{n×r}`` (see :mod:`loggra_megatron.optim.projection`)::
 
-    S  = G Q                                  # [m, r] sketch
-    M ← β1 M + (1 − β1) S                     # [m, r]
-    V ← β2 V + (1 − β2) S ∘ S                 # [m, r]
-    U  = M̂ / (√V̂ + ε)                         # bias-corrected, [m, r]
-    W ← W − lr·(λ W + α U Qᵀ)                 # decoupled weight decay λ, scale α
-         − lr·ρ·γ·(G − S Qᵀ)                  # optional residual, γ = α‖U‖/‖S‖ (Fira-like)
+    S = G Q;  M ← β1 M + (1 − β1) S;  V ← β2 V + (1 − β2) S ∘ S    # [m, r]
+    W ← W − lr·(λ W + α M̂/(√V̂ + ε) Qᵀ)   # decoupled weight decay λ, scale α
 
-Every ``update_interval`` steps ``Q`` is recomputed from the current gradient, aligned
-to the old basis and the moments are transported (``projection.transport_moments``).
-With ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``.
+``Q`` is refreshed every ``update_interval`` steps and the moments are transported into the
+new basis; with ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``.
+No communication (single process; the distributed version is
+:mod:`loggra_megatron.optim.distributed`).
 
-1-D parameters, matrices with ``min(m, n) < min_dim`` and param groups with
-``sketch=False`` (embeddings, output layer) take the dense AdamW update.
-
-State per sketched matrix: ``exp_avg`` and ``exp_avg_sq`` ``[m, r]`` and ``basis``
-``[n, r]`` in fp32 (``2·m·r + n·r`` floats) plus two int64 scalars (``step``,
-``basis_seed``). State is tensors only, so it shards and
-checkpoints like Adam's; the Gaussian test matrices are re-derived from
-``(basis_seed, refresh index)``, so no RNG state is needed to resume bitwise.
-
-Sharding/communication: none here (single process); the distributed version is
-:mod:`loggra_megatron.optim.distributed`.
-
+Residual, dense params, state and exactness: docs/optimizer.md#update-rule.
 References: GaLore (Zhao et al., ICML 2024), Flora (Hao et al., ICML 2024),
 LDAdam (Robert et al., ICLR 2025), Fira (Chen et al., 2024), Halko et al. (SIAM Rev. 2011).
 """

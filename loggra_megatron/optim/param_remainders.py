@@ -7,18 +7,13 @@ master copy (4 bytes per parameter), the optimizer keeps
     B = H + [L ≥ 2¹⁵]          the bf16 model weight itself (round half up in magnitude)
     d = L − 2¹⁶·[L ≥ 2¹⁵]      an int16 remainder, d ∈ [−2¹⁵, 2¹⁵)
 
-and recovers the master exactly as ``u = B·2¹⁶ + d`` (two's-complement int32 arithmetic,
-so the same formula holds for negative numbers, whose bit patterns order by magnitude).
-The model weight is the master rounded to bf16 — to nearest, ties away from zero, where
-``Tensor.to(torch.bfloat16)`` breaks ties to even — so a step changes 2 + 2 bytes per
-parameter instead of 2 + 4, and the trajectory of the fp32 masters is bit for bit that of
-an fp32 master copy given the same gradients. Non-finite masters are not representable
-(a non-finite gradient skips the step before any master is touched).
-
+and recovers the master exactly as ``u = B·2¹⁶ + d`` (two's-complement int32 arithmetic).
 Megatron-Core does the same for its precision-aware optimizer (``store_param_remainders``,
 inside Transformer Engine's FusedAdam, GPU only); this module is the torch version that the
-LoGRA optimizer uses on any device. Tensors are processed one weight at a time: rebuilding a master
-allocates the fp32 master and nothing else, and storing one reuses the master's storage.
+LoGRA optimizer uses on any device, one weight at a time.
+
+Rounding, negative numbers, memory and exactness:
+docs/optimizer.md#fp32-master-weights-as-bf16-weights--int16-remainders---loggra-param-remainders
 """
 
 from __future__ import annotations

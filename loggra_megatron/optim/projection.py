@@ -1,59 +1,17 @@
 """Bases for low-rank gradient sketches, and moment transport between bases.
 
-Math
-----
-For a weight ``W ∈ R^{m×n}`` (row-major, TP-local) with gradient ``G``, LoGRA keeps an
-orthonormal right basis ``Q ∈ R^{n×r}`` and sketches the gradient as ``S = G Q ∈ R^{m×r}``.
+For a weight ``W ∈ R^{m×n}`` with gradient ``G``, LoGRA keeps an orthonormal right basis
+``Q ∈ R^{n×r}`` and sketches the gradient as ``S = G Q ∈ R^{m×r}``. ``Q`` comes from a
+randomized range finder (default; Halko, Martinsson & Tropp 2011: ``Y = Gᵀ Ω``, power
+iterations, Rayleigh–Ritz), a full SVD (GaLore, Zhao et al. 2024), a random basis (Flora,
+Hao et al. 2024) or ``Q = I`` (exactly AdamW). A new basis is aligned to the old one
+(orthogonal Procrustes) and the moments are transported with ``R = Q_oldᵀ Q_new``:
+``M ← M R``, ``V ← V (R ∘ R)`` (LDAdam, Robert et al. 2024, without error feedback).
+:data:`PROJECTIONS` maps each name to a :class:`Projection`. Row reductions go through an
+optional ``all_reduce`` (sum), so row-sharded gradients give every rank the same ``Q``.
 
-* ``range_finder`` (default; Halko, Martinsson & Tropp 2011, Alg. 4.4 + 5.1):
-  ``Y = Gᵀ Ω`` with a seeded Gaussian ``Ω ∈ R^{m×k}``, ``k = r + p`` (p = oversampling),
-  ``q`` power iterations ``Y ← Gᵀ (G orth(Y))``, then a Rayleigh–Ritz step on the small
-  problem: ``Q_y = orth(Y)``, ``B = G Q_y``, ``C = Bᵀ B`` (k×k), ``C = E Λ Eᵀ``,
-  ``Q = Q_y E[:, :r]`` (top-r eigenvectors). Cost ``O(m·n·k·(2q + 2))`` flops plus
-  ``O(n·k²)``, versus ``O(m·n·min(m, n))`` for the full SVD GaLore uses.
-* ``svd`` (GaLore, Zhao et al. 2024): top-r right singular vectors of G, from a full SVD
-  when G is on one rank, or, for row-sharded G, from the eigenvectors of the Gram matrix
-  ``GᵀG = Σ_ranks G_iᵀ G_i`` (``n×n`` float64, one all-reduce of ``n²`` values; same
-  subspace, ``O(m·n²)`` flops). A baseline for measurement only.
-* ``random`` (Flora, Hao et al. 2024): ``Q = orth(N(0, 1)^{n×r})``, independent of G.
-* ``identity``: ``Q = I_n`` (r = n); the exactness anchor (LoGRA-AdamW == AdamW).
-
-Basis alignment and moment transport
-------------------------------------
-Any rotation of a basis spans the same subspace, but Adam's diagonal preconditioner is
-not rotation invariant, so a refresh that lands on the *same* subspace in a different
-rotation would perturb the trajectory. We therefore align every new basis to the old one
-(orthogonal Procrustes): ``A = Q_rawᵀ Q_old = U Σ Wᵀ``, ``Q_new = Q_raw U Wᵀ``. When the
-span is unchanged, ``Q_new = Q_old`` (to round-off) and the refresh is a no-op.
-
-Moments are then transported into the new basis with ``R = Q_oldᵀ Q_new`` (r×r):
-
-* first moment, exactly: ``M ← M R`` (the old moment ``M Q_oldᵀ`` in weight space,
-  re-expressed in the new coordinates; its component outside the new span is dropped);
-* second moment, ``V ← V (R ∘ R)``: the new coordinate ``s'_j = Σ_k s_k R_kj`` has
-  ``E[s'_j²] = Σ_k R_kj² E[s_k²] + cross terms``; the cross terms are dropped, which is
-  Adam's own diagonal (independent-coordinates) assumption. This is the
-  projection-aware rule of LDAdam (Robert et al. 2024) without its error feedback.
-  It keeps ``V ≥ 0``, is exact for permutations, and is the identity for ``R = I``.
-  Directions new to the subspace start with small M and V (like a fresh Adam state).
-
-Projection objects
-------------------
-:data:`PROJECTIONS` maps each name to a :class:`Projection`, the one place that says which
-weights a projection sketches, at what rank, whether its basis is refreshed and from what,
-for :class:`~loggra_megatron.optim.LoGRAAdamW` (whole gradients, :meth:`Projection.
-local_basis`) and :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW` (row shards
-with all-reduces, :meth:`Projection.sharded_basis`). A new projection is one subclass and
-one registry line.
-
-Distributed use
----------------
-Every reduction over the rows of ``G`` (``Gᵀ Ω``, ``Gᵀ (G Y)``, ``Bᵀ B``) goes through an
-optional ``all_reduce`` callable (sum, in place). With row-sharded gradients (data
-parallel slices, see ``loggra_megatron.optim.distributed``) each rank passes its own
-rows, the matching rows of ``Ω``, and a DP all-reduce; every rank then computes the same
-``Q``. The message sizes are ``n·k`` floats per power iteration plus one and ``k²``
-float64 once.
+Derivations, costs and message sizes: docs/optimizer.md#bases and
+docs/optimizer.md#alignment-and-moment-transport.
 """
 
 from __future__ import annotations

@@ -3,25 +3,13 @@
 Megatron's own optimizer formats assume Adam's state has the shape of the param; LoGRA's
 sketches do not, so the ``LoGRA*`` leaf optimizers (:mod:`loggra_megatron.optim.megatron.leaves`)
 override ``sharded_state_dict`` / ``load_state_dict`` with :class:`LoGRACheckpointMixin`.
+Every state tensor is a flat, DP-independent global tensor (``torch_dist``), each DP rank
+writing its slice or the sketch rows it owns, so a checkpoint loads at any DP size; a
+different TP or PP size is refused by :meth:`LoGRACheckpointMixin.check_compatible` before
+any tensor is read, and loaded tensors reach the live state only after the whole load
+succeeded.
 
-Format (``torch_dist``), one entry per model param this rank holds a slice of, under
-``optimizer.loggra.pp{P}.tp{T}.{chunk}.{param name}``:
-
-* ``fp32_param`` (also with ``--loggra-param-remainders``: the master rebuilt from weight
-  and remainder, so the two modes load each other's checkpoints) and, for densely updated
-  params, ``exp_avg`` / ``exp_avg_sq``: the
-  flattened ``[m·n]`` tensor, each DP rank writing its ``[start, end)`` slice;
-* sketched weights: ``exp_avg`` / ``exp_avg_sq`` as the flattened ``[m·r]`` sketch, each
-  DP rank writing the rows it *owns* (rows whose first element it holds, a partition)
-  and reading every row it touches; ``basis`` ``[n·r]`` written by the lowest DP rank
-  holding the weight.
-
-Because every DP slice is a flat range of a DP-independent global tensor, a checkpoint
-loads at any DP size. The sketches are per TP shard (row-parallel weights have one basis
-per TP rank) and keys carry the TP/PP rank, so loading at a different TP or PP size is
-refused by :meth:`LoGRACheckpointMixin.check_compatible` with a clear error, before any
-tensor is read. Loaded tensors land in fresh buffers and are copied into the live state
-only after the whole load succeeded.
+Format (keys, which rank writes what): docs/optimizer.md#checkpoints.
 """
 
 from __future__ import annotations

@@ -6,28 +6,11 @@ fp32 main params, loss scaling, grad clipping, NaN skipping, ``overlap_grad_redu
 ``overlap_param_gather`` and the ``OptimizerParamScheduler`` all stay Megatron's) and then
 replaces the inner ``torch.optim.AdamW`` of each leaf optimizer with a
 :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW` over the *same* param
-groups (Megatron's ``wd_mult``/``lr_mult`` keys included):
+groups (Megatron's ``wd_mult``/``lr_mult`` keys included). The leaf optimizers are
+re-classed to the ``LoGRA*`` subclasses of :mod:`loggra_megatron.optim.megatron.leaves`.
 
-* ``DistributedOptimizer`` (``use_distributed_optimizer=True``, the target): the inner
-  params are the DP rank's 1-D slices of each weight; their layouts (which flat range
-  each DP rank holds) are recomputed from the grad buffers' bucket split, exactly as
-  Megatron computes them, and checked against Megatron's own range map.
-* ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer``: the inner params are whole
-  weights, replicated over DP; every DP rank computes the same update.
-
-Embeddings, the output layer, norms, biases and matrices with a side shorter than
-``loggra_min_dim`` are updated by dense AdamW inside the same inner optimizer. Leaf
-optimizers (and a ``ChainedOptimizer``) are re-classed to the ``LoGRA*`` subclasses of
-:mod:`loggra_megatron.optim.megatron.leaves`, which save the sketch state with
-``dist_checkpointing`` and hand bf16 gradients to LoGRA without Megatron's fp32 copy.
-Re-classing, not construction: ``get_megatron_optimizer`` builds its leaf classes itself
-and takes no class argument, and building our subclasses directly would copy its param-group,
-grad-buffer, grad-scaler and stub-optimizer setup; the subclasses add no slots, so the
-re-classed object has exactly the instance layout Megatron built.
-
-Pinned to megatron-core 0.16 (Python 3.11) – 0.19; the attributes used
-(``buffers``, ``param_index_map``, ``buckets[i].offset``, ``model_*_groups`` /
-``shard_*_groups``, ``float16_groups`` / ``fp32_from_*_groups``) are covered by tests.
+Leaf optimizers, dense params, why re-classing, and the megatron-core attributes this is
+pinned to (0.16–0.19): docs/optimizer.md#inside-megatron-cores-distributed-optimizer.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """Megatron optimizers that give LoGRA bf16 gradients without Megatron's fp32 copy.
 
-Memory
-------
-Before each step, Megatron's ``DistributedOptimizer`` sets every fp32 main-param shard's
-``.grad`` to ``model_param.main_grad[shard].float()``. With fp32 grad buffers (Megatron's
-default) that is a view; with bf16 buffers (``grad_reduce_in_fp32=False``) it is a copy of
-every shard at once: 4 bytes per parameter of this DP shard, alive through the optimizer
-step, as large as the fp32 grad buffer the bf16 one was meant to save. LoGRA reads the
-gradients one weight at a time, so :class:`ModelGradsMixin` leaves the bf16 shards in
-the grad buffer and hands them to ``ShardedLoGRAAdamW.set_model_grads``; the step then
-holds at most one weight's fp32 gradient. Main params that are bf16 (their masters kept as
-remainders, ``--loggra-param-remainders``) get their gradients this way also from fp32
-grad buffers, and :class:`ModelGradsMixin` skips Megatron's main → model copy for them
-(the main param *is* the model's shard) and zeroes their remainders where Megatron copies
-model → main params (``reload_model_params``).
+With bf16 grad buffers, Megatron's ``DistributedOptimizer`` copies every gradient shard to
+fp32 before the step (4 bytes per parameter of the DP shard, alive through the step). LoGRA
+reads gradients one weight at a time, so :class:`ModelGradsMixin` leaves the bf16 shards in
+the grad buffer and hands them to ``ShardedLoGRAAdamW.set_model_grads``: the step holds at
+most one weight's fp32 gradient. What Megatron does to main grads is redone on the same
+values: the grad norm from each shard's fp32-accumulated norm, and the clipping factor
+``c = clip_grad / (‖g‖ + 1e-6)`` applied to each fp32 conversion (:class:`LoGRAChainedOptimizer`
+sets it for a ``ChainedOptimizer``). Main params kept as remainders get their gradients this
+way also from fp32 grad buffers, and Megatron's main → model copy is skipped for them.
 
-What Megatron does to main grads is redone for those shards, on the same values:
-
-* **norm**: ``get_main_grads_for_grad_norm`` contributes, per bf16 shard ``g``, the
-  1-element fp32 tensor ``[‖g‖₂]`` (fp32 accumulation), so Megatron's
-  ``get_grad_norm_fp32`` (√ of the all-reduced sum of squares over the grad-stats group)
-  returns the total norm of the same gradients;
-* **clipping**: where Megatron scales fp32 main grads in place by
-  ``c = clip_grad / (‖g‖ + 1e-6)`` (if ``c < 1``), the inner optimizer multiplies each
-  fp32 conversion by ``c``: the same fp32 product. The leaf's ``clip_grad_norm`` sets
-  ``c``; a ``ChainedOptimizer`` computes the norm with ``get_grad_norm`` and then clips
-  with a module-level function, so :class:`LoGRAChainedOptimizer` sets ``c`` there.
-
-Megatron's copy is kept with fp16 loss scaling (the unscale works on the copies),
-``log_num_zeros_in_grad``, the precision-aware optimizer, non-distributed optimizers, and
-when ``loggra_fp32_grad_copy=True``. Pinned to megatron-core's ``DistributedOptimizer``
-(``prepare_grads`` → ``_copy_model_grads_to_main_grads``), the grad-norm list
-(``get_main_grads_for_grad_norm``, renamed ``get_grads_for_grad_norm`` in 0.19) and
-``ChainedOptimizer.step`` (``get_grad_norm`` once, right before clipping), which read the
-same in 0.16–0.19; ``tests/test_megatron_optimizer.py`` covers them on 0.16. Multi-token
-prediction heads with a separate grad-norm group (0.19, ``mtp_detach_heads``) are not
-handled.
+Memory, norm and clipping in detail, when Megatron's copy is kept, and the megatron-core
+functions this is pinned to (0.16–0.19): docs/optimizer.md#bf16-gradients-without-an-fp32-copy.
 """
 
 from __future__ import annotations

@@ -6,21 +6,14 @@ Megatron's optimizer classes is here:
 
 * the leaf optimizers of a ``ChainedOptimizer`` (:func:`leaf_optimizers`) and the bytes of
   their inner optimizers' state (:func:`state_bytes`);
-* Megatron's dense ``DistributedOptimizer`` in its ``dp_reshardable`` format (bucket-wise,
-  reshardable over DP, Megatron-LM's default). Its buckets carry *padding* entries (the gaps
-  between parameters, flagged ``padding``) whose tensors Megatron allocates with
-  ``torch.empty`` and drops on load: they are zeroed here on save and on load, so the
-  checkpoint's bytes are deterministic and the finite checks judge only real state
-  (uninitialised memory can hold NaN bit patterns; megatron-core 0.16-0.19 alike);
-* the state a load needs before the first step (:func:`allocate_state`): the format reads
-  the live optimizer's state, which a torch optimizer allocates at its first step. Megatron's
-  ``Float16``/``FP32`` optimizers call their ``init_state_fn`` (Megatron's for Adam, the
-  registry entry's ``init_state`` otherwise, :func:`install_state_init`); the
-  ``DistributedOptimizer`` (Adam only) takes Megatron's dummy step, at lr 0 here. Its
-  ``dp_reshardable`` load overwrites each param's ``step`` with a placeholder (restored from
-  the saved param groups);
+* Megatron's dense ``DistributedOptimizer`` in its ``dp_reshardable`` format, its padding
+  entries zeroed on save and load;
+* the state a load needs before the first step (:func:`allocate_state`,
+  :func:`install_state_init`);
 * LoGRA's leaves (:class:`~loggra_megatron.optim.megatron.checkpoint.LoGRACheckpointMixin`),
   which allocate and check their own state.
+
+Padding, state allocation per optimizer class: docs/checkpointing.md#the-optimizers-state.
 """
 
 from __future__ import annotations

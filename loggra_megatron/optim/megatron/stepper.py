@@ -4,30 +4,12 @@ Megatron's ``MegatronOptimizer.step()`` is ``prepare_grads`` (grads → fp32 mai
 unscale and overflow check under fp16 loss scaling) → grad norm and clipping →
 ``step_with_ready_grads`` (inner step, main params → model params). :class:`MegatronStepper`
 exposes the same phases, for the trainer and for predicted-KL control:
+:meth:`~MegatronStepper.prepare` (norm, clipping, skip or not, the same decision on every
+rank), :meth:`~MegatronStepper.try_candidate` (``θ + η·Δθ`` in the model weights only) and
+:meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit). A
+skipped step changes no weight, no optimizer state and no step counter.
 
-* :meth:`~MegatronStepper.prepare` → :class:`PreparedGrads`: the global gradient norm (always
-  computed, also without clipping), clipping, and whether the step must be **skipped**:
-  an fp16 overflow, or a non-finite gradient norm. Megatron applies a NaN gradient under
-  bf16/fp32 (there is no loss scaler to catch it); here it skips the step instead. The norm
-  is all-reduced over the optimizer's grad-stats group (model parallel × DP for the
-  distributed optimizer; model parallel otherwise, where gradients are DP-identical), so
-  every rank takes the same decision and no collective diverges. With ``project=True``
-  (predicted-KL control) LoGRA's optimizers also project the gradients here, once, for
-  the trials and the commit.
-* :meth:`~MegatronStepper.try_candidate` (predicted-KL control): the parameters the step
-  would produce, scaled by η (``θ + η·Δθ``, :mod:`loggra_megatron.optim.candidate`), written
-  into the 16-bit model weights only (the fp32 masters keep θ) and all-gathered over DP,
-  for one probe forward; params that share storage with their master (fp32 params, and
-  bf16 weights whose masters are kept as remainders) are backed up and restored when the
-  trial ends. :meth:`~MegatronStepper.restore_model_weights` puts θ back. With LoGRA's
-  optimizers a trial at η *is* the commit at η, bit for bit
-  (:attr:`~MegatronStepper.trials_are_commits`).
-* :meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit),
-  or nothing for a skipped step (the grads are zeroed by the next ``zero_grad_buffer``).
-
-A skipped step changes no weight, no optimizer state and no step counter; the caller does
-not advance the LR schedule (as Megatron-LM's ``train_step`` does on ``update_successful
-= False``) and counts it.
+The phases in detail: docs/optimizer.md#the-step-in-phases-megatronstepper.
 """
 
 from __future__ import annotations
