@@ -1,56 +1,21 @@
 """Opt-in CPU mode that lets the *real* Megatron-Core run on CPU with the gloo backend.
 
 Megatron-Core's model, DDP, distributed optimizer, 1F1B schedule and dist-checkpointing are
-device-agnostic except for a handful of CUDA assumptions (design note LOGRA.md section 5).
-:func:`enable_cpu_megatron` redirects exactly those, and nothing else:
-
-1. A :class:`torch.overrides.TorchFunctionMode` (``_CudaToCpuMode``), pushed on the calling
-   thread's mode stack, which
-
-   * rewrites ``device=`` keyword arguments that name CUDA (``'cuda'``, ``'cuda:0'``,
-     ``torch.device('cuda', i)`` or a bare int such as ``torch.cuda.current_device()``) to
-     ``'cpu'`` in every torch call (``torch.empty/zeros/tensor/arange``, ``Tensor.new_*``,
-     ``Tensor.to(device=...)``...), and drops ``pin_memory=True`` (no pinned allocator on CPU);
-   * maps ``Tensor.to(<cuda device>)`` to CPU; ``Tensor.cuda()`` and ``Tensor.pin_memory()``
-     return the tensor itself; ``Tensor.record_stream()`` is a no-op;
-   * makes ``Tensor.type()`` report CPU tensors under their CUDA names
-     (``'torch.FloatTensor'`` -> ``'torch.cuda.FloatTensor'``) because Megatron's optimizers
-     and ``clip_grads`` branch on ``param.type() == 'torch.cuda.FloatTensor'``; a CUDA type
-     passed *to* ``Tensor.type(...)`` is mapped to its CPU type;
-   * runs ``Tensor.backward`` / ``torch.autograd.backward`` through the C++ autograd engine
-     with the mode pushed. ``handle_torch_function`` pops a mode while its handler runs, so
-     calling them normally would run the whole backward pass (activation recompute, TP
-     autograd functions, DDP hooks) *without* the mode; the engine instead captures the
-     thread-local mode stack and restores it in every backward node. (Not done for
-     ``torch.autograd.grad``: code inside it runs without the redirects.)
-
-   Tensors really live on CPU: ``tensor.device``, ``is_cuda`` etc. are *not* faked.
-
-2. CPU stand-ins on ``torch.cuda`` (restored by :func:`disable_cpu_megatron`):
-   ``current_device`` (-> 0), ``set_device``, ``device``, ``synchronize``, ``Stream``,
-   ``Event``, ``current_stream``/``default_stream``/``set_stream``/``stream`` (no-op objects:
-   CPU ops are synchronous), ``nvtx.range_push/range_pop/range`` (no-op),
-   ``get_device_properties``/``get_device_capability``/``get_device_name`` (a "cpu" device
-   of capability (0, 0), so no Hopper-only path is taken), ``mem_get_info`` (host RAM), and
-   the RNG functions ``get_rng_state``/``set_rng_state``/``manual_seed``/``manual_seed_all``/
-   ``initial_seed`` (also on ``torch.cuda.random``). The "CUDA" RNG *is* the CPU default
-   generator: every "CUDA" tensor is a CPU tensor, so the CPU generator is the one whose state
-   Megatron's ``CudaRNGStatesTracker`` must fork (TP shards then initialise differently and
-   dropout in TP regions differs per rank, as on GPU; recompute replays it exactly). The memory
-   statistics (``memory_allocated``, ``memory_stats``, ...) already return zeros on a CPU build
-   and are left alone; ``torch.cuda.is_available()`` is *not* changed.
-
-3. Megatron-specific, listed in ``_MEGATRON_PATCHES``:
-   ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
-   bypass ``torch.cuda._lazy_call``, which on a CPU build queues the state change forever
-   instead of applying it (verified on 0.16.1; unchanged on Megatron-LM main). A logging filter
-   drops that module's "CPU RNG state changed within GPU RNG context" warning, which fires on
-   every ``fork()`` because "CUDA" and CPU RNG are one generator here.
+device-agnostic except for a handful of CUDA assumptions. :func:`enable_cpu_megatron`
+redirects exactly those, and nothing else: a :class:`torch.overrides.TorchFunctionMode`
+(``_CudaToCpuMode``) maps CUDA devices in torch calls (backward passes included) to CPU and
+reports CPU tensor types under their CUDA names; CPU stand-ins replace ``torch.cuda``'s
+device, stream, event, NVTX, device-property and RNG functions (restored by
+:func:`disable_cpu_megatron`; the "CUDA" RNG is the CPU default generator); and
+``_MEGATRON_PATCHES`` fixes Megatron's CUDA RNG state calls. Tensors really live on CPU:
+``tensor.device``, ``is_cuda`` etc. are *not* faked.
 
 The mode lives on a per-thread stack: call :func:`enable_cpu_megatron` (idempotent) in each
 process -- spawned workers start clean, see :func:`cpu_megatron` -- and in any extra Python
 thread that runs Megatron code. It refuses to start when CUDA is available unless
 ``force=True``.
+
+Each redirection and why it is needed: docs/cpu.md#what-is-redirected
 """
 
 from __future__ import annotations

@@ -2,25 +2,17 @@
 the values measured on each micro-batch, optimizer update and rank become the one number an
 RL step reports (:class:`Reduction`).
 
-A value passes through up to three reductions, in this order:
-
-1. over the micro-batches of a mini-batch (the loss terms' metrics,
-   :func:`combine_micro_batches`): ``sum`` for a term's share of the mini-batch loss
-   (``loss/*``), ``mean`` for the token means;
-2. over the optimizer updates of the RL step, PPO epochs × mini-batches
-   (:func:`combine_updates`): ``mean``, or ``sum`` for counts and times;
-3. over the ranks (:func:`~loggra_megatron.train.reporting.reduce_metrics`): ``mean`` or
-   ``sum`` over the DP ranks of the mean over the pipeline stages that report the key (the
-   loss lives on the last stage).
-
-A value skips the reductions its declaration leaves out (``None``): ``reward/mean`` is one
-number per rank and step, ``time/step_s`` is rank 0's own. A key that reaches a reduction it
-does not declare is refused, so every key is declared here before it is reported.
+A value passes through up to three reductions, in this order: over the micro-batches of a
+mini-batch (:func:`combine_micro_batches`: ``sum`` for a term's share of the loss, ``mean``
+for token means), over the optimizer updates of the RL step (:func:`combine_updates`) and over
+the ranks (:func:`~loggra_megatron.train.reporting.reduce_metrics`). It skips those its
+declaration leaves out (``None``); a key that reaches a reduction it does not declare is
+refused.
 
 ``docs/metrics.md``'s table is generated from :data:`METRICS` (``python -m
 loggra_megatron.metric_keys docs/metrics.md``; ``tests/test_metrics.py`` fails when it
-drifts). Adding a metric: its declaration here and the code that reports it
-(``docs/architecture.md``).
+drifts). The reductions in full: docs/metrics.md#keys; adding a metric:
+docs/architecture.md#recipes.
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """Training metrics: JSONL file, W&B, TensorBoard and one progress line per step (rank 0).
 
 ``MetricsLogger(output_dir, rank=...)`` is built on every rank; only rank 0 writes, the
-others get a no-op logger (no file, no W&B run, no output). Per ``log(step, metrics)``:
+others get a no-op logger (no file, no W&B run, no output). Each ``log(step, metrics)``
+appends one JSON object to ``output_dir/metrics.jsonl`` (``step`` first, then the keys
+sorted; a non-finite value as ``null``; fsync-ed per line), gives the values as they are to
+W&B and TensorBoard, and prints one Megatron-like progress line. :func:`resolve_wandb_mode`
+picks the W&B mode without probing the network; ``truncate_after(k)`` at a resume makes the
+file of a resumed run equal that of an uninterrupted one. Keys, their meaning and how they
+are reduced over ranks and updates: :mod:`loggra_megatron.metric_keys`.
 
-* ``output_dir/metrics.jsonl`` gets one JSON object: ``step`` first, then the keys sorted.
-  JSON has no NaN/Inf, so a non-finite value is written as ``null``. The file is line
-  buffered, flushed and fsync-ed after every line, so a crash loses nothing already logged.
-* W&B (``run.log(metrics, step=step)``) and TensorBoard (``add_scalar``) get the values
-  as given (NaN included).
-* stdout gets one Megatron-like line with the keys that are present, e.g.
-  `` step    12/200 | reward 0.412 | kl/ref 0.0031 | kl/pred 0.02 η 0.71 | loss 0.153 |
-  5.2k tok/s | mem 3.1 GiB | ETA 0:04:12`` (ETA: mean ``time/step_s`` of the last 20 steps).
-
-W&B mode (:func:`resolve_wandb_mode`), first match wins; the network is never probed:
-
-1. ``wandb_project`` is None → ``"disabled"`` (wandb is not even imported);
-2. an explicit ``wandb_mode`` argument → that mode;
-3. the ``WANDB_MODE`` environment variable, if set → that mode;
-4. an API key is present (``WANDB_API_KEY``, or a ``netrc`` entry for the W&B host, i.e.
-   ``wandb login`` was run) → ``"online"``, otherwise ``"offline"``.
-
-A machine with a key but no network must set ``WANDB_MODE=offline`` (then
-``wandb sync output_dir/wandb/offline-run-*`` later); if an online ``wandb.init`` fails
-anyway, the logger falls back to offline with a warning. Runs live under ``output_dir/wandb``.
-
-Resume: the trainer calls ``truncate_after(k)`` when it resumes from a checkpoint taken
-after step ``k`` (``k = 0`` on a fresh start), dropping later lines, so the file of a
-resumed run equals that of an uninterrupted one. Keys, their meaning and how they are
-reduced over ranks and updates: :mod:`loggra_megatron.metric_keys` (``docs/metrics.md``).
+The file format, the progress line, the W&B mode rules and resume: docs/metrics.md
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Tiny multi-process test harness for running real Megatron-Core on CPU (gloo).
 
 * :func:`run_distributed` runs ``fn(rank, *args, **kwargs)`` in ``world_size`` worker
-  processes, each with :func:`~loggra_megatron.cpu.enable_cpu_megatron`, a gloo process group
-  on 127.0.0.1 (free port), Megatron's model-parallel groups (``tp``, ``pp``; DP is the rest)
-  and Megatron's RNG seeded (``model_parallel_cuda_manual_seed``). It returns the per-rank
-  results (anything ``torch.save`` can write) in rank order, and raises in the parent with
-  every failing rank's traceback (``RuntimeError``) or on a hang (``TimeoutError``).
-  Workers are forked from a *forkserver* that imported torch and Megatron once (the first call
-  costs ~5 s, later ones ~0.3 s); the caller's environment and cwd are replayed in each worker.
-  ``start_method="spawn"`` is the slow, fully fresh alternative.
-* :func:`tiny_gpt_model` builds a small Llama-style Megatron-Core
-  ``GPTModel`` (local spec: RMSNorm, SwiGLU, RoPE, optional GQA, untied embeddings, fp32,
-  no dropout) for this rank's pipeline stage; :func:`wrap_ddp` wraps it in Megatron's
-  ``DistributedDataParallel`` the way Megatron's training loop does.
+  processes (forked from a forkserver that imported torch and Megatron once), each with
+  :func:`~loggra_megatron.cpu.enable_cpu_megatron`, a gloo process group, Megatron's
+  model-parallel groups (``tp``, ``pp``; DP is the rest) and Megatron's RNG seeded; it returns
+  the per-rank results in rank order and raises with every failing rank's traceback or on a
+  hang. ``fn`` must be importable by name (module level in an importable module).
+* :func:`tiny_gpt_model` builds a small Llama-style Megatron-Core ``GPTModel`` for this rank's
+  pipeline stage; :func:`wrap_ddp` wraps it in Megatron's ``DistributedDataParallel``.
 * :func:`train_step` runs one step over microbatches with Megatron's
   ``get_forward_backward_func`` (1F1B when PP > 1) plus an optimizer step.
 
-Functions passed to :func:`run_distributed` must be importable by name (module level in an
-importable module, e.g. a pytest test module); results travel back through files.
+Details (costs, what travels back, the model's architecture): docs/cpu.md#the-test-harness
 """
 
 from __future__ import annotations

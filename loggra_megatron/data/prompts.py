@@ -3,24 +3,19 @@
 the tokenizer's chat template) and deterministic, resumable global batches of examples for
 data-parallel ranks.
 
-**Rendering** (:class:`PromptRenderer`). Without a chat template the prompt is BOS and the
-task's template filled with the question (the format and the answer marker:
-:mod:`loggra_megatron.tasks.prompt_format`). With one (``--apply-chat-template``) the user
-message is the question and the task's instruction, rendered by the tokenizer's own template
-with the assistant turn opened; a dataset prompt may also be a list of chat messages, used
-as is.
+**Rendering** (:class:`PromptRenderer`): BOS and the task's template filled with the question
+(:mod:`loggra_megatron.tasks.prompt_format`), or, with ``--apply-chat-template``, the
+question and the task's instruction as the user message of the tokenizer's own template
+(assistant turn opened); a dataset prompt may also be a list of chat messages, used as is.
+**Data** (``--data-path``): JSONL or Parquet files (:mod:`loggra_megatron.data.files`), or the
+built-in task generators (:mod:`loggra_megatron.tasks`).
 
-**Data** (``--data-path``): JSONL or Parquet files (:mod:`loggra_megatron.data.files`), or
-the built-in task generators (:mod:`loggra_megatron.tasks`).
+**Batches** (:class:`PromptDataset`): an infinite stream of epochs, each a permutation drawn
+from ``(seed, epoch)``; global batch ``k`` is stream positions ``[k·G, (k+1)·G)`` and DP rank
+``r`` of ``D`` gets its contiguous slice ``[r·G/D, (r+1)·G/D)``. The position is one integer,
+``consumed_samples``, checkpointed with a fingerprint of the prompts.
 
-**Batches.** The dataset is an infinite stream of epochs; epoch ``e`` visits the examples
-in the order of a permutation drawn from ``(seed, e)``. Global batch ``k`` is stream
-positions ``[k·G, (k+1)·G)`` (it may straddle an epoch boundary), and DP rank ``r`` of ``D``
-gets the contiguous slice ``[r·G/D, (r+1)·G/D)`` of it, as Megatron's samplers do. Every
-example is therefore seen exactly once per epoch across all ranks, and the whole position
-is one integer, ``consumed_samples``, which :meth:`PromptDataset.state_dict` returns for the
-checkpoint with the dataset's size, seed and a fingerprint of its contents, so that a resume
-over other prompts (even as many) is refused.
+Details: docs/data.md#how-a-prompt-is-asked and docs/data.md#batches
 """
 
 from __future__ import annotations

@@ -9,21 +9,10 @@ uses (Megatron's tokenizer vocabulary): ``tokenize``, ``detokenize``, ``vocab_si
 control ids (BOS/EOS/PAD).
 
 :func:`train_tokenizer` trains a model from in-memory text with settings chosen so that a
-tiny model can learn arithmetic and the round trip is exact:
+tiny model can learn arithmetic (every digit its own piece) and the round trip is exact
+(``detokenize(tokenize(x)) == x``); ``tools/train_tokenizer.py`` is its command line.
 
-* ``split_digits=True``: every digit is its own piece, so numbers are spelled digit by
-  digit (no ``"1234"`` pieces whose arithmetic the model would have to memorise);
-* identity normalization, no whitespace collapsing and no dummy prefix, so
-  ``detokenize(tokenize(x)) == x`` for any text made of known characters, and
-  ``detokenize(a_ids + b_ids) == a + b`` (prompt and completion concatenate cleanly);
-* ``"\\n"`` and the answer marker ``####`` are user-defined (atomic) pieces, and all
-  printable ASCII characters and tab are required pieces; other characters map to ``<unk>``
-  unless ``byte_fallback=True`` (which spends 256 ids on byte pieces);
-* ids ``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3;
-* single-threaded, unshuffled, all sentences: the same input gives the same model file.
-
-``tools/train_tokenizer.py`` is the command-line front end (``--builtin-tasks N`` trains
-on generated tasks, fully offline).
+The trainer's settings and why: docs/data.md#training-a-sentencepiece-tokenizer
 """
 
 from __future__ import annotations
@@ -191,7 +180,9 @@ def train_tokenizer(
 
     With ``hard_vocab_limit=False`` (default) a corpus too small for ``vocab_size`` yields
     a smaller vocabulary instead of an error; read the actual size from
-    :attr:`SentencePieceTokenizer.vocab_size`.
+    :attr:`SentencePieceTokenizer.vocab_size`. The fixed settings (digits split, exact round
+    trip, atomic ``"\\n"`` and ``####``, the control ids, determinism):
+    docs/data.md#training-a-sentencepiece-tokenizer.
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")

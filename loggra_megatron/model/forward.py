@@ -6,21 +6,16 @@ logits at position ``t`` score ``tokens[:, t + 1]`` (the causal-LM shift). Every
 through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is pipelined
 (1F1B under PP) the way Megatron-LM's training loop runs it:
 
-* :func:`run_schedule` — forward + backward with a loss (the actor), or forward-only;
+* :func:`run_schedule` — forward + backward with a loss (the actor), or forward-only; every
+  micro-batch right-padded to the :func:`sequence_multiple` that sequence parallelism and
+  Transformer Engine's FP8 GEMMs need;
 * :func:`forward_map` — forward-only, ``fn(micro_batch, logits)`` applied on the last
-  pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages.
+  pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages;
+* :func:`token_log_probs` — ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits
+  with Megatron's TP group (:mod:`loggra_megatron.model.vocab_parallel`).
 
-Shapes the kernels need. With sequence parallelism the sequence is split over the TP ranks,
-and Transformer Engine's FP8 GEMMs need the token count of every operand a module sees to be
-a multiple of 16 (32 for MXFP8; ``megatron.core.fp8_utils.get_fp8_align_size``), the local
-sequence shard included. :func:`run_schedule` pads every micro-batch on the right to the
-:func:`sequence_multiple` of the model: the extra positions are ``tokens`` 0 and zeros in
-every ``[b, s]`` tensor (masks, old/reference log-probs), so they carry no loss; causal
-attention keeps them out of the real positions' logits. :func:`initialize_fp8_state` runs the
-one forward that makes TE's lazily created FP8 state before any inference-mode forward.
-
-:func:`token_log_probs` is ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits with
-Megatron's TP group (:mod:`loggra_megatron.model.vocab_parallel`).
+:func:`initialize_fp8_state` runs the one forward that makes TE's lazily created FP8 state
+before any inference-mode forward.
 """
 
 from __future__ import annotations
@@ -58,7 +53,9 @@ def token_log_probs(
 
 
 def fp8_alignment(config) -> int:
-    """The token count Transformer Engine's FP8 GEMMs need a multiple of (1 without FP8)."""
+    """The token count Transformer Engine's FP8 GEMMs need a multiple of, for every operand a
+    module sees, the local sequence shard included: 16, 32 for MXFP8
+    (``megatron.core.fp8_utils.get_fp8_align_size``); 1 without FP8."""
     if not config.fp8:
         return 1
     return 32 if str(config.fp8_recipe).endswith("mxfp8") else 16
@@ -114,7 +111,10 @@ def run_schedule(
     collect_non_loss_data: bool = False,
 ) -> list:
     """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk), each
-    micro-batch padded to the model's :func:`sequence_multiple`."""
+    micro-batch padded on the right to the model's :func:`sequence_multiple`: the extra
+    positions are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference
+    log-probs), so they carry no loss; causal attention keeps them out of the real positions'
+    logits."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 

@@ -1,37 +1,19 @@
 """Token log-probabilities and KL divergences from vocab-parallel logits.
 
-With tensor parallelism the output layer's logits are split over the vocabulary: TP rank
-t holds ``z[..., V_t]`` for its shard ``V_t`` of the vocabulary. Every per-token quantity
-is then a sum over shards, so each function computes its shard's partial and combines the
-partials with an all-reduce over the TP group (``tp_group=None``: the logits are whole).
-Megatron splits the (padded) vocabulary evenly, so TP rank ``t``'s shard starts at id
-``t · V/TP`` (:func:`vocab_shard_start`, the one place that offset is derived).
+With tensor parallelism TP rank ``t`` holds the logits ``z[..., V_t]`` of its vocabulary
+shard ``V_t``, which starts at id ``t · V/TP`` (:func:`vocab_shard_start`). Every per-token
+quantity is a sum over shards: each function computes its shard's partial and all-reduces
+``[tokens]`` floats over the TP group (``tp_group=None``: the logits are whole)::
 
-Log-softmax (per token)::
+    lse(z) = M + log Σ_t Σ_{v∈V_t} e^{z_v − M},   log π(a) = z_a − lse(z)
+    KL(π_old ‖ π_new) = Σ_t Σ_{v∈V_t} p_v (z_v − z'_v) − lse(z) + lse(z')
 
-    lse(z) = log Σ_v e^{z_v} = M + log Σ_t Σ_{v∈V_t} e^{z_v − M},   M = max_t max_{v∈V_t} z_v
-    log π(a) = z_a − lse(z)             # z_a lives on one shard; the others add 0
+The sums back-propagate as the identity (:class:`_AllReduceSum`, Megatron's
+``reduce_from_tensor_model_parallel_region``) and the max ``M`` is detached, so gradients are
+exact at any TP size. Sampled estimators (Schulman 2020, "Approximating KL divergence"):
+``k1 = −δ``, ``k2 = δ²/2``, ``k3 = e^δ − 1 − δ`` with ``δ = log q(a) − log p(a)``, ``a ~ π_old``.
 
-Exact KL(π_old ‖ π_new) per token, from the *partial log-prob deltas*::
-
-    KL = Σ_v p_v (log p_v − log q_v)
-       = Σ_t Σ_{v∈V_t} p_v (z_v − z'_v)  −  lse(z) + lse(z')          (Σ_v p_v = 1)
-
-so one all-reduce of ``[tokens]`` floats combines the shards' ``Σ_{v∈V_t} e^{z_v−M}
-(z_v − z'_v)`` (divided by the log-sum-exp's sum afterwards), next to the two
-log-sum-exps (each a max and a sum all-reduce of ``[tokens]``).
-
-Gradients. Every rank back-propagates the same (replicated) per-token result, so the
-gradient of a TP sum with respect to this rank's partial is the identity: the sums
-(:func:`vocab_parallel_sum`) use :class:`_AllReduceSum` (all-reduce forward, identity
-backward; Megatron's
-``reduce_from_tensor_model_parallel_region`` with an explicit group). The max ``M`` is a
-numerical shift that cancels in ``lse``, so it is detached; an all-reduce that autograd
-cannot see would otherwise route a wrong gradient to each shard's local maximum.
-
-Sampled estimators (Schulman 2020, "Approximating KL divergence"), for tokens ``a ~ π_old``
-and ``δ = log q(a) − log p(a)``: ``k1 = −δ`` (unbiased, high variance, can be negative),
-``k2 = δ²/2`` (biased, low variance), ``k3 = e^δ − 1 − δ`` (unbiased, non-negative).
+Derivation and the communication pattern: docs/kl_control.md#vocab-parallel-log-probs-and-kl
 """
 
 from __future__ import annotations

@@ -6,19 +6,13 @@ Megatron-style entry points: :func:`forward_step` (``forward_step(data_iterator,
 with the loss bound by ``functools.partial``) and :func:`loss_func`, run by Megatron's
 schedule (:func:`~loggra_megatron.model.forward.run_schedule`, 1F1B under PP).
 
-Loss convention. A mini-batch is ``G`` sequences over all DP ranks, run as ``k`` micro-batches
-per rank. Each loss function returns its micro-batch's share of the *global* mini-batch loss
-(its numerator over the global token or sequence count, all-reduced over DP beforehand by
-:func:`global_counts`). Megatron's schedule divides each micro-batch loss by ``k`` and DDP
-averages gradients over DP, so :func:`loss_func` multiplies by ``k·DP``: the gradient that
-reaches the optimizer is the gradient of the global loss, whatever the DP size and
-micro-batch split. The reported ``loss/*`` metrics are summed the same way, over the
-micro-batches here and over the DP ranks by the trainer (their declared reductions,
-:mod:`loggra_megatron.metric_keys`).
+Each loss function returns its micro-batch's share of the *global* mini-batch loss (counts
+all-reduced over DP by :func:`global_counts`), and :func:`loss_func` multiplies by ``k·DP``
+(``k`` micro-batches per rank) to undo the schedule's and DDP's averaging: the gradient is
+that of the global loss, whatever the DP size and micro-batch split. Logits stay
+vocab-parallel (``[b, s, V/TP]``, :mod:`loggra_megatron.model.vocab_parallel`).
 
-Tensor parallelism: logits are vocab-parallel (``[b, s, V/TP]``) and never gathered; the
-losses read their log-probs through :mod:`loggra_megatron.model.vocab_parallel`, whose
-gradient is exact at any TP size (``tests/test_vocab_parallel.py``).
+The loss convention and the metrics' sums: docs/losses.md#micro-batches-dp-and-the-gradient
 """
 
 from __future__ import annotations

@@ -1,48 +1,19 @@
 """Predicted-KL step control: measure the policy change of an update before applying it.
 
-Design note §3. After the gradients are ready (reduce-scattered, unscaled, clipped), the
-controller
+After the gradients are ready, the controller writes the inner optimizer's candidate
+``θ + Δθ`` into the 16-bit model weights only (masters and optimizer state untouched),
+estimates ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` on probe sequences, predicts
+``KL(η·Δθ) ≈ η²·KL̂`` and commits ``θ + η·Δθ`` with ``η = min(1, sqrt(kl_target / KL̂))``
+(ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015), halving η while the scaled candidate's
+probe KL exceeds the tolerance. With ``η = 1`` the commit is Megatron's step, bit for bit;
+held-out sequences check the prediction (``kl/realized``). Every optimizer phase goes through
+:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`.
 
-1. computes the *candidate* ``θ + Δθ`` of the inner optimizer without changing any
-   parameter or optimizer state (:mod:`loggra_megatron.optim.candidate`) and writes it
-   into the 16-bit model weights only (the fp32 master weights stay ``θ``; the
-   distributed optimizer's param all-gather spreads it to every DP rank);
-2. runs a forward pass on *probe* sequences (a fraction of the batch) and estimates
-   ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` against logits taken at ``θ`` before the step;
-3. predicts the KL of a scaled step with the local quadratic model
-   ``KL(η·Δθ) ≈ η²·KL̂`` and picks ``η = min(1, sqrt(kl_target / KL̂))`` (ACKTR, Wu et al.
-   2017; TRPO, Schulman et al. 2015). As TRPO's line search does, it then checks the
-   scaled candidate on the probe and halves η while its KL exceeds
-   ``kl_backtrack_tolerance × kl_target`` (at most ``kl_max_backtracks`` times);
-4. commits ``θ + η·Δθ`` as Megatron's own ``step_with_ready_grads`` with every group's lr
-   multiplied by η (AdamW's decay and update both scale with lr, and the moments are
-   updated as for the full step, i.e. not rescaled). With ``η = 1`` this *is* the normal step, bit for bit.
-   A non-finite gradient norm or KL̂ skips the update, leaving weights and state as they
-   were.
-5. every ``kl_realized_interval`` steps, measures ``kl/realized`` at the committed weights
-   on *held-out* sequences that were not in the probe: an honest check of the prediction.
-   With LoGRA's optimizers a trial at η leaves, bit for bit, the model weights that the
-   commit at η does (:attr:`~loggra_megatron.optim.megatron.stepper.MegatronStepper.
-   trials_are_commits`), so the held-out rows join each trial's forward (one forward of
-   probe + held-out rows) and the last trial's held-out KL is ``kl/realized``; other
-   optimizers (dense Adam) run one more forward after the commit.
+Communication: per probe forward, the TP reductions of
+:mod:`loggra_megatron.model.vocab_parallel`, then one all-reduce of ``[Σ KL, #tokens]`` over
+DP and one over PP (the other stages add zeros), so every stage applies the same η.
 
-Estimators: ``full`` is the exact full-vocabulary KL per token (reference logits of the
-probe are kept: ``probe tokens × V/TP`` values); ``k1``/``k2``/``k3`` use the sampled
-tokens only (one log-prob per token is kept). Communication: per probe forward, the
-vocab-parallel reductions of :mod:`loggra_megatron.model.vocab_parallel` over TP (``[tokens]`` floats),
-then one all-reduce of ``[Σ KL, #tokens]`` (per part: probe, held-out) over DP and one
-over PP, where the stages
-other than the last contribute zeros, so every stage applies the same η.
-
-Memory: the stored reference (above) plus one param's candidate at a time; no copy of the
-weights or of the update. fp32 params that share storage with their master (e.g. norm
-weights kept in fp32) are saved before the candidate and restored after it; they must be
-under 1 % of the parameters, so fp32 models are refused (use ``--bf16``).
-
-Every optimizer phase (prepare, try a candidate at η, commit at η, restore) goes through
-:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`; nothing here reads
-Megatron's optimizer internals.
+Steps, estimators and memory: docs/kl_control.md#what-happens-at-each-optimizer-step
 """
 
 from __future__ import annotations

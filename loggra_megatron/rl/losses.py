@@ -1,50 +1,18 @@
 """The per-token math of the GRPO / PPO-clip losses (the loss object that sums them:
-:mod:`loggra_megatron.rl.policy_loss`), the KL penalty to a reference model, and adaptive β.
+:mod:`loggra_megatron.rl.policy_loss`), the KL penalty to a reference model, and adaptive β::
 
-Advantages (one scalar per generation; ``G`` generations per prompt, rewards ``r_1..r_G``)::
+    A_i = (r_i − mean(r)) / (std(r) + eps)    (GRPO; Dr.GRPO: r_i − mean(r))
+    ℓ = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A),   ρ = exp(log π_θ − log π_old)
+    k1 = −δ,  k2 = δ²/2,  k3 = e^δ − 1 − δ,   δ = log π_ref − log π_θ
+    β_{t+1} = β_t (1 + K_β · clip((KL_t − KL_target) / KL_target, −0.2, 0.2))
 
-    GRPO     (Shao et al. 2024, DeepSeekMath §4.1):  A_i = (r_i − mean(r)) / (std(r) + eps)
-    Dr.GRPO  (Liu et al. 2025, "Understanding R1-Zero-Like Training"):  A_i = r_i − mean(r)
+Per-token values are aggregated (``token_mean``, ``seq_mean_token_sum_norm``,
+``seq_mean_token_mean``) over DP-global denominators, so the micro-batch losses add up exactly
+to the full-batch loss and their gradients are summed. Citations: GRPO (Shao et al. 2024,
+DeepSeekMath), Dr.GRPO (Liu et al. 2025), PPO (Schulman et al. 2017), DAPO's clip-higher
+(Yu et al. 2025), KL estimators (Schulman 2020), adaptive β (Ziegler et al. 2019).
 
-``std`` is the *sample* standard deviation (Bessel, ``√(Σ(r−r̄)²/(G−1))``), as ``torch.std``
-and hence TRL's ``GRPOTrainer`` and verl's ``compute_grpo_outcome_advantage``. A group with
-identical rewards gets ``A = 0`` exactly (``0 / (0 + eps)``).
-
-Clipped surrogate per token (Schulman et al. 2017, PPO), with the asymmetric "clip-higher"
-range of DAPO (Yu et al. 2025, ``ε_low = 0.2, ε_high = 0.28``)::
-
-    ρ = exp(log π_θ − log π_old)                     # log-ratio clamped to ±20 before exp
-    ℓ = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)  =  max(−ρA, −clip(ρ)A)
-
-A token is *clipped* when the clipped branch is strictly the larger one, i.e. its gradient
-is zero (``ρ > 1+ε_high, A > 0`` or ``ρ < 1−ε_low, A < 0``); ``clip_fraction`` is their share.
-
-Aggregation of a per-token quantity ``x [B, T]`` with validity mask ``m [B, T]``
-(``n_b = Σ_t m_bt``; ``B`` counts sequences with ``n_b > 0``; ``L`` = ``max_len`` or ``T``)::
-
-    "token_mean"               (DAPO)      Σ_bt m x / N           N = Σ_bt m
-    "seq_mean_token_sum_norm"  (Dr.GRPO)   Σ_bt m x / (B · L)     L a constant (e.g. max gen length)
-    "seq_mean_token_mean"      (GRPO)      (1/B) Σ_b (Σ_t m x / n_b)
-
-Every aggregation is a *sum* of per-token (``token_mean``, ``…token_sum_norm``) or
-per-sequence (``seq_mean_token_mean``) terms over one denominator. Passing the global
-denominator (``num_tokens_global`` = N, or ``num_seqs_global`` = B, summed over all
-micro-batches and DP ranks) makes the micro-batch losses add up exactly to the full-batch
-loss; their gradients must then be *summed* (Megatron: ``calculate_per_token_loss``-style,
-no division by the number of micro-batches or DP size).
-
-KL to the frozen reference, per token at tokens sampled from the policy, with
-``δ = log π_ref − log π_θ`` (Schulman 2020, "Approximating KL divergence")::
-
-    k1 = −δ,   k2 = δ²/2,   k3 = e^δ − 1 − δ  (≥ 0; DeepSeekMath eq. 4)
-
-estimates ``KL(π_θ ‖ π_ref)`` and is aggregated exactly like the policy loss. (The tokens
-were sampled from π_old, not π_θ; like every surveyed stack we ignore that off-policyness.)
-
-Adaptive coefficient (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences" §2.2)::
-
-    e_t = clip((KL_t − KL_target) / KL_target, −0.2, 0.2),   β_{t+1} = β_t (1 + K_β e_t),
-    K_β = n_steps / horizon      (their code: n_steps = samples this step, horizon = 10 000)
+Formulas, aggregation and their sources: docs/losses.md#advantages
 """
 
 from __future__ import annotations

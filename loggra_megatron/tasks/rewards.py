@@ -1,33 +1,17 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Verifiable rewards for RL, and loading user reward functions (``--reward-fn``).
 
-A reward function has the signature::
-
-    fn(prompt: str, completion: str, answer: str, metadata: dict) -> float | dict
-
-``prompt`` is the raw question (not the templated text), ``completion`` the policy's
-generated text (without the prompt), ``answer`` and ``metadata`` come from the dataset.
-It returns a finite real number (``bool`` counts as 0/1), or ``{"reward": r, "correct":
-bool}`` to say itself whether the response is correct. Otherwise a response counts as
-correct (``reward/accuracy``) when its reward is at least ``--accuracy-threshold``
-(default 1.0: an exact match under the built-ins).
-
-Built-ins (answer format: ``#### <number>``, see :mod:`loggra_megatron.tasks.prompt_format`):
-
-* :func:`exact_match_numeric`: 1.0 if the number after the first ``####`` equals the
-  reference answer (numerically, ``|x − y| ≤ atol + rtol·|y|``; ``1,000`` == ``1000``,
-  ``-5``, ``3.50`` == ``3.5``), else 0.0. No marker, no credit: a number elsewhere in
-  the text is not the answer.
-* :func:`format_reward`: 1.0 if the completion contains ``####`` followed by a number.
-* :func:`default_reward`: ``0.9·exact_match + 0.1·format`` ∈ {0, 0.1, 1}.
-
-:func:`load_reward_fn` takes a built-in name or ``"module:function"`` (the module may also
-be a path to a ``.py`` file); a module that fails to import (a syntax error, an exception, a
-``sys.exit``) is a :class:`RewardSpecError` naming the flag and the error.
+A reward function is ``fn(prompt, completion, answer, metadata) -> float | dict``: the raw
+question, the generated text, the dataset's answer and metadata; it returns a finite real
+number, or ``{"reward": r, "correct": bool}``. Built-ins (answer format ``#### <number>``):
+:func:`exact_match_numeric`, :func:`format_reward` and :func:`default_reward`
+(``0.9·exact_match + 0.1·format``). :func:`load_reward_fn` takes a built-in name or
+``"module:function"`` (a :class:`RewardSpecError` if it cannot be loaded);
 :func:`compute_rewards` applies a function to a batch and turns any failure (an exception,
-``sys.exit``, ``KeyboardInterrupt``, ``os._exit``, or a value that is not a finite real
-number) into a :class:`RewardFunctionError` naming the sample index and prompt, with the
-original traceback: a broken reward is never a silent zero, nor a silent end of the run.
+``sys.exit``, ``os._exit``, a non-finite value) into a :class:`RewardFunctionError` naming the
+sample: a broken reward is never a silent zero, nor a silent end of the run.
+
+The signature, correctness, the built-ins' matching rules: docs/data.md#reward-functions
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""Every setting of a ``pretrain_rl.py`` run, by section (:class:`RunConfig`).
-
-| section | settings | owner |
-|---|---|---|
-| model | :class:`~loggra_megatron.model.config.ModelConfig` | the policy model |
-| parallel | :class:`~loggra_megatron.parallel.ParallelConfig` | process groups |
-| training | :class:`~loggra_megatron.train.config.TrainingConfig` | the training loop |
-| optimizer | :class:`~loggra_megatron.optim.config.OptimConfig` | the optimizer |
-| loggra | :class:`~loggra_megatron.optim.config.LoGRAConfig` | LoGRA |
-| rollout | :class:`~loggra_megatron.rollout.config.RolloutConfig` | rollout sampling |
-| grpo | :class:`~loggra_megatron.rl.config.GRPOConfig` | the GRPO/PPO update |
-| loss | :class:`~loggra_megatron.rl.policy_loss.PolicyLossConfig` | the policy loss |
-| kl_control | :class:`~loggra_megatron.rl.config.KLControlConfig` | predicted-KL control |
-| data | :class:`~loggra_megatron.data.config.DataConfig` | prompts, tokenizer, reward |
-| checkpoint | :class:`~loggra_megatron.checkpointing.config.CheckpointConfig` | checkpoints |
-| logging | :class:`~loggra_megatron.metrics.LoggingConfig` | metrics |
+"""Every setting of a ``pretrain_rl.py`` run, by section (:class:`RunConfig`): ``model``,
+``parallel``, ``training``, ``optimizer``, ``loggra``, ``rollout``, ``grpo``, ``loss``,
+``kl_control``, ``data``, ``checkpoint`` and ``logging``, each the settings dataclass of the
+component that owns it.
 
 The command line is generated from the sections (:mod:`loggra_megatron.arguments`); the
 builders of a run (:mod:`loggra_megatron.train.build`) read a :class:`RunConfig` and give each
 component its own section.
+
+Each section's class, module and owner: docs/architecture.md#settings
 """
 
 from __future__ import annotations
