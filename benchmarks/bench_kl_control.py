@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -108,8 +109,18 @@ def controller(ddp, opt, **cfg):
     )
 
 
-def main() -> None:
-    args = parse_args()
+@dataclass
+class Bench:
+    """The settings, the device and the fixed batch every measurement runs on."""
+
+    args: argparse.Namespace
+    device: torch.device
+    tokens: torch.Tensor  # [batch, seq + 1], the same ids on every device
+    mask: torch.Tensor  # [batch, seq], all true
+
+
+def setup(args) -> Bench:
+    """Megatron and the fixed batch (the same ids on every device)."""
     from megatron.core import parallel_state
 
     from loggra_megatron.parallel import initialize_megatron
@@ -120,58 +131,81 @@ def main() -> None:
     gen = torch.Generator().manual_seed(100 + dp_rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     tokens = tokens.to(device)  # the same ids on every device
+    mask = torch.ones(args.batch, args.seq, dtype=torch.bool, device=device)
+    return Bench(args, device, tokens, mask)
 
-    ddp, opt = build(args)
+
+def measure_baseline(bench: Bench, ddp, opt) -> float:
+    """Median time of a training step without control (forward + backward + optimizer)."""
     base = []
-    for i in range(args.steps + 1):
-        _sync(device)
+    for i in range(bench.args.steps + 1):
+        _sync(bench.device)
         t0 = time.perf_counter()
-        backward(ddp, opt, tokens)
+        backward(ddp, opt, bench.tokens)
         opt.step()
-        _sync(device)
+        _sync(bench.device)
         if i:
             base.append(time.perf_counter() - t0)
-    t_base = statistics.median(base)
+    return statistics.median(base)
 
-    mask = torch.ones(args.batch, args.seq, dtype=torch.bool, device=device)
 
-    def controller_share(
-        frac: float, kept: bool, target: float | None = 1e9, realized: bool = False
-    ) -> float:
-        """Median controller time / baseline step. ``kept``: the probe reference comes from
-        the training forward, as in pretrain_rl.py (computed here outside the timer), else
-        the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
-        quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
-        ``realized``: ``kl/realized`` on the held-out rows every step (the default of
-        ``--kl-realized-interval``)."""
-        ctl = controller(
-            ddp,
-            opt,
-            kl_target=target or 1e9,
-            kl_probe_fraction=frac,
-            kl_realized_interval=int(realized),
-        )
-        probe, holdout = ctl.config.probe_split(args.batch)
-        rows = holdout.stop if realized else probe.stop  # what the training forward keeps
-        times = []
-        for i in range(args.steps + (target is None)):
-            backward(ddp, opt, tokens)
-            ref = ctl.as_reference(ctl.forward((tokens[:rows], mask[:rows]))) if kept else None
-            _sync(device)
-            m = ctl.step_minibatch(tokens, mask, reference=ref).metrics
-            if target is None and i == 0:  # aim at a quarter of the raw step's KL
-                ctl.config.kl_target = m["kl/predicted"] / 4
-                continue
-            times.append(m["time/kl_control_s"])
-        return statistics.median(times) / t_base
+def controller_share(
+    bench: Bench,
+    ddp,
+    opt,
+    t_base: float,
+    frac: float,
+    kept: bool,
+    target: float | None = 1e9,
+    realized: bool = False,
+) -> float:
+    """Median controller time / baseline step. ``kept``: the probe reference comes from
+    the training forward, as in pretrain_rl.py (computed here outside the timer), else
+    the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
+    quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
+    ``realized``: ``kl/realized`` on the held-out rows every step (the default of
+    ``--kl-realized-interval``)."""
+    ctl = controller(
+        ddp,
+        opt,
+        kl_target=target or 1e9,
+        kl_probe_fraction=frac,
+        kl_realized_interval=int(realized),
+    )
+    args, tokens, mask = bench.args, bench.tokens, bench.mask
+    probe, holdout = ctl.config.probe_split(args.batch)
+    rows = holdout.stop if realized else probe.stop  # what the training forward keeps
+    times = []
+    for i in range(args.steps + (target is None)):
+        backward(ddp, opt, tokens)
+        ref = ctl.as_reference(ctl.forward((tokens[:rows], mask[:rows]))) if kept else None
+        _sync(bench.device)
+        m = ctl.step_minibatch(tokens, mask, reference=ref).metrics
+        if target is None and i == 0:  # aim at a quarter of the raw step's KL
+            ctl.config.kl_target = m["kl/predicted"] / 4
+            continue
+        times.append(m["time/kl_control_s"])
+    return statistics.median(times) / t_base
+
+
+def measure_overhead(bench: Bench, ddp, opt, t_base: float):
+    """Controller shares per probe fraction (own / kept reference), then the scaled and the
+    realized-KL settings at probe 1/8."""
+
+    def share(frac: float, **kw) -> float:
+        return controller_share(bench, ddp, opt, t_base, frac, **kw)
 
     overhead = {
-        frac: (controller_share(frac, kept=False), controller_share(frac, kept=True))
-        for frac in (1 / 16, 1 / 8, 1 / 4)
+        frac: (share(frac, kept=False), share(frac, kept=True)) for frac in (1 / 16, 1 / 8, 1 / 4)
     }
-    scaled = controller_share(1 / 8, kept=True, target=None)  # η < 1: one more trial
-    checked = controller_share(1 / 8, kept=True, realized=True)  # held-out rows in the trial
+    scaled = share(1 / 8, kept=True, target=None)  # η < 1: one more trial
+    checked = share(1 / 8, kept=True, realized=True)  # held-out rows in the trial
+    return overhead, scaled, checked
 
+
+def measure_honesty(args, tokens):
+    """A fresh model trained with the controller on, the target cycled over 16x: the KL
+    predicted for each committed step, the KL realized, and the step scales."""
     ddp, opt = build(args)
     ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)
     probe, holdout = ctl.config.probe_split(args.batch)
@@ -188,35 +222,48 @@ def main() -> None:
             predicted.append(m["kl/predicted_committed"])
             realized.append(m["kl/realized"])
             scales.append(m["kl/step_scale"])
+    return predicted, realized, scales
+
+
+def report(args, device, t_base, overhead, scaled, checked, predicted, realized, scales):
+    """Print the overhead table and the honesty line (rank 0)."""
+    p, r = torch.tensor(predicted), torch.tensor(realized)
+    corr = torch.corrcoef(torch.stack([p, r]))[0, 1].item()
+    ratio = (r / p).mean().item()
+    print(
+        f"# bench_kl_control: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+        f"seq {args.seq}, {args.batch} seqs/rank, DP={dist.get_world_size()}, bf16, LoGRA, "
+        f"{device.type}"
+    )
+    print(f"\nbaseline step (fwd+bwd+opt): {1e3 * t_base:.0f} ms")
+    print(
+        "\n| probe fraction | own reference forward | reference from the training "
+        "forward (pretrain_rl.py) | target |"
+    )
+    print("|---|---:|---:|---|")
+    for frac, (own, kept) in overhead.items():
+        print(f"| 1/{round(1 / frac)} | {100 * own:.1f} % | {100 * kept:.1f} % | < 10 % at 1/8 |")
+    print(f"| 1/8, every step scaled (η ≈ 1/2: one more trial) | | {100 * scaled:.1f} % | |")
+    print(
+        f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
+        f"{100 * checked:.1f} % | |"
+    )
+    print(
+        f"\npredicted vs realized over {len(p)} steps (probe 1/8, held-out 1/8): "
+        f"Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "
+        f"step scale min/median = {min(scales):.2f}/{statistics.median(scales):.2f}"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    bench = setup(args)
+    ddp, opt = build(args)
+    t_base = measure_baseline(bench, ddp, opt)
+    overhead, scaled, checked = measure_overhead(bench, ddp, opt, t_base)
+    predicted, realized, scales = measure_honesty(args, bench.tokens)
     if dist.get_rank() == 0:
-        p, r = torch.tensor(predicted), torch.tensor(realized)
-        corr = torch.corrcoef(torch.stack([p, r]))[0, 1].item()
-        ratio = (r / p).mean().item()
-        print(
-            f"# bench_kl_control: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
-            f"seq {args.seq}, {args.batch} seqs/rank, DP={dist.get_world_size()}, bf16, LoGRA, "
-            f"{device.type}"
-        )
-        print(f"\nbaseline step (fwd+bwd+opt): {1e3 * t_base:.0f} ms")
-        print(
-            "\n| probe fraction | own reference forward | reference from the training "
-            "forward (pretrain_rl.py) | target |"
-        )
-        print("|---|---:|---:|---|")
-        for frac, (own, kept) in overhead.items():
-            print(
-                f"| 1/{round(1 / frac)} | {100 * own:.1f} % | {100 * kept:.1f} % | < 10 % at 1/8 |"
-            )
-        print(f"| 1/8, every step scaled (η ≈ 1/2: one more trial) | | {100 * scaled:.1f} % | |")
-        print(
-            f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
-            f"{100 * checked:.1f} % | |"
-        )
-        print(
-            f"\npredicted vs realized over {len(p)} steps (probe 1/8, held-out 1/8): "
-            f"Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "
-            f"step scale min/median = {min(scales):.2f}/{statistics.median(scales):.2f}"
-        )
+        report(args, bench.device, t_base, overhead, scaled, checked, predicted, realized, scales)
     dist.destroy_process_group()
 
 

@@ -53,7 +53,7 @@ def _time_steps(opt, params, grads, steps: int) -> list[float]:
     return times
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
@@ -64,38 +64,33 @@ def main() -> None:
     ap.add_argument("--update-interval", type=int, default=200)
     ap.add_argument("--steps", type=int, default=10, help="timed non-refresh steps")
     ap.add_argument("--refresh-steps", type=int, default=3, help="timed refresh steps")
-    args = ap.parse_args()
-    rank = args.rank or args.hidden // 8
-    torch.manual_seed(0)
-    shapes = layer_shapes(args.hidden, args.ffn, args.heads, args.kv_groups) * args.layers
-    grads = [torch.randn(s) * 1e-3 for s in shapes]
-    numel = sum(m * n for m, n in shapes)
-    print(
-        f"# bench_optimizer: {args.layers} layer(s) {shapes[:4]}, {numel / 1e6:.1f}M params, "
-        f"rank={rank}, threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}"
-    )
+    return ap.parse_args()
 
+
+def time_adam(shapes, grads, steps: int):
+    """torch AdamW (foreach): the optimizer and its step times after a warm-up."""
     adam_params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     adam = torch.optim.AdamW(adam_params, lr=1e-4, foreach=True)
     _time_steps(adam, adam_params, grads, 2)  # warm-up, allocates state
-    adam_times = _time_steps(adam, adam_params, grads, args.steps)
+    return adam, _time_steps(adam, adam_params, grads, steps)
 
+
+def time_loggra(args, shapes, grads, rank: int):
+    """LoGRA-AdamW: the optimizer, its refresh-step times and its non-refresh step times."""
     loggra_params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     loggra = LoGRAAdamW(loggra_params, lr=1e-4, rank=rank, update_interval=args.update_interval)
-    refresh_times, step_times = [], []
+    refresh_times = []
     for _ in range(args.refresh_steps):  # each of these steps recomputes the bases
         for group in loggra.param_groups:
             group["update_interval"] = 1
         refresh_times += _time_steps(loggra, loggra_params, grads, 1)
     for group in loggra.param_groups:
         group["update_interval"] = 10**9
-    step_times = _time_steps(loggra, loggra_params, grads, args.steps)
+    return loggra, refresh_times, _time_steps(loggra, loggra_params, grads, args.steps)
 
-    t_adam = statistics.median(adam_times)
-    t_step = statistics.median(step_times)
-    t_refresh_step = statistics.median(refresh_times)
-    interval = args.update_interval
-    t_amortised = ((interval - 1) * t_step + t_refresh_step) / interval
+
+def time_bases(grads, rank: int) -> tuple[float, float]:
+    """Seconds to compute one layer's bases: range finder, full SVD (best of 2 each)."""
 
     def best_of(fn, repeats=2) -> float:
         times = []
@@ -110,6 +105,29 @@ def main() -> None:
         omega = gaussian_test_matrix(g.shape[0], rank + 8, 0, g.device, torch.float32)
         rf_times.append(best_of(lambda g=g, omega=omega: range_finder_basis(g, rank, 8, 1, omega)))
         svd_times.append(best_of(lambda g=g: svd_basis(g, rank)))
+    return sum(rf_times), sum(svd_times)
+
+
+def main() -> None:
+    args = parse_args()
+    rank = args.rank or args.hidden // 8
+    torch.manual_seed(0)
+    shapes = layer_shapes(args.hidden, args.ffn, args.heads, args.kv_groups) * args.layers
+    grads = [torch.randn(s) * 1e-3 for s in shapes]
+    numel = sum(m * n for m, n in shapes)
+    print(
+        f"# bench_optimizer: {args.layers} layer(s) {shapes[:4]}, {numel / 1e6:.1f}M params, "
+        f"rank={rank}, threads={torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    )
+    adam, adam_times = time_adam(shapes, grads, args.steps)
+    loggra, refresh_times, step_times = time_loggra(args, shapes, grads, rank)
+
+    t_adam = statistics.median(adam_times)
+    t_step = statistics.median(step_times)
+    t_refresh_step = statistics.median(refresh_times)
+    interval = args.update_interval
+    t_amortised = ((interval - 1) * t_step + t_refresh_step) / interval
+    rf, svd = time_bases(grads, rank)
 
     s_adam, s_loggra = state_bytes(adam), state_bytes(loggra)
     rows = [
@@ -128,7 +146,6 @@ def main() -> None:
     print("|---|---:|---:|---:|---|")
     for name, a, b, ratio, target in rows:
         print(f"| {name} | {a:.2f} | {b:.2f} | {ratio:.3f} | {target} |")
-    rf, svd = sum(rf_times), sum(svd_times)
     print(
         "\n| basis refresh, one layer | range finder (q=1, p=8) | full SVD (GaLore) | SVD / RF | target |"
     )

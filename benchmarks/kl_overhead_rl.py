@@ -4,22 +4,8 @@
     python benchmarks/kl_overhead_rl.py                       # 3 repeats each, 30 RL steps
     python benchmarks/kl_overhead_rl.py --repeats 5 --json out.json
 
-Each repeat runs ``examples/tiny_cpu/run.sh``'s ``pretrain_rl.py`` command (2 processes,
-its tokenizer, its 200-step supervised warm-up, then ``--train-iters`` GRPO steps with
-LoGRA), once as the example has it (``--kl-target 0.02``) and once without ``--kl-target``,
-alternating in ABBA order so that machine noise and drift hit both alike. Reported, over the RL steps after the
-first ``--skip`` (warm-up of caches and allocator):
-
-* tokens/s: the median over steps of ``throughput/tokens_per_s`` in each run, then the
-  median over the repeats, and the ratio controlled / plain; also the ratio within each
-  repeat (its two adjacent runs, which share the machine's drift) and their median;
-* the controller's share of a step: ``time/kl_control_s / time/step_s`` per step (median and
-  90th percentile over all controlled steps), which is independent of the VM's run-to-run
-  noise (about 10 % here);
-* the controller's honesty on the same steps: how many were scaled (η < 1);
-* the median seconds per step of the rollout, the training phase (which contains the
-  controller) and the whole step, per arm: the rollout does the same work in both arms, so
-  its difference is the machine's noise.
+The method (ABBA repeats of ``examples/tiny_cpu/run.sh``'s command) and what is reported:
+``docs/benchmarks.md``, "Predicted-KL step control".
 """
 
 from __future__ import annotations
@@ -112,32 +98,41 @@ def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[s
     return read_metrics(out)
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--train-iters", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps left out")
     ap.add_argument("--kl-target", type=float, default=0.02)
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def train_tokenizer(tmp: str) -> str:
+    """The example's tokenizer, trained into ``tmp``; returns its model file."""
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "train_tokenizer.py"),
+            "--builtin-tasks",
+            "20000",
+            "--seed",
+            "0",
+            "--vocab-size",
+            "256",
+            "--output-prefix",
+            os.path.join(tmp, "tok"),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return os.path.join(tmp, "tok.model")
+
+
+def run_arms(args) -> dict[str, list[list]]:
+    """Both arms ``args.repeats`` times in ABBA order: per arm, each run's kept metric rows."""
     with tempfile.TemporaryDirectory(prefix="kl_overhead_") as tmp:
-        subprocess.run(
-            [
-                sys.executable,
-                os.path.join(ROOT, "tools", "train_tokenizer.py"),
-                "--builtin-tasks",
-                "20000",
-                "--seed",
-                "0",
-                "--vocab-size",
-                "256",
-                "--output-prefix",
-                os.path.join(tmp, "tok"),
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        tok = os.path.join(tmp, "tok.model")
+        tok = train_tokenizer(tmp)
         runs = {"plain": [], "controlled": []}
         arms = [("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])]
         for i in range(args.repeats):  # ABBA: each arm goes first in every other repeat
@@ -146,6 +141,12 @@ def main() -> None:
                 runs[name].append(rows)
                 tps = statistics.median(r["throughput/tokens_per_s"] for r in rows)
                 print(f"repeat {i + 1} {name:10s}: {tps:8.0f} tokens/s", flush=True)
+    return runs
+
+
+def summarize(args, runs: dict[str, list[list]]) -> dict:
+    """Tokens/s (median over steps, then repeats), the ratios, the phases and the
+    controller's share of a step."""
     tps = {
         k: statistics.median(
             statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v
@@ -168,7 +169,7 @@ def main() -> None:
         for k, v in runs.items()
     }
     paired = [c / p for c, p in zip(per_run["controlled"], per_run["plain"], strict=True)]
-    result = {
+    return {
         "tokens_per_s": tps,
         "ratio": tps["controlled"] / tps["plain"],
         "phases_s": phases,
@@ -182,6 +183,10 @@ def main() -> None:
         "train_iters": args.train_iters,
         "skip": args.skip,
     }
+
+
+def report(args, result: dict) -> None:
+    tps, paired = result["tokens_per_s"], result["paired_ratios"]
     print(
         f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
         f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
@@ -193,13 +198,19 @@ def main() -> None:
         + f"; median {result['paired_ratio_median']:.3f}"
     )
     print(
-        f"time/kl_control_s / time/step_s over {len(shares)} steps: median "
+        f"time/kl_control_s / time/step_s over {result['steps']} steps: median "
         f"{100 * result['kl_control_share_median']:.1f} %, p90 "
         f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
         f"{100 * result['scaled_steps']:.0f} %"
     )
-    for name, times in phases.items():
+    for name, times in result["phases_s"].items():
         print(f"{name:10s} median s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
+
+
+def main() -> None:
+    args = parse_args()
+    result = summarize(args, run_arms(args))
+    report(args, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

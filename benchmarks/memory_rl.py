@@ -4,33 +4,10 @@
     python benchmarks/memory_rl.py --device cuda   # GPU: torch.cuda.max_memory_allocated
     python benchmarks/memory_rl.py --device cuda --fp8 hybrid   # + Transformer Engine FP8
 
-One RL step of the same bf16 Megatron GPT policy (Megatron's distributed optimizer, DP = 1):
-a **rollout** (``--rollout-rows`` prompts, ``--new-tokens`` tokens (default ``--seq``/2)
-sampled after each with the KV cache), the frozen reference's **log-probs** of those rows,
-and the **training** step (forward + backward of one micro-batch at a time + optimizer
-step); the optimizer and its memory settings are the only differences. Each optimizer is
-measured in every legal setting of the knobs that decide how large a share of the step its
-state is (grad buffers in fp32, Megatron's default, or bf16; for LoGRA also fp32 master
-weights or bf16 weights + int16 remainders, ``--loggra-param-remainders``), with the
-reference model resident (GRPO/PPO with a KL-to-reference term) or absent (``--kl-coef 0``:
-DAPO, Dr. GRPO); the summary compares **best with best** for each reference setting.
-
-Accounting on CPU (no allocator statistics there): the peak of a step is the persistent
-tensors (policy weights, grad buffers, fp32 masters or remainders, optimizer state,
-reference weights; each storage counted once) plus the largest transient of the three
-phases. A phase's transient is the peak of the bytes it allocates and has not yet freed,
-from the CPU allocator's own events (``torch.profiler`` with ``profile_memory=True``:
-every allocation and free, temporaries inside ops included), leaving out what gloo
-allocates inside collectives (its CPU reduce-scatter clones the whole grad buffer; NCCL
-does not). One term of the training phase is also computed by tensor accounting, as a
-cross-check: the fp32 main-param gradients Megatron's optimizer creates (copies of bf16
-grad buffers; free with fp32 buffers, which they view; LoGRA converts bf16 shards one
-weight at a time, so it counts its largest conversion). Allocator caching is not
-included; the GPU path uses the allocator's own peak instead.
-
-Shape: a Llama-style model (hidden 512, 8 layers, short sequences, micro-batch 1), so that,
-as for a 27B policy with recompute at TP=8, the persistent per-parameter state dominates
-the step rather than activations; rank = hidden/8.
+Accounting on CPU: the persistent tensors plus the largest phase transient (rollout,
+reference log-probs, training), each from the CPU allocator's own events; on GPU the
+allocator's own peak. The step, the settings swept, the accounting in full and the shape:
+``docs/benchmarks.md``, "Memory at scale".
 """
 
 from __future__ import annotations

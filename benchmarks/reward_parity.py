@@ -89,7 +89,7 @@ def run_dir(out: str, name: str, seed: int) -> str:
     return os.path.join(out, slug, f"seed{seed}")
 
 
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="runs/parity")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -109,75 +109,94 @@ def main() -> None:
         help="configurations to run (default: all)",
     )
     ap.add_argument("--summarize", action="store_true", help="only print the table")
-    args = ap.parse_args()
-    tokenizer = os.path.join(args.out, "tokenizer")
-    if not args.summarize:
-        os.makedirs(args.out, exist_ok=True)
+    return ap.parse_args()
+
+
+def launcher(out: str) -> list[str]:
+    """Train the tokenizer into ``out``; the ``pretrain_rl.py`` command every run shares."""
+    tokenizer = os.path.join(out, "tokenizer")
+    os.makedirs(out, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "train_tokenizer.py"),
+            "--builtin-tasks",
+            "20000",
+            "--vocab-size",
+            "256",
+            "--output-prefix",
+            tokenizer,
+        ],
+        check=True,
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "pretrain_rl.py"),
+        *COMMON,
+        "--tokenizer-model",
+        f"{tokenizer}.model",
+    ]
+
+
+def warm_up(launch: list[str], out: str) -> str:
+    """The shared supervised warm-up (saved once, reused if present); returns its folder."""
+    warmup = os.path.join(out, "warmup")
+    if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
+        print("== supervised warm-up", flush=True)
         subprocess.run(
             [
-                sys.executable,
-                os.path.join(ROOT, "tools", "train_tokenizer.py"),
-                "--builtin-tasks",
-                "20000",
-                "--vocab-size",
-                "256",
-                "--output-prefix",
-                tokenizer,
+                *launch,
+                *LOGRA,
+                "--sft-iters",
+                "200",
+                "--sft-lr",
+                "3e-3",
+                "--train-iters",
+                "0",
+                "--save",
+                warmup,
             ],
             check=True,
+            stdout=subprocess.DEVNULL,
         )
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            os.path.join(ROOT, "pretrain_rl.py"),
-            *COMMON,
-            "--tokenizer-model",
-            f"{tokenizer}.model",
-        ]
-        warmup = os.path.join(args.out, "warmup")
-        if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
-            print("== supervised warm-up", flush=True)
+    return warmup
+
+
+def run_configs(args, launch: list[str], warmup: str) -> None:
+    """Every chosen configuration for every seed, from the warm-up's weights."""
+    for name in args.configs:
+        flags = [f.format(kl_target=args.kl_target) for f in CONFIGS[name]]
+        for seed in args.seeds:
+            print(f"== {name}, seed {seed}", flush=True)
             subprocess.run(
                 [
                     *launch,
-                    *LOGRA,
-                    "--sft-iters",
-                    "200",
-                    "--sft-lr",
-                    "3e-3",
-                    "--train-iters",
-                    "0",
-                    "--save",
+                    *flags,
+                    "--load",
                     warmup,
+                    "--no-load-optim",
+                    "--seed",
+                    str(seed),
+                    "--train-iters",
+                    str(args.train_iters),
+                    "--output-dir",
+                    run_dir(args.out, name, seed),
                 ],
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-        for name in args.configs:
-            flags = [f.format(kl_target=args.kl_target) for f in CONFIGS[name]]
-            for seed in args.seeds:
-                print(f"== {name}, seed {seed}", flush=True)
-                subprocess.run(
-                    [
-                        *launch,
-                        *flags,
-                        "--load",
-                        warmup,
-                        "--no-load-optim",
-                        "--seed",
-                        str(seed),
-                        "--train-iters",
-                        str(args.train_iters),
-                        "--output-dir",
-                        run_dir(args.out, name, seed),
-                    ],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                )
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.summarize:
+        launch = launcher(args.out)
+        run_configs(args, launch, warm_up(launch, args.out))
     summarize(args)
 
 

@@ -227,11 +227,6 @@ def _env(bin_dir: str, tmp_path, **extra) -> dict:
     return env
 
 
-def _lines(path) -> list[str]:
-    with open(path) as f:
-        return f.read().splitlines()
-
-
 def test_single_node_script_takes_pretrain_rl_from_the_repository(tmp_path):
     bin_dir = _fake_bin(tmp_path, torchrun="")
     cwd = tmp_path / "elsewhere"
@@ -245,10 +240,10 @@ def test_single_node_script_takes_pretrain_rl_from_the_repository(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    args = _lines(tmp_path / "torchrun.args")
+    args = _read(tmp_path / "torchrun.args").splitlines()
     assert args[:3] == ["--nproc-per-node", "8", os.path.join(ROOT, "pretrain_rl.py")]
     assert args[-2:] == ["--extra-flag", "1"]
-    env = _lines(tmp_path / "torchrun.env")
+    env = _read(tmp_path / "torchrun.env").splitlines()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in env and "NCCL_NVLS_ENABLE=0" in env
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
 
@@ -266,7 +261,7 @@ def test_slurm_script_submits_itself_recording_the_repository(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    args = _lines(tmp_path / "sbatch.args")
+    args = _read(tmp_path / "sbatch.args").splitlines()
     assert args[0] == f"--export=ALL,REPO={ROOT}" and os.path.samefile(args[1], SLURM)
 
 
@@ -303,7 +298,7 @@ def test_slurm_job_runs_in_a_container_from_the_repository(tmp_path, image):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    args = _lines(tmp_path / "srun.args")
+    args = _read(tmp_path / "srun.args").splitlines()
     opts = dict(a.split("=", 1) for a in args if a.startswith("--container-"))
     assert opts["--container-image"] == (image or os.path.join(ROOT, "loggra-megatron.sqsh"))
     mounts = opts["--container-mounts"].split(",")
@@ -313,7 +308,7 @@ def test_slurm_job_runs_in_a_container_from_the_repository(tmp_path, image):
     assert opts["--container-workdir"] == ROOT
     assert "torchrun" in args and os.path.join(ROOT, "pretrain_rl.py") in args
     assert args[args.index("--save") + 1] == str(cwd / "runs" / "grpo_27b_multinode")
-    env = _lines(tmp_path / "srun.env")
+    env = _read(tmp_path / "srun.env").splitlines()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in env and "NCCL_NVLS_ENABLE=0" in env
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
 
@@ -372,7 +367,7 @@ def test_h200_check_fetches_the_dockerfile_megatron_core(tmp_path):
     bin_dir = _fake_bin(tmp_path, python3="")
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], "PYTHON": "python3"}
     subprocess.run(["bash", H200, "fetch-wheels"], env=env, check=True, timeout=60)
-    args = _lines(tmp_path / "python3.args")
+    args = _read(tmp_path / "python3.args").splitlines()
     pin = re.search(
         r"^ARG MEGATRON_CORE_VERSION=(\S+)", _read(os.path.join(ROOT, "docker", "Dockerfile")), re.M
     )[1]

@@ -110,26 +110,14 @@ def _run(cmd):
     return proc
 
 
-def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
-    """HF dir -> convert -> GRPO (2 processes, math task with math-verify, chat template,
-    Parquet, eval) -> convert back -> transformers: its logits equal the trained Megatron
-    model's (fp32) and it generates."""
-    import transformers
-
+def _convert(direction: str, load, save) -> None:
+    """tools/convert_checkpoint.py in ``direction`` (hf-to-megatron or megatron-to-hf)."""
     cli = os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    mcore, run, back = tmp_path / "mcore", tmp_path / "run", tmp_path / "hf_out"
-    _run(
-        [
-            sys.executable,
-            cli,
-            "--direction",
-            "hf-to-megatron",
-            "--load",
-            str(hf_dir / "hf"),
-            "--save",
-            str(mcore),
-        ]
-    )
+    _run([sys.executable, cli, "--direction", direction, "--load", str(load), "--save", str(save)])
+
+
+def _grpo_flags(hf_dir, mcore, run) -> list[str]:
+    """GRPO from the converted checkpoint: math task, chat template, Parquet data, eval."""
     data = hf_dir / "data"
     flags = [
         "--load",
@@ -171,22 +159,14 @@ def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
         "--sft-lr",
         1e-3,
     ]
-    torchrun([str(f) for f in flags])
-    rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[1]
-    assert all(0 <= r["reward/accuracy"] <= 1 for r in rows)
-    _run(
-        [
-            sys.executable,
-            cli,
-            "--direction",
-            "megatron-to-hf",
-            "--load",
-            str(run),
-            "--save",
-            str(back),
-        ]
-    )
+    return [str(f) for f in flags]
+
+
+def _check_converted_back(hf_dir, run, back) -> None:
+    """The model converted back: transformers' logits equal the trained Megatron model's
+    (fp32), differ from the initial model's, and it generates."""
+    import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
     with torch.no_grad():
         expected = hf(IDS).logits
@@ -197,6 +177,20 @@ def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
     torch.testing.assert_close(megatron, expected, atol=1e-4, rtol=0)
     out = hf.generate(IDS[:, :4], max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 9)
+
+
+def test_hf_model_to_megatron_grpo_and_back(hf_dir, tmp_path):
+    """HF dir -> convert -> GRPO (2 processes, math task with math-verify, chat template,
+    Parquet, eval) -> convert back -> transformers: its logits equal the trained Megatron
+    model's (fp32) and it generates."""
+    mcore, run, back = tmp_path / "mcore", tmp_path / "run", tmp_path / "hf_out"
+    _convert("hf-to-megatron", hf_dir / "hf", mcore)
+    torchrun(_grpo_flags(hf_dir, mcore, run))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[1]
+    assert all(0 <= r["reward/accuracy"] <= 1 for r in rows)
+    _convert("megatron-to-hf", run, back)
+    _check_converted_back(hf_dir, run, back)
 
 
 def test_text_answers_with_a_custom_reward_train(tokenizer, tmp_path):

@@ -1,4 +1,6 @@
-"""LoGRA inside Megatron-Core's optimizers, with a real GPTModel on CPU/gloo ranks.
+"""LoGRA inside Megatron-Core's optimizers, with a real GPTModel on CPU/gloo ranks:
+equivalence with dense Adam, DP/TP/PP sharding, bf16, non-finite steps and the LR scheduler
+(saving and resuming: ``test_megatron_optimizer_checkpoint.py``).
 
 hidden=40 (rows of 40 and 80 floats) makes the DistributedOptimizer's DP shard boundary
 fall in the middle of a row, which is the hard case for exact DP sharding.
@@ -6,108 +8,30 @@ fall in the middle of a row, which is the hard case for exact DP sharding.
 
 import pytest
 import torch
-
-from loggra_megatron.testing import (
-    run_distributed,
-    tiny_bf16_gpt_model,
-    tiny_gpt_model,
-    train_step,
-    wrap_ddp,
+from megatron_optimizer_runs import (
+    HEADS,
+    HIDDEN,
+    SEQ,
+    TOKENS,
+    VOCAB,
+    build,
+    gathered_params,
+    local_batch,
+    max_rel_diff,
+    train,
 )
+
+from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, train_step, wrap_ddp
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
-TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
-
-
-def _build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
-
-    model = tiny_gpt_model(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        heads=HEADS,
-        vocab=VOCAB,
-        seq=SEQ,
-        use_cpu_initialization=True,
-    )
-    ddp_kw = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
-    ddp = wrap_ddp(model, use_distributed_optimizer=use_dist, **(ddp_kw if overlap else {}))
-    base = dict(
-        optimizer="adam",
-        lr=1e-2,
-        weight_decay=0.01,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_eps=1e-8,
-        use_distributed_optimizer=use_dist,
-        clip_grad=1.0,
-    )
-    if kind == "dense":
-        return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
-    loggra = {"loggra_min_dim": 1, "loggra_rank": 4, "loggra_oversample": 2, **loggra}
-    return ddp, get_loggra_optimizer(LoGRAOptimizerConfig(**base, **loggra), [ddp])
-
-
-def _local_batch(tokens):
-    """This DP rank's rows of the global batch, and its number of microbatches."""
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
-    local = tokens[rank::dp]
-    return local, local.shape[0]
-
-
-def _params(ddp):
-    if ddp.ddp_config.overlap_param_gather:  # the last step's all-gather is still pending
-        ddp.start_param_sync(force_sync=True)
-    return {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
-
-
-def _train(
-    rank, kind, steps, use_dist=True, overlap=False, tokens=TOKENS, save=None, load=None, **loggra
-):
-    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
-    from loggra_megatron.optim import state_bytes
-
-    ddp, opt = _build(kind, use_dist, overlap, **loggra)
-    if load is not None:
-        load_checkpoint(load, [ddp], opt)
-    batch, micro = _local_batch(tokens[:2])
-    losses = []
-    for step in range(steps):
-        loss, (ok, _, _) = train_step(ddp, opt, batch, num_microbatches=micro)
-        assert ok
-        losses.append(loss)
-        if save is not None and step + 1 == save[1]:
-            save_checkpoint(save[0], step + 1, [ddp], opt, common={"step": step + 1})
-    inner = opt.optimizer
-    layout_of = getattr(inner, "layout_of", lambda p: None)
-    layouts = [layout_of(p) for g in inner.param_groups for p in g["params"]]
-    return {
-        "params": _params(ddp),
-        "losses": losses,
-        "state_bytes": state_bytes(opt),
-        "layouts": [lay for lay in layouts if lay is not None],
-        "all_layouts": getattr(inner, "_all_layouts", []),
-        "dp_rank": getattr(inner, "_dp_rank", 0),
-    }
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
-
 
 def test_identity_loggra_equals_megatron_dense_adam_distributed_optimizer():
-    dense = run_distributed(_train, 2, "dense", 5)
-    loggra = run_distributed(_train, 2, "loggra", 5, loggra_projection="identity")
+    dense = run_distributed(train, 2, "dense", 5)
+    loggra = run_distributed(train, 2, "loggra", 5, loggra_projection="identity")
     assert loggra[0]["layouts"] or loggra[1]["layouts"]  # matrices took the sketch path
     for r in range(2):
-        assert _max_rel_diff(loggra[r]["params"], dense[r]["params"]) <= 1e-5
+        assert max_rel_diff(loggra[r]["params"], dense[r]["params"]) <= 1e-5
     assert dense[0]["losses"][-1] < dense[0]["losses"][0]
 
 
@@ -117,13 +41,13 @@ def test_dp2_equals_dp1_across_refreshes(projection):
     # weight, each split across the 2 DP ranks in its middle, mid-row for linear_qkv.
     # refreshes before steps 1, 3 and 5
     kw = dict(loggra_update_interval=2, loggra_projection=projection)
-    dp1 = run_distributed(_train, 1, "loggra", 5, **kw)[0]
-    dp2 = run_distributed(_train, 2, "loggra", 5, overlap=True, **kw)
+    dp1 = run_distributed(train, 1, "loggra", 5, **kw)[0]
+    dp2 = run_distributed(train, 2, "loggra", 5, overlap=True, **kw)
     split = [lay for lay in dp2[0]["all_layouts"] if lay.split_rows()]
     assert split, "no DP shard boundary fell mid-row; the test lost its hard case"
     assert any(lay.rank < lay.shape[1] for lay in dp2[0]["all_layouts"])
     for r in range(2):
-        assert _max_rel_diff(dp2[r]["params"], dp1["params"]) <= 1e-4
+        assert max_rel_diff(dp2[r]["params"], dp1["params"]) <= 1e-4
     assert dp1["losses"][-1] < dp1["losses"][0]
 
 
@@ -137,8 +61,8 @@ def _expected_state_bytes(result) -> int:
 
 
 def test_state_is_a_strict_dp_shard_and_matches_the_formula():
-    dp1 = run_distributed(_train, 1, "loggra", 1)[0]
-    dp2 = run_distributed(_train, 2, "loggra", 1)
+    dp1 = run_distributed(train, 1, "loggra", 1)[0]
+    dp2 = run_distributed(train, 2, "loggra", 1)
     for res in [dp1, *dp2]:
         dense_numel = sum(
             p.numel()
@@ -158,11 +82,11 @@ def _one_step_update(rank, tp_rank_layout=False):
     """Params before and after one LoGRA step (TP-gathered by the caller)."""
     from megatron.core import parallel_state
 
-    ddp, opt = _build("loggra", True, loggra_rank=3, loggra_oversample=2)
-    before = _params(ddp)
-    batch, micro = _local_batch(TOKENS[:2])
+    ddp, opt = build("loggra", True, loggra_rank=3, loggra_oversample=2)
+    before = gathered_params(ddp)
+    batch, micro = local_batch(TOKENS[:2])
     train_step(ddp, opt, batch, num_microbatches=micro)
-    after = _params(ddp)
+    after = gathered_params(ddp)
     return {
         "delta": {k: after[k] - before[k] for k in after},
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
@@ -196,7 +120,7 @@ def test_tp_invariance_claim_column_parallel_yes_row_parallel_no():
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_tp2_and_pp2_train_with_loggra(tp, pp):
-    results = run_distributed(_train, 2, "loggra", 8, tokens=TOKENS, tp=tp, pp=pp)
+    results = run_distributed(train, 2, "loggra", 8, tokens=TOKENS, tp=tp, pp=pp)
     losses = [r["losses"] for r in results if r["losses"][0] is not None]
     assert losses and losses[0][-1] < 0.9 * losses[0][0]
     for r in results:  # each rank's sketches cover exactly its TP-local / stage-local weights
@@ -211,115 +135,10 @@ def test_tp2_and_pp2_train_with_loggra(tp, pp):
 
 
 def test_replicated_megatron_optimizer_trains_and_matches_distributed():
-    rep = run_distributed(_train, 2, "loggra", 4, use_dist=False, loggra_update_interval=2)
-    dist_ = run_distributed(_train, 2, "loggra", 4, loggra_update_interval=2)
-    assert _max_rel_diff(rep[0]["params"], dist_[0]["params"]) <= 1e-4
+    rep = run_distributed(train, 2, "loggra", 4, use_dist=False, loggra_update_interval=2)
+    dist_ = run_distributed(train, 2, "loggra", 4, loggra_update_interval=2)
+    assert max_rel_diff(rep[0]["params"], dist_[0]["params"]) <= 1e-4
     assert rep[0]["losses"][-1] < rep[0]["losses"][0]
-
-
-def test_checkpoint_resume_equals_uninterrupted_and_reshards_over_dp(tmp_path):
-    kw = dict(loggra_update_interval=2)
-    full = run_distributed(_train, 2, "loggra", 6, **kw)
-    ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train, 2, "loggra", 3, save=(ckpt, 3), **kw)
-    resumed = run_distributed(_train, 2, "loggra", 3, load=ckpt, **kw)
-    for r in range(2):
-        for k, v in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][k], v), k
-    resharded = run_distributed(_train, 1, "loggra", 3, load=ckpt, **kw)[0]
-    assert _max_rel_diff(resharded["params"], full[0]["params"]) <= 1e-4
-
-
-@pytest.mark.parametrize("kind", ["loggra", "dense"])
-def test_overlap_param_gather_saves_the_updated_weights(tmp_path, kind):
-    """With --overlap-param-gather the all-gather of the updated weights waits for the next
-    forward, so a rank's copy of the shards other DP ranks own is one step old: the save
-    gathers first (issue 21, risk 3), and save -> resume equals never stopping."""
-    full = run_distributed(_train, 2, kind, 4, overlap=True)
-    ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train, 2, kind, 2, overlap=True, save=(ckpt, 2))
-    resumed = run_distributed(_train, 2, kind, 2, overlap=True, load=ckpt)
-    for r in range(2):
-        for k, v in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][k], v), k
-
-
-def test_dense_adam_distributed_optimizer_saves_and_resumes_exactly(tmp_path):
-    """Megatron's dense Adam (DistributedOptimizer, DP=2): save -> resume equals never
-    stopping (megatron-core 0.16's default sharding could not be saved at all), and the
-    checkpoint loads at DP=1."""
-    full = run_distributed(_train, 2, "dense", 6)
-    ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train, 2, "dense", 3, save=(ckpt, 3))
-    resumed = run_distributed(_train, 2, "dense", 3, load=ckpt)
-    for r in range(2):
-        for k, v in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][k], v), k
-    resharded = run_distributed(_train, 1, "dense", 3, load=ckpt)[0]
-    assert _max_rel_diff(resharded["params"], full[0]["params"]) <= 1e-4
-
-
-class _TorchWithNanEmpty:
-    """``torch`` for Megatron's distrib_optimizer module whose ``empty`` returns NaN, as
-    uninitialised memory may (it fills the padding entries of the dp_reshardable state)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        return torch.full_like(torch.empty(*args, **kwargs), float("nan"))
-
-
-def _dense_with_nan_padding(rank, steps, save=None, load=None):
-    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
-
-    from loggra_megatron.optim.megatron import optimizer_state
-
-    distrib_optimizer.torch = _TorchWithNanEmpty()
-    padding = []
-    zero_padding = optimizer_state.zero_padding
-
-    def spy(state):  # count the padding entries the save and the load see
-        if isinstance(state, dict) and optimizer_state._is_padding(state):
-            padding.append(state)
-        zero_padding(state)
-
-    optimizer_state.zero_padding = spy
-    result = _train(rank, "dense", steps, save=save, load=load)
-    return {**result, "padding_entries": len(padding)}
-
-
-def test_dense_adam_saves_and_resumes_with_garbage_in_megatron_padding(tmp_path):
-    """Megatron's dp_reshardable buckets pad the gaps between params with ``torch.empty``;
-    NaN there (uninitialised memory) must neither refuse the save nor the load, and resume
-    stays exact (megatron-core 0.19 refused: issue 22)."""
-    full = run_distributed(_train, 2, "dense", 4)
-    ckpt = str(tmp_path / "ckpt")
-    saved = run_distributed(_dense_with_nan_padding, 2, 2, save=(ckpt, 2))
-    assert sum(r["padding_entries"] for r in saved) > 0, "no padding: the test lost its case"
-    resumed = run_distributed(_dense_with_nan_padding, 2, 2, load=ckpt)
-    for r in range(2):
-        for k, v in full[r]["params"].items():
-            assert torch.equal(resumed[r]["params"][k], v), k
-
-
-def _load_refused(rank, ckpt):
-    from loggra_megatron.checkpointing import load_checkpoint
-
-    ddp, opt = _build("loggra", True)
-    before = _params(ddp)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=1.*this run has 2"):
-        load_checkpoint(ckpt, [ddp], opt)
-    after = _params(ddp)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    return True
-
-
-def test_checkpoint_with_different_tp_is_refused_before_anything_changes(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train, 2, "loggra", 1, save=(ckpt, 1))
-    assert run_distributed(_load_refused, 2, ckpt, tp=2) == [True, True]
 
 
 def test_config_rejects_bad_loggra_fields():
@@ -352,10 +171,10 @@ def _bf16_identity_vs_dense(rank, kind):
     else:
         config = LoGRAOptimizerConfig(**base, loggra_min_dim=1, loggra_projection="identity")
         opt = get_loggra_optimizer(config, [ddp])
-    batch, micro = _local_batch(TOKENS[:2])
+    batch, micro = local_batch(TOKENS[:2])
     mains = [p for g in opt.optimizer.param_groups for p in g["params"]]
     losses = [train_step(ddp, opt, batch, num_microbatches=micro)[0]]
-    first = {"params": _params(ddp), "mains": [p.detach().clone() for p in mains]}
+    first = {"params": gathered_params(ddp), "mains": [p.detach().clone() for p in mains]}
     losses += [train_step(ddp, opt, batch, num_microbatches=micro)[0] for _ in range(3)]
     return {
         **first,
@@ -409,7 +228,7 @@ def _bf16_grads(rank, fp32_copy):
         inner_step()
 
     inner.step = observing_step
-    batch, micro = _local_batch(TOKENS[:2])
+    batch, micro = local_batch(TOKENS[:2])
     norms, mains = [], [p for g in inner.param_groups for p in g["params"]]
     for _ in range(4):
         _, (ok, grad_norm, _) = train_step(ddp, opt, batch, num_microbatches=micro)
@@ -435,10 +254,10 @@ def test_bf16_grads_reach_loggra_without_an_fp32_copy_and_give_the_same_steps(tp
 def _nan_on_one_rank_skips_everywhere(rank):
     from megatron.core import parallel_state
 
-    ddp, opt = _build("loggra", True)
-    batch, micro = _local_batch(TOKENS[:2])
+    ddp, opt = build("loggra", True)
+    batch, micro = local_batch(TOKENS[:2])
     train_step(ddp, opt, batch, num_microbatches=micro)
-    before = _params(ddp)
+    before = gathered_params(ddp)
     inner_before = {
         id(p): {k: v.clone() for k, v in opt.optimizer.state[p].items()}
         for p in opt.optimizer.state
@@ -453,7 +272,7 @@ def _nan_on_one_rank_skips_everywhere(rank):
 
         opt.optimizer.step = poisoned_step
     train_step(ddp, opt, batch, num_microbatches=micro)
-    after = _params(ddp)
+    after = gathered_params(ddp)
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     state_unchanged = all(
         torch.equal(v, inner_before[id(p)][k])
@@ -471,7 +290,7 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all_ranks():
 def _scheduled(rank):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    ddp, opt = _build("loggra", True)
+    ddp, opt = build("loggra", True)
     sched = OptimizerParamScheduler(
         opt,
         init_lr=0.0,
@@ -485,14 +304,14 @@ def _scheduled(rank):
         wd_incr_steps=10,
         wd_incr_style="constant",
     )
-    batch, micro = _local_batch(TOKENS[:2])
-    before = _params(ddp)
+    batch, micro = local_batch(TOKENS[:2])
+    before = gathered_params(ddp)
     train_step(ddp, opt, batch, num_microbatches=micro)  # lr = init_lr = 0: no change
-    unchanged = all(torch.equal(before[k], v) for k, v in _params(ddp).items())
+    unchanged = all(torch.equal(before[k], v) for k, v in gathered_params(ddp).items())
     sched.step(1)
     lrs = {g["lr"] for g in opt.optimizer.param_groups}
     train_step(ddp, opt, batch, num_microbatches=micro)
-    changed = any(not torch.equal(before[k], v) for k, v in _params(ddp).items())
+    changed = any(not torch.equal(before[k], v) for k, v in gathered_params(ddp).items())
     return unchanged, lrs, changed
 
 

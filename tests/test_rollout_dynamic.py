@@ -2,27 +2,21 @@
 engine with a bounded KV cache.
 
 On CPU (megatron-core 0.16.1, ``loggra_megatron.cpu``'s CPU mode) the engine does *not* run:
+1. ``TextGenerationController.__init__`` (``text_generation_controller.py:75``) calls
+   ``torch.Generator(device=torch.cuda.current_device())``: ``RuntimeError: Cannot access
+   accelerator device when none is available.`` A redirect fixes it (a type, not a torch
+   function: the CPU mode's ``TorchFunctionMode`` never sees it).
+2. The first forward, ``Attention.forward`` (``transformer/attention.py:926``), asserts
+   flash-attn: ``ModuleNotFoundError: No module named 'flash_attn'`` (``core/utils.py:378``,
+   ``get_fa_version_str``). Fundamental: in 0.16.1 only flash-attn's paged CUDA kernels read
+   the paged KV cache, and flash-attn has no CPU build. (Next: ``einops.rearrange``,
+   attention.py:1178, and under PP ``communication_utils._is_cuda`` on the logits.)
 
-1. ``inference/text_generation_controllers/text_generation_controller.py:75``
-   (``TextGenerationController.__init__``), ``torch.Generator(device=torch.cuda.current_device())``:
-   ``RuntimeError: Cannot access accelerator device when none is available.`` A CUDA
-   assumption a redirect can fix (``torch.Generator`` is a type, not a torch function: the
-   CPU mode's ``TorchFunctionMode`` never sees it).
-2. Past it, the first forward, ``transformer/attention.py:926`` (``Attention.forward``),
-   ``assert HAVE_FA3 or is_fa_min_version("2.7.3")``: ``ModuleNotFoundError: No module named
-   'flash_attn'`` (raised in ``core/utils.py:378``, ``get_fa_version_str``). Fundamental: the
-   paged KV cache is read only by flash-attn's paged CUDA kernels (``flash_attn_varlen_func``
-   with a block table, ``flash_attn_with_kvcache``; ``Attention.flash_decode_and_prefill``),
-   0.16.1 has no other attention for it, and flash-attn has no CPU build. (Next would come
-   ``einops.rearrange``, attention.py:1178, not installed here, and under PP
-   ``communication_utils._is_cuda`` asserting ``is_cuda`` on the broadcast logits.)
-
-The ``*_documented_failure`` tests pin that chain, so an upgrade that changes it shows. The
-other engine tests run the *real* engine, scheduler and driver on CPU, a bf16 model, with
-``tests/gpu_standins.py``'s flash-attn stand-in (plain-PyTorch paged attention that keeps
-flash-attn's fp16/bf16 rule), the Generator redirect, the Triton KV append off and a no-op
-``_is_cuda``, against the static engine on the same weights (TP=1, TP=2, PP=2). The ``gpu``
-test runs the real kernels.
+The ``*_documented_failure`` tests pin that chain. The other engine tests run the *real*
+engine, scheduler and driver on CPU, a bf16 model, with ``tests/gpu_standins.py``'s
+flash-attn stand-in (plain-PyTorch paged attention, flash-attn's fp16/bf16 rule), the
+Generator redirect, the Triton KV append off and a no-op ``_is_cuda``, against the static
+engine on the same weights (TP=1, TP=2, PP=2). The ``gpu`` test runs the real kernels.
 """
 
 from __future__ import annotations
