@@ -2,23 +2,14 @@
 device (the GPU path never runs in CI).
 
 :class:`DeviceAudit` is a ``TorchFunctionMode`` pushed *above* the CPU mode of
-:mod:`loggra_megatron.cpu`, so it sees every torch call with its original arguments. It tags
-each tensor with where it would live on a GPU machine:
-
-* ``device``: created with a CUDA ``device=`` (a string, ``torch.device`` or an index, as
-  Megatron-Core passes ``torch.cuda.current_device()``), by ``.cuda()`` / ``.to(cuda)``, or
-  computed from a ``device`` tensor;
-* ``host``: created by a factory function without a device (``torch.tensor``, ``zeros``,
-  ...), by ``.cpu()`` / ``.to("cpu")``, or computed from host tensors only.
-
-Tensors made outside Python (autograd's gradients) carry no tag and are never flagged.
-Violations, each recorded with a short stack:
-
-* an op that mixes a ``device`` tensor with a ``host`` tensor of one or more dimensions (CUDA
-  raises "Expected all tensors to be on the same device"; 0-dim host tensors are allowed, and
-  copies between devices are not ops that mix);
-* a ``torch.distributed`` collective or p2p call on a ``host`` tensor (NCCL rejects it);
-* after the model is built: a parameter or buffer that is not a ``device`` tensor.
+:mod:`loggra_megatron.cpu`, so it sees every torch call with its original arguments, and tags
+each tensor ``device`` (made with a CUDA ``device=``, ``.cuda()``/``.to(cuda)``, or computed
+from a ``device`` tensor) or ``host`` (a factory without a device, ``.cpu()``, or computed
+from host tensors only); autograd's gradients carry no tag and are never flagged.
+Violations, each with a short stack: an op mixing a ``device`` tensor with a ``host`` tensor
+of one or more dimensions (CUDA's "Expected all tensors to be on the same device"; copies
+are not ops that mix); a ``torch.distributed`` call on a ``host`` tensor (NCCL rejects it);
+after the model is built, a parameter or buffer that is not a ``device`` tensor.
 
 ``python tests/device_audit.py REPORT_DIR -- pretrain_rl flags`` (under torchrun) runs
 ``pretrain_rl.py`` with ``--device cuda`` on this simulated device (gloo underneath) and writes

@@ -1,42 +1,21 @@
 """CPU stand-ins that enforce what Transformer Engine and flash-attn enforce on a GPU, so that
-a GPU-only failure has a CPU test that fails first (neither library has a CPU build).
+a GPU-only failure has a CPU test that fails first (neither library has a CPU build). What
+each enforces, as the TE 2.9-2.12 and flash-attn sources behave: docs/rollouts.md, "CPU
+stand-ins for Transformer Engine and flash-attn".
 
-Transformer Engine (FP8), as the TE 2.9-2.12 sources behave:
-
-* :class:`FP8ColumnParallelLinear` / :class:`FP8RowParallelLinear`: Megatron's local
-  tensor-parallel linears which, while the model's config has ``fp8``,
-
-  - check TE's FP8 GEMM shape rule (``transformer_engine.pytorch.utils.
-    assert_dim_for_fp8_exec``: the product of all dimensions but the last divisible by 8,
-    the last by 16) on the input the module *really* receives (under sequence parallelism a
-    column-parallel linear gets the local ``[s/TP, b, h]`` shard, before its all-gather) and
-    on its weight;
-  - create their FP8 meta state (scale, amax history) lazily at their first FP8 forward, as
-    TE's ``init_fp8_meta_tensors`` does: made under ``torch.inference_mode`` it is made of
-    inference tensors, and it is never made again;
-  - under delayed scaling, stash the meta in the first pass of full activation recompute
-    and copy it back *in place* when the pass is recomputed in the backward
-    (``get_old_fp8_meta_tensors_for_recompute``: ``amax_history.copy_``/``scale.copy_``),
-    which raises "Inplace update to inference tensor outside InferenceMode" on inference
-    tensors exactly as on a GPU (other recipes: no-op, as in TE);
-  - carry TE's ``is_first_microbatch`` flag (Megatron's ``set_is_first_microbatch``).
-* :func:`te_checkpoint`: Megatron's ``te_checkpoint`` (TE's ``checkpoint``; in
-  ``transformer_block`` up to megatron-core 0.16, ``recompute`` from 0.17), i.e.
-  ``tensor_parallel.checkpoint`` with the recompute phase visible to the linears.
-* :class:`SequenceParallelNorm`: TE's norms take sequence parallelism (their weight grads
-  all-reduced over TP by ``finalize_model_grads``); the local spec's torch norm refuses it.
-* :func:`prepare_model_for_fp8_inference`: Megatron's wrapper pads the token dimension of
-  every FP8 linear's input to a multiple of 16 for inference, and records the module.
-
-flash-attn (Megatron-Core's dynamic inference engine): its two paged kernels in plain
-PyTorch (:func:`varlen_attention`, :func:`kvcache_attention`), with flash-attn's dtype rule
-("FlashAttention only support fp16 and bf16 data type"), plus the CPU redirects the engine
-needs (a CUDA ``torch.Generator`` in the controller, the Triton KV append, ``_is_cuda``).
+* :class:`FP8ColumnParallelLinear` / :class:`FP8RowParallelLinear`: TE's FP8 GEMM shape rule
+  (``assert_dim_for_fp8_exec``) on the input the module really receives (the local SP
+  shard); FP8 meta made lazily at the first FP8 forward (``init_fp8_meta_tensors``: inference
+  tensors under ``torch.inference_mode``); under delayed scaling, the in-place copy of the
+  stashed meta in the recompute (``get_old_fp8_meta_tensors_for_recompute``); TE's
+  ``is_first_microbatch``.
+* :func:`te_checkpoint`, :class:`SequenceParallelNorm`, :func:`prepare_model_for_fp8_inference`.
+* flash-attn's paged kernels (:func:`varlen_attention`, :func:`kvcache_attention`) with its
+  fp16/bf16 rule, and the CPU redirects Megatron-Core's dynamic engine needs.
 
 ``python tests/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
 ``pretrain_rl.py --device cuda`` on the simulated CUDA device of ``tests/device_audit.py``
-(Hopper capability 9.0) with all of the above, and writes ``REPORT_DIR/rank<N>.json``:
-the exit code, the device audit's violations and the stand-ins' own record.
+(capability 9.0) and writes ``REPORT_DIR/rank<N>.json``: exit code, violations, record.
 """
 
 from __future__ import annotations

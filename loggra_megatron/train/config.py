@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, at_least, check_fields, positive, valid_seed
+from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
+
+
+def _recomputes(settings: dict) -> bool:
+    """The run's engine may recompute the old log-probs after generation (``auto`` may
+    take such an engine on a GPU)."""
+    name = settings["rollout_engine"]
+    return name == AUTO or ROLLOUT_ENGINES[name].recomputes_log_probs
 
 
 @dataclass
@@ -17,11 +25,12 @@ class TrainingConfig:
     """Sequences per micro-batch."""
     log_prob_micro_batch_size: int | None = applies(
         None,
-        "with a reference model (--kl-coef > 0) or --kl-target",
-        lambda s: s["kl_coef"] > 0 or s["kl_target"] is not None,
+        "with a reference model (--kl-coef > 0), --kl-target or a rollout engine that "
+        "recomputes the old log-probs (--rollout-engine auto or dynamic)",
+        lambda s: s["kl_coef"] > 0 or s["kl_target"] is not None or _recomputes(s),
     )
-    """Sequences per micro-batch of the forward-only passes (reference log-probs; default:
-    --micro-batch-size)."""
+    """Sequences per micro-batch of the forward-only passes (reference log-probs, KL probes,
+    the dynamic engine's old-log-prob recompute; default: --micro-batch-size)."""
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks."""
     seed: int = 1234
