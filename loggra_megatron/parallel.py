@@ -32,6 +32,11 @@ class ParallelConfig:
             ("device", one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
         ])  # fmt: skip
 
+    def uses_cuda(self, cuda_visible: bool) -> bool:
+        """The run computes on a CUDA device: ``--device cuda``, or ``auto`` where one is
+        visible (``cuda_visible``)."""
+        return self.device == "cuda" or (self.device == "auto" and cuda_visible)
+
 
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""

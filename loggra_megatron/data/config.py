@@ -96,7 +96,6 @@ class DataConfig:
             ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
             ("eval_interval", at_least(0), ">= 0 (0: never)"), ("eval_samples", positive, ">= 1"),
         ])  # fmt: skip
-        self._check_paths()
         needs_data = TASKS[self.task].needs_data
         if needs_data and self.data_path is None:
             reject("task", self.task, "reads its prompts from --data-path; give one")
@@ -104,7 +103,9 @@ class DataConfig:
             reject("data_path", self.data_path, f"--task {self.task} generates its prompts; use "
                    "--task jsonl or math for a data file")  # fmt: skip
 
-    def _check_paths(self) -> None:
+    def check_files(self) -> None:
+        """The tokenizer and prompt files exist on this host (``pretrain_rl.py`` checks them as
+        it reads the flags; the memory estimator, which reads none of them, does not)."""
         if self.tokenizer_model is None:
             reject("tokenizer_model", None, "required (train one with tools/train_tokenizer.py, "
                    "or give a Hugging Face tokenizer directory)")  # fmt: skip
