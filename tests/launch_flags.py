@@ -144,3 +144,9 @@ def assert_quotes(text: str, shown: str, where: str) -> None:
     assert numbers, f"{where}: no numbers"
     missing = [q for q in numbers if q not in set(quoted(shown))]
     assert not missing, f"{where}: numbers the estimator does not print: {missing}"
+
+
+def names_flag(err: str, flag: str) -> bool:
+    """The estimator's error message (its stderr) is about ``flag``: ``pretrain_rl.py``'s
+    ``--flag: ...``/``--flag=value: ...``, or argparse's ``argument --flag: ...``."""
+    return re.search(rf"error: (argument )?{re.escape(flag)}\b", err) is not None
