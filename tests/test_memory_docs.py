@@ -114,7 +114,10 @@ def test_sensitivity_rank_layout_and_variant_tables(cli, capsys):
     for seq, recompute, batch, *cells in _rows("| seq | recompute | rollout B |"):
         argv = _set(_set(base, "--seq-length", seq), "--max-new-tokens", str(int(seq) - 1024))
         argv = _set(argv, "--prompts-per-step", str(int(batch) // 8))  # groups of 8
-        argv = _set(argv, "--recompute-granularity", None if recompute == "none" else "full")
+        argv = _set(argv, "--inference-max-tokens", None)  # the KV cache holds all B at once
+        if recompute == "none":  # the method and layer count apply only with full recompute
+            for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
+                argv = _set(argv, flag, None)
         res = _json(cli, capsys, argv)
         d, lg = res["adam"], res["loggra"]
         assert cells == [_total(d), _total(lg), _saved(d, lg), lg["peak_phase"]], seq
