@@ -8,6 +8,10 @@ settings declares it, and one given while its condition fails is refused
 the rules that span sections. ``--config FILE.yaml`` supplies defaults whose keys are the flag names, and flags
 given on the command line override them. Everything runs before any process group, file or
 device is touched: an invalid setting exits with status 2 and a message naming the flag.
+
+The memory estimator (``tools/estimate_memory.py``) reads the same command line
+(:func:`build_parser` and :func:`read_sections` with its own section added) and the same
+cross-section rules, less the ones about this machine (:func:`validate_settings`).
 """
 
 from __future__ import annotations
@@ -32,15 +36,56 @@ from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pretrain_rl.py",
-        description="GRPO/PPO training of a Megatron-Core policy with LoGRA and "
+def build_parser(sections: dict[str, type] = SECTIONS, **kwargs) -> argparse.ArgumentParser:
+    """``--config`` and one flag per field of ``sections`` (``kwargs``: of the
+    ``ArgumentParser``, e.g. the memory estimator's program name)."""
+    kwargs = {
+        "prog": "pretrain_rl.py",
+        "description": "GRPO/PPO training of a Megatron-Core policy with LoGRA and "
         "predicted-KL step control. Run with torchrun.",
-    )
+        **kwargs,
+    }
+    parser = argparse.ArgumentParser(**kwargs)
     parser.add_argument("--config", default=None, help="YAML file of flag defaults")
-    add_flags(parser, SECTIONS)
+    add_flags(parser, sections)
     return parser
+
+
+def read_sections(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    sections: dict[str, type] = SECTIONS,
+    host_files: bool = True,
+) -> tuple[dict, set[str]]:
+    """``({section: settings}, the fields given)``: each section built from its flags, else
+    the ``--config`` file's values, else its defaults, and checked by itself (exit 2 naming
+    the flag). ``host_files``: also check the files the settings name exist on this host
+    (a section's ``check_files``: the tokenizer and prompt files); the memory estimator,
+    which reads none of them, does not."""
+    ns = parser.parse_args(argv)
+    defaults = read_config_file(ns.config, parser, sections) if ns.config else {}
+    explicit = set(defaults) | {k for k, v in vars(ns).items() if v is not None}
+    built = {}
+    for section, cls in sections.items():
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(ns, f.name)
+            kwargs[f.name] = defaults.get(f.name, f.default) if value is None else value
+        try:
+            built[section] = cls(**kwargs)
+            if host_files and hasattr(built[section], "check_files"):
+                built[section].check_files()
+        except (TypeError, ValueError) as e:
+            parser.error(str(e))
+    return built, explicit
+
+
+def fill_derived_defaults(cfg: RunConfig) -> None:
+    """The defaults that follow from other settings, once the architecture is known:
+    ``--loggra-rank`` (hidden / 8) and ``--loggra-seed`` (``--seed``)."""
+    cfg.loggra.loggra_rank = cfg.loggra.rank_for(cfg.model.hidden_size)
+    if cfg.loggra.loggra_seed is None:
+        cfg.loggra.loggra_seed = cfg.training.seed
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> RunConfig:
@@ -50,19 +95,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     is adopted for the model flags that were not given (:func:`plan_start`); the decision
     how the run starts is kept in ``cfg.start``."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    defaults = read_config_file(ns.config, parser, SECTIONS) if ns.config else {}
-    explicit = set(defaults) | {k for k, v in vars(ns).items() if v is not None}
-    sections = {}
-    for section, cls in SECTIONS.items():
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            value = getattr(ns, f.name)
-            kwargs[f.name] = defaults.get(f.name, f.default) if value is None else value
-        try:
-            sections[section] = cls(**kwargs)
-        except (TypeError, ValueError) as e:
-            parser.error(str(e))
+    sections, explicit = read_sections(parser, argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RunConfig(**sections, world_size=world_size)
@@ -70,9 +103,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         parser.error(problem)
     try:
         cfg.start = plan_start(cfg.checkpoint, cfg.logging, cfg.model, explicit)
-        cfg.loggra.loggra_rank = cfg.loggra.rank_for(cfg.model.hidden_size)
-        if cfg.loggra.loggra_seed is None:
-            cfg.loggra.loggra_seed = cfg.training.seed
+        fill_derived_defaults(cfg)
         check_resume(cfg.flags(), cfg.start)
     except ConfigError as e:
         parser.error(str(e))
@@ -84,74 +115,96 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 def validate(cfg: RunConfig) -> str | None:
     """The first cross-section inconsistency of ``cfg`` as ``--flag: message``, or None (each
-    section checked its own fields when it was built)."""
-    for problem in _cross_section_problems(cfg):
-        return problem
-    return None
+    section checked its own fields when it was built), on this machine: the rules of
+    :func:`validate_settings`, and those about this process's machine (a CUDA device
+    visible, Transformer Engine installed, the GPU's compute capability, the rollout
+    engine's kernels)."""
+    return next(_cross_section_problems(cfg, here=True), None)
 
 
-def _cross_section_problems(cfg: RunConfig):
-    """Yields ``--flag: message`` lazily, in order, so a check may rely on the ones before."""
+def validate_settings(cfg: RunConfig) -> str | None:
+    """:func:`validate` by the settings alone, for a GPU that has what they ask for (CUDA
+    unless ``--device cpu``, Transformer Engine, the engines' kernels; the compute capability
+    unknown): what ``pretrain_rl.py`` would refuse on any such machine. The memory estimator
+    runs these."""
+    return next(_cross_section_problems(cfg, here=False), None)
+
+
+def _cross_section_problems(cfg: RunConfig, here: bool):
+    """Yields ``--flag: message`` lazily, in order, so a check may rely on the ones before.
+    ``here``: also the rules about this machine (:func:`_this_machine_problems`, the compute
+    capability, the engine's kernels)."""
     m, p, t, lg = cfg.model, cfg.parallel, cfg.training, cfg.loggra
     opt, grpo = cfg.optimizer, cfg.grpo
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if cfg.world_size % (tp * pp):
-        yield (f"--tensor-model-parallel-size: TP×PP = {tp * pp} must divide the world size "
-               f"{cfg.world_size} (torchrun --nproc-per-node)")  # fmt: skip
+        yield (
+            f"--tensor-model-parallel-size: TP×PP = {tp * pp} must divide the world size "
+            f"{cfg.world_size} (torchrun --nproc-per-node)"
+        )
         return
     dp = cfg.data_parallel_size
     if m.num_attention_heads % tp:
-        yield (f"--num-attention-heads: {m.num_attention_heads} heads are not divisible by "
-               f"--tensor-model-parallel-size {tp}")  # fmt: skip
+        yield (
+            f"--num-attention-heads: {m.num_attention_heads} heads are not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
     if m.num_query_groups is not None and m.num_query_groups % tp:
         yield f"--num-query-groups: {m.num_query_groups} must be divisible by TP = {tp}"
     if m.ffn_size % tp:
-        yield (f"--ffn-hidden-size: {m.ffn_size} (the FFN width) is not divisible by "
-               f"--tensor-model-parallel-size {tp}")  # fmt: skip
+        yield (
+            f"--ffn-hidden-size: {m.ffn_size} (the FFN width) is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
     if m.num_layers % pp:
-        yield (f"--num-layers: {m.num_layers} layers cannot be split over "
-               f"--pipeline-model-parallel-size {pp}")  # fmt: skip
+        yield (
+            f"--num-layers: {m.num_layers} layers cannot be split over "
+            f"--pipeline-model-parallel-size {pp}"
+        )
     elif m.recompute_num_layers and m.recompute_num_layers > m.num_layers // pp:
         yield (
             f"--recompute-num-layers: {m.recompute_num_layers} is more than the "
             f"{m.num_layers // pp} layers of a pipeline stage (--num-layers / "
             "--pipeline-model-parallel-size); use at most that"
         )
-    if m.fp8_format is not None and (p.device == "cpu" or not torch.cuda.is_available()):
+    no_cuda = here and not torch.cuda.is_available()
+    if m.fp8_format is not None and (p.device == "cpu" or no_cuda):
         yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
-    if p.device == "cuda" and not torch.cuda.is_available():
-        yield "--device: cuda was asked for but no CUDA device is visible; use --device cpu"
-    if (
-        m.transformer_impl == "transformer_engine"
-        and importlib.util.find_spec("transformer_engine") is None
-    ):
-        yield (
-            "--transformer-impl: transformer_engine is not installed (pip install "
-            "'loggra-megatron[gpu]'); use local or auto"
-        )
+    if here:
+        yield from _this_machine_problems(cfg)
     if opt.min_lr > opt.lr:
         yield f"--min-lr: {opt.min_lr} is above --lr {opt.lr}"
     if lg.loggra_param_remainders:  # (--optimizer loggra: settings_that_do_not_apply)
         if not (m.bf16 and opt.use_distributed_optimizer):
-            yield ("--loggra-param-remainders: keeps the fp32 masters of bf16 weights in the "
-                   "distributed optimizer; needs --bf16 and --use-distributed-optimizer")  # fmt: skip
+            yield (
+                "--loggra-param-remainders: keeps the fp32 masters of bf16 weights in the "
+                "distributed optimizer; needs --bf16 and --use-distributed-optimizer"
+            )
         elif lg.loggra_fp32_grad_copy:
-            yield ("--loggra-param-remainders: the masters are bf16 weights + remainders, "
-                   "which take no fp32 gradient copy; drop --loggra-fp32-grad-copy")  # fmt: skip
+            yield (
+                "--loggra-param-remainders: the masters are bf16 weights + remainders, "
+                "which take no fp32 gradient copy; drop --loggra-fp32-grad-copy"
+            )
     if t.global_batch_size % (t.micro_batch_size * dp):
-        yield (f"--global-batch-size: {t.global_batch_size} must be a multiple of "
-               f"--micro-batch-size × data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
+        yield (
+            f"--global-batch-size: {t.global_batch_size} must be a multiple of "
+            f"--micro-batch-size × data-parallel size = {t.micro_batch_size * dp}"
+        )
     if grpo.prompts_per_step % dp:
         yield f"--prompts-per-step: must be a multiple of the data-parallel size {dp}"
     rollout = grpo.rollout_batch_size
     if rollout % t.global_batch_size:
-        yield (f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
-               f"--num-generations = {rollout}")  # fmt: skip
+        yield (
+            f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
+            f"--num-generations = {rollout}"
+        )
     yield from _optimizer_problems(cfg)
     if OPTIMIZERS[opt.optimizer].sketched and lg.loggra_rank > m.hidden_size // tp:
-        yield (f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
-               f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
-               "typical)")  # fmt: skip
+        yield (
+            f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
+            f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
+            "typical)"
+        )
     if cfg.rollout.max_new_tokens >= m.seq_length:
         yield f"--max-new-tokens: must be below --seq-length {m.seq_length} (prompt + response)"
     if cfg.kl_control.enabled and not m.bf16:
@@ -159,8 +212,22 @@ def _cross_section_problems(cfg: RunConfig):
             "--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
             "16-bit weights while the fp32 master weights keep the current ones)"
         )
-    yield from _gpu_only_problems(cfg, tp)
-    yield from _rollout_engine_problems(cfg)
+    yield from _gpu_only_problems(cfg, tp, here)
+    yield from _rollout_engine_problems(cfg, here)
+
+
+def _this_machine_problems(cfg: RunConfig):
+    """What this process's machine lacks: the CUDA device or Transformer Engine asked for."""
+    if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
+        yield "--device: cuda was asked for but no CUDA device is visible; use --device cpu"
+    if (
+        cfg.model.transformer_impl == "transformer_engine"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        yield (
+            "--transformer-impl: transformer_engine is not installed (pip install "
+            "'loggra-megatron[gpu]'); use local or auto"
+        )
 
 
 def _optimizer_problems(cfg):
@@ -180,47 +247,53 @@ def _optimizer_problems(cfg):
         )
 
 
-def _on_gpu(cfg: RunConfig) -> bool:
-    return cfg.parallel.device == "cuda" or (
-        cfg.parallel.device == "auto" and torch.cuda.is_available()
-    )
+def _on_gpu(cfg: RunConfig, here: bool) -> bool:
+    """The run's device is a GPU (``here``: on this machine, else on one with CUDA)."""
+    return cfg.parallel.uses_cuda(cuda_visible=not here or torch.cuda.is_available())
 
 
-def _te_layers(cfg: RunConfig) -> bool:
+def _te_layers(cfg: RunConfig, here: bool) -> bool:
     impl = cfg.model.transformer_impl
-    has_te = importlib.util.find_spec("transformer_engine") is not None
-    return impl == "transformer_engine" or (impl == "auto" and _on_gpu(cfg) and has_te)
+    has_te = not here or importlib.util.find_spec("transformer_engine") is not None
+    return impl == "transformer_engine" or (impl == "auto" and _on_gpu(cfg, here) and has_te)
 
 
-def _gpu_only_problems(cfg: RunConfig, tp: int):
-    """Settings that only Transformer Engine layers or a GPU can run."""
+def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
+    """Settings that only Transformer Engine layers or a GPU can run (the GPU's compute
+    capability: ``here`` only)."""
     if cfg.model.sequence_parallel and tp == 1:
-        yield ("--sequence-parallel: splits the sequence over the TP ranks; it needs "
-               "--tensor-model-parallel-size > 1")  # fmt: skip
-    elif cfg.model.sequence_parallel and not _te_layers(cfg):
-        yield ("--sequence-parallel: needs Transformer Engine layers (--transformer-impl "
-               "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
-               "('sequence parallel not supported by torch LayerNorm')")  # fmt: skip
+        yield (
+            "--sequence-parallel: splits the sequence over the TP ranks; it needs "
+            "--tensor-model-parallel-size > 1"
+        )
+    elif cfg.model.sequence_parallel and not _te_layers(cfg, here):
+        yield (
+            "--sequence-parallel: needs Transformer Engine layers (--transformer-impl "
+            "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
+            "('sequence parallel not supported by torch LayerNorm')"
+        )
     m = cfg.model
-    if m.fp8_format is not None and _on_gpu(cfg):
+    if here and m.fp8_format is not None and _on_gpu(cfg, here):
         capability = torch.cuda.get_device_capability()
         have = f"this GPU has compute capability {capability[0]}.{capability[1]}"
         if capability < (8, 9):
             yield f"--fp8-format: FP8 GEMMs need Ada or Hopper (8.9+), {have}; drop it"
         elif m.fp8_recipe == "mxfp8" and capability < (10, 0):
-            yield (f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
-                   "(current scaling, docs/rollouts.md) or delayed")
+            yield (
+                f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
+                "(current scaling, docs/rollouts.md) or delayed"
+            )
 
 
-def _rollout_engine_problems(cfg):
-    """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over)."""
+def _rollout_engine_problems(cfg, here: bool):
+    """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over); not
+    ``here``: by the settings alone (:meth:`~loggra_megatron.rollout.protocol.RolloutEngine.refusal`)."""
     name = cfg.rollout.rollout_engine
     if name == AUTO:
         return
-    m = cfg.model
-    recipe = m.fp8_recipe if m.fp8_format else None
-    target = EngineTarget(cuda=_on_gpu(cfg), half=m.bf16, fp8_recipe=recipe)
-    reason = ROLLOUT_ENGINES[name].unavailable(target)
+    engine = ROLLOUT_ENGINES[name]
+    target = EngineTarget.of_settings(cfg.model, cuda=_on_gpu(cfg, here))
+    reason = engine.unavailable(target) if here else engine.refusal(target)
     if reason is not None:
         others = " or ".join([*(n for n in ROLLOUT_ENGINES if n != name), AUTO])
         yield (

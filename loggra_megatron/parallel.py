@@ -26,11 +26,19 @@ class ParallelConfig:
     """cpu (gloo, CPU mode for megatron-core) | cuda (NCCL) | auto."""
 
     def __post_init__(self):
-        check_fields(self, [
-            ("tensor_model_parallel_size", positive, ">= 1"),
-            ("pipeline_model_parallel_size", positive, ">= 1"),
-            ("device", one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
-        ])  # fmt: skip
+        check_fields(
+            self,
+            [
+                ("tensor_model_parallel_size", positive, ">= 1"),
+                ("pipeline_model_parallel_size", positive, ">= 1"),
+                ("device", one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda"),
+            ],
+        )
+
+    def uses_cuda(self, cuda_visible: bool) -> bool:
+        """The run computes on a CUDA device: ``--device cuda``, or ``auto`` where one is
+        visible (``cuda_visible``)."""
+        return self.device == "cuda" or (self.device == "auto" and cuda_visible)
 
 
 def free_port() -> int:

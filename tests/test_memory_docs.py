@@ -112,8 +112,12 @@ def _saved(dense: dict, loggra: dict) -> str:
 def test_sensitivity_rank_layout_and_variant_tables(cli, capsys):
     base = _blocks()[0][0]
     for seq, recompute, batch, *cells in _rows("| seq | recompute | rollout B |"):
-        argv = _set(_set(base, "--seq-length", seq), "--rollout-batch-size", batch)
-        argv = _set(argv, "--recompute-granularity", None if recompute == "none" else "full")
+        argv = _set(_set(base, "--seq-length", seq), "--max-new-tokens", str(int(seq) - 1024))
+        argv = _set(argv, "--prompts-per-step", str(int(batch) // 8))  # groups of 8
+        argv = _set(argv, "--inference-max-tokens", None)  # the KV cache holds all B at once
+        if recompute == "none":  # the method and layer count apply only with full recompute
+            for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
+                argv = _set(argv, flag, None)
         res = _json(cli, capsys, argv)
         d, lg = res["adam"], res["loggra"]
         assert cells == [_total(d), _total(lg), _saved(d, lg), lg["peak_phase"]], seq
@@ -139,6 +143,8 @@ def test_sensitivity_rank_layout_and_variant_tables(cli, capsys):
     for name, *cells in _rows("| variant | dense static |"):
         extra = re.findall(r"`([^`]*)`", name)
         argv = [*base, *shlex.split(extra[-1])] if ": `" in name else base
+        for word in [w for w in argv if w.startswith("--no-") and "--" + w[5:] in argv]:
+            argv = [w for w in argv if w not in (word, "--" + word[5:])]  # PyTorch's default
         res = _json(cli, capsys, argv)
         d, lg = res["adam"], res["loggra"]
         want = [f"{_static(d):.1f}", _total(d), f"{_static(lg):.1f}", _total(lg)]

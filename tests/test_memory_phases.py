@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+from launch_flags import names_flag
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.memory.model import (
@@ -279,7 +280,10 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
         kl_probe_sequences=16,
         kl_estimator="k3",
         rollout_engine="dynamic",
-    )  # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences
+        loggra_rank=5120 // 8,
+    )
+    # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences;
+    # the rank pretrain_rl.py's --loggra-rank defaults to: hidden / 8
     b = estimate_rl_step_memory(model, par, step)
     assert res["total"] == pytest.approx(b.total_bytes / GiB)
     assert res["kv_cache"] == pytest.approx(16.0) and res["peak_phase"] == b.peak_phase
@@ -287,7 +291,8 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     no_ref = _cli_json(capsys, [*EXAMPLE_LIKE, "--kl-coef", "0"])["loggra"]
     assert no_ref["reference_model"] == no_ref["log_prob_logits"] == 0
     # --grad-reduce-in-bf16 = bf16 grad buffers; without --kl-target no probe
-    bf16 = _cli_json(capsys, [*EXAMPLE_LIKE[:-6], "--grad-reduce-in-bf16"])["loggra"]
+    no_kl = [*EXAMPLE_LIKE[:-6], "--kl-coef", "0.001"]
+    bf16 = _cli_json(capsys, [*no_kl, "--grad-reduce-in-bf16"])["loggra"]
     assert bf16["grads"] == pytest.approx(res["grads"] / 2) and bf16["kl_probe_logits"] == 0
     rem = _cli_json(capsys, [*EXAMPLE_LIKE, "--loggra-param-remainders"])
     assert rem["loggra"]["master_params"] == pytest.approx(res["master_params"] / 2)
@@ -308,10 +313,10 @@ def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     "extra,flag",
     [
         (["--recompute-granularity", "selective"], "--recompute-method"),
-        (["--rollout-batch-size", "8"], "--rollout-batch-size"),
+        (["--prompts-per-step", "3"], "--prompts-per-step"),  # 24 rollouts over DP 2
         (["--transformer-impl", "local"], "--fp8-format"),
         (["--global-batch-size", "100"], "--global-batch-size"),
-        (["--no-reference-model"], "--kl-coef"),
+        (["--kl-coef", "-1"], "--kl-coef"),
         (["--max-new-tokens", "16384"], "--max-new-tokens"),
         (["--inference-max-tokens", "0"], "--inference-max-tokens"),
     ],
@@ -320,4 +325,4 @@ def test_cli_refuses_inconsistent_pretrain_rl_flags(extra, flag, capsys):
     with pytest.raises(SystemExit) as e:
         _cli_module().main([*EXAMPLE_LIKE, *extra])
     assert e.value.code == 2
-    assert f"argument {flag}" in capsys.readouterr().err
+    assert names_flag(capsys.readouterr().err, flag)

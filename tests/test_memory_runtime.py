@@ -14,6 +14,7 @@ import weakref
 
 import pytest
 import torch
+from launch_flags import names_flag
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -268,8 +269,12 @@ BASE = [
     "8192",
     "--max-new-tokens",
     "4096",
-    "--rollout-batch-size",
-    "16",
+    "--prompts-per-step",
+    "4",
+    "--num-generations",
+    "8",
+    "--kl-coef",
+    "0.001",
 ]
 
 
@@ -283,7 +288,8 @@ def test_cli_runtime_flags_and_pretrain_rl_precision(capsys):
     fp32 = _json(capsys, BASE)  # pretrain_rl.py without --bf16: fp32 params, static engine
     assert fp32["weights"] == pytest.approx(2 * bf16["weights"]) and fp32["master_params"] == 0
     assert fp32["phases"]["old log-probs"] == 0 < bf16["phases"]["old log-probs"]
-    assert _json(capsys, [*BASE, "--rollout-engine", "dynamic"])["phases"]["old log-probs"] > 0
+    static_engine = _json(capsys, [*BASE, "--bf16", "--rollout-engine", "static"])
+    assert static_engine["phases"]["old log-probs"] == 0  # auto: the dynamic engine recomputes
     assert bf16["nvls_buffers"] == pytest.approx(3 * 8 * 32 / 1024)  # world, TP, dist-opt
     assert bf16["nccl_buffers"] == pytest.approx(5 * NCCL_CHANNELS * NCCL_FIFO_BYTES / GiB)
     assert bf16["allocator_fragmentation"] == bf16["kv_cache"] > 0
@@ -297,15 +303,19 @@ def test_cli_runtime_flags_and_pretrain_rl_precision(capsys):
     assert spread["nvls_buffers"] == pytest.approx(3 * 4 * 32 / 1024)
 
 
+FP8 = ["--bf16", "--fp8-format", "hybrid"]
+
+
 @pytest.mark.parametrize(
     "extra,flag",
     [
         (["--fp8-format", "hybrid"], "--fp8-format"),  # FP8 needs --bf16, as pretrain_rl.py
         (["--gpus-per-node", "0"], "--gpus-per-node"),
-        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe"),
+        # (auto takes the static engine for blockwise FP8, as pretrain_rl.py on a GPU)
+        ([*FP8, "--fp8-recipe", "blockwise", "--rollout-engine", "dynamic"], "--rollout-engine"),
     ],
 )
 def test_cli_refuses_runtime_and_precision_flags(extra, flag, capsys):
     with pytest.raises(SystemExit) as e:
         _cli().main([*BASE, *extra])
-    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert e.value.code == 2 and names_flag(capsys.readouterr().err, flag)

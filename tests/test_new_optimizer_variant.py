@@ -169,7 +169,7 @@ def test_the_memory_model_and_the_estimator_count_its_state(builder_dir, capsys)
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     shape_flags = ["--num-layers=4", "--hidden-size=512", "--ffn-hidden-size=1408"]
-    shape_flags += ["--num-attention-heads=8", "--vocab-size=32000", "--data-parallel-size=2"]
+    shape_flags += ["--num-attention-heads=8", "--vocab-size=32000", "--world-size=2"]
     run = [*shape_flags, "--optimizer", "sgd_momentum", "--no-use-distributed-optimizer"]
     assert cli.main([*run, "--json"]) == 0
     table = json.loads(capsys.readouterr().out)

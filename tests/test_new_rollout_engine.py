@@ -160,7 +160,8 @@ def test_the_memory_model_and_the_estimator_count_its_kv_cache(engine_dir, capsy
         "vocab-size": 32000,
     }
     flags = [f"--{k}={v}" for k, v in shape_flags.items()]
-    flags += ["--seq-length=1024", "--rollout-batch-size=16", "--bf16", "--json"]
+    flags += ["--seq-length=1024", "--prompts-per-step=4", "--num-generations=4", "--bf16"]
+    flags += ["--json"]
     kv = {}
     for name in ("counting", "static", "auto"):
         assert cli.main([*flags, "--rollout-engine", name]) == 0

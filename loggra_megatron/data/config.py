@@ -87,27 +87,48 @@ class DataConfig:
     def __post_init__(self):
         if self.task is None:
             self.task = "jsonl" if self.data_path else "arithmetic"
-        check_fields(self, [
-            ("tokenizer_type", one_of(*TOKENIZER_TYPES), f"one of {', '.join(TOKENIZER_TYPES)}"),
-            ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
-            ("num_tasks", positive, ">= 1"), ("task_digits", positive, ">= 1"),
-            ("task_operators", lambda o: bool(o) and not set(o) - set("+-*"),
-             "a non-empty subset of +-*"),
-            ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
-            ("eval_interval", at_least(0), ">= 0 (0: never)"), ("eval_samples", positive, ">= 1"),
-        ])  # fmt: skip
-        self._check_paths()
+        check_fields(
+            self,
+            [
+                (
+                    "tokenizer_type",
+                    one_of(*TOKENIZER_TYPES),
+                    f"one of {', '.join(TOKENIZER_TYPES)}",
+                ),
+                ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
+                ("num_tasks", positive, ">= 1"),
+                ("task_digits", positive, ">= 1"),
+                (
+                    "task_operators",
+                    lambda o: bool(o) and not set(o) - set("+-*"),
+                    "a non-empty subset of +-*",
+                ),
+                ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
+                ("eval_interval", at_least(0), ">= 0 (0: never)"),
+                ("eval_samples", positive, ">= 1"),
+            ],
+        )
         needs_data = TASKS[self.task].needs_data
         if needs_data and self.data_path is None:
             reject("task", self.task, "reads its prompts from --data-path; give one")
         if not needs_data and self.data_path is not None:
-            reject("data_path", self.data_path, f"--task {self.task} generates its prompts; use "
-                   "--task jsonl or math for a data file")  # fmt: skip
+            reject(
+                "data_path",
+                self.data_path,
+                f"--task {self.task} generates its prompts; use "
+                "--task jsonl or math for a data file",
+            )
 
-    def _check_paths(self) -> None:
+    def check_files(self) -> None:
+        """The tokenizer and prompt files exist on this host (``pretrain_rl.py`` checks them as
+        it reads the flags; the memory estimator, which reads none of them, does not)."""
         if self.tokenizer_model is None:
-            reject("tokenizer_model", None, "required (train one with tools/train_tokenizer.py, "
-                   "or give a Hugging Face tokenizer directory)")  # fmt: skip
+            reject(
+                "tokenizer_model",
+                None,
+                "required (train one with tools/train_tokenizer.py, "
+                "or give a Hugging Face tokenizer directory)",
+            )
         if not os.path.exists(self.tokenizer_model):
             reject("tokenizer_model", self.tokenizer_model, "no such file or directory")
         for name in ("data_path", "eval_data_path"):

@@ -111,8 +111,6 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
     sequence_parallel: bool = False
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Accepted and ignored (interleaving raises stage-0 activations by (1 + (p−1)/(p·v)))."""
     gpus_per_node: int = 8
     """GPUs of one node (which communicators stay inside it: NCCL's NVLS buffers)."""
 

@@ -72,8 +72,7 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
         f"parallel  TP {t} x PP {p} x DP {d} = {parallel.world_size} GPUs"
         f"{', sequence parallel' if parallel.sequence_parallel else ''}; distributed optimizer "
         f"(ZeRO-1); stage {dense.stage} of {p} is the most loaded "
-        f"({dense.num_parameters / 1e9:.3f} B params/GPU)"
-        + (" ; virtual stages ignored" if parallel.virtual_pipeline_model_parallel_size else ""),
+        f"({dense.num_parameters / 1e9:.3f} B params/GPU)",
         f"step      {step.precision}, {'fp32' if step.grad_bytes == 4 else 'bf16'} grads, micro-batch "
         f"{step.micro_batch_size} x {step.seq_length} tokens, recompute {_recompute(step)}, "
         f"reference model {'on' if step.reference_model else 'off'}"

@@ -26,6 +26,14 @@ class EngineTarget:
     """The FP8 recipe with ``--fp8-format`` (None: no FP8)."""
 
     @classmethod
+    def of_settings(cls, model, cuda: bool) -> EngineTarget:
+        """The target of a policy made by the model settings ``model`` (a
+        :class:`~loggra_megatron.model.config.ModelConfig`: ``--bf16``, ``--fp8-format``,
+        ``--fp8-recipe``) on a CUDA device or not (``cuda``)."""
+        recipe = model.fp8_recipe if model.fp8_format else None
+        return cls(cuda=cuda, half=model.bf16, fp8_recipe=recipe)
+
+    @classmethod
     def of_model(cls, model=None) -> EngineTarget:
         """The target of ``model`` on this process (None: this process's device only, a
         16-bit model without FP8)."""

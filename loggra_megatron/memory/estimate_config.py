@@ -1,0 +1,78 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""The memory estimator's own settings (:class:`EstimateConfig`): what a ``pretrain_rl.py``
+command line cannot say about the run it would start (the machine it runs on, the
+architecture without a checkpoint or tokenizer, the precision-aware optimizer's what-ifs)
+and how to print. Every other flag of ``tools/estimate_memory.py`` is ``pretrain_rl.py``'s,
+generated from the same settings sections with the same defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from loggra_megatron.config import check_fields, one_of, positive, reject
+
+MOMENT_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class EstimateConfig:
+    """The machine, the architecture's source and the output (flags ``pretrain_rl.py`` does
+    not have)."""
+
+    hf_config: str | None = None
+    """A Hugging Face config.json (or its directory) of Llama / Qwen2 / Qwen3: the
+    architecture of the converted model the run loads (tools/configs/ has some); the
+    architecture flags are then not allowed."""
+    vocab_size: int | None = None
+    """Without --hf-config: the tokenizer's vocabulary (pretrain_rl.py reads it from
+    --tokenizer-model, which the estimator does not)."""
+    make_vocab_size_divisible_by: int | None = None
+    """Megatron pads the vocabulary to a multiple of this × TP (default: 128 with
+    --hf-config, tools/convert_checkpoint.py's; 64 for a model made from scratch,
+    pretrain_rl.py's)."""
+    world_size: int | None = None
+    """GPUs of the run (torchrun's world); data-parallel size = world / (TP × PP) (default:
+    TP × PP, one replica)."""
+    gpu_memory_gb: float = 80.0
+    """GiB per GPU the verdict is against (79.1: what PyTorch can allocate of an 80 GB
+    H100)."""
+    gpus_per_node: int = 8
+    """GPUs of one node (which communicators stay inside it: NCCL's NVLS buffers)."""
+    runtime_overhead_gb: float = 2.0
+    """CUDA/cuBLAS/Transformer Engine workspaces and the like, GiB (NCCL is counted apart)."""
+    nccl_nvls: bool = True
+    """NCCL's NVLink SHARP buffers (NCCL's default on NVSwitch nodes; --no-nccl-nvls is
+    NCCL_NVLS_ENABLE=0)."""
+    expandable_segments: bool = False
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (without it a freed KV buffer's
+    segment may stay pinned: counted once more in the rollout)."""
+    exp_avg_dtype: str = "fp32"
+    """Dense Adam's first moment: fp32 | bf16 (bf16: Megatron's
+    --use-precision-aware-optimizer, Transformer Engine's FusedAdam, which then keeps the
+    masters as remainders too; read for the optimizers the registry marks precision_aware)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Dense Adam's second moment: fp32 | bf16 (as --exp-avg-dtype)."""
+    json: bool = False
+    """Print the numbers as JSON (GiB) instead of the table."""
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            [
+                ("vocab_size", positive, ">= 1"),
+                ("make_vocab_size_divisible_by", positive, ">= 1"),
+                ("world_size", positive, ">= 1"),
+                ("gpu_memory_gb", positive, "> 0"),
+                ("gpus_per_node", positive, ">= 1"),
+                ("runtime_overhead_gb", lambda v: v >= 0, ">= 0"),
+                ("exp_avg_dtype", one_of(*MOMENT_DTYPES), f"one of {', '.join(MOMENT_DTYPES)}"),
+                ("exp_avg_sq_dtype", one_of(*MOMENT_DTYPES), f"one of {', '.join(MOMENT_DTYPES)}"),
+            ],
+        )
+        if self.hf_config is not None and not os.path.exists(self.hf_config):
+            reject("hf_config", self.hf_config, "no such file or directory")
+
+    def world(self, tensor_parallel: int, pipeline_parallel: int) -> int:
+        """The world size: ``--world-size``, or TP × PP (one replica)."""
+        return self.world_size or tensor_parallel * pipeline_parallel
