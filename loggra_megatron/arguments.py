@@ -134,8 +134,7 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
     """Yields ``--flag: message`` lazily, in order, so a check may rely on the ones before.
     ``here``: also the rules about this machine (:func:`_this_machine_problems`, the compute
     capability, the engine's kernels)."""
-    m, p, t, lg = cfg.model, cfg.parallel, cfg.training, cfg.loggra
-    opt, grpo = cfg.optimizer, cfg.grpo
+    m, p, lg, opt = cfg.model, cfg.parallel, cfg.loggra, cfg.optimizer
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     if cfg.world_size % (tp * pp):
         yield (
@@ -143,7 +142,37 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
             f"{cfg.world_size} (torchrun --nproc-per-node)"
         )
         return
-    dp = cfg.data_parallel_size
+    yield from _model_split_problems(cfg, tp, pp)
+    no_cuda = here and not torch.cuda.is_available()
+    if m.fp8_format is not None and (p.device == "cpu" or no_cuda):
+        yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
+    if here:
+        yield from _this_machine_problems(cfg)
+    if opt.min_lr > opt.lr:
+        yield f"--min-lr: {opt.min_lr} is above --lr {opt.lr}"
+    yield from _remainder_problems(cfg)
+    yield from _batch_problems(cfg)
+    yield from _optimizer_problems(cfg)
+    if OPTIMIZERS[opt.optimizer].sketched and lg.loggra_rank > m.hidden_size // tp:
+        yield (
+            f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
+            f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
+            "typical)"
+        )
+    if cfg.rollout.max_new_tokens >= m.seq_length:
+        yield f"--max-new-tokens: must be below --seq-length {m.seq_length} (prompt + response)"
+    if cfg.kl_control.enabled and not m.bf16:
+        yield (
+            "--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
+            "16-bit weights while the fp32 master weights keep the current ones)"
+        )
+    yield from _gpu_only_problems(cfg, tp, here)
+    yield from _rollout_engine_problems(cfg, here)
+
+
+def _model_split_problems(cfg: RunConfig, tp: int, pp: int):
+    """The model's heads, groups, FFN and layers must split over TP and PP."""
+    m = cfg.model
     if m.num_attention_heads % tp:
         yield (
             f"--num-attention-heads: {m.num_attention_heads} heads are not divisible by "
@@ -167,13 +196,11 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
             f"{m.num_layers // pp} layers of a pipeline stage (--num-layers / "
             "--pipeline-model-parallel-size); use at most that"
         )
-    no_cuda = here and not torch.cuda.is_available()
-    if m.fp8_format is not None and (p.device == "cpu" or no_cuda):
-        yield "--fp8-format: FP8 needs a Hopper GPU with Transformer Engine; drop it on CPU"
-    if here:
-        yield from _this_machine_problems(cfg)
-    if opt.min_lr > opt.lr:
-        yield f"--min-lr: {opt.min_lr} is above --lr {opt.lr}"
+
+
+def _remainder_problems(cfg: RunConfig):
+    """``--loggra-param-remainders`` needs bf16 weights in the distributed optimizer."""
+    m, opt, lg = cfg.model, cfg.optimizer, cfg.loggra
     if lg.loggra_param_remainders:  # (--optimizer loggra: settings_that_do_not_apply)
         if not (m.bf16 and opt.use_distributed_optimizer):
             yield (
@@ -185,6 +212,11 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
                 "--loggra-param-remainders: the masters are bf16 weights + remainders, "
                 "which take no fp32 gradient copy; drop --loggra-fp32-grad-copy"
             )
+
+
+def _batch_problems(cfg: RunConfig):
+    """The global batch splits into micro-batches over DP and divides the rollout batch."""
+    t, grpo, dp = cfg.training, cfg.grpo, cfg.data_parallel_size
     if t.global_batch_size % (t.micro_batch_size * dp):
         yield (
             f"--global-batch-size: {t.global_batch_size} must be a multiple of "
@@ -198,22 +230,6 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
             f"--global-batch-size: must divide the rollout batch --prompts-per-step × "
             f"--num-generations = {rollout}"
         )
-    yield from _optimizer_problems(cfg)
-    if OPTIMIZERS[opt.optimizer].sketched and lg.loggra_rank > m.hidden_size // tp:
-        yield (
-            f"--loggra-rank: {lg.loggra_rank} exceeds the smallest sketched weight side "
-            f"(--hidden-size / TP = {m.hidden_size // tp}); use at most that (hidden/8 is "
-            "typical)"
-        )
-    if cfg.rollout.max_new_tokens >= m.seq_length:
-        yield f"--max-new-tokens: must be below --seq-length {m.seq_length} (prompt + response)"
-    if cfg.kl_control.enabled and not m.bf16:
-        yield (
-            "--kl-target: predicted-KL control needs --bf16 (the candidate is tried on the "
-            "16-bit weights while the fp32 master weights keep the current ones)"
-        )
-    yield from _gpu_only_problems(cfg, tp, here)
-    yield from _rollout_engine_problems(cfg, here)
 
 
 def _this_machine_problems(cfg: RunConfig):

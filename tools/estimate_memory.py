@@ -1,36 +1,21 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Per-GPU memory of one RL step with dense Adam and with LoGRA, side by side.
 
-The model is :mod:`loggra_megatron.memory.model` (its docstring states every formula and
-assumption). The command line is ``pretrain_rl.py``'s: every flag of it, with the same
-defaults and the same checks (a launch script's flags are passed as they are; those that
-change no memory, such as ``--tokenizer-model``, ``--save`` or ``--lr``, are read and
-ignored), plus the estimator's own (``--help``: the "estimate" group): the architecture as a
-Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3; small ones ship in ``tools/configs/``)
-or, for a model made from scratch, the model flags and ``--vocab-size``; ``--world-size``
-(DP = world / (TP x PP)), ``--gpu-memory-gb``, ``--gpus-per-node``,
-``--runtime-overhead-gb``; the launch environment, ``--expandable-segments``
-(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and ``--no-nccl-nvls``
-(``NCCL_NVLS_ENABLE=0``); dense Adam's ``--exp-avg-dtype``/``--exp-avg-sq-dtype``::
+The command line is ``pretrain_rl.py``'s (every flag, same defaults and checks; flags that
+change no memory, e.g. ``--tokenizer-model`` or ``--lr``, are read and ignored) plus the
+"estimate" group: the architecture (``--hf-config``, or the model flags and
+``--vocab-size``), ``--world-size``, ``--gpu-memory-gb``, the launch environment
+(``--expandable-segments``, ``--no-nccl-nvls``), dense Adam's moment dtypes::
 
-    python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \\
-        --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \\
-        --tensor-model-parallel-size 8 --sequence-parallel --bf16 --seq-length 16384 \\
+    python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
+        --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \
+        --tensor-model-parallel-size 8 --sequence-parallel --bf16 --seq-length 16384 \
         --max-new-tokens 15360 --prompts-per-step 8 --num-generations 8 --kl-coef 0.001 ...
 
-    python tools/estimate_memory.py --num-layers 32 --hidden-size 4096 \\
-        --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8 \\
-        --vocab-size 128256 --untie-embeddings-and-output-weights --world-size 8 ...
-
 The run modelled is the one ``pretrain_rl.py`` would start on GPUs with these flags
-(:func:`loggra_megatron.memory.run_step.modelled_step`): ``--rollout-engine auto`` is the
-engine it would take there, the rollout batch is ``--prompts-per-step`` x
-``--num-generations`` / DP, a reference model is resident with ``--kl-coef`` > 0.
-
-Sizes are GiB (2^30 bytes); ``--gpu-memory-gb 79.1`` is what PyTorch can allocate on an
-A100/H100 80GB. What ``pretrain_rl.py`` would refuse on such a GPU exits with status 2 and
-its message naming the flag (what only a given machine can tell, a CUDA device, Transformer
-Engine installed, the compute capability, is not checked).
+(:func:`loggra_megatron.memory.run_step.modelled_step`); what it would refuse on such a GPU
+exits with status 2 naming the flag. Sizes are GiB (2^30 B); ``--gpu-memory-gb 79.1`` is what
+PyTorch can allocate of an 80 GB A100/H100. The model and every assumption: docs/memory.md.
 """
 
 from __future__ import annotations

@@ -53,16 +53,32 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}``, and the
     ``selected`` optimizer's, summed up under the table, if it is another one)."""
     dense, loggra = results["adam"], results["loggra"]
-    step = steps["loggra"]
+    mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
+    header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
+    rank = steps["loggra"].loggra_rank
+    header += f"{f'LoGRA r={rank}' + mark['loggra']:>20}{'LoGRA - Adam':>14}"
+    lines = _describe(model, parallel, steps["loggra"], dense, source)
+    lines += [header, "-" * len(header)]
+    lines += _term_rows(parallel, steps, dense, loggra)
+    lines.append("-" * len(header))
+    saved = 100.0 * (dense.total_bytes - loggra.total_bytes) / dense.total_bytes
+    lines.append(
+        _row("TOTAL per GPU", dense.total_bytes, loggra.total_bytes) + f"  ({saved:.1f}% saved)"
+    )
+    lines += _verdicts(model, parallel, steps, results, gpu_bytes, selected, list(mark))
+    return "\n".join(lines)
+
+
+def _describe(model, parallel, step, dense, source) -> list[str]:
+    """The lines above the table: model, parallel layout, step, rollout and runtime."""
     t, p, d = (
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
         parallel.data_parallel_size,
     )
-    pdt = "fp32" if step.precision == "fp32" else "bf16"
     prefill = prefill_tokens(step, t)
     comms = communicators(parallel, step.distributed_optimizer)
-    lines = [
+    return [
         f"model     {source}: {num_parameters(model) / 1e9:.2f} B params, {model.num_layers} "
         f"layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}"
         f"{' (SwiGLU)' if model.swiglu else ''}, {model.num_attention_heads} heads / "
@@ -95,10 +111,17 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
         f"{'on' if step.expandable_segments else 'off'}",
         "",
     ]
-    mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
-    header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
-    header += f"{f'LoGRA r={step.loggra_rank}' + mark['loggra']:>20}{'LoGRA - Adam':>14}"
-    lines += [header, "-" * len(header)]
+
+
+def _row(label, a, b) -> str:
+    diff = f"{(b - a) / GiB:+.2f}" if a != b else ""
+    return f"{label:<28}{_gib(a):>20}{_gib(b):>20}{diff:>14}".rstrip()
+
+
+def _term_rows(parallel, steps, dense, loggra) -> list[str]:
+    """One row per non-zero term: the static terms, then each transient phase's, the peak."""
+    step, d = steps["loggra"], parallel.data_parallel_size
+    pdt = "fp32" if step.precision == "fp32" else "bf16"
     gdt = "fp32" if step.grad_bytes == 4 else "bf16"
     suffix = {"weights": f" ({pdt})", "grads": f" ({gdt})"}
     suffix["reference_model"] = f" ({pdt})"
@@ -107,49 +130,48 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     masters = {bytes_per_master(steps[k]) for k in ("adam", "loggra")}
     kind = {4: " (fp32)", 2: " (16-bit rem.)"}.get(masters.pop()) if len(masters) == 1 else None
     suffix["master_params"] += kind or " (fp32 | rem.)"
-
-    def row(label, a, b):
-        diff = f"{(b - a) / GiB:+.2f}" if a != b else ""
-        return f"{label:<28}{_gib(a):>20}{_gib(b):>20}{diff:>14}".rstrip()
-
+    lines = []
     dt, lt = dense.terms(), loggra.terms()
     for key in MemoryBreakdown.STATIC:
         if dt[key] or lt[key]:
-            lines.append(row(LABELS[key] + suffix.get(key, ""), dt[key], lt[key]))
-    lines.append(row("  static", dense.static_bytes, loggra.static_bytes))
+            lines.append(_row(LABELS[key] + suffix.get(key, ""), dt[key], lt[key]))
+    lines.append(_row("  static", dense.static_bytes, loggra.static_bytes))
     dp_, lp_ = dense.phases(), loggra.phases()
     for phase, keys in MemoryBreakdown.PHASES.items():
         for key in keys:
             if dt[key] or lt[key]:
-                lines.append(row(LABELS[key], dt[key], lt[key]))
+                lines.append(_row(LABELS[key], dt[key], lt[key]))
         if len(keys) > 1 and (dp_[phase] or lp_[phase]):
-            lines.append(row(f"  {phase}", dp_[phase], lp_[phase]))
+            lines.append(_row(f"  {phase}", dp_[phase], lp_[phase]))
     lines.append(f"{'peak phase':<28}{dense.peak_phase:>20}{loggra.peak_phase:>20}")
-    lines.append("-" * len(header))
-    saved = 100.0 * (dense.total_bytes - loggra.total_bytes) / dense.total_bytes
-    lines.append(
-        row("TOTAL per GPU", dense.total_bytes, loggra.total_bytes) + f"  ({saved:.1f}% saved)"
-    )
+    return lines
+
+
+def _verdicts(model, parallel, steps, results, gpu_bytes, selected, shown) -> list[str]:
+    """Whether each fits ``gpu_bytes``, the largest rollout each allows, and the selected
+    optimizer's own summary if it is neither of the ``shown`` ones."""
+    dense, loggra = results["adam"], results["loggra"]
 
     def verdict(b: MemoryBreakdown) -> str:
         left = (gpu_bytes - b.total_bytes) / GiB
         return f"yes ({left:.2f} free)" if left >= 0 else f"NO (over by {-left:.2f})"
 
     gb = gpu_bytes / GiB
-    lines.append(f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}")
-    cap = {k: max_rollout_batch_size(model, parallel, steps[k], gpu_bytes) for k in mark}
+    lines = [f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}"]
+    cap = {k: max_rollout_batch_size(model, parallel, steps[k], gpu_bytes) for k in shown}
     cap_s = {k: "none" if v is None else str(v) for k, v in cap.items()}
     lines.append(f"{'max rollout rows at once':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
-    budget = {k: "none" if v is None else str(v * step.seq_length) for k, v in cap.items()}
+    seq = steps["loggra"].seq_length
+    budget = {k: "none" if v is None else str(v * seq) for k, v in cap.items()}
     lines.append(f"{'  = KV budget (tokens)':<28}{budget['adam']:>20}{budget['loggra']:>20}")
-    if selected not in mark:
+    if selected not in shown:
         own = results[selected]
         lines.append(
             f"{selected}*: optimizer state {_gib(own.optimizer_state)}, masters "
             f"{_gib(own.master_params)}, TOTAL per GPU {_gib(own.total_bytes)}, fits "
             f"{gb:g} GiB: {verdict(own)}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _recompute(step: RLStepConfig) -> str:

@@ -35,7 +35,7 @@ _NAMES = (
     ("Lena", "she"),
     ("Kenji", "he"),
     ("Sofia", "she"),
-)  # (name, pronoun); fmt: skip
+)  # (name, pronoun)
 _ITEMS = ("apples", "pencils", "marbles", "stickers", "cookies", "cards", "shells", "books")
 _GIFTS = ("bike", "game", "jacket", "lamp", "watch")
 
