@@ -207,6 +207,7 @@ def test_published_parameter_counts_and_kv_cache():
     llama3 = _hf_shape("llama-3-8b")
     assert num_parameters(llama3) == 8_030_261_248
     assert num_parameters(_hf_shape("llama-style-27b")) == 26_983_142_400
+    assert num_parameters(_hf_shape("llama-3-70b")) == 70_553_706_496
     assert num_parameters(_hf_shape("qwen2.5-7b-instruct")) == 7_615_616_512  # QKV bias
     # Llama-3-8B: 32 layers · 2 · 8 KV heads · 128 · 2 B = 128 KiB per token (bf16)
     assert kv_cache_bytes(llama3, ParallelConfig(), 1, 1) == 128 * 1024

@@ -35,6 +35,8 @@ from loggra_megatron.arguments import (
 )
 from loggra_megatron.config import ConfigError, flag, settings_that_do_not_apply
 from loggra_megatron.memory.estimate_config import EstimateConfig
+from loggra_megatron.memory.fit import search
+from loggra_megatron.memory.fit_report import fit_json, fit_report
 from loggra_megatron.memory.model import GiB, MemoryConfigError, estimate_rl_step_memory
 from loggra_megatron.memory.report import report
 from loggra_megatron.memory.run_step import adopt_architecture, modelled_step
@@ -59,6 +61,20 @@ def parse(
     """The run's settings as ``pretrain_rl.py`` reads them (no file is read but
     ``--hf-config``) and the estimator's; exits with status 2 naming the flag."""
     parser = build_parser()
+    try:
+        cfg, est, _ = settings(parser, argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    return parser, cfg, est
+
+
+def settings(
+    parser: argparse.ArgumentParser, argv: list[str] | None, validate: bool = True
+) -> tuple[RunConfig, EstimateConfig, set[str]]:
+    """:func:`parse` with ``parser``, raising :class:`ConfigError` for a setting
+    ``pretrain_rl.py`` refuses (a section's own checks call ``parser.error``); also the
+    fields given. ``validate``: also the rules across sections (``--fit`` reads its base
+    command without them: the layout it would check is not chosen yet)."""
     sections, given = read_sections(parser, argv, ESTIMATE, host_files=False)
     est = sections.pop("estimate")
     p = sections["parallel"]
@@ -66,19 +82,53 @@ def parse(
     cfg = RunConfig(**sections, world_size=world)
     settings = {**cfg.flags(), **vars(est)}
     for problem in settings_that_do_not_apply(ESTIMATE.values(), settings, given):
-        parser.error(problem)
+        raise ConfigError(problem)
+    adopt_architecture(cfg.model, est, given)
+    fill_derived_defaults(cfg)
+    problem = validate_settings(cfg) if validate else None
+    if problem:
+        raise ConfigError(problem)
+    return cfg, est, given
+
+
+def _raise(message: str):
+    raise ConfigError(message)
+
+
+def fit(argv: list[str] | None) -> int:
+    """``--fit``: every candidate's command line (``argv`` and the flags it adds) read and
+    checked as :func:`parse` reads the estimator's own, then modelled; the refusals are
+    results, not errors."""
+    parser = build_parser()
     try:
-        adopt_architecture(cfg.model, est, given)
+        cfg, est, given = settings(parser, argv, validate=False)
     except ConfigError as e:
         parser.error(str(e))
-    fill_derived_defaults(cfg)
-    problem = validate_settings(cfg)
-    if problem:
-        parser.error(problem)
-    return parser, cfg, est
+    quiet = build_parser()
+    quiet.error = _raise  # a candidate pretrain_rl.py refuses: its message, no exit
+
+    def evaluate(flags: list[str]):
+        try:
+            c, e, _ = settings(quiet, [*(argv or []), *flags])
+            return modelled_step(c, e)
+        except ConfigError as err:
+            return str(err)
+        except MemoryConfigError as err:
+            return f"{flag(err.field)}: {err.message}"
+
+    result = search(cfg, given, est, evaluate)
+    if est.json:
+        print(json.dumps(fit_json(result, est), indent=2))
+    else:
+        print(fit_report(result, est.hf_config or "flags", est, cfg.model.seq_length))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--fit" in argv:
+        return fit(argv)
     parser, cfg, est = parse(argv)
     try:
         model, parallel, step = modelled_step(cfg, est)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from loggra_megatron.config import check_fields, one_of, positive, reject
+from loggra_megatron.config import applies, check_fields, one_of, positive, reject
 
 MOMENT_DTYPES = ("fp32", "bf16")
 
@@ -33,7 +33,10 @@ class EstimateConfig:
     pretrain_rl.py's)."""
     world_size: int | None = None
     """GPUs of the run (torchrun's world); data-parallel size = world / (TP × PP) (default:
-    TP × PP, one replica)."""
+    --num-nodes × --gpus-per-node, else TP × PP, one replica)."""
+    num_nodes: int | None = None
+    """Nodes of the run, --gpus-per-node GPUs each: the world when --world-size is not given
+    (--fit: 1 by default)."""
     gpu_memory_gb: float = 80.0
     """GiB per GPU the verdict is against (79.1: what PyTorch can allocate of an 80 GB
     H100)."""
@@ -53,6 +56,17 @@ class EstimateConfig:
     masters as remainders too; read for the optimizers the registry marks precision_aware)."""
     exp_avg_sq_dtype: str = "fp32"
     """Dense Adam's second moment: fp32 | bf16 (as --exp-avg-dtype)."""
+    fit: bool = False
+    """Instead of one run: search the layouts (TP within a node, PP), recompute, micro-batch
+    sizes, bf16 grads and LoGRA's remainders that fit, with the largest KV budget each
+    leaves, for dense Adam and LoGRA; a flag given fixes its value (docs/memory.md, "What
+    fits my node")."""
+    fit_top: int = applies(5, "with --fit", lambda s: s["fit"])
+    """How many fitting configurations --fit prints per optimizer (best first, the best one
+    of each TP × PP layout and recompute)."""
+    fit_headroom_gb: float = applies(1.0, "with --fit", lambda s: s["fit"])
+    """GiB per GPU a configuration --fit prints must leave free (within about 1 GiB of the
+    GPU's memory the model's verdict is not to be trusted: docs/memory.md)."""
     json: bool = False
     """Print the numbers as JSON (GiB) instead of the table."""
 
@@ -63,6 +77,9 @@ class EstimateConfig:
                 ("vocab_size", positive, ">= 1"),
                 ("make_vocab_size_divisible_by", positive, ">= 1"),
                 ("world_size", positive, ">= 1"),
+                ("num_nodes", positive, ">= 1"),
+                ("fit_top", positive, ">= 1"),
+                ("fit_headroom_gb", lambda v: v >= 0, ">= 0"),
                 ("gpu_memory_gb", positive, "> 0"),
                 ("gpus_per_node", positive, ">= 1"),
                 ("runtime_overhead_gb", lambda v: v >= 0, ">= 0"),
@@ -72,7 +89,13 @@ class EstimateConfig:
         )
         if self.hf_config is not None and not os.path.exists(self.hf_config):
             reject("hf_config", self.hf_config, "no such file or directory")
+        if self.num_nodes is not None and self.world_size is not None:
+            reject("num_nodes", self.num_nodes, "give --world-size or --num-nodes, not both")
 
     def world(self, tensor_parallel: int, pipeline_parallel: int) -> int:
-        """The world size: ``--world-size``, or TP × PP (one replica)."""
-        return self.world_size or tensor_parallel * pipeline_parallel
+        """The world size: ``--world-size``, else ``--num-nodes`` (with ``--fit``: 1) ×
+        ``--gpus-per-node``, else TP × PP (one replica)."""
+        nodes = self.num_nodes or (1 if self.fit else None)
+        if self.world_size or not nodes:
+            return self.world_size or tensor_parallel * pipeline_parallel
+        return nodes * self.gpus_per_node

@@ -10,6 +10,7 @@ The formulas of every term, and what they assume: ``docs/memory.md`` ("Formulas"
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from loggra_megatron.memory.config import (
@@ -82,7 +83,7 @@ class ParamSpec:
     kind: str
     """``linear`` (transformer-layer GEMM weight), ``embedding``, ``output``, ``norm``, ``bias``."""
 
-    @property
+    @functools.cached_property  # the fit searches hundreds of layouts
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -90,6 +91,7 @@ class ParamSpec:
         return n
 
 
+@functools.lru_cache(maxsize=256)
 def _parameters(
     model: TransformerShape,
     tp: int,
@@ -98,7 +100,7 @@ def _parameters(
     last: bool,
     vocab_rows: int,
     output_layer: bool,
-) -> list[ParamSpec]:
+) -> tuple[ParamSpec, ...]:
     h, d = model.hidden_size, model.kv_channels
     a, g = model.num_attention_heads, model.num_query_groups
     qkv_rows = (a + 2 * g) * d // tp
@@ -126,7 +128,7 @@ def _parameters(
         specs.append(ParamSpec("decoder.final_layernorm.weight", (h,), "norm"))
         if output_layer:
             specs.append(ParamSpec("output_layer.weight", (vocab_rows, h), "output"))
-    return specs
+    return tuple(specs)  # cached: shared, so immutable
 
 
 def stage_parameters(
@@ -138,7 +140,7 @@ def stage_parameters(
     if not 0 <= stage < p:
         raise MemoryConfigError("stage", f"{stage} is not in [0, {p})")
     last = stage == p - 1
-    return _parameters(
+    params = _parameters(
         model,
         t,
         model.num_layers // p,
@@ -147,6 +149,7 @@ def stage_parameters(
         vocab_rows=model.padded_vocab_size(t) // t,
         output_layer=model.untie_embeddings_and_output_weights or p > 1,
     )
+    return list(params)
 
 
 def num_parameters(model: TransformerShape) -> int:
