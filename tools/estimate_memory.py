@@ -5,7 +5,9 @@ The command line is ``pretrain_rl.py``'s (every flag, same defaults and checks; 
 change no memory, e.g. ``--tokenizer-model`` or ``--lr``, are read and ignored) plus the
 "estimate" group: the architecture (``--hf-config``, or the model flags and
 ``--vocab-size``), ``--world-size``, ``--gpu-memory-gb``, the launch environment
-(``--expandable-segments``, ``--no-nccl-nvls``), dense Adam's moment dtypes::
+(``--expandable-segments``, ``--no-nccl-nvls``), dense Adam's moment dtypes, and ``--fit``
+(with ``--num-nodes``: the configurations that fit, each with the flags that launch it,
+:mod:`loggra_megatron.memory.fit`)::
 
     python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
         --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \
@@ -95,21 +97,16 @@ def _raise(message: str):
     raise ConfigError(message)
 
 
-def fit(argv: list[str] | None) -> int:
+def fit(argv: list[str], cfg: RunConfig, est: EstimateConfig, given: set[str]) -> int:
     """``--fit``: every candidate's command line (``argv`` and the flags it adds) read and
     checked as :func:`parse` reads the estimator's own, then modelled; the refusals are
-    results, not errors."""
-    parser = build_parser()
-    try:
-        cfg, est, given = settings(parser, argv, validate=False)
-    except ConfigError as e:
-        parser.error(str(e))
+    results, not errors. ``cfg``, ``est``, ``given``: ``argv`` read (not validated)."""
     quiet = build_parser()
     quiet.error = _raise  # a candidate pretrain_rl.py refuses: its message, no exit
 
     def evaluate(flags: list[str]):
         try:
-            c, e, _ = settings(quiet, [*(argv or []), *flags])
+            c, e, _ = settings(quiet, [*argv, *flags])
             return modelled_step(c, e)
         except ConfigError as err:
             return str(err)
@@ -125,11 +122,17 @@ def fit(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--fit" in argv:
-        return fit(argv)
-    parser, cfg, est = parse(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        cfg, est, given = settings(parser, argv, validate=False)
+        problem = None if est.fit else validate_settings(cfg)
+    except ConfigError as e:
+        parser.error(str(e))
+    if problem:
+        parser.error(problem)
+    if est.fit:  # the layout is what it searches: checked per candidate
+        return fit(argv, cfg, est, given)
     try:
         model, parallel, step = modelled_step(cfg, est)
         names = dict.fromkeys(("adam", "loggra", step.optimizer))  # and the run's own

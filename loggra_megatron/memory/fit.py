@@ -230,8 +230,10 @@ def assess(
     line's if given): whole rows of ``--seq-length`` tokens, at most the rollout batch per
     replica (then no bound is needed), at least one row (to say by how much it is over)."""
     rows = max_rollout_batch_size(model, parallel, step, budget_bytes)
-    kv_rows, chosen = step.rollout_rows, step
-    if not kv_given:
+    kv_rows, chosen = step.rollout_batch_size, step
+    if kv_given and step.inference_max_tokens is not None:
+        kv_rows = min(kv_rows, max(1, step.inference_max_tokens // step.seq_length))
+    elif not kv_given:
         kv_rows = _kv_rows(model, parallel, step, budget_bytes, rows)
         chosen = _at_kv_rows(step, kv_rows)
         if chosen.inference_max_tokens is not None:
