@@ -66,7 +66,8 @@ def _json(cli, capsys, argv) -> dict:
 
 def test_every_output_block_is_what_its_command_prints(cli, capsys):
     blocks = _blocks()
-    assert len(blocks) == 2  # the headline step and the 27B example
+    assert len(blocks) == 6  # the headline step, the 27B example and four --fit searches
+    assert [("--fit" in argv) for argv, _ in blocks] == [False] * 2 + [True] * 4
     for argv, shown in blocks:
         assert _printed(cli, capsys, argv) == shown, " ".join(argv)
 
@@ -75,7 +76,7 @@ def test_the_example_block_is_the_27b_script(cli):
     flags = set(cli.build_parser()._option_string_actions)
     script = dict(flag_list(script_argv(SH, 8, flags)))
     script["--hf-config"] = ["tools/configs/llama-style-27b.json"]
-    headline, example = _blocks()
+    headline, example = _blocks()[:2]
     assert dict(flag_list(example[0])) == script
     assert example[1] in DOCS.split("## The 27B example", 1)[1]
     assert headline[1] in DOCS.split("## Result", 1)[1].split("## The 27B example", 1)[0]
@@ -185,6 +186,11 @@ def test_best_against_best_table(cli, capsys):
 def test_readme_estimate_is_the_headline_command():
     readme = ["--hf-config", *command(README, "python tools/estimate_memory.py --hf-config")]
     assert readme == _blocks()[0][0]
+
+
+def test_readme_fit_command_is_the_27b_search():
+    readme = ["--fit", *command(README, "python tools/estimate_memory.py --fit")]
+    assert readme == _blocks()[2][0]
 
 
 def test_readme_qwen_commands_agree_and_fit(cli, capsys):

@@ -226,9 +226,10 @@ def assess(
     kv_given: bool,
     flags: tuple[str, ...],
 ) -> Outcome:
-    """``c`` with ``step``'s optimizer at the largest KV budget that fits ``budget_bytes`` (the command
-    line's if given): whole rows of ``--seq-length`` tokens, at most the rollout batch per
-    replica (then no bound is needed), at least one row (to say by how much it is over)."""
+    """``c`` with ``step``'s optimizer at the largest KV budget within ``budget_bytes`` (the
+    command line's if given): whole rows of ``--seq-length`` tokens, at most the rollout
+    batch per replica (then no bound is needed), at least one row (to say by how much it is
+    over)."""
     rows = max_rollout_batch_size(model, parallel, step, budget_bytes)
     kv_rows, chosen = step.rollout_batch_size, step
     if kv_given and step.inference_max_tokens is not None:
