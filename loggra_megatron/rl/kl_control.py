@@ -137,9 +137,9 @@ def gpt_probe_forward(
     forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
     under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
     of ``micro_batch_size`` rows (default: all), grouped by length (``group``: rows of
-    similar length share a micro-batch cut to its longest row; the outputs are 0 past it). ``log_probs``: return the sampled tokens'
-    log-probs ``[b, s]`` instead of the logits (the k-estimators), so that only one
-    micro-batch's logits exist at a time."""
+    similar length share a micro-batch cut to its longest row; the outputs are 0 past it).
+    ``log_probs``: return the sampled tokens' log-probs ``[b, s]`` instead of the logits (the
+    k-estimators), so that only one micro-batch's logits exist at a time."""
     from megatron.core.utils import unwrap_model
 
     from loggra_megatron.model.forward import forward_map, token_log_probs
