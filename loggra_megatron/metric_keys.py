@@ -185,6 +185,18 @@ METRICS: dict[str, Metric] = _declare(
         "prompt + response tokens of the batch (all ranks) per second of step time",
     ),
     Metric(
+        "throughput/padded_token_fraction",
+        "share of the token slots fed to the training forwards (PPO epochs × mini-batches × "
+        "micro-batches) that are padding: past a row's last response target, or the "
+        "schedule's rounding to the sequence multiple (--length-grouping cuts it)",
+        PER_RANK,
+    ),
+    Metric(
+        "throughput/padded_token_fraction/reference",
+        "the same share for the reference model's log-prob forwards (with --kl-coef > 0)",
+        PER_RANK,
+    ),
+    Metric(
         "lr",
         "learning rate the step's optimizer updates used (before the η scaling, and before "
         "the schedule advanced for the next step)",

@@ -166,9 +166,9 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     log_prob_rows = []
     compute = dynamic.compute_log_probs
 
-    def rows_spy(model, tokens, micro_batch_size):  # rows per forward of the recompute
+    def rows_spy(model, tokens, micro_batch_size, **kw):  # rows per forward of the recompute
         log_prob_rows.append(micro_batch_size)
-        return compute(model, tokens, micro_batch_size=micro_batch_size)
+        return compute(model, tokens, micro_batch_size=micro_batch_size, **kw)
 
     dynamic.compute_log_probs = rows_spy
     run, last_run = mcore_engine.run_engine, {}

@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from loggra_megatron.model.batching import PaddingStats
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -80,13 +81,15 @@ def unpadded_length(batch: dict) -> int:
     return batch.get(UNPADDED_LENGTH, batch["tokens"].shape[1] - 1)
 
 
-def pad_micro_batch(batch: dict, multiple: int) -> dict:
-    """``batch`` with ``tokens [b, s + 1]`` and its ``[b, s, ...]`` tensors right-padded so
-    that ``s`` is a multiple of ``multiple`` (zeros: no token, no mask, no loss); the length
-    before padding is kept under :data:`UNPADDED_LENGTH`."""
+def pad_micro_batch(batch: dict, multiple: int, width: int = 0) -> dict:
+    """``batch`` with ``tokens [b, s + 1]`` and its ``[b, s, ...]`` tensors right-padded to
+    at least ``width`` positions, and so that ``s`` is a multiple of ``multiple`` (zeros: no
+    token, no mask, no loss); the length before padding is kept under
+    :data:`UNPADDED_LENGTH`."""
     tokens = batch["tokens"]
     seq = tokens.shape[1] - 1
-    extra = -seq % multiple
+    extra = max(seq, width) - seq
+    extra += -(seq + extra) % multiple
     if extra == 0:
         return batch
     out = {UNPADDED_LENGTH: unpadded_length(batch)}
@@ -109,17 +112,26 @@ def run_schedule(
     *,
     forward_only: bool,
     collect_non_loss_data: bool = False,
+    padding: PaddingStats | None = None,
 ) -> list:
     """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk), each
     micro-batch padded on the right to the model's :func:`sequence_multiple`: the extra
     positions are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference
     log-probs), so they carry no loss; causal attention keeps them out of the real positions'
-    logits."""
+    logits. Under PP every micro-batch is padded to the longest (the stages exchange
+    activations of one shape). ``padding``: counts the slots fed."""
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
     multiple = sequence_multiple(get_model_config(model))
-    micro = [pad_micro_batch(b, multiple) for b in micro]
+    width = 0
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        width = max(b["tokens"].shape[1] - 1 for b in micro)
+    micro = [pad_micro_batch(b, multiple, width) for b in micro]
+    if padding is not None:
+        for b in micro:
+            padding.count(b)
     tokens = micro[0]["tokens"]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -139,16 +151,27 @@ def _map_step(fn, data_iterator, model):
 
 
 @torch.no_grad()
-def forward_map(model, micro: list[dict], fn: Callable[[dict, torch.Tensor], object]):
+def forward_map(
+    model,
+    micro: list[dict],
+    fn: Callable[[dict, torch.Tensor], object],
+    padding: PaddingStats | None = None,
+):
     """``[fn(micro_batch, logits) for each micro-batch]`` on the last pipeline stage (None on
-    the others): a forward-only, no-grad pass, the model in eval mode for its duration."""
+    the others): a forward-only, no-grad pass, the model in eval mode for its duration
+    (``padding``: counts the slots fed)."""
     from megatron.core import parallel_state as ps
 
     was_training = model.training
     model.eval()
     try:
         out = run_schedule(
-            model, partial(_map_step, fn), micro, forward_only=True, collect_non_loss_data=True
+            model,
+            partial(_map_step, fn),
+            micro,
+            forward_only=True,
+            collect_non_loss_data=True,
+            padding=padding,
         )
     finally:
         model.train(was_training)

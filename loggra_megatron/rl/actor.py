@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
+from loggra_megatron.model.batching import PaddingStats, micro_batches, needed_lengths
 from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
 from loggra_megatron.rl.kl_control import ReferenceCollector
 from loggra_megatron.rl.policy_loss import PolicyLoss
@@ -83,13 +84,21 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     return gpt_logits(model, batch), partial(loss_func, loss_fn, scale, batch)
 
 
-def forward_backward(model, optimizer, micro: list[dict], loss_fn: LossFn, dp: int) -> list[dict]:
+def forward_backward(
+    model,
+    optimizer,
+    micro: list[dict],
+    loss_fn: LossFn,
+    dp: int,
+    padding: PaddingStats | None = None,
+) -> list[dict]:
     """Zero the grads, then forward + backward over ``micro`` batches with Megatron's
-    schedule (1F1B under PP). Returns the per-micro-batch metrics (last PP stage)."""
+    schedule (1F1B under PP). Returns the per-micro-batch metrics (last PP stage);
+    ``padding`` counts the slots fed."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     step = partial(forward_step, loss_fn, len(micro) * dp)
-    return run_schedule(model, step, micro, forward_only=False)
+    return run_schedule(model, step, micro, forward_only=False, padding=padding)
 
 
 def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
@@ -106,7 +115,9 @@ class Actor:
     each run as micro-batches of ``micro_batch_size`` through Megatron's schedule and
     followed by one ``optimizer_step`` (:class:`OptimizerStepFn`), whose
     ``reference_collector`` keeps KL control's probe reference from the mini-batch's
-    training forward."""
+    training forward. ``length_grouping``: a mini-batch's rows of similar length share a
+    micro-batch, each cut to its longest row (:func:`~loggra_megatron.model.batching.
+    micro_batches`; the loss is the same, its denominators are the mini-batch's)."""
 
     def __init__(
         self,
@@ -117,18 +128,23 @@ class Actor:
         dp_group: dist.ProcessGroup | None,
         micro_batch_size: int,
         global_batch_size: int,
+        length_grouping: bool = True,
     ):
         self.policy, self.optimizer, self.optimizer_step = policy, optimizer, optimizer_step
         self.loss, self.dp_group = loss, dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.micro_batch_size = micro_batch_size
         self.per_rank = global_batch_size // self.dp
+        self.length_grouping = length_grouping
+        self.padding = PaddingStats()
+        """Slots fed to the training forwards since the last :meth:`update_policy` began."""
 
     def update_policy(self, batch: dict[str, torch.Tensor], ppo_epochs: int) -> dict[str, float]:
         """``ppo_epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
         the metrics of the updates, each combined over micro-batches and updates as
-        declared (:mod:`loggra_megatron.metric_keys`)."""
+        declared (:mod:`loggra_megatron.metric_keys`), and the share of padding they fed."""
         sums, n = {}, 0
+        self.padding = PaddingStats()
         for _ in range(ppo_epochs):
             for start in range(0, len(batch["tokens"]), self.per_rank):
                 mini = {k: v[start : start + self.per_rank] for k, v in batch.items()}
@@ -143,9 +159,12 @@ class Actor:
                 for key, value in step_metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 n += 1
-        return combine_updates(sums, n)
+        metrics = combine_updates(sums, n)
+        metrics["throughput/padded_token_fraction"] = self.padding.fraction
+        return metrics
 
     def train_on(self, mini: dict, loss_fn: LossFn) -> list[dict]:
         """Forward + backward of one mini-batch; the per-micro-batch metrics."""
-        micro = split_micro(mini, self.micro_batch_size)
-        return forward_backward(self.policy, self.optimizer, micro, loss_fn, self.dp)
+        lengths = needed_lengths(mini["mask"])
+        micro = micro_batches(mini, self.micro_batch_size, lengths, self.length_grouping)
+        return forward_backward(self.policy, self.optimizer, micro, loss_fn, self.dp, self.padding)

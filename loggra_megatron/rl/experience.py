@@ -26,6 +26,7 @@ import torch
 
 from loggra_megatron.data.prompts import PromptRenderer, prompt_text
 from loggra_megatron.data.tokenizer import Tokenizer
+from loggra_megatron.model.batching import PaddingStats, needed_lengths
 from loggra_megatron.rl.config import GRPOConfig
 from loggra_megatron.rl.losses import group_advantages
 from loggra_megatron.rollout.config import RolloutConfig
@@ -84,6 +85,7 @@ class ExperienceMaker:
         grpo: GRPOConfig,
         seed: int,
         log_prob_micro_batch_size: int,
+        length_grouping: bool = True,
     ):
         from megatron.core.utils import get_model_config
 
@@ -95,6 +97,8 @@ class ExperienceMaker:
         self.seed = seed
         self.log_prob_micro_batch_size = log_prob_micro_batch_size
         """Sequences per micro-batch of the reference and log-prob forwards."""
+        self.length_grouping = length_grouping
+        """Rows of similar length share a micro-batch of the log-prob forwards."""
         self.device = next(policy.parameters()).device
         self.engine, self.engine_note = select_engine(
             rollout.rollout_engine, EngineTarget.of_model(policy)
@@ -117,11 +121,18 @@ class ExperienceMaker:
         advantages = group_advantages(
             rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
         )
-        ref = None
+        ref, padding = None, {}
         if self.reference is not None:
+            stats = PaddingStats()
             ref = compute_log_probs(
-                self.reference, rollout.tokens, micro_batch_size=self.log_prob_micro_batch_size
+                self.reference,
+                rollout.tokens,
+                micro_batch_size=self.log_prob_micro_batch_size,
+                lengths=needed_lengths(rollout.response_mask),
+                group=self.length_grouping,
+                padding=stats,
             )
+            padding["throughput/padded_token_fraction/reference"] = stats.fraction
         return Experience(
             tokens=rollout.tokens,
             response_mask=rollout.response_mask,
@@ -135,6 +146,7 @@ class ExperienceMaker:
                 "reward/accuracy": sum(correct) / len(correct),
                 "response/length_mean": rollout.response_lengths.float().mean().item(),
                 **generated,
+                **padding,
             },
         )
 
@@ -153,6 +165,7 @@ class ExperienceMaker:
             step=step,
             max_tokens=r.inference_max_tokens,
             log_prob_micro_batch_size=self.log_prob_micro_batch_size,
+            length_grouping=self.length_grouping,
             row_multiple=self.row_multiple,
         )
         self.engine.sync_weights(self.policy)

@@ -28,6 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.model.batching import (
+    ROWS,
+    micro_batches,
+    needed_lengths,
+    row_indices,
+    scatter_rows,
+)
 from loggra_megatron.model.forward import unpadded_length
 from loggra_megatron.model.vocab_parallel import (
     sampled_kl,
@@ -87,43 +94,52 @@ class ReferenceCollector:
 
     def wrap(self, loss_fn):
         def keeping(batch, logits):
-            lo, b = self._seen, batch["tokens"].shape[0]
-            self._seen += b
-            take = min(b, max(0, self.rows - lo))
-            if take:  # the probe forward's length: the schedule's padding cut off
+            rows = batch["tokens"].shape[0]
+            index = batch.get(ROWS)  # length-grouped micro-batches: their rows' indices
+            if index is None:
+                index = torch.arange(self._seen, self._seen + rows)
+            self._seen += rows
+            take = (index < self.rows).to(logits.device)
+            if bool(take.any()):  # the probe forward's length: the schedule's padding cut off
                 seq = unpadded_length(batch)
                 with torch.no_grad():
-                    self._parts.append(
-                        self.controller.as_reference(
-                            ProbeOutput(
-                                logits.detach()[:take, :seq],
-                                batch["tokens"][:take, 1 : seq + 1],
-                                batch["mask"][:take, :seq],
-                            )
+                    kept = self.controller.as_reference(
+                        ProbeOutput(
+                            logits.detach()[take, :seq],
+                            batch["tokens"][take, 1 : seq + 1],
+                            batch["mask"][take, :seq],
                         )
                     )
+                self._parts.append((index[take.to(index.device)], kept))
             return loss_fn(batch, logits)
 
         return keeping
 
     def result(self):
-        """The reference of the probe rows (last stage), :data:`REFERENCE_ON_LAST_STAGE`
-        elsewhere."""
+        """The reference of the probe rows in row order (last stage; zeros past a row's
+        micro-batch width), :data:`REFERENCE_ON_LAST_STAGE` elsewhere."""
         if not self._parts:
             return REFERENCE_ON_LAST_STAGE
-        parts = self._parts
+        index = [i for i, _ in self._parts]
+        rows = sum(len(i) for i in index)
         return ProbeOutput(
-            *(torch.cat([getattr(p, f) for p in parts]) for f in ("logits", "targets", "mask"))
+            *(
+                scatter_rows([getattr(p, f) for _, p in self._parts], index, rows)
+                for f in ("logits", "targets", "mask")
+            )
         )
 
 
-def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: bool = False):
+def gpt_probe_forward(
+    model, micro_batch_size: int | None = None, log_probs: bool = False, group: bool = True
+):
     """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
     forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
     under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
-    of ``micro_batch_size`` rows (default: all). ``log_probs``: return the sampled tokens'
-    log-probs ``[b, s]`` instead of the logits (the k-estimators), so that only one
-    micro-batch's logits exist at a time."""
+    of ``micro_batch_size`` rows (default: all), grouped by length (``group``: rows of
+    similar length share a micro-batch cut to its longest row; the outputs are 0 past it).
+    ``log_probs``: return the sampled tokens' log-probs ``[b, s]`` instead of the logits (the
+    k-estimators), so that only one micro-batch's logits exist at a time."""
     from megatron.core.utils import unwrap_model
 
     from loggra_megatron.model.forward import forward_map, token_log_probs
@@ -136,23 +152,34 @@ def gpt_probe_forward(model, micro_batch_size: int | None = None, log_probs: boo
         mbs = min(micro_batch_size or rows, rows)
         padded = tokens.new_zeros(-(-rows // mbs) * mbs, seq + 1)  # equal micro-batches (PP)
         padded[:rows] = tokens
+        lengths = torch.ones(len(padded), dtype=torch.long, device=tokens.device)
+        lengths[:rows] = seq if mask is None else needed_lengths(mask)
+        micro = micro_batches({"tokens": padded}, mbs, lengths, group)
 
         def keep(b, logits):  # the schedule may pad the length (FP8, SP): cut back
-            logits = logits[:, :seq]
+            width = unpadded_length(b)
+            logits = logits[:, :width]
             if not log_probs:
                 return logits
-            return token_log_probs(logits, b["tokens"][:, 1 : seq + 1], vocab)
+            return token_log_probs(logits, b["tokens"][:, 1 : width + 1], vocab)
 
-        out = forward_map(
-            model, [{"tokens": padded[i : i + mbs]} for i in range(0, len(padded), mbs)], keep
-        )
+        out = forward_map(model, micro, keep)
         if out is None:
             return None
+        out = scatter_rows(out, row_indices(micro), len(padded), seq)[:rows]
         targets = tokens[:, 1:]
         mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
-        return ProbeOutput(torch.cat(out)[:rows], targets, mask)
+        return ProbeOutput(out, targets, mask)
 
     return forward
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x [b, s, ...]`` with zeros appended along ``s`` up to ``width``."""
+    extra = width - x.shape[1]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], extra, *x.shape[2:]))], dim=1)
 
 
 @dataclass
@@ -215,6 +242,8 @@ class PredictedKLController:
         probe, holdout = self.config.probe_split(len(tokens))
         held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
         held_reference = None
+        if reference is not None and reference is not REFERENCE_ON_LAST_STAGE:
+            reference = _widen_output(reference, tokens.shape[1] - 1)  # grouped: cut rows
         if reference is not None and self._realized_due(held is not None):
             held_reference = reference
             if reference is not REFERENCE_ON_LAST_STAGE:
@@ -407,6 +436,10 @@ def _cat_outputs(a: ProbeOutput | None, b: ProbeOutput | None) -> ProbeOutput | 
     return ProbeOutput(
         *(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("logits", "targets", "mask"))
     )
+
+
+def _widen_output(out: ProbeOutput, width: int) -> ProbeOutput:
+    return ProbeOutput(*(_widen(getattr(out, f), width) for f in ("logits", "targets", "mask")))
 
 
 def _rows(out: ProbeOutput, rows: slice) -> ProbeOutput:

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.model.batching import needed_lengths
 from loggra_megatron.rollout import mcore_engine
 from loggra_megatron.rollout.generate import (
     Rollout,
@@ -262,16 +263,25 @@ def _generate(
     return [generated[i] for i in range(len(lens))]
 
 
-def _policy_log_probs(model, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+def _policy_log_probs(
+    model, rollout: Rollout, micro_batch_size: int, length_grouping: bool = True
+) -> torch.Tensor:
     """Untempered log-probs of the rollout's response tokens on every rank (0 elsewhere), in
-    forwards of ``micro_batch_size`` rows (``--log-prob-micro-batch-size``)."""
+    forwards of ``micro_batch_size`` rows (``--log-prob-micro-batch-size``), rows of similar
+    length together (``length_grouping``)."""
     from megatron.core import parallel_state as ps
 
     width = rollout.tokens.shape[1]
     log_probs = rollout.log_probs
     if width < 2 or not bool(rollout.response_mask.any()):
         return log_probs
-    out = compute_log_probs(model, rollout.tokens, micro_batch_size=micro_batch_size)
+    out = compute_log_probs(
+        model,
+        rollout.tokens,
+        micro_batch_size=micro_batch_size,
+        lengths=needed_lengths(rollout.response_mask),
+        group=length_grouping,
+    )
     if out is not None:
         log_probs = torch.where(rollout.response_mask, out.float(), 0.0)
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -297,6 +307,7 @@ def generate_rollout_dynamic(
     prompt_lengths: torch.Tensor | None = None,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE,
     log_prob_micro_batch_size: int = 1,
+    length_grouping: bool = True,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
     engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
@@ -308,7 +319,7 @@ def generate_rollout_dynamic(
     ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at once).
     ``log_prob_micro_batch_size``: rows per forward of the log-prob recompute after
     generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
-    ``B × L × V/TP`` fp32 logits).
+    ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``).
     Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
     model is in eval mode during the call and restored after; every rank of the model
     replica must call it alike.
@@ -341,5 +352,7 @@ def generate_rollout_dynamic(
         )
     cut = [truncate_at_stop(r, stop_ids) for r in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
-    rollout.log_probs = _policy_log_probs(model, rollout, log_prob_micro_batch_size)
+    rollout.log_probs = _policy_log_probs(
+        model, rollout, log_prob_micro_batch_size, length_grouping
+    )
     return rollout

@@ -22,7 +22,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.model.forward import forward_map, token_log_probs
+from loggra_megatron.model.batching import (
+    PaddingStats,
+    micro_batches,
+    row_indices,
+    scatter_rows,
+)
+from loggra_megatron.model.forward import forward_map, token_log_probs, unpadded_length
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 __all__ = [
@@ -382,14 +388,25 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
 
 @torch.no_grad()
 def compute_log_probs(
-    model, tokens: torch.Tensor, *, micro_batch_size: int | None = None
+    model,
+    tokens: torch.Tensor,
+    *,
+    micro_batch_size: int | None = None,
+    lengths: torch.Tensor | None = None,
+    group: bool = True,
+    padding: PaddingStats | None = None,
 ) -> torch.Tensor | None:
     """``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` as ``[B, L - 1]`` float32.
 
     A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` in micro-batches of
     ``micro_batch_size`` (default: the whole batch) through Megatron's forward-only schedule.
     Right padding is harmless (causal attention); mask the result with the rollout's
-    ``response_mask``. Returns the log-probs on the last pipeline stage, ``None`` on others.
+    ``response_mask``. ``lengths [B]``: the positions each row needs (e.g. up to its last
+    response target); with ``group`` rows of similar length then share a micro-batch cut to
+    its longest row (:func:`~loggra_megatron.model.batching.micro_batches`; log-probs past
+    that width are 0). ``padding`` counts the slots fed (real: within
+    ``lengths``). Returns the log-probs on the last
+    pipeline stage, ``None`` on others.
     """
     from megatron.core.utils import unwrap_model
 
@@ -402,11 +419,19 @@ def compute_log_probs(
     num_micro = -(-batch // mbs)
     padded = tokens.new_zeros(num_micro * mbs, length)  # the schedule pads the length
     padded[:batch] = tokens
-    micro = [{"tokens": padded[i : i + mbs]} for i in range(0, len(padded), mbs)]
+    needed = torch.full((len(padded),), length - 1, dtype=torch.long, device=device)
+    if lengths is not None:
+        needed[batch:] = 1  # rows that fill the last micro-batch (PP: equal micro-batches)
+        needed[:batch] = lengths.to(device).clamp(1, length - 1)
+    micro = micro_batches({"tokens": padded}, mbs, needed, group and lengths is not None)
     vocab = unwrap_model(model).vocab_size
-    out = forward_map(
-        model, micro, lambda b, logits: token_log_probs(logits, b["tokens"][:, 1:], vocab)
-    )
+
+    def log_probs(b, logits):  # the schedule may pad the length (FP8, SP): cut back
+        seq = unpadded_length(b)
+        return token_log_probs(logits[:, :seq], b["tokens"][:, 1 : seq + 1], vocab)
+
+    out = forward_map(model, micro, log_probs, padding)
     if out is None:
         return None
-    return torch.cat(out, dim=0)[:batch, : length - 1].contiguous()
+    out = scatter_rows(out, row_indices(micro), len(padded), length - 1)
+    return out[:batch, : length - 1].contiguous()

@@ -71,6 +71,8 @@ class RolloutRequest:
     """``--inference-max-tokens``: the KV-cache bound (None: the whole batch at once)."""
     log_prob_micro_batch_size: int = 1
     """Rows per forward of a log-prob recompute after generation."""
+    length_grouping: bool = True
+    """Rows of similar length share a micro-batch of the recompute (``--length-grouping``)."""
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
 

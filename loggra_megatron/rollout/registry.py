@@ -115,6 +115,7 @@ class DynamicEngine(RolloutEngine):
             max_new_tokens=r.max_new_tokens,
             max_tokens=r.max_tokens,
             log_prob_micro_batch_size=r.log_prob_micro_batch_size,
+            length_grouping=r.length_grouping,
             step=r.step,
             temperature=r.temperature,
             top_p=r.top_p,

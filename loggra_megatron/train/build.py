@@ -141,7 +141,9 @@ def kl_controller(
         return None
     rows = cfg.training.forward_micro_batch_size
     full = cfg.kl_control.kl_estimator == "full"  # logits kept: one micro-batch per call
-    forward = gpt_probe_forward(policy, rows, log_probs=not full)
+    forward = gpt_probe_forward(
+        policy, rows, log_probs=not full, group=cfg.training.length_grouping
+    )
     return PredictedKLController(
         cfg.kl_control,
         stepper,

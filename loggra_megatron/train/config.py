@@ -31,6 +31,10 @@ class TrainingConfig:
     )
     """Sequences per micro-batch of the forward-only passes (reference log-probs, KL probes,
     the dynamic engine's old-log-prob recompute; default: --micro-batch-size)."""
+    length_grouping: bool = True
+    """Rows of similar length share a micro-batch, each cut to its longest row, in the
+    training and log-prob forwards (within a mini-batch: the loss is the same, to float
+    summation order); --no-length-grouping: micro-batches in row order at the batch's width."""
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks."""
     seed: int = 1234

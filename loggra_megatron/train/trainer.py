@@ -117,6 +117,7 @@ class RLTrainer:
             self.dp_group,
             t.micro_batch_size,
             t.global_batch_size,
+            t.length_grouping,
         )
         self.experience = ExperienceMaker(
             self.policy,
@@ -128,6 +129,7 @@ class RLTrainer:
             cfg.grpo,
             t.seed,
             t.forward_micro_batch_size,
+            t.length_grouping,
         )
         note = self.experience.engine_note
         self._log(
