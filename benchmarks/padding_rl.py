@@ -8,18 +8,12 @@ The workload is an RL step's batch on the ``word_problems`` task (GSM8K-style st
 ``--max-new-tokens`` = ``--budget-factor`` × the median length of the task's reference
 answer: ``--failed-fraction`` of the completions run to that budget (a failed answer of a
 reasoning model), the others are the task's reference answer and EOS (a right answer stops
-early). Token ids of the failed ones are random: the forwards' cost depends on the shapes
-only. Prompts and answers are tokenized with a SentencePiece tokenizer trained here on the
-task (``tools/train_tokenizer.py``).
-
-One rank (CPU, gloo), a tiny Llama-style policy (``--layers``, ``--hidden``) and its
-reference. Each repeat times, for each arm (alternating, ABBA order): the training phase
-(:meth:`~loggra_megatron.rl.actor.Actor.update_policy`: forward + backward of every
-micro-batch, one Adam step per mini-batch of ``--global-batch-size`` rows) and the
-reference log-probs (:func:`~loggra_megatron.rollout.compute_log_probs` in micro-batches of
-``--log-prob-micro-batch-size``). Reported: the median over repeats of real tokens per
-second of each phase, their ratio grouped / plain (also the median of the per-repeat
-ratios), and the padded fraction of the slots each phase fed.
+early; failed ones are random ids: the forwards' cost depends on the shapes only). One
+rank (CPU, gloo), a tiny Llama-style policy and its reference; each repeat times both arms
+(ABBA order): the training phase (forward + backward of every micro-batch, one Adam step per
+mini-batch) and the reference log-probs. Reported: median real tokens/s of each phase, the
+ratio grouped / plain (and the median of per-repeat ratios), the padded fraction of the
+slots each phase fed. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
