@@ -23,6 +23,7 @@ BASES = [
     {"loggra-projection": "svd"},
     {"loggra-projection": "identity"},
     {"temperature": 0},
+    {"rollout-engine": "static"},  # no old-log-prob recompute
 ]
 """Configurations under which the declared conditions fail (each flag is tried in the first
 base where its own condition is false)."""
@@ -72,6 +73,22 @@ def _with(argv: list[str], name: str, value) -> list[str]:
     if value is True or value is False:
         return [*argv, flag(name) if value else "--no-" + name.replace("_", "-")]
     return [*argv, flag(name), str(value)]
+
+
+def test_log_prob_micro_batch_size_sizes_the_dynamic_engines_recompute(tokenizer, tmp_path):
+    """Without a reference model or KL control the old-log-prob recompute of an engine that
+    has one (auto may pick it on a GPU) still reads --log-prob-micro-batch-size; only the
+    static engine, which samples the log-probs while decoding, makes it do nothing."""
+    auto = _argv(tokenizer, tmp_path, {"rollout-engine": "auto"})
+    assert (
+        parse_args(_with(auto, "log_prob_micro_batch_size", 2)).training.forward_micro_batch_size
+        == 2
+    )
+    rule = next(r for f, r in _declared() if f.name == "log_prob_micro_batch_size")
+    assert rule.holds({"kl_coef": 0.0, "kl_target": None, "rollout_engine": "dynamic"})
+    static = _argv(tokenizer, tmp_path, {"rollout-engine": "static"})
+    with pytest.raises(SystemExit):
+        parse_args(_with(static, "log_prob_micro_batch_size", 2))
 
 
 def test_every_setting_that_does_not_apply_is_refused(tokenizer, tmp_path, capsys):
