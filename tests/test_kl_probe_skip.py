@@ -1,6 +1,7 @@
 """Predicted-KL control skipping its probe trial (``rl/kl_probe_skip.py``): the rule alone,
 then the controller on real Megatron GPT policies (bf16, 2 CPU ranks)."""
 
+import dataclasses
 import io
 import math
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from test_kl_control import TOKENS, _backward, _build, _controller, _local, _params
 
+from loggra_megatron.config import settings_that_do_not_apply
+from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl_probe_skip import ProbeSkipRule
 from loggra_megatron.testing import run_distributed
 
@@ -19,6 +22,22 @@ def _rule(**state) -> ProbeSkipRule:
 
 
 # ---------------------------------------------------------------- the rule
+def test_flags_are_checked_and_max_skips_needs_skipping():
+    with pytest.raises(ValueError, match="--kl-probe-skip-below"):
+        KLControlConfig(kl_target=0.1, kl_probe_skip_below=1.5)
+    with pytest.raises(ValueError, match="--kl-probe-max-skips"):
+        KLControlConfig(kl_target=0.1, kl_probe_max_skips=0)
+    off = KLControlConfig(kl_target=0.1, kl_probe_skip_below=0.0, kl_probe_max_skips=8)
+    problems = list(
+        settings_that_do_not_apply(
+            [KLControlConfig], dataclasses.asdict(off), {"kl_probe_max_skips"}
+        )
+    )
+    assert len(problems) == 1 and "--kl-probe-max-skips=8" in problems[0]
+    on = dataclasses.asdict(KLControlConfig(kl_target=0.1, kl_probe_max_skips=8))
+    assert not list(settings_that_do_not_apply([KLControlConfig], on, {"kl_probe_max_skips"}))
+
+
 def test_skips_far_below_target_and_probes_near_it():
     rule = _rule(anchor_kl=1e-4, anchor_sq_norm=1.0)
     assert rule.bound(1.0, TARGET, basis_refresh=False) == pytest.approx(1e-4)
