@@ -6,7 +6,8 @@ estimates ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` on probe sequences, pre
 ``KL(η·Δθ) ≈ η²·KL̂`` and commits ``θ + η·Δθ`` with ``η = min(1, sqrt(kl_target / KL̂))``
 (ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015), halving η while the scaled candidate's
 probe KL exceeds the tolerance. With ``η = 1`` the commit is Megatron's step, bit for bit;
-held-out sequences check the prediction (``kl/realized``). Every optimizer phase goes through
+held-out sequences check the prediction (``kl/realized``). Far below target the probe is
+skipped (:mod:`~loggra_megatron.rl.kl_probe_skip`). Every optimizer phase goes through
 :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`.
 
 Communication: per probe forward, the TP reductions of
