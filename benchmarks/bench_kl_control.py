@@ -1,22 +1,22 @@
-"""Predicted-KL step control: overhead, and predicted vs realized KL.
+"""Predicted-KL step control: overhead, probe skipping, and predicted vs realized KL.
 
     torchrun --nproc-per-node 2 benchmarks/bench_kl_control.py
     torchrun --nproc-per-node 8 benchmarks/bench_kl_control.py --device cuda
 
-1. Overhead: median controller time (``time/kl_control_s``: reference forward, candidate
-   updates, probe forwards; realized-KL measurement off) as a fraction of a training step
-   without control (forward + backward + optimizer step on the same batch), for probe
-   fractions 1/16, 1/8, 1/4: with the controller's own reference forward (the library API)
-   and with the reference kept from the training forward (what pretrain_rl.py does), plus
-   steps that are all scaled (η < 1: one more candidate trial, reusing LoGRA's sketches)
-   and steps with ``kl/realized`` on (the held-out rows join each trial's forward).
-2. Honesty: a short training run with the controller on (probe 1/8, the target cycled over
-   a 16x range so that it scales most steps by different amounts), logging the KL predicted for the committed step
-   (``kl/predicted_committed``) and the KL measured afterwards on held-out sequences
-   (``kl/realized``): Pearson correlation and mean ratio realized / predicted.
+1. Overhead, probing every step: median controller time (``time/kl_control_s``) over a
+   training step without control on the same batch, for probe fractions 1/16, 1/8, 1/4,
+   with the controller's own reference forward (library API) and with the reference kept
+   from the training forward (pretrain_rl.py); plus all steps scaled (one more trial) and
+   ``kl/realized`` on (the held-out rows join each trial's forward).
+2. Probe skipping: probe 1/8, probing every step against the default probe skipping,
+   interleaved ``--repeats`` times (mean controller time per step, amortized).
+3. Honesty: a training run (probe 1/8, the target cycled over 16x so most steps are scaled
+   by different amounts): Pearson(``kl/predicted_committed``, ``kl/realized``) and the mean
+   ratio over the probed steps; then a run far below target (most steps skip the probe):
+   the skipped steps' extrapolated KL against their realized KL.
 
 The policy is a bf16 Megatron GPT (RMSNorm, SwiGLU, RoPE) trained with LoGRA on a fixed
-random-token batch; DP = world size.
+random-token batch; DP = world size. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     ap.add_argument("--run-steps", type=int, default=20, help="steps of the honesty run")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--repeats", type=int, default=3, help="of the probe-skipping comparison")
+    ap.add_argument(
+        "--skipping-only",
+        action="store_true",
+        help="leave out the probe-fraction table (probing every step)",
+    )
     ap.add_argument(
         "--device",
         default="auto",
@@ -158,19 +164,24 @@ def controller_share(
     kept: bool,
     target: float | None = 1e9,
     realized: bool = False,
+    skip: bool = False,
+    stat=statistics.median,
 ) -> float:
     """Median controller time / baseline step. ``kept``: the probe reference comes from
     the training forward, as in pretrain_rl.py (computed here outside the timer), else
     the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
     quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
     ``realized``: ``kl/realized`` on the held-out rows every step (the default of
-    ``--kl-realized-interval``)."""
+    ``--kl-realized-interval``). ``skip``: probe skipping on (the default,
+    ``--kl-probe-skip-below 0.1``), else the probe runs every step. ``stat`` over the steps'
+    controller times (the mean amortizes the probes of a skipping controller)."""
     ctl = controller(
         ddp,
         opt,
         kl_target=target or 1e9,
         kl_probe_fraction=frac,
         kl_realized_interval=int(realized),
+        kl_probe_skip_below=0.1 if skip else 0.0,
     )
     args, tokens, mask = bench.args, bench.tokens, bench.mask
     probe, holdout = ctl.config.probe_split(args.batch)
@@ -185,7 +196,7 @@ def controller_share(
             ctl.config.kl_target = m["kl/predicted"] / 4
             continue
         times.append(m["time/kl_control_s"])
-    return statistics.median(times) / t_base
+    return stat(times) / t_base
 
 
 def measure_overhead(bench: Bench, ddp, opt, t_base: float):
@@ -203,13 +214,40 @@ def measure_overhead(bench: Bench, ddp, opt, t_base: float):
     return overhead, scaled, checked
 
 
+def measure_skipping(bench: Bench, ddp, opt, t_base: float) -> dict[str, list[tuple]]:
+    """Probe 1/8, reference from the training forward, never scaled: the mean controller
+    share over ``--steps`` steps probing every step and with probe skipping, interleaved
+    (the order alternates) ``--repeats`` times; per setting (``kl/realized`` every step or
+    off) the ``(probing, skipping)`` pair of each repeat."""
+    pairs = {"kl/realized every step": [], "kl/realized off": []}
+    for i in range(bench.args.repeats):
+        for name, realized in (("kl/realized every step", True), ("kl/realized off", False)):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            share = {
+                skip: controller_share(
+                    bench,
+                    ddp,
+                    opt,
+                    t_base,
+                    1 / 8,
+                    kept=True,
+                    realized=realized,
+                    skip=skip,
+                    stat=statistics.mean,
+                )
+                for skip in order
+            }
+            pairs[name].append((share[False], share[True]))
+    return pairs
+
+
 def measure_honesty(args, tokens):
     """A fresh model trained with the controller on, the target cycled over 16x: the KL
     predicted for each committed step, the KL realized, and the step scales."""
     ddp, opt = build(args)
-    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)
+    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)  # probe skipping on
     probe, holdout = ctl.config.probe_split(args.batch)
-    predicted, realized, scales = [], [], []
+    predicted, realized, scales, skipped = [], [], [], 0
     base_target = None
     for step in range(args.run_steps):
         backward(ddp, opt, tokens)
@@ -218,25 +256,45 @@ def measure_honesty(args, tokens):
         m = ctl.step((tokens[probe], None), (tokens[holdout], None)).metrics
         if step == 0:  # aim the middle target at a quarter of the first step's KL
             base_target = m["kl/predicted"] / 4
+        elif m["kl/probe_skipped"]:  # its kl/predicted is an extrapolation: not compared
+            skipped += 1
         else:
             predicted.append(m["kl/predicted_committed"])
             realized.append(m["kl/realized"])
             scales.append(m["kl/step_scale"])
-    return predicted, realized, scales
+    return predicted, realized, scales, skipped
 
 
-def report(args, device, t_base, overhead, scaled, checked, predicted, realized, scales):
-    """Print the overhead table and the honesty line (rank 0)."""
-    p, r = torch.tensor(predicted), torch.tensor(realized)
-    corr = torch.corrcoef(torch.stack([p, r]))[0, 1].item()
-    ratio = (r / p).mean().item()
+def measure_skip_honesty(args, tokens, factor: float = 20.0):
+    """A fresh model trained with probe skipping at a target ``factor`` × the first step's
+    KL (far below it: most steps skip): on the skipped steps, the extrapolated KL (their
+    ``kl/predicted``) against the full step's KL measured on the held-out rows."""
+    ddp, opt = build(args)
+    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)
+    probe, holdout = ctl.config.probe_split(args.batch)
+    pairs = []
+    for step in range(args.run_steps):
+        backward(ddp, opt, tokens)
+        m = ctl.step((tokens[probe], None), (tokens[holdout], None)).metrics
+        if step == 0:
+            ctl.config.kl_target = factor * m["kl/predicted"]
+        elif m["kl/probe_skipped"]:
+            pairs.append((m["kl/predicted"], m["kl/realized"]))
+    return pairs, ctl.config.kl_target
+
+
+def report_overhead(args, device, t_base, overhead, scaled, checked):
+    """The per-fraction overhead table (probing every step; rank 0)."""
     print(
         f"# bench_kl_control: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
         f"seq {args.seq}, {args.batch} seqs/rank, DP={dist.get_world_size()}, bf16, LoGRA, "
         f"{device.type}"
     )
     print(f"\nbaseline step (fwd+bwd+opt): {1e3 * t_base:.0f} ms")
+    if overhead is None:
+        return
     print(
+        "\nProbing every step (--kl-probe-skip-below 0), median over steps:\n"
         "\n| probe fraction | own reference forward | reference from the training "
         "forward (pretrain_rl.py) | target |"
     )
@@ -248,11 +306,45 @@ def report(args, device, t_base, overhead, scaled, checked, predicted, realized,
         f"| 1/8, kl/realized every step (held-out rows join the trial's forward) | | "
         f"{100 * checked:.1f} % | |"
     )
+
+
+def report_skipping(args, pairs):
+    """Probing every step against probe skipping, per repeat and their medians."""
     print(
-        f"\npredicted vs realized over {len(p)} steps (probe 1/8, held-out 1/8): "
-        f"Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "
+        f"\nProbe 1/8, reference from the training forward, never scaled: mean controller "
+        f"time over {args.steps} steps / baseline step, {args.repeats} interleaved repeats\n"
+        "\n| setting | probing every step | probe skipping (default) | skipping / probing |"
+    )
+    print("|---|---:|---:|---:|")
+    for name, rows in pairs.items():
+        probing = statistics.median(p for p, _ in rows)
+        skipping = statistics.median(s for _, s in rows)
+        ratios = [s / p for p, s in rows]
+        print(
+            f"| {name} | {100 * probing:.1f} % | {100 * skipping:.1f} % | "
+            f"{statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)}) |"
+        )
+
+
+def report_honesty(predicted, realized, scales, skipped, skip_pairs, skip_target):
+    """Pearson(predicted, realized) on the probed steps; the skipped steps' extrapolation."""
+    p, r = torch.tensor(predicted), torch.tensor(realized)
+    corr = torch.corrcoef(torch.stack([p, r]))[0, 1].item()
+    ratio = (r / p).mean().item()
+    print(
+        f"\npredicted vs realized over {len(p)} probed steps (probe 1/8, held-out 1/8; "
+        f"{skipped} skipped): Pearson r = {corr:.3f}, mean realized/predicted = {ratio:.2f}, "
         f"step scale min/median = {min(scales):.2f}/{statistics.median(scales):.2f}"
     )
+    if skip_pairs:
+        bound = torch.tensor([b for b, _ in skip_pairs])
+        real = torch.tensor([x for _, x in skip_pairs])
+        print(
+            f"skipped steps at target {skip_target:.2e} (20x the first step's KL): "
+            f"{len(skip_pairs)}; realized / extrapolated mean {(real / bound).mean():.2f}, "
+            f"max {(real / bound).max():.2f}; max realized / target "
+            f"{(real.max() / skip_target).item():.3f}"
+        )
 
 
 def main() -> None:
@@ -260,10 +352,16 @@ def main() -> None:
     bench = setup(args)
     ddp, opt = build(args)
     t_base = measure_baseline(bench, ddp, opt)
-    overhead, scaled, checked = measure_overhead(bench, ddp, opt, t_base)
-    predicted, realized, scales = measure_honesty(args, bench.tokens)
+    overhead = scaled = checked = None
+    if not args.skipping_only:
+        overhead, scaled, checked = measure_overhead(bench, ddp, opt, t_base)
+    pairs = measure_skipping(bench, ddp, opt, t_base)
+    honesty = measure_honesty(args, bench.tokens)
+    skip_honesty = measure_skip_honesty(args, bench.tokens)
     if dist.get_rank() == 0:
-        report(args, bench.device, t_base, overhead, scaled, checked, predicted, realized, scales)
+        report_overhead(args, bench.device, t_base, overhead, scaled, checked)
+        report_skipping(args, pairs)
+        report_honesty(*honesty, *skip_honesty)
     dist.destroy_process_group()
 
 

@@ -3,8 +3,11 @@
 
     python benchmarks/kl_overhead_rl.py                       # 3 repeats each, 30 RL steps
     python benchmarks/kl_overhead_rl.py --repeats 5 --json out.json
+    python benchmarks/kl_overhead_rl.py --arms plain,probing  # without probe skipping only
 
-The method (ABBA repeats of ``examples/tiny_cpu/run.sh``'s command) and what is reported:
+Three arms: plain, ``--kl-target`` probing every update (``--kl-probe-skip-below 0``) and
+``--kl-target`` with probe skipping (the default). The method (ABBA-style repeats of
+``examples/tiny_cpu/run.sh``'s command) and what is reported:
 ``docs/benchmarks.md``, "Predicted-KL step control".
 """
 
@@ -98,14 +101,30 @@ def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[s
     return read_metrics(out)
 
 
+ARMS = {
+    "plain": [],
+    "probing": ["--kl-probe-skip-below", "0"],  # the controller before probe skipping
+    "skipping": [],  # the default: --kl-probe-skip-below 0.1
+}
+"""The arms: no control, control that probes every update, control with probe skipping
+(the last two get ``--kl-target``)."""
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--train-iters", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="first RL steps left out")
     ap.add_argument("--kl-target", type=float, default=0.02)
+    ap.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}"
+    )
     ap.add_argument("--json", help="write the results here")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.arms = args.arms.split(",")
+    if "plain" not in args.arms or not set(args.arms) <= set(ARMS) or len(args.arms) < 2:
+        ap.error(f"--arms: plain and at least one of {', '.join(ARMS)}")
+    return args
 
 
 def train_tokenizer(tmp: str) -> str:
@@ -130,13 +149,14 @@ def train_tokenizer(tmp: str) -> str:
 
 
 def run_arms(args) -> dict[str, list[list]]:
-    """Both arms ``args.repeats`` times in ABBA order: per arm, each run's kept metric rows."""
+    """The arms ``args.repeats`` times, in forward then reverse order (ABBA for two arms):
+    per arm, each run's kept metric rows."""
     with tempfile.TemporaryDirectory(prefix="kl_overhead_") as tmp:
         tok = train_tokenizer(tmp)
-        runs = {"plain": [], "controlled": []}
-        arms = [("plain", []), ("controlled", ["--kl-target", str(args.kl_target)])]
-        for i in range(args.repeats):  # ABBA: each arm goes first in every other repeat
-            for name, extra in arms if i % 2 == 0 else arms[::-1]:
+        runs = {name: [] for name in args.arms}
+        for i in range(args.repeats):  # each arm goes first in every other repeat
+            for name in args.arms if i % 2 == 0 else args.arms[::-1]:
+                extra = ARMS[name] + (["--kl-target", str(args.kl_target)] * (name != "plain"))
                 rows = run(tmp, tok, f"{name}{i}", args.train_iters, extra)[args.skip :]
                 runs[name].append(rows)
                 tps = statistics.median(r["throughput/tokens_per_s"] for r in rows)
@@ -144,41 +164,47 @@ def run_arms(args) -> dict[str, list[list]]:
     return runs
 
 
-def summarize(args, runs: dict[str, list[list]]) -> dict:
-    """Tokens/s (median over steps, then repeats), the ratios, the phases and the
-    controller's share of a step."""
-    tps = {
-        k: statistics.median(
-            statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v
-        )
-        for k, v in runs.items()
+def _tokens_per_s(rows) -> float:
+    return statistics.median(r["throughput/tokens_per_s"] for r in rows)
+
+
+def summarize_controlled(runs: dict[str, list[list]], name: str) -> dict:
+    """One controlled arm against the plain one: tokens/s ratios (pooled and within each
+    repeat), the controller's share of a step, the scaled and probe-skipped updates."""
+    rows = [r for run in runs[name] for r in run]
+    shares = sorted(r["time/kl_control_s"] / r["time/step_s"] for r in rows)
+    paired = [
+        _tokens_per_s(c) / _tokens_per_s(p) for c, p in zip(runs[name], runs["plain"], strict=True)
+    ]
+    plain = statistics.median(_tokens_per_s(run) for run in runs["plain"])
+    return {
+        "tokens_per_s": statistics.median(_tokens_per_s(run) for run in runs[name]),
+        "ratio": statistics.median(_tokens_per_s(run) for run in runs[name]) / plain,
+        "paired_ratios": paired,
+        "paired_ratio_median": statistics.median(paired),
+        "kl_control_share_median": statistics.median(shares),
+        "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
+        "scaled_steps": statistics.mean(r["kl/step_scale"] < 1 for r in rows),
+        # per RL step: how many of its updates skipped the probe (0 before the key existed)
+        "probe_skipped_per_step": statistics.mean(r.get("kl/probe_skipped", 0.0) for r in rows),
+        "steps": len(rows),
     }
-    phases = {  # median over all kept steps: where the time (and the noise) goes
+
+
+def summarize(args, runs: dict[str, list[list]]) -> dict:
+    """Per arm the median s/step of each phase (the noise shows in the rollout, whose work
+    is the same in every arm); per controlled arm :func:`summarize_controlled`."""
+    phases = {
         k: {
             key: statistics.median(r[key] for rows in v for r in rows)
             for key in ("time/rollout_s", "time/train_s", "time/step_s")
         }
         for k, v in runs.items()
     }
-    shares = sorted(
-        r["time/kl_control_s"] / r["time/step_s"] for rows in runs["controlled"] for r in rows
-    )
-    scaled = [r["kl/step_scale"] < 1 for rows in runs["controlled"] for r in rows]
-    per_run = {
-        k: [statistics.median(r["throughput/tokens_per_s"] for r in rows) for rows in v]
-        for k, v in runs.items()
-    }
-    paired = [c / p for c, p in zip(per_run["controlled"], per_run["plain"], strict=True)]
     return {
-        "tokens_per_s": tps,
-        "ratio": tps["controlled"] / tps["plain"],
+        "tokens_per_s_plain": statistics.median(_tokens_per_s(run) for run in runs["plain"]),
+        "controlled": {k: summarize_controlled(runs, k) for k in runs if k != "plain"},
         "phases_s": phases,
-        "paired_ratios": paired,
-        "paired_ratio_median": statistics.median(paired),
-        "kl_control_share_median": statistics.median(shares),
-        "kl_control_share_p90": shares[int(0.9 * (len(shares) - 1))],
-        "scaled_steps": sum(scaled) / len(scaled),
-        "steps": len(shares),
         "repeats": args.repeats,
         "train_iters": args.train_iters,
         "skip": args.skip,
@@ -186,23 +212,23 @@ def summarize(args, runs: dict[str, list[list]]) -> dict:
 
 
 def report(args, result: dict) -> None:
-    tps, paired = result["tokens_per_s"], result["paired_ratios"]
     print(
-        f"tokens/s median of {args.repeats} runs: plain {tps['plain']:.0f}, "
-        f"--kl-target {args.kl_target}: {tps['controlled']:.0f} "
-        f"(ratio {result['ratio']:.3f}, {100 * (1 - result['ratio']):+.1f} % cost)"
+        f"\n{args.repeats} repeats, --kl-target {args.kl_target}; plain arm: "
+        f"{result['tokens_per_s_plain']:.0f} tokens/s (median over steps, then repeats)"
     )
     print(
-        "ratio within each repeat (adjacent runs): "
-        + ", ".join(f"{r:.3f}" for r in paired)
-        + f"; median {result['paired_ratio_median']:.3f}"
+        "| arm | tokens/s | ratio to plain | within-repeat ratios (median) | "
+        "time/kl_control_s / time/step_s median (p90) | scaled | probe skipped per RL step |"
     )
-    print(
-        f"time/kl_control_s / time/step_s over {result['steps']} steps: median "
-        f"{100 * result['kl_control_share_median']:.1f} %, p90 "
-        f"{100 * result['kl_control_share_p90']:.1f} %; steps scaled (η<1): "
-        f"{100 * result['scaled_steps']:.0f} %"
-    )
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for name, c in result["controlled"].items():
+        paired = ", ".join(f"{r:.3f}" for r in c["paired_ratios"])
+        print(
+            f"| {name} | {c['tokens_per_s']:.0f} | {c['ratio']:.3f} | {paired} "
+            f"({c['paired_ratio_median']:.3f}) | {100 * c['kl_control_share_median']:.1f} % "
+            f"({100 * c['kl_control_share_p90']:.1f} %) | {100 * c['scaled_steps']:.0f} % | "
+            f"{c['probe_skipped_per_step']:.2f} |"
+        )
     for name, times in result["phases_s"].items():
         print(f"{name:10s} median s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
 

@@ -98,7 +98,9 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "kl/predicted",
-        "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe",
+        "predicted KL(π_θ ‖ π_θ+Δθ) of the full candidate update on the probe (on an update "
+        "that skipped the probe, kl/probe_skipped: the quadratic model's extrapolation; "
+        "compare it with kl/realized on probed updates only)",
         PER_UPDATE,
     ),
     Metric(
@@ -119,6 +121,13 @@ METRICS: dict[str, Metric] = _declare(
         PER_UPDATE,
     ),
     Metric("kl/backtracks", "number of times η was halved by the backtracking check", PER_UPDATE),
+    Metric(
+        "kl/probe_skipped",
+        "number of this step's optimizer updates committed without a probe trial (η = 1: the "
+        "last measured full-step KL, carried to this update's norm, was below "
+        "kl_probe_skip_below × kl_target; their kl/predicted is that extrapolation)",
+        TOTAL_PER_UPDATE,
+    ),
     Metric("kl/coef", "β, the (adaptive) coefficient of the KL-to-reference loss"),
     Metric(
         "clip/fraction", "share of tokens whose PPO ratio was clipped (zero gradient)", TOKEN_MEAN

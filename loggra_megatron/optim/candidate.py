@@ -36,6 +36,36 @@ def write_candidate(inner: torch.optim.Optimizer, write: WriteFn, scale: float =
     )
 
 
+def update_sq_norm(inner: torch.optim.Optimizer) -> torch.Tensor | None:
+    """``‖Δθ‖²`` of the update the next ``step()`` would make at the group's lr over the
+    params this optimizer holds, weight decay left out (local: the caller all-reduces);
+    changes nothing. None when the optimizer cannot tell."""
+    if hasattr(inner, "update_sq_norm"):
+        return inner.update_sq_norm()
+    if isinstance(inner, torch.optim.AdamW):
+        return _adamw_update_sq_norm(inner)
+    return None
+
+
+@torch.no_grad()
+def _adamw_update_sq_norm(opt: torch.optim.AdamW) -> torch.Tensor:
+    total = None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            exp_avg = state.get("exp_avg", torch.zeros_like(p))
+            exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(p))
+            step = int(state.get("step", 0)) + 1
+            _, _, direction, step_size = adam_moments(
+                exp_avg, exp_avg_sq, p.grad, step, group, inplace=False
+            )
+            norm = step_size**2 * direction.float().square().sum()
+            total = norm if total is None else total + norm
+    return torch.zeros(()) if total is None else total
+
+
 @torch.no_grad()
 def _adamw_candidate(opt: torch.optim.AdamW, write: WriteFn, scale: float) -> bool:
     for group in opt.param_groups:

@@ -314,6 +314,39 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                     cache[w] = self._project(w, layout, self._stepped(w), refresh, cache)
         return cache["ok"]
 
+    @torch.no_grad()
+    def update_sq_norm(self) -> torch.Tensor | None:
+        """``‖Δθ‖²`` of this step's update at the group's lr over the params held here,
+        weight decay left out: a sketched weight's ``step·D Qᵀ`` has the norm of ``step·D``
+        (Q has orthonormal columns; a row split between DP ranks counts on each). From the
+        sketches kept by :meth:`project_gradients` (None before it, or when the step would be
+        skipped); changes nothing, local (the caller all-reduces)."""
+        cache = self._candidates
+        if cache is None or not cache["ok"]:
+            return None
+        total = torch.zeros((), device=self._device)
+        for w in range(len(self._all_layouts)):
+            p = self._stepped(w)
+            if p is not None:
+                (_, exp_avg, exp_avg_sq), sketch = cache[w]
+                group = self._group_of[p]
+                _, _, direction, step_size = adam_moments(
+                    exp_avg, exp_avg_sq, sketch, self.num_steps + 1, group, inplace=False
+                )
+                total += (step_size * group["scale"]) ** 2 * direction.square().sum()
+        for p, group, state in self._held_with_state():
+            if p not in self._index_of:
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], self._grad(p)
+                _, _, direction, step_size = adam_moments(
+                    m, v, g, self.num_steps + 1, group, inplace=False
+                )
+                total += step_size**2 * direction.square().sum()
+        return total
+
+    def basis_refresh_due(self) -> bool:
+        """Whether the next step (or candidate) refreshes the sketch bases."""
+        return needs_refresh(self.num_steps, self._settings)
+
     def _held_with_state(self) -> list[tuple[torch.Tensor, dict, dict]]:
         """``(param, group, state)`` of every param held here that has a gradient."""
         return [

@@ -19,6 +19,10 @@ def _kl_control(s: dict) -> bool:
     return s["kl_target"] is not None
 
 
+def _probe_skipping(s: dict) -> bool:
+    return _kl_control(s) and s["kl_probe_skip_below"] > 0
+
+
 @dataclass
 class GRPOConfig:
     """Group sampling, PPO epochs, advantages and the KL penalty's coefficient β."""
@@ -76,6 +80,12 @@ class KLControlConfig:
     """Halve η while the probe KL of the scaled step exceeds this × ``kl_target``."""
     kl_realized_interval: int = applies(1, "with --kl-target", _kl_control)
     """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
+    kl_probe_skip_below: float = applies(0.1, "with --kl-target", _kl_control)
+    """Skip the probe trial and commit the full step (η = 1) when the quadratic model's
+    extrapolation of the last measured full-step KL, ``KL·‖Δθ‖²/‖Δθ_then‖²``, is below
+    this × ``kl_target`` (docs/kl_control.md#skipping-the-probe); 0: probe every step."""
+    kl_probe_max_skips: int = applies(4, "with --kl-probe-skip-below > 0", _probe_skipping)
+    """At most this many consecutive steps skip the probe; the next one probes."""
 
     def __post_init__(self):
         check_fields(
@@ -87,6 +97,8 @@ class KLControlConfig:
                 ("kl_max_backtracks", at_least(0), ">= 0"),
                 ("kl_backtrack_tolerance", at_least(1), ">= 1"),
                 ("kl_realized_interval", at_least(0), ">= 0 (0: never)"),
+                ("kl_probe_skip_below", lambda f: 0 <= f <= 1, "in [0, 1] (0: never skip)"),
+                ("kl_probe_max_skips", positive, ">= 1"),
             ],
         )
 

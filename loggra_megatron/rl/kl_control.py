@@ -6,7 +6,8 @@ estimates ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` on probe sequences, pre
 ``KL(η·Δθ) ≈ η²·KL̂`` and commits ``θ + η·Δθ`` with ``η = min(1, sqrt(kl_target / KL̂))``
 (ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015), halving η while the scaled candidate's
 probe KL exceeds the tolerance. With ``η = 1`` the commit is Megatron's step, bit for bit;
-held-out sequences check the prediction (``kl/realized``). Every optimizer phase goes through
+held-out sequences check the prediction (``kl/realized``). Far below target the probe is
+skipped (:mod:`~loggra_megatron.rl.kl_probe_skip`). Every optimizer phase goes through
 :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`.
 
 Communication: per probe forward, the TP reductions of
@@ -42,6 +43,7 @@ from loggra_megatron.model.vocab_parallel import (
     vocab_parallel_log_probs,
 )
 from loggra_megatron.rl.config import KLControlConfig
+from loggra_megatron.rl.kl_probe_skip import ProbeSkipRule
 
 if TYPE_CHECKING:  # imports Megatron
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
@@ -224,14 +226,17 @@ class PredictedKLController:
         self.num_steps = 0
         """Committed steps (drives the kl/realized interval). Skipped steps are the caller's
         to count (``train.steps.SkipCounter``)."""
+        self.skip_rule = ProbeSkipRule(config.kl_probe_skip_below, config.kl_probe_max_skips)
+        """When the probe trial may be skipped (:mod:`~loggra_megatron.rl.kl_probe_skip`)."""
         params = (p for g in stepper.optimizer.param_groups for p in g["params"])
         self._device = next((p.device for p in params), torch.device("cpu"))
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "probe_skip": self.skip_rule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = state["num_steps"]
+        self.skip_rule.load_state_dict(state.get("probe_skip", {}))
 
     # ------------------------------------------------------------------ public
     def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor, reference=None):
@@ -270,58 +275,49 @@ class PredictedKLController:
         ``reference`` (``holdout_reference``) may pass the probe (held-out) batch's logits
         at the current weights if the caller already has them (e.g. kept from the training
         forward by a :class:`ReferenceCollector`), saving a forward; stages other than the
-        last then pass :data:`REFERENCE_ON_LAST_STAGE`. Returns a :class:`StepResult`.
+        last then pass :data:`REFERENCE_ON_LAST_STAGE`. When :attr:`skip_rule` finds the
+        step far below target, no probe trial runs and the full step is committed (η = 1).
+        Returns a :class:`StepResult`.
         """
         cfg = self.config
-        t_start = time.perf_counter()
         realized_due = self._realized_due(holdout_batch is not None)
-        # Trials that are commits (LoGRA): the held-out rows ride along in each trial's
-        # forward and the last trial's held-out KL is kl/realized, with no forward of its own.
-        fold = realized_due and self.stepper.trials_are_commits
-        ref_holdout = None
-        if fold:  # one batch: the probe rows, then the held-out rows
-            batch, split = _cat_batches(probe_batch, holdout_batch), _num_rows(probe_batch)
-            if reference is None and holdout_reference is None:
-                ref = self._reference(batch)
-            else:
-                ref = _cat_outputs(
-                    self._given_or_own_reference(reference, probe_batch),
-                    self._given_or_own_reference(holdout_reference, holdout_batch),
-                )
-        else:
-            batch, split = probe_batch, None
-            ref = self._given_or_own_reference(reference, probe_batch)
-            if realized_due:
-                ref_holdout = self._given_or_own_reference(holdout_reference, holdout_batch)
-        ref_bytes = _bytes(ref) + _bytes(ref_holdout)
-        t_control = time.perf_counter() - t_start
-
         prepared = self.stepper.prepare(project=True)  # work of the step, not of control
         grad_norm, num_zeros = prepared.grad_norm, prepared.num_zeros
         if not prepared.ok:  # fp16 overflow or a non-finite gradient norm
-            metrics = {"kl/step_scale": 0.0, "time/kl_control_s": t_control}
+            metrics = {"kl/step_scale": 0.0, "time/kl_control_s": 0.0}
             return StepResult(False, grad_norm, num_zeros, metrics)
 
         t0 = time.perf_counter()
+        sq_norm = self.stepper.update_sq_norm() if self.skip_rule.skip_below > 0 else None
+        bound = self.skip_rule.bound(sq_norm, cfg.kl_target, self.stepper.basis_refresh_due)
+        t_control = time.perf_counter() - t0
+        held = (holdout_batch, holdout_reference) if realized_due else None
+        if bound is None:
+            ok, metrics, full_step_kl, seconds = self._probed(probe_batch, reference, held)
+        else:
+            ok, metrics, full_step_kl, seconds = self._skipped(bound, held)
+        self.skip_rule.update(bound is not None, full_step_kl, sq_norm)
+        metrics["kl/probe_skipped"] = float(bound is not None)
+        metrics["time/kl_control_s"] = t_control + seconds
+        return StepResult(ok, grad_norm, num_zeros, metrics)
+
+    def _probed(self, probe_batch, reference, held):
+        """The probe trial(s), η, the commit and ``kl/realized`` (``held``: the held-out
+        batch and its reference, when due). ``(committed, metrics, KL̂ of the full step,
+        control seconds)``."""
+        t0 = time.perf_counter()
+        # Trials that are commits (LoGRA): the held-out rows ride along in each trial's
+        # forward and the last trial's held-out KL is kl/realized, with no forward of its own.
+        fold = held is not None and self.stepper.trials_are_commits
+        batch, ref, split, ref_holdout = self._probe_references(probe_batch, reference, held, fold)
         kl_raw, kl_held, peak = self._candidate_kl(batch, ref, 1.0, split)
-        eta, kl_committed, backtracks = 1.0, kl_raw, 0
-        if math.isfinite(kl_raw) and kl_raw > cfg.kl_target:
-            eta = math.sqrt(cfg.kl_target / kl_raw)
-            while True:  # the last trial is at the η that is committed
-                kl_committed, kl_held, _ = self._candidate_kl(batch, ref, eta, split)
-                ok = math.isfinite(kl_committed)
-                if ok and kl_committed <= cfg.kl_backtrack_tolerance * cfg.kl_target:
-                    break
-                if backtracks == cfg.kl_max_backtracks:
-                    break
-                eta, backtracks = 0.5 * eta, backtracks + 1
-        t_control += time.perf_counter() - t0
+        eta, kl_committed, backtracks, kl_held = self._scale(batch, ref, split, kl_raw, kl_held)
         metrics = {
             "kl/predicted": kl_raw,
             "kl/step_scale": eta,
             "kl/predicted_committed": kl_committed,
             "kl/backtracks": float(backtracks),
-            "memory/kl_control_bytes": float(ref_bytes + peak),
+            "memory/kl_control_bytes": float(_bytes(ref) + _bytes(ref_holdout) + peak),
         }
         if not (math.isfinite(kl_raw) and math.isfinite(kl_committed)):
             self.stepper.restore_model_weights()
@@ -330,20 +326,83 @@ class PredictedKLController:
                 "(kl/predicted=%s); skipping this optimizer step",
                 kl_raw,
             )
-            metrics.update({"kl/step_scale": 0.0, "time/kl_control_s": t_control})
-            return StepResult(False, grad_norm, num_zeros, metrics)
-
+            metrics["kl/step_scale"] = 0.0
+            return False, metrics, kl_raw, time.perf_counter() - t0
+        t_control = time.perf_counter() - t0
         self.stepper.commit(eta)
         self.num_steps += 1
         if fold:
             metrics["kl/realized"] = kl_held
-        elif realized_due:
+        elif held is not None:
             t0 = time.perf_counter()
-            self.stepper.sync_model_weights()
-            metrics["kl/realized"] = self._kl(holdout_batch, ref_holdout)[0]
+            metrics["kl/realized"] = self._realized_after_commit(held[0], ref_holdout)
             t_control += time.perf_counter() - t0
-        metrics["time/kl_control_s"] = t_control
-        return StepResult(True, grad_norm, num_zeros, metrics)
+        return True, metrics, kl_raw, t_control
+
+    def _skipped(self, bound: float, held):
+        """The full step committed without a probe trial; ``kl/realized`` after the commit
+        when due (``held``), which is then the full step's measured KL. Returns as
+        :meth:`_probed`, with ``bound`` as ``kl/predicted``."""
+        t0 = time.perf_counter()
+        ref_holdout = None if held is None else self._given_or_own_reference(held[1], held[0])
+        metrics = {
+            "kl/predicted": bound,
+            "kl/step_scale": 1.0,
+            "kl/predicted_committed": bound,
+            "kl/backtracks": 0.0,
+            "memory/kl_control_bytes": float(_bytes(ref_holdout)),
+        }
+        t_control = time.perf_counter() - t0
+        self.stepper.commit(1.0)
+        self.num_steps += 1
+        full_step_kl = None
+        if held is not None:
+            t0 = time.perf_counter()
+            full_step_kl = self._realized_after_commit(held[0], ref_holdout)
+            metrics["kl/realized"] = full_step_kl
+            t_control += time.perf_counter() - t0
+        return True, metrics, full_step_kl, t_control
+
+    def _probe_references(self, probe_batch, reference, held, fold: bool):
+        """``(batch of the trials, its reference, rows of the probe or None, the held-out
+        reference for a forward after the commit)``; ``fold``: the held-out rows join the
+        trials' batch (one batch: the probe rows, then the held-out rows)."""
+        if fold:
+            holdout_batch, holdout_reference = held
+            batch, split = _cat_batches(probe_batch, holdout_batch), _num_rows(probe_batch)
+            if reference is None and holdout_reference is None:
+                return batch, self._reference(batch), split, None
+            ref = _cat_outputs(
+                self._given_or_own_reference(reference, probe_batch),
+                self._given_or_own_reference(holdout_reference, holdout_batch),
+            )
+            return batch, ref, split, None
+        ref = self._given_or_own_reference(reference, probe_batch)
+        ref_holdout = None if held is None else self._given_or_own_reference(held[1], held[0])
+        return probe_batch, ref, None, ref_holdout
+
+    def _scale(self, batch, ref, split, kl_raw: float, kl_held):
+        """η from the quadratic model, then TRPO's backtracking; the last trial is at the η
+        that is committed. ``(η, its probe KL, backtracks, its held-out KL)``."""
+        cfg = self.config
+        eta, kl_committed, backtracks = 1.0, kl_raw, 0
+        if math.isfinite(kl_raw) and kl_raw > cfg.kl_target:
+            eta = math.sqrt(cfg.kl_target / kl_raw)
+            while True:
+                kl_committed, kl_held, _ = self._candidate_kl(batch, ref, eta, split)
+                ok = math.isfinite(kl_committed)
+                if ok and kl_committed <= cfg.kl_backtrack_tolerance * cfg.kl_target:
+                    break
+                if backtracks == cfg.kl_max_backtracks:
+                    break
+                eta, backtracks = 0.5 * eta, backtracks + 1
+        return eta, kl_committed, backtracks, kl_held
+
+    def _realized_after_commit(self, batch, ref) -> float:
+        """``kl/realized`` by a forward of the held-out rows at the committed weights."""
+        if not self.stepper.commit_syncs_weights:
+            self.stepper.sync_model_weights()
+        return self._kl(batch, ref)[0]
 
     # ------------------------------------------------------------------ internals
     def _given_or_own_reference(self, reference, batch):

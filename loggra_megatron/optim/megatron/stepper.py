@@ -20,9 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-from loggra_megatron.optim.candidate import write_candidate
+from loggra_megatron.optim.candidate import update_sq_norm, write_candidate
 from loggra_megatron.optim.megatron.params import main_params_of, shares_storage
 from loggra_megatron.optim.param_remainders import weight_of
 
@@ -156,6 +157,47 @@ class MegatronStepper:
             if getattr(leaf, "optimizer", None) is not None
         )
         return exact and all(type(model.data) is torch.Tensor for _, _, model, _, _ in self._params)
+
+    @torch.no_grad()
+    def update_sq_norm(self) -> float | None:
+        """``‖Δθ‖²`` of this step's update at η = 1 (weight decay left out) over all ranks,
+        after :meth:`prepare`: one scalar all-reduce over the grad-stats group, so every rank
+        gets the same number. None where an inner optimizer cannot tell (on every rank)."""
+        inners = [
+            leaf.optimizer for leaf in self.leaves if getattr(leaf, "optimizer", None) is not None
+        ]
+        parts = [update_sq_norm(inner) for inner in inners]
+        device = next((p.device for _, p, _, _, _ in self._params), torch.device("cpu"))
+        total = torch.zeros((), device=device)
+        for part in parts:  # NaN (cannot tell) reaches every rank through the sum
+            total += math.nan if part is None else part.to(device)
+        group = self.optimizer.get_grad_stats_parallel_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        value = float(total)
+        return value if math.isfinite(value) else None
+
+    @property
+    def basis_refresh_due(self) -> bool:
+        """Whether the next step changes a LoGRA sketch basis (its update then lies in a new
+        subspace). The same on every rank."""
+        return any(
+            getattr(leaf.optimizer, "basis_refresh_due", lambda: False)()
+            for leaf in self.leaves
+            if getattr(leaf, "optimizer", None) is not None
+        )
+
+    @property
+    def commit_syncs_weights(self) -> bool:
+        """Whether :meth:`commit` leaves the model weights all-gathered (Megatron's
+        distributed optimizer gathers them synchronously unless ``overlap_param_gather``
+        defers it to the next forward), so that a forward right after it needs no
+        :meth:`sync_model_weights`."""
+        chunks = [c for leaf in self.leaves for c in getattr(leaf, "model_chunks", [])]
+        return not any(
+            c.ddp_config.use_distributed_optimizer and c.ddp_config.overlap_param_gather
+            for c in chunks
+        )
 
     @contextlib.contextmanager
     @torch.no_grad()
