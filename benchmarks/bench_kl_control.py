@@ -103,7 +103,8 @@ def controller(ddp, opt, **cfg):
 
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.rl.config import KLControlConfig
-    from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
+    from loggra_megatron.rl.kl_control import PredictedKLController
+    from loggra_megatron.rl.kl_probe import gpt_probe_forward
 
     return PredictedKLController(
         KLControlConfig(**cfg),

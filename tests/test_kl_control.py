@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.config import KLControlConfig
-from loggra_megatron.rl.kl_control import PredictedKLController, gpt_probe_forward
+from loggra_megatron.rl.kl_control import PredictedKLController
+from loggra_megatron.rl.kl_probe import gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI

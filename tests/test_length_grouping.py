@@ -75,7 +75,7 @@ class _Step:
     rows from the training forward (the ``full`` estimator's logits)."""
 
     def __init__(self, opt):
-        from loggra_megatron.rl.kl_control import ReferenceCollector
+        from loggra_megatron.rl.kl_probe import ReferenceCollector
 
         self.opt, self.collector = opt, ReferenceCollector
         self.controller = SimpleNamespace(as_reference=lambda out: out)
@@ -85,10 +85,10 @@ class _Step:
         return self.collector(self.controller, 3)
 
     def __call__(self, mini, reference=None):
-        from loggra_megatron.rl.kl_control import ProbeOutput, _widen_output
+        from loggra_megatron.rl.kl_probe import ProbeOutput, widen_output
 
         if isinstance(reference, ProbeOutput):  # the last pipeline stage
-            self.reference = _widen_output(reference, mini["tokens"].shape[1] - 1)
+            self.reference = widen_output(reference, mini["tokens"].shape[1] - 1)
         ok, grad_norm, _ = self.opt.step()
         assert ok
         return {"grad/norm": grad_norm}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
 from loggra_megatron.model.batching import PaddingStats, micro_batches, needed_lengths
 from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
-from loggra_megatron.rl.kl_control import ReferenceCollector
+from loggra_megatron.rl.kl_probe import ReferenceCollector
 from loggra_megatron.rl.policy_loss import PolicyLoss
 
 if TYPE_CHECKING:  # imports Megatron

@@ -22,166 +22,37 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.model.batching import (
-    ROWS,
-    micro_batches,
-    needed_lengths,
-    row_indices,
-    scatter_rows,
-)
-from loggra_megatron.model.forward import unpadded_length
 from loggra_megatron.model.vocab_parallel import (
     sampled_kl,
     vocab_parallel_kl,
     vocab_parallel_log_probs,
 )
 from loggra_megatron.rl.config import KLControlConfig
+from loggra_megatron.rl.kl_probe import (
+    REFERENCE_ON_LAST_STAGE,
+    ProbeForward,
+    ProbeOutput,
+    ReferenceCollector,
+    batch_rows,
+    cat_batches,
+    cat_outputs,
+    nbytes,
+    num_rows,
+    output_rows,
+    widen_output,
+)
 from loggra_megatron.rl.kl_probe_skip import ProbeSkipRule
 
 if TYPE_CHECKING:  # imports Megatron
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ProbeOutput:
-    """What the probe forward returns on the last pipeline stage."""
-
-    logits: torch.Tensor
-    """``[b, s, V/TP]`` vocab-parallel logits, or ``[b, s]`` log-probs of the targets."""
-    targets: torch.Tensor
-    """``[b, s]`` the tokens that were sampled at each position."""
-    mask: torch.Tensor
-    """``[b, s]`` which positions count (the response tokens)."""
-
-
-ProbeForward = Callable[[Any], "ProbeOutput | None"]
-"""Runs the (pipelined) forward of a batch; ``ProbeOutput`` on the last stage, else None."""
-
-
-class _OnLastStage:
-    def __repr__(self) -> str:
-        return "REFERENCE_ON_LAST_STAGE"
-
-
-REFERENCE_ON_LAST_STAGE = _OnLastStage()
-"""What a pipeline stage other than the last passes as ``reference`` when the last stage
-passes its kept reference: every stage then skips the reference forward together."""
-
-
-class ReferenceCollector:
-    """Keeps the probe rows' reference at θ (and the held-out rows' when ``kl/realized`` is
-    due) from the *training* forward of a mini-batch, so that
-    :meth:`PredictedKLController.step` needs no forward of its own for them.
-
-    :meth:`wrap` a loss function ``loss_fn(micro_batch, logits)``: it runs on the last
-    pipeline stage for each micro-batch in order and keeps, of the rows among the first
-    ``rows`` of the mini-batch, the logits (``full`` estimator) or their token log-probs
-    (``k1``/``k2``/``k3``; computed at once, so only ``[rows, s]`` floats stay). The
-    training forward is the same model at the same weights (no dropout in RL fine-tuning),
-    so this is the reference the probe forward would compute.
-    """
-
-    def __init__(self, controller: PredictedKLController, rows: int):
-        self.controller, self.rows = controller, rows
-        self._seen, self._parts = 0, []
-
-    def wrap(self, loss_fn):
-        def keeping(batch, logits):
-            rows = batch["tokens"].shape[0]
-            index = batch.get(ROWS)  # length-grouped micro-batches: their rows' indices
-            if index is None:
-                index = torch.arange(self._seen, self._seen + rows)
-            self._seen += rows
-            take = (index < self.rows).to(logits.device)
-            if bool(take.any()):  # the probe forward's length: the schedule's padding cut off
-                seq = unpadded_length(batch)
-                with torch.no_grad():
-                    kept = self.controller.as_reference(
-                        ProbeOutput(
-                            logits.detach()[take, :seq],
-                            batch["tokens"][take, 1 : seq + 1],
-                            batch["mask"][take, :seq],
-                        )
-                    )
-                self._parts.append((index[take.to(index.device)], kept))
-            return loss_fn(batch, logits)
-
-        return keeping
-
-    def result(self):
-        """The reference of the probe rows in row order (last stage; zeros past a row's
-        micro-batch width), :data:`REFERENCE_ON_LAST_STAGE` elsewhere."""
-        if not self._parts:
-            return REFERENCE_ON_LAST_STAGE
-        index = [i for i, _ in self._parts]
-        rows = sum(len(i) for i in index)
-        return ProbeOutput(
-            *(
-                scatter_rows([getattr(p, f) for _, p in self._parts], index, rows)
-                for f in ("logits", "targets", "mask")
-            )
-        )
-
-
-def gpt_probe_forward(
-    model, micro_batch_size: int | None = None, log_probs: bool = False, group: bool = True
-):
-    """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
-    forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
-    under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
-    of ``micro_batch_size`` rows (default: all), grouped by length (``group``: rows of
-    similar length share a micro-batch cut to its longest row; the outputs are 0 past it).
-    ``log_probs``: return the sampled tokens' log-probs ``[b, s]`` instead of the logits (the
-    k-estimators), so that only one micro-batch's logits exist at a time."""
-    from megatron.core.utils import unwrap_model
-
-    from loggra_megatron.model.forward import forward_map, token_log_probs
-
-    vocab = unwrap_model(model).vocab_size
-
-    def forward(batch) -> ProbeOutput | None:
-        tokens, mask = batch
-        rows, seq = tokens.shape[0], tokens.shape[1] - 1
-        mbs = min(micro_batch_size or rows, rows)
-        padded = tokens.new_zeros(-(-rows // mbs) * mbs, seq + 1)  # equal micro-batches (PP)
-        padded[:rows] = tokens
-        lengths = torch.ones(len(padded), dtype=torch.long, device=tokens.device)
-        lengths[:rows] = seq if mask is None else needed_lengths(mask)
-        micro = micro_batches({"tokens": padded}, mbs, lengths, group)
-
-        def keep(b, logits):  # the schedule may pad the length (FP8, SP): cut back
-            width = unpadded_length(b)
-            logits = logits[:, :width]
-            if not log_probs:
-                return logits
-            return token_log_probs(logits, b["tokens"][:, 1 : width + 1], vocab)
-
-        out = forward_map(model, micro, keep)
-        if out is None:
-            return None
-        out = scatter_rows(out, row_indices(micro), len(padded), seq)[:rows]
-        targets = tokens[:, 1:]
-        mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask
-        return ProbeOutput(out, targets, mask)
-
-    return forward
-
-
-def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x [b, s, ...]`` with zeros appended along ``s`` up to ``width``."""
-    extra = width - x.shape[1]
-    if extra <= 0:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], extra, *x.shape[2:]))], dim=1)
 
 
 @dataclass
@@ -248,13 +119,13 @@ class PredictedKLController:
         held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
         held_reference = None
         if reference is not None and reference is not REFERENCE_ON_LAST_STAGE:
-            reference = _widen_output(reference, tokens.shape[1] - 1)  # grouped: cut rows
+            reference = widen_output(reference, tokens.shape[1] - 1)  # grouped: cut rows
         if reference is not None and self._realized_due(held is not None):
             held_reference = reference
             if reference is not REFERENCE_ON_LAST_STAGE:
                 kept_all = reference.logits.shape[0] >= holdout.stop  # else: probe rows only
-                held_reference = _rows(reference, holdout) if kept_all else None
-                reference = _rows(reference, probe)
+                held_reference = output_rows(reference, holdout) if kept_all else None
+                reference = output_rows(reference, probe)
         return self.step((tokens[probe], mask[probe]), held, reference, held_reference)
 
     def reference_collector(self, num_sequences: int) -> ReferenceCollector:
@@ -317,7 +188,7 @@ class PredictedKLController:
             "kl/step_scale": eta,
             "kl/predicted_committed": kl_committed,
             "kl/backtracks": float(backtracks),
-            "memory/kl_control_bytes": float(_bytes(ref) + _bytes(ref_holdout) + peak),
+            "memory/kl_control_bytes": float(nbytes(ref) + nbytes(ref_holdout) + peak),
         }
         if not (math.isfinite(kl_raw) and math.isfinite(kl_committed)):
             self.stepper.restore_model_weights()
@@ -350,7 +221,7 @@ class PredictedKLController:
             "kl/step_scale": 1.0,
             "kl/predicted_committed": bound,
             "kl/backtracks": 0.0,
-            "memory/kl_control_bytes": float(_bytes(ref_holdout)),
+            "memory/kl_control_bytes": float(nbytes(ref_holdout)),
         }
         t_control = time.perf_counter() - t0
         self.stepper.commit(1.0)
@@ -369,10 +240,10 @@ class PredictedKLController:
         trials' batch (one batch: the probe rows, then the held-out rows)."""
         if fold:
             holdout_batch, holdout_reference = held
-            batch, split = _cat_batches(probe_batch, holdout_batch), _num_rows(probe_batch)
+            batch, split = cat_batches(probe_batch, holdout_batch), num_rows(probe_batch)
             if reference is None and holdout_reference is None:
                 return batch, self._reference(batch), split, None
-            ref = _cat_outputs(
+            ref = cat_outputs(
                 self._given_or_own_reference(reference, probe_batch),
                 self._given_or_own_reference(holdout_reference, holdout_batch),
             )
@@ -431,17 +302,17 @@ class PredictedKLController:
         rows ``[:split]`` and of rows ``[split:]`` (None without ``split``); forwards of
         ``forward_rows`` rows, then one all-reduce of ``[Σ KL, #tokens]`` per part over DP,
         then PP."""
-        rows = _num_rows(batch)
+        rows = num_rows(batch)
         parts = [(0, rows)] if split is None else [(0, split), (split, rows)]
         totals = torch.zeros(2 * len(parts), device=self._device)
         step = self.forward_rows or rows
         for lo in range(0, rows, step):
             hi = min(rows, lo + step)
-            out = self.forward(_batch_rows(batch, slice(lo, hi)))
+            out = self.forward(batch_rows(batch, slice(lo, hi)))
             if out is None:  # a pipeline stage other than the last
                 continue
             if self.config.kl_estimator == "full":
-                chunk_ref = _rows(ref, slice(lo, hi))
+                chunk_ref = output_rows(ref, slice(lo, hi))
                 per_token = vocab_parallel_kl(chunk_ref.logits, out.logits, self.tp_group)
             else:
                 logp = self.as_reference(out).logits  # [b, s] log-probs
@@ -464,50 +335,3 @@ class PredictedKLController:
         with self.stepper.try_candidate(eta) as trial:
             kl, kl_rest = self._kl(batch, ref, split) if trial.ok else (math.nan, math.nan)
         return kl, kl_rest, trial.peak_bytes
-
-
-def _cat_batches(a, b):
-    """The rows of two batches of the probe forward as one batch: tensors are concatenated
-    along their first dimension, tuples element by element (``None`` stays ``None``)."""
-    if a is None and b is None:
-        return None
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b])
-    return tuple(_cat_batches(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _batch_rows(batch, rows: slice):
-    """Rows ``rows`` of a batch of the probe forward (tensors and tuples of them)."""
-    if batch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return batch[rows]
-    return tuple(_batch_rows(x, rows) for x in batch)
-
-
-def _num_rows(batch) -> int:
-    return batch.shape[0] if isinstance(batch, torch.Tensor) else _num_rows(batch[0])
-
-
-def _cat_outputs(a: ProbeOutput | None, b: ProbeOutput | None) -> ProbeOutput | None:
-    if a is None:  # a pipeline stage other than the last
-        return None
-    return ProbeOutput(
-        *(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("logits", "targets", "mask"))
-    )
-
-
-def _widen_output(out: ProbeOutput, width: int) -> ProbeOutput:
-    return ProbeOutput(*(_widen(getattr(out, f), width) for f in ("logits", "targets", "mask")))
-
-
-def _rows(out: ProbeOutput, rows: slice) -> ProbeOutput:
-    return ProbeOutput(out.logits[rows], out.targets[rows], out.mask[rows])
-
-
-def _bytes(x) -> int:
-    if x is None:
-        return 0
-    if isinstance(x, ProbeOutput):
-        return _bytes(x.logits)
-    return x.numel() * x.element_size()

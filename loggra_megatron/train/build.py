@@ -135,7 +135,7 @@ def kl_controller(
     ``--kl-target``)."""
     from megatron.core import parallel_state as ps
 
-    from loggra_megatron.rl.kl_control import gpt_probe_forward
+    from loggra_megatron.rl.kl_probe import gpt_probe_forward
 
     if not cfg.kl_control.enabled:
         return None

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loggra_megatron.rl.kl_control import PredictedKLController, ReferenceCollector
+from loggra_megatron.rl.kl_control import PredictedKLController
+from loggra_megatron.rl.kl_probe import ReferenceCollector
 
 if TYPE_CHECKING:  # imports Megatron
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
