@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
 from loggra_megatron.train.preflight import Preflight
@@ -202,6 +203,7 @@ class RLTrainer:
         exp = self.experience.make(self._next_prompts(), self.step)
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
+        discard_captured_energy(self.optimizer)  # the warm-up's, or a failed step's
         updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
         metrics = reduce_metrics(
@@ -214,6 +216,7 @@ class RLTrainer:
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
+        metrics.update(captured_energy(self.optimizer, build.updates_per_rl_step(cfg), self.device))
         metrics.update(
             {
                 "kl/coef": self.kl_coef.value,

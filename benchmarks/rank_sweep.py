@@ -1,0 +1,181 @@
+"""Rank sweep: what the sketch keeps (captured energy), the reward and the optimizer state at
+``--loggra-rank`` h/32 … h/4 and with the identity projection (dense AdamW), on the tiny CPU
+example.
+
+    python benchmarks/rank_sweep.py --out runs/rank_sweep                  # runs + table
+    python benchmarks/rank_sweep.py --out runs/rank_sweep --summarize      # table only
+    python benchmarks/rank_sweep.py --out runs/rank_sweep --one-seed 8 32  # 1 seed for those
+
+The flags are examples/tiny_cpu/run.sh's torchrun flags (read from the script; hidden 128,
+so ranks 4, 8, 16, 32 are h/32 … h/4). One supervised warm-up (its 200 steps at rank 16,
+as the example) is saved first and reused; each run loads those weights
+(``--no-load-optim``) and runs the example's 60 GRPO steps with only ``--seed`` and the
+LoGRA projection settings changed. Runs go seed-major (every configuration's first seed
+before any second seed); a finished run (60 rows in its metrics.jsonl) is not rerun. The
+table, per configuration over its seeds: captured energy per family (mean over steps of
+``loggra/captured_energy/<family>/mean``; the min over layers in parentheses), reward/mean
+first 5 → last 5 steps, reward/accuracy of the last 5, ``memory/optimizer_state_bytes``
+(logged: exact state bytes of rank 0) and that as a share of the identity run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ("qkv", "proj", "fc1", "fc2")
+CONFIGS = ("4", "8", "16", "32", "identity")
+STEPS = 60
+
+
+def example_flags() -> list[str]:
+    """The torchrun flags of examples/tiny_cpu/run.sh, without ``--save`` and ``"$@"``."""
+    with open(os.path.join(ROOT, "examples", "tiny_cpu", "run.sh"), encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index("torchrun") : text.index('"$@"')]
+    words = shlex.split(block.replace("\\\n", " "), posix=True)
+    words = words[words.index("pretrain_rl.py") + 1 :]
+    i = words.index("--save")
+    return words[:i] + words[i + 2 :]
+
+
+def with_flags(flags: list[str], **values) -> list[str]:
+    """``flags`` with ``--name value`` set (None: dropped), by Python name."""
+    out, skip = [], False
+    names = {f"--{k.replace('_', '-')}": v for k, v in values.items()}
+    for j, word in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if word in names:
+            skip = j + 1 < len(flags) and not flags[j + 1].startswith("--")
+            continue
+        out.append(word)
+    for name, value in names.items():
+        if value is not None:
+            out += [name, str(value)]
+    return out
+
+
+def run_flags(config: str, flags: list[str]) -> list[str]:
+    if config == "identity":  # rank and refresh interval do not apply (refused)
+        return with_flags(
+            flags, loggra_projection="identity", loggra_rank=None, loggra_update_interval=None
+        )
+    return with_flags(flags, loggra_rank=config)
+
+
+def run_dir(out: str, config: str, seed: int) -> str:
+    name = "identity" if config == "identity" else f"rank{config}"
+    return os.path.join(out, name, f"seed{seed}")
+
+
+def finished(path: str) -> bool:
+    metrics = os.path.join(path, "metrics.jsonl")
+    return os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= STEPS
+
+
+def launch(flags: list[str], log: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    with open(log, "w") as out:
+        subprocess.run(
+            [*cmd, "2", os.path.join(ROOT, "pretrain_rl.py"), *flags],
+            check=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+
+def run_all(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer = os.path.join(args.out, "tokenizer")
+    if not os.path.exists(f"{tokenizer}.model"):
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--builtin-tasks"]
+            + ["20000", "--seed", "0", "--vocab-size", "256", "--output-prefix", tokenizer],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    flags = with_flags(example_flags(), tokenizer_model=f"{tokenizer}.model")
+    warmup = os.path.join(args.out, "warmup")
+    if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
+        print("== supervised warm-up", flush=True)
+        launch(with_flags(flags, train_iters=0, save=warmup), os.path.join(args.out, "warmup.log"))
+    rl = with_flags(flags, sft_iters=None, sft_lr=None, save_interval=None)
+    for s, seed in enumerate(args.seeds):
+        for config in args.configs:
+            path = run_dir(args.out, config, seed)
+            if (s and config in args.one_seed) or finished(path):
+                continue
+            print(f"== {config}, seed {seed}", flush=True)
+            os.makedirs(path, exist_ok=True)
+            run = run_flags(config, rl) + ["--load", warmup, "--no-load-optim"]
+            launch(run + ["--seed", str(seed), "--output-dir", path], os.path.join(path, "run.log"))
+
+
+def summarize(args) -> None:
+    from loggra_megatron.metrics import read_metrics
+
+    def mean(values):
+        return statistics.mean(values) if values else float("nan")
+
+    def energy(rows, family, stat):
+        return mean([r[k] for r in rows if (k := f"loggra/captured_energy/{family}/{stat}") in r])
+
+    table = {}
+    for config in args.configs:
+        runs = [read_metrics(run_dir(args.out, config, s)) for s in args.seeds]
+        runs = [rows for rows in runs if len(rows) >= STEPS]
+        if runs:
+            table[config] = runs
+    base = table.get("identity")
+    base_bytes = mean([rows[-1]["memory/optimizer_state_bytes"] for rows in base]) if base else 0
+    print("\n| rank | seeds | " + " | ".join(f"energy {f} (min)" for f in FAMILIES), end="")
+    print(" | reward first 5 → last 5 | accuracy last 5 | optimizer state | vs identity |")
+    print("|---|---:|" + "---:|" * len(FAMILIES) + "---:|---:|---:|---:|")
+    for config, runs in table.items():
+        cells = [
+            f"{mean([energy(r, f, 'mean') for r in runs]):.3f} "
+            f"({mean([energy(r, f, 'min') for r in runs]):.3f})"
+            for f in FAMILIES
+        ]
+        first = [mean([r["reward/mean"] for r in rows[:5]]) for rows in runs]
+        last = [mean([r["reward/mean"] for r in rows[-5:]]) for rows in runs]
+        acc = [mean([r["reward/accuracy"] for r in rows[-5:]]) for rows in runs]
+        state = mean([rows[-1]["memory/optimizer_state_bytes"] for rows in runs])
+        spread = f" ± {statistics.pstdev(last):.3f}" if len(runs) > 1 else ""
+        share = f"{state / base_bytes:.2f}" if base_bytes else "–"
+        label = (
+            "identity (dense AdamW)"
+            if config == "identity"
+            else f"{config} (h/{128 // int(config)})"
+        )
+        print(
+            f"| {label} | {len(runs)} | {' | '.join(cells)} | {mean(first):.3f} → "
+            f"{mean(last):.3f}{spread} | {mean(acc):.3f} | {state / 2**20:.2f} MiB | {share} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="runs/rank_sweep")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument(
+        "--one-seed", nargs="*", default=[], choices=CONFIGS, help="run only the first seed"
+    )
+    ap.add_argument("--summarize", action="store_true", help="only print the table")
+    args = ap.parse_args()
+    if not args.summarize:
+        run_all(args)
+    summarize(args)
+
+
+if __name__ == "__main__":
+    main()
