@@ -27,7 +27,7 @@ from loggra_megatron.optim.megatron.energy import captured_energy, discard_captu
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
 from loggra_megatron.train.preflight import Preflight
-from loggra_megatron.train.reporting import memory_metrics, reduce_metrics
+from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
 from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
 
@@ -90,6 +90,7 @@ class RLTrainer:
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
+        self.energy_watch = EnergyWatch(cfg.loggra.loggra_energy_warn_threshold)
         return stepper
 
     def _build_rl(self, stepper) -> None:
@@ -217,6 +218,9 @@ class RLTrainer:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
         metrics.update(captured_energy(self.optimizer, build.updates_per_rl_step(cfg), self.device))
+        warning = self.energy_watch.update(metrics)
+        if warning is not None:
+            self._log(f" warning: {warning}")
         metrics.update(
             {
                 "kl/coef": self.kl_coef.value,
