@@ -8,6 +8,8 @@ import torch
 from loggra_megatron.optim.megatron.energy import FAMILIES, energy_metrics, family_of
 from loggra_megatron.train.reporting import EnergyWatch
 
+pytestmark = pytest.mark.megatron  # the 2-rank tests run Megatron-Core
+
 
 def test_family_of_megatron_names():
     assert family_of("chunk0.decoder.layers.3.self_attention.linear_qkv.weight") == "qkv"
@@ -125,7 +127,6 @@ def _reference(results) -> dict[str, float]:
     return energy_metrics(total)
 
 
-@pytest.mark.megatron
 @pytest.mark.parametrize(
     ("tp", "pp", "bf16"),
     [(1, 1, False), (2, 1, False), (1, 2, False), (1, 1, True)],
@@ -156,7 +157,6 @@ def test_logged_energy_equals_the_dense_reference(tp, pp, bf16):
     assert metrics["loggra/captured_energy/qkv/min"] < metrics["loggra/captured_energy/qkv/mean"]
 
 
-@pytest.mark.megatron
 def test_identity_projection_keeps_all_the_energy():
     from loggra_megatron.testing import run_distributed
 
