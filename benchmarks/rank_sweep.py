@@ -130,8 +130,8 @@ def summarize(args) -> None:
 
     table = {}
     for config in args.configs:
-        runs = [read_metrics(run_dir(args.out, config, s)) for s in args.seeds]
-        runs = [rows for rows in runs if len(rows) >= STEPS]
+        paths = [run_dir(args.out, config, s) for s in args.seeds]
+        runs = [read_metrics(path) for path in paths if finished(path)]
         if runs:
             table[config] = runs
     base = table.get("identity")

@@ -208,8 +208,10 @@ def _gpu_only_problems(cfg: RunConfig, tp: int):
         if capability < (8, 9):
             yield f"--fp8-format: FP8 GEMMs need Ada or Hopper (8.9+), {have}; drop it"
         elif m.fp8_recipe == "mxfp8" and capability < (10, 0):
-            yield (f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
-                   "(current scaling, docs/rollouts.md) or delayed")
+            yield (
+                f"--fp8-recipe: mxfp8 needs Blackwell (10.0+), {have}; use tensorwise "
+                "(current scaling, docs/rollouts.md) or delayed"
+            )
 
 
 def _rollout_engine_problems(cfg):
