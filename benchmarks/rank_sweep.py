@@ -14,8 +14,10 @@ LoGRA projection settings changed. Runs go seed-major (every configuration's fir
 before any second seed); a finished run (60 rows in its metrics.jsonl) is not rerun. The
 table, per configuration over its seeds: captured energy per family (mean over steps of
 ``loggra/captured_energy/<family>/mean``; the min over layers in parentheses), reward/mean
-first 5 → last 5 steps, reward/accuracy of the last 5, ``memory/optimizer_state_bytes``
-(logged: exact state bytes of rank 0) and that as a share of the identity run's.
+first 5 → last 5 steps (± std of the last 5 over seeds), the last 5 as a ratio to the
+identity run of the same seed, reward/accuracy of the last 5, ``memory/optimizer_state_bytes``
+(logged: exact state bytes of rank 0) and its ratio to the identity run's and to Megatron's
+dense Adam's (``adam``, the state a dense optimizer needs: identity also stores ``Q = I``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("qkv", "proj", "fc1", "fc2")
-CONFIGS = ("4", "8", "16", "32", "identity")
+CONFIGS = ("4", "8", "16", "32", "identity", "adam")
+LOGGRA_FLAGS = ("--loggra-rank", "--loggra-min-dim", "--loggra-update-interval")
 STEPS = 60
 
 
@@ -63,6 +66,9 @@ def with_flags(flags: list[str], **values) -> list[str]:
 
 
 def run_flags(config: str, flags: list[str]) -> list[str]:
+    if config == "adam":  # Megatron's dense Adam: the --loggra-* flags do not apply (refused)
+        names = {f[2:].replace("-", "_"): None for f in LOGGRA_FLAGS}
+        return with_flags(flags, optimizer="adam", **names)
     if config == "identity":  # rank and refresh interval do not apply (refused)
         return with_flags(
             flags, loggra_projection="identity", loggra_rank=None, loggra_update_interval=None
@@ -71,7 +77,7 @@ def run_flags(config: str, flags: list[str]) -> list[str]:
 
 
 def run_dir(out: str, config: str, seed: int) -> str:
-    name = "identity" if config == "identity" else f"rank{config}"
+    name = config if config in ("identity", "adam") else f"rank{config}"
     return os.path.join(out, name, f"seed{seed}")
 
 
@@ -130,35 +136,42 @@ def summarize(args) -> None:
 
     table = {}
     for config in args.configs:
-        paths = [run_dir(args.out, config, s) for s in args.seeds]
-        runs = [read_metrics(path) for path in paths if finished(path)]
+        paths = {s: run_dir(args.out, config, s) for s in args.seeds}
+        runs = {s: read_metrics(path) for s, path in paths.items() if finished(path)}
         if runs:
             table[config] = runs
-    base = table.get("identity")
-    base_bytes = mean([rows[-1]["memory/optimizer_state_bytes"] for rows in base]) if base else 0
+
+    def last5(rows):
+        return mean([r["reward/mean"] for r in rows[-5:]])
+
+    def state(runs):
+        return mean([rows[-1]["memory/optimizer_state_bytes"] for rows in runs.values()])
+
+    ident, adam = table.get("identity", {}), table.get("adam", {})
     print("\n| rank | seeds | " + " | ".join(f"energy {f} (min)" for f in FAMILIES), end="")
-    print(" | reward first 5 → last 5 | accuracy last 5 | optimizer state | vs identity |")
-    print("|---|---:|" + "---:|" * len(FAMILIES) + "---:|---:|---:|---:|")
+    print(" | reward first 5 → last 5 | reward vs identity | accuracy last 5", end="")
+    print(" | optimizer state (rank 0) | vs identity | vs dense Adam |")
+    print("|---|---:|" + "---:|" * (len(FAMILIES) + 6))
     for config, runs in table.items():
-        cells = [
-            f"{mean([energy(r, f, 'mean') for r in runs]):.3f} "
-            f"({mean([energy(r, f, 'min') for r in runs]):.3f})"
-            for f in FAMILIES
-        ]
-        first = [mean([r["reward/mean"] for r in rows[:5]]) for rows in runs]
-        last = [mean([r["reward/mean"] for r in rows[-5:]]) for rows in runs]
-        acc = [mean([r["reward/accuracy"] for r in rows[-5:]]) for rows in runs]
-        state = mean([rows[-1]["memory/optimizer_state_bytes"] for rows in runs])
+        cells = []
+        for f in FAMILIES:
+            m = mean([energy(r, f, "mean") for r in runs.values()])
+            low = mean([energy(r, f, "min") for r in runs.values()])
+            cells.append("–" if m != m else f"{m:.3f} ({low:.3f})")
+        first = mean([mean([r["reward/mean"] for r in rows[:5]]) for rows in runs.values()])
+        last = [last5(rows) for rows in runs.values()]
+        acc = mean([mean([r["reward/accuracy"] for r in rows[-5:]]) for rows in runs.values()])
+        paired = [last5(rows) / last5(ident[s]) for s, rows in runs.items() if s in ident]
         spread = f" ± {statistics.pstdev(last):.3f}" if len(runs) > 1 else ""
-        share = f"{state / base_bytes:.2f}" if base_bytes else "–"
-        label = (
-            "identity (dense AdamW)"
-            if config == "identity"
-            else f"{config} (h/{128 // int(config)})"
+        label = {"identity": "identity (AdamW update)", "adam": "Megatron dense Adam"}.get(
+            config, f"{config} (h/{128 // int(config) if config.isdigit() else 1})"
         )
+        ratios = [f"{state(runs) / state(base):.3f}" if base else "–" for base in (ident, adam)]
         print(
-            f"| {label} | {len(runs)} | {' | '.join(cells)} | {mean(first):.3f} → "
-            f"{mean(last):.3f}{spread} | {mean(acc):.3f} | {state / 2**20:.2f} MiB | {share} |"
+            f"| {label} | {len(runs)} | {' | '.join(cells)} | {first:.3f} → {mean(last):.3f}"
+            f"{spread} | {mean(paired):.3f} | {acc:.3f} | {state(runs) / 2**20:.2f} MiB | "
+            + " | ".join(ratios)
+            + " |"
         )
 
 
