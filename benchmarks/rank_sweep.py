@@ -17,7 +17,9 @@ table, per configuration over its seeds: captured energy per family (mean over s
 first 5 → last 5 steps (± std of the last 5 over seeds), the last 5 as a ratio to the
 identity run of the same seed, reward/accuracy of the last 5, ``memory/optimizer_state_bytes``
 (logged: exact state bytes of rank 0) and its ratio to the identity run's and to Megatron's
-dense Adam's (``adam``, the state a dense optimizer needs: identity also stores ``Q = I``).
+dense Adam's (``adam``, the state a dense optimizer needs: identity also stores ``Q = I``),
+and the step at which each seed's run would print the low-energy warning
+(``train.reporting.EnergyWatch`` at the default ``--loggra-energy-warn-threshold``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def with_flags(flags: list[str], **values) -> list[str]:
         if value is not None:
             out += [name, str(value)]
     return out
+
+
+def rl_flags(flags: list[str]) -> list[str]:
+    """The example's flags for an RL run from the saved warm-up (no warm-up, no saves)."""
+    return with_flags(flags, sft_iters=None, sft_lr=None, save_interval=None)
 
 
 def run_flags(config: str, flags: list[str]) -> list[str]:
@@ -113,7 +120,7 @@ def run_all(args) -> None:
     if not os.path.exists(os.path.join(warmup, "latest_checkpointed_iteration.txt")):
         print("== supervised warm-up", flush=True)
         launch(with_flags(flags, train_iters=0, save=warmup), os.path.join(args.out, "warmup.log"))
-    rl = with_flags(flags, sft_iters=None, sft_lr=None, save_interval=None)
+    rl = rl_flags(flags)
     for s, seed in enumerate(args.seeds):
         for config in args.configs:
             path = run_dir(args.out, config, seed)
@@ -127,6 +134,8 @@ def run_all(args) -> None:
 
 def summarize(args) -> None:
     from loggra_megatron.metrics import read_metrics
+    from loggra_megatron.optim.config import LoGRAConfig
+    from loggra_megatron.train.reporting import EnergyWatch
 
     def mean(values):
         return statistics.mean(values) if values else float("nan")
@@ -147,11 +156,15 @@ def summarize(args) -> None:
     def state(runs):
         return mean([rows[-1]["memory/optimizer_state_bytes"] for rows in runs.values()])
 
+    def warned(rows):  # the step at which the run's warning fires (EnergyWatch, default X)
+        watch = EnergyWatch(LoGRAConfig().loggra_energy_warn_threshold)
+        return next((str(r["step"]) for r in rows if watch.update(r) is not None), "–")
+
     ident, adam = table.get("identity", {}), table.get("adam", {})
     print("\n| rank | seeds | " + " | ".join(f"energy {f} (min)" for f in FAMILIES), end="")
     print(" | reward first 5 → last 5 | reward vs identity | accuracy last 5", end="")
-    print(" | optimizer state (rank 0) | vs identity | vs dense Adam |")
-    print("|---|---:|" + "---:|" * (len(FAMILIES) + 6))
+    print(" | optimizer state (rank 0) | vs identity | vs dense Adam | warns at step |")
+    print("|---|---:|" + "---:|" * (len(FAMILIES) + 7))
     for config, runs in table.items():
         cells = []
         for f in FAMILIES:
@@ -171,7 +184,7 @@ def summarize(args) -> None:
             f"| {label} | {len(runs)} | {' | '.join(cells)} | {first:.3f} → {mean(last):.3f}"
             f"{spread} | {mean(paired):.3f} | {acc:.3f} | {state(runs) / 2**20:.2f} MiB | "
             + " | ".join(ratios)
-            + " |"
+            + f" | {', '.join(warned(rows) for rows in runs.values())} |"
         )
 
 
