@@ -1,25 +1,20 @@
-"""Rank sweep: what the sketch keeps (captured energy), the reward and the optimizer state at
-``--loggra-rank`` h/32 … h/4 and with the identity projection (dense AdamW), on the tiny CPU
-example.
+"""Rank sweep on the tiny CPU example: captured energy, reward and optimizer state at
+``--loggra-rank`` h/32 … h/4, with the identity projection (the AdamW update) and with
+Megatron's dense Adam (``adam``, the memory reference: identity also stores ``Q = I``).
 
     python benchmarks/rank_sweep.py --out runs/rank_sweep                  # runs + table
     python benchmarks/rank_sweep.py --out runs/rank_sweep --summarize      # table only
     python benchmarks/rank_sweep.py --out runs/rank_sweep --one-seed 8 32  # 1 seed for those
 
-The flags are examples/tiny_cpu/run.sh's torchrun flags (read from the script; hidden 128,
-so ranks 4, 8, 16, 32 are h/32 … h/4). One supervised warm-up (its 200 steps at rank 16,
-as the example) is saved first and reused; each run loads those weights
-(``--no-load-optim``) and runs the example's 60 GRPO steps with only ``--seed`` and the
-LoGRA projection settings changed. Runs go seed-major (every configuration's first seed
-before any second seed); a finished run (60 rows in its metrics.jsonl) is not rerun. The
-table, per configuration over its seeds: captured energy per family (mean over steps of
-``loggra/captured_energy/<family>/mean``; the min over layers in parentheses), reward/mean
-first 5 → last 5 steps (± std of the last 5 over seeds), the last 5 as a ratio to the
-identity run of the same seed, reward/accuracy of the last 5, ``memory/optimizer_state_bytes``
-(logged: exact state bytes of rank 0) and its ratio to the identity run's and to Megatron's
-dense Adam's (``adam``, the state a dense optimizer needs: identity also stores ``Q = I``),
-and the step at which each seed's run would print the low-energy warning
-(``train.reporting.EnergyWatch`` at the default ``--loggra-energy-warn-threshold``).
+Flags: examples/tiny_cpu/run.sh's (read from it; hidden 128). One warm-up (the example's
+200 supervised steps at rank 16) is saved and reused (``--no-load-optim``); each run is the
+example's 60 GRPO steps with only ``--seed`` and the optimizer settings changed, seed-major;
+finished runs are not rerun. Per configuration over its seeds: captured energy per family
+(mean over steps of ``loggra/captured_energy/<family>/mean``; min over layers in
+parentheses), reward/mean first 5 → last 5 steps, the last 5 over the identity run's of the
+same seed, reward/accuracy of the last 5, ``memory/optimizer_state_bytes`` (logged: exact
+state bytes of rank 0) over identity's and dense Adam's, and the step at which each run
+would warn (``train.reporting.EnergyWatch`` at the default threshold). ± : std over seeds.
 """
 
 from __future__ import annotations
@@ -150,6 +145,9 @@ def summarize(args) -> None:
         if runs:
             table[config] = runs
 
+    def pm(values):  # ± the standard deviation over seeds
+        return f" ± {statistics.pstdev(values):.3f}" if len(values) > 1 else ""
+
     def last5(rows):
         return mean([r["reward/mean"] for r in rows[-5:]])
 
@@ -175,14 +173,14 @@ def summarize(args) -> None:
         last = [last5(rows) for rows in runs.values()]
         acc = mean([mean([r["reward/accuracy"] for r in rows[-5:]]) for rows in runs.values()])
         paired = [last5(rows) / last5(ident[s]) for s, rows in runs.items() if s in ident]
-        spread = f" ± {statistics.pstdev(last):.3f}" if len(runs) > 1 else ""
+        spread = pm(last)
         label = {"identity": "identity (AdamW update)", "adam": "Megatron dense Adam"}.get(
             config, f"{config} (h/{128 // int(config) if config.isdigit() else 1})"
         )
         ratios = [f"{state(runs) / state(base):.3f}" if base else "–" for base in (ident, adam)]
         print(
             f"| {label} | {len(runs)} | {' | '.join(cells)} | {first:.3f} → {mean(last):.3f}"
-            f"{spread} | {mean(paired):.3f} | {acc:.3f} | {state(runs) / 2**20:.2f} MiB | "
+            f"{spread} | {mean(paired):.3f}{pm(paired)} | {acc:.3f} | {state(runs) / 2**20:.2f} MiB | "
             + " | ".join(ratios)
             + f" | {', '.join(warned(rows) for rows in runs.values())} |"
         )
