@@ -88,7 +88,8 @@ class EnergyWatch:
         shares = ", ".join(f"{f} {metrics[prefix + f + suffix]:.2f}" for f in low)
         return (
             f"LoGRA's sketch has kept less than {self.threshold:g} of the gradient energy of "
-            f"{', '.join(low)} for {self.patience} RL steps (now {shares}): at such ranks the "
-            "reward lagged dense AdamW in the rank sweep (docs/optimizer.md#captured-energy); "
-            "raise --loggra-rank or lower --loggra-update-interval"
+            f"{', '.join(low)} for {self.patience} RL steps (now {shares}): runs that kept this "
+            "little lost reward against the dense AdamW update in every seed of the rank sweep "
+            "(docs/optimizer.md#captured-energy); raise --loggra-rank (a basis refresh lifts "
+            "it for one step only)"
         )
