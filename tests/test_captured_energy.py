@@ -165,3 +165,19 @@ def test_identity_projection_keeps_all_the_energy():
     assert len(metrics) == 2 * len(FAMILIES)
     for key, value in metrics.items():
         assert value == pytest.approx(1.0, abs=1e-6), key
+
+
+def test_a_run_warns_once_when_the_sketch_keeps_too_little(tokenizer, tmp_path):
+    """Through pretrain_rl.py: a threshold of 1 (no sketch keeps everything) warns once, after
+    10 RL steps; the keys are in metrics.jsonl."""
+    from rl_runs import tiny_argv, torchrun
+
+    from loggra_megatron.metrics import read_metrics
+
+    out = tmp_path / "run"
+    argv = tiny_argv(tokenizer, **{"output-dir": out, "train-iters": 11})
+    proc = torchrun([*argv, "--loggra-energy-warn-threshold", "1"])
+    assert proc.stdout.count("warning: LoGRA's sketch has kept less than 1") == 1, proc.stdout
+    energy = [r.get("loggra/captured_energy/fc2/mean") for r in read_metrics(out)]
+    assert sum(e is not None for e in energy) >= 10  # absent only on a step without gradient
+    assert all(0 < e < 1 for e in energy if e is not None)
