@@ -162,6 +162,46 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric("time/step_s", "wall time of the whole step (rollout + train + control), seconds"),
     Metric(
+        "loggra/captured_energy/qkv/mean",
+        "share of the attention QKV weights' gradient energy the LoGRA sketch keeps, ‖G·Q‖²/‖G‖² of "
+        "the whole matrix (all TP/DP shards), mean over layers of each layer's mean over the "
+        "step's committed updates (identity projection: 1)",
+    ),
+    Metric(
+        "loggra/captured_energy/qkv/min",
+        "as `loggra/captured_energy/qkv/mean`, the lowest layer's",
+    ),
+    Metric(
+        "loggra/captured_energy/proj/mean",
+        "share of the attention output projection weights' gradient energy the LoGRA sketch keeps, ‖G·Q‖²/‖G‖² of "
+        "the whole matrix (all TP/DP shards), mean over layers of each layer's mean over the "
+        "step's committed updates (identity projection: 1)",
+    ),
+    Metric(
+        "loggra/captured_energy/proj/min",
+        "as `loggra/captured_energy/proj/mean`, the lowest layer's",
+    ),
+    Metric(
+        "loggra/captured_energy/fc1/mean",
+        "share of the MLP FC1 weights' gradient energy the LoGRA sketch keeps, ‖G·Q‖²/‖G‖² of "
+        "the whole matrix (all TP/DP shards), mean over layers of each layer's mean over the "
+        "step's committed updates (identity projection: 1)",
+    ),
+    Metric(
+        "loggra/captured_energy/fc1/min",
+        "as `loggra/captured_energy/fc1/mean`, the lowest layer's",
+    ),
+    Metric(
+        "loggra/captured_energy/fc2/mean",
+        "share of the MLP FC2 weights' gradient energy the LoGRA sketch keeps, ‖G·Q‖²/‖G‖² of "
+        "the whole matrix (all TP/DP shards), mean over layers of each layer's mean over the "
+        "step's committed updates (identity projection: 1)",
+    ),
+    Metric(
+        "loggra/captured_energy/fc2/min",
+        "as `loggra/captured_energy/fc2/mean`, the lowest layer's",
+    ),
+    Metric(
         "memory/kv_cache_bytes",
         "rollout KV cache of this rank: the largest chunk's static cache "
         "(`--inference-max-tokens`), or the dynamic engine's buffer",

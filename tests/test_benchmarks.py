@@ -145,3 +145,26 @@ def test_reward_parity_configurations_pass_validation(tokenizer):
         argv = ["--tokenizer-model", tokenizer, *parity.COMMON, *flags]
         cfg = parse_args([a.format(kl_target=1e-4) for a in argv], world_size=2)
         assert cfg.optimizer.optimizer in ("adam", "loggra"), name
+
+
+def test_rank_sweep_arms_are_the_tiny_example_and_pass_validation(tokenizer):
+    """Every arm of benchmarks/rank_sweep.py is the tiny example's command (read from
+    examples/tiny_cpu/run.sh) with only the optimizer settings changed, and valid."""
+    from loggra_megatron.arguments import parse_args
+
+    spec = importlib.util.spec_from_file_location(
+        "rank_sweep", os.path.join(ROOT, "benchmarks", "rank_sweep.py")
+    )
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    flags = sweep.example_flags()
+    assert flags[flags.index("--hidden-size") + 1] == "128" and "--save" not in flags
+    rl = sweep.rl_flags(sweep.with_flags(flags, tokenizer_model=tokenizer))
+    ranks = {}
+    for config in sweep.CONFIGS:
+        cfg = parse_args([*sweep.run_flags(config, rl), "--seed", "2"], world_size=2)
+        assert cfg.training.seed == 2 and cfg.training.train_iters == sweep.STEPS
+        ranks[config] = (cfg.optimizer.optimizer, cfg.loggra.loggra_projection)
+        if config.isdigit():
+            assert cfg.loggra.loggra_rank == int(config)
+    assert ranks["identity"] == ("loggra", "identity") and ranks["adam"][0] == "adam"

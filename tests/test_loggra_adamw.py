@@ -310,3 +310,23 @@ def test_rank_larger_than_matrix_is_clamped_with_one_warning():
     _feed_grads(params, 0)
     opt.step()
     assert [opt.state[p]["basis"].shape[1] for p in params] == [20, 10, 24]
+
+
+@pytest.mark.parametrize("projection", ["identity", "range_finder", "random"])
+def test_captured_energy_of_a_weight_is_its_sketch_share(projection):
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(12, 10)), torch.nn.Parameter(torch.randn(10))
+    opt = LoGRAAdamW([w, b], lr=1e-2, rank=3, min_dim=4, projection=projection)
+    assert opt.captured_energy_of(w) is None  # no state yet
+    for _ in range(2):
+        w.grad, b.grad = torch.randn(12, 10), torch.randn(10)
+        opt.step()
+    got = opt.captured_energy_of(w)
+    if projection == "identity":
+        assert got == pytest.approx(1.0, abs=1e-12)
+    else:
+        q = opt.state[w]["basis"].double()
+        g = w.grad.double()
+        assert got == pytest.approx(float((g @ q).square().sum() / g.square().sum()), rel=1e-12)
+        assert 0 < got < 1
+    assert opt.captured_energy_of(b) is None  # dense

@@ -19,6 +19,10 @@ def _run(path, reward_slope, with_kl):
                 "throughput/tokens_per_s": 1000.0,
                 "memory/optimizer_state_bytes": 2**30,
             }
+            if with_kl:  # the LoGRA run
+                for family in ("qkv", "proj", "fc1", "fc2"):
+                    metrics[f"loggra/captured_energy/{family}/mean"] = 0.9 - 0.01 * step
+                    metrics[f"loggra/captured_energy/{family}/min"] = 0.7 - 0.01 * step
             if with_kl:
                 metrics.update(
                     {
@@ -49,7 +53,14 @@ def test_plots_every_logged_topic_for_several_runs(tmp_path):
         check=True,
     )
     written = sorted(os.path.basename(p) for p in proc.stdout.split())
-    assert written == ["kl.png", "memory.png", "reward.png", "step_scale.png", "throughput.png"]
+    assert written == [
+        "captured_energy.png",
+        "kl.png",
+        "memory.png",
+        "reward.png",
+        "step_scale.png",
+        "throughput.png",
+    ]
     for name in written:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

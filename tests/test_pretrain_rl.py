@@ -243,6 +243,9 @@ def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     )
     rows = _check_metrics(out, 2)
     assert any(r["grad/norm"] > 0 for r in rows)  # the digit reward gives a real signal
+    energy = [r[k] for r in rows for k in r if k.startswith("loggra/captured_energy/")]
+    assert len(energy) == 8 * sum(r["grad/norm"] > 0 for r in rows)  # 4 families, mean + min
+    assert all(0 < e <= 1 for e in energy)
     assert all(0 < r["kl/step_scale"] <= 1 for r in rows)
     assert all(r["kl/realized"] is not None for r in rows)
     assert all(r["kl/probe_skipped"] in (0.0, 1.0, 2.0) for r in rows)  # of 2 updates

@@ -6,8 +6,9 @@
 Each positional argument is a run directory or ``metrics.jsonl`` file, optionally
 ``label=path``. Writes ``reward.png`` (reward and accuracy), ``kl.png`` (KL to the
 reference; predicted vs realized KL of each committed step), ``step_scale.png``,
-``memory.png`` and ``throughput.png`` with one line per run; topics no run logged are
-skipped.
+``memory.png``, ``throughput.png`` and ``captured_energy.png`` (the share of each weight
+family's gradient energy LoGRA's sketch keeps: mean over layers solid, min dashed) with one
+line per run; topics no run logged are skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ PANELS = {
         ("memory/peak_bytes", "peak memory (GiB)"),
     ],
     "throughput": [("throughput/tokens_per_s", "tokens / s")],
+    "captured_energy": [
+        (f"loggra/captured_energy/{family}/mean", f"captured energy {family} (min dashed)")
+        for family in ("qkv", "proj", "fc1", "fc2")
+    ],
 }
+DASHED = {"/mean": "/min"}
+"""Panels of a ``.../mean`` key also draw the run's ``.../min`` key, dashed."""
 
 
 def parse_runs(specs: list[str]) -> list[tuple[str, str]]:
@@ -60,12 +67,11 @@ def plot(runs: list[tuple[str, str]], out_dir: str) -> list[str]:
             continue
         fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], keys, strict=True):
-            for label, rows in data:
-                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-                if points:
-                    steps, values = zip(*points, strict=True)
-                    scale = 2**30 if key.startswith("memory/") else 1
-                    ax.plot(steps, [v / scale for v in values], label=label)
+            for i, (label, rows) in enumerate(data):
+                _draw(ax, rows, key, label, f"C{i}", "-")
+                for end, other in DASHED.items():
+                    if key.startswith("loggra/") and key.endswith(end):
+                        _draw(ax, rows, key[: -len(end)] + other, None, f"C{i}", "--")
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -76,6 +82,14 @@ def plot(runs: list[tuple[str, str]], out_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _draw(ax, rows, key, label, color, style) -> None:
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if points:
+        steps, values = zip(*points, strict=True)
+        scale = 2**30 if key.startswith("memory/") else 1
+        ax.plot(steps, [v / scale for v in values], style, color=color, label=label)
 
 
 def main(argv: list[str] | None = None) -> None:

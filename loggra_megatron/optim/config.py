@@ -122,6 +122,10 @@ class LoGRAConfig:
     loggra_param_remainders: bool = loggra_setting(False)
     """Keep each bf16 weight's fp32 master as the weight plus a 16-bit remainder (exact, 2
     instead of 4 bytes/param; needs --bf16 and the distributed optimizer)."""
+    loggra_energy_warn_threshold: float = loggra_setting(0.5)
+    """Warn once when a weight family's captured energy (``loggra/captured_energy/<family>/
+    mean``) stays below this for 10 consecutive RL steps; 0: never (docs/optimizer.md
+    #captured-energy)."""
 
     def __post_init__(self):
         check_fields(
@@ -135,6 +139,7 @@ class LoGRAConfig:
                 ("loggra_min_dim", positive, ">= 1"),
                 ("loggra_scale", positive, "> 0"),
                 ("loggra_seed", valid_seed, "in [0, 2^63)"),
+                ("loggra_energy_warn_threshold", lambda v: 0 <= v <= 1, "in [0, 1]"),
             ],
             owner=LoGRAConfig,
         )

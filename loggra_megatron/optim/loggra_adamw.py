@@ -185,6 +185,21 @@ class LoGRAAdamW(torch.optim.Optimizer):
                     p.copy_(master)
         return loss
 
+    @torch.no_grad()
+    def captured_energy_of(self, p: torch.Tensor) -> float | None:
+        """``‖G Q‖² / ‖G‖²`` of ``p``'s gradient in its basis: after :meth:`step`, the share of
+        the gradient energy that step's sketch kept (1 for the identity projection). None
+        for a param that is not a sketched matrix here (dense, no gradient or no state yet,
+        or a 1-D shard of :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW`,
+        whose per-family metric is :mod:`~loggra_megatron.optim.megatron.energy`). Computed
+        on request: one pass over ``G``, none in :meth:`step`."""
+        state = self.state.get(p, {})
+        if p.grad is None or p.dim() != 2 or "basis" not in state:
+            return None
+        grad = p.grad.double()
+        energy = float(grad.square().sum())
+        return float((grad @ state["basis"].double()).square().sum()) / energy if energy else None
+
     def _dense_update(self, p, grad, state, group) -> bool:
         if not torch.isfinite(grad).all():
             return False

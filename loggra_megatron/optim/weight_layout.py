@@ -36,6 +36,9 @@ class WeightLayout:
     glu_halves: bool = False
     """Column-parallel gated FC1 (SwiGLU): each TP shard is ``[gate part; up part]``, so
     local row j maps to global row ``t·m/2 + j`` (gate) or ``M/2 + t·m/2 + j − m/2`` (up)."""
+    energy_slot: int = -1
+    """Row of the captured-energy buffer this weight adds to (``4·global layer + family``,
+    :mod:`~loggra_megatron.optim.megatron.energy`); -1: not counted."""
 
     @property
     def omega_rows(self) -> int:

@@ -1,5 +1,6 @@
 """What an RL step reports: per-rank metrics reduced over pipeline stages and DP ranks as
-declared (:mod:`loggra_megatron.metric_keys`), and memory figures."""
+declared (:mod:`loggra_megatron.metric_keys`), memory figures, and the warning when LoGRA's
+sketch keeps too little of the gradient (:class:`EnergyWatch`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,42 @@ def memory_metrics(optimizer, device) -> dict[str, float]:
         "memory/optimizer_state_bytes": float(state_bytes(optimizer)),
         "memory/peak_bytes": float(peak),
     }
+
+
+ENERGY_WARN_STEPS = 10
+"""Consecutive RL steps below the threshold before :class:`EnergyWatch` warns."""
+
+
+class EnergyWatch:
+    """Warns once per run when a weight family's captured energy
+    (``loggra/captured_energy/<family>/mean``) stays below ``threshold`` for
+    ``patience`` consecutive RL steps that report it (0: never); the threshold and why:
+    docs/optimizer.md#captured-energy."""
+
+    def __init__(self, threshold: float, patience: int = ENERGY_WARN_STEPS):
+        self.threshold, self.patience = threshold, patience
+        self.below: dict[str, int] = {}
+        """Consecutive steps below the threshold, by family."""
+        self.warned = False
+
+    def update(self, metrics: dict[str, float]) -> str | None:
+        """The warning, the first time a family has been low for ``patience`` steps."""
+        if self.warned or self.threshold <= 0:
+            return None
+        prefix, suffix = "loggra/captured_energy/", "/mean"
+        for key, value in metrics.items():
+            if key.startswith(prefix) and key.endswith(suffix):
+                family = key[len(prefix) : -len(suffix)]
+                self.below[family] = self.below.get(family, 0) + 1 if value < self.threshold else 0
+        low = sorted(f for f, n in self.below.items() if n >= self.patience)
+        if not low:
+            return None
+        self.warned = True
+        shares = ", ".join(f"{f} {metrics[prefix + f + suffix]:.2f}" for f in low)
+        return (
+            f"LoGRA's sketch has kept less than {self.threshold:g} of the gradient energy of "
+            f"{', '.join(low)} for {self.patience} RL steps (now {shares}): runs that kept this "
+            "little lost reward against the dense AdamW update in every seed of the rank sweep "
+            "(docs/optimizer.md#captured-energy); raise --loggra-rank (a basis refresh lifts "
+            "it for one step only)"
+        )

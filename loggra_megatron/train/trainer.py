@@ -23,10 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
 from loggra_megatron.train.preflight import Preflight
-from loggra_megatron.train.reporting import memory_metrics, reduce_metrics
+from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
 from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
 
@@ -89,6 +90,7 @@ class RLTrainer:
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
+        self.energy_watch = EnergyWatch(cfg.loggra.loggra_energy_warn_threshold)
         return stepper
 
     def _build_rl(self, stepper) -> None:
@@ -204,6 +206,7 @@ class RLTrainer:
         exp = self.experience.make(self._next_prompts(), self.step)
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
+        discard_captured_energy(self.optimizer)  # the warm-up's, or a failed step's
         updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
         metrics = reduce_metrics(
@@ -216,6 +219,10 @@ class RLTrainer:
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_group)
         metrics.update(memory_metrics(self.optimizer, self.device))
+        metrics.update(captured_energy(self.optimizer, build.updates_per_rl_step(cfg), self.device))
+        warning = self.energy_watch.update(metrics)
+        if warning is not None:
+            self._log(f" warning: {warning}")
         metrics.update(
             {
                 "kl/coef": self.kl_coef.value,

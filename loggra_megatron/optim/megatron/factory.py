@@ -28,6 +28,7 @@ from loggra_megatron.config import ConfigError
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
 from loggra_megatron.optim.loggra_adamw import basis_seed
+from loggra_megatron.optim.megatron.energy import energy_slots_of
 from loggra_megatron.optim.megatron.leaves import loggra_class_for
 from loggra_megatron.optim.megatron.optimizer_state import install_state_init
 from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, main_params_of
@@ -153,6 +154,7 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
             tp_dp_group=_tp_dp_group(dp_group),
             consensus_group=leaf.get_grad_stats_parallel_group(),
             param_remainders=remainders,
+            energy_slots=info.energy_slots,
             **config.loggra_kwargs(hidden_size),
         )
         leaf.loggra_params = [
@@ -183,6 +185,7 @@ class _ParamInfo:
             for name, p in chunk.named_parameters():
                 self.names[p] = f"chunk{c}.{name.removeprefix('module.')}"
                 self.seeds[p] = len(self.seeds)
+        self.slots, self.energy_slots = energy_slots_of(model_chunks)
 
     def key(self, p) -> str:
         return self.names[p]
@@ -221,6 +224,7 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
         global_rows=tp * m if column_parallel else m,
         reduce_over_tp=column_parallel,
         glu_halves=column_parallel and info.is_glu_fc1(p),
+        energy_slot=info.slots.get(p, -1),
     )
 
 
