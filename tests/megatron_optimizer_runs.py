@@ -8,10 +8,15 @@ fall in the middle of a row, which is the hard case for exact DP sharding.
 
 import torch
 
-from loggra_megatron.testing import tiny_gpt_model, train_step, wrap_ddp
+from loggra_megatron.testing import tiny_bf16_gpt_model, tiny_gpt_model, train_step, wrap_ddp
 
 HIDDEN, HEADS, VOCAB, SEQ = 40, 4, 64, 8
 TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def bf16_model():
+    """The tiny model in bf16 (norms included), wrapped in Megatron's Float16Module."""
+    return tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
 
 
 def build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):

@@ -52,14 +52,14 @@ def _energy_and_reference(rank, overlap=False, bf16=False, **loggra):
     gradient slice and the basis the step sketched it with. ``bf16``: bf16 params and grad
     buffers handed to LoGRA uncopied, clipped (the clip scale is applied by LoGRA)."""
     from megatron.core import parallel_state as ps
-    from test_megatron_optimizer import TOKENS, _bf16_model, _build, _local_batch
+    from megatron_optimizer_runs import TOKENS, bf16_model, build, local_batch
 
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
     from loggra_megatron.optim.megatron.energy import captured_energy
     from loggra_megatron.testing import train_step, wrap_ddp
 
     if bf16:
-        ddp = wrap_ddp(_bf16_model(), grad_reduce_in_fp32=False)
+        ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
         config = LoGRAOptimizerConfig(
             optimizer="adam",
             lr=1e-2,
@@ -72,7 +72,7 @@ def _energy_and_reference(rank, overlap=False, bf16=False, **loggra):
         )
         opt = get_loggra_optimizer(config, [ddp])
     else:
-        ddp, opt = _build("loggra", True, overlap, **loggra)
+        ddp, opt = build("loggra", True, overlap, **loggra)
     opt = getattr(opt, "chained_optimizers", [opt])[0]
     inner = opt.optimizer
     seen, scales = {}, []
@@ -86,7 +86,7 @@ def _energy_and_reference(rank, overlap=False, bf16=False, **loggra):
         return out
 
     inner._project = spy
-    batch, micro = _local_batch(TOKENS[:2])
+    batch, micro = local_batch(TOKENS[:2])
     train_step(ddp, opt, batch, num_microbatches=micro)
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     return {

@@ -14,6 +14,8 @@ from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl_probe_skip import ProbeSkipRule
 from loggra_megatron.testing import run_distributed
 
+pytestmark = pytest.mark.megatron  # the controller tests start Megatron-Core
+
 TARGET = 0.02
 
 

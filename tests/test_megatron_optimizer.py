@@ -9,11 +9,8 @@ fall in the middle of a row, which is the hard case for exact DP sharding.
 import pytest
 import torch
 from megatron_optimizer_runs import (
-    HEADS,
-    HIDDEN,
-    SEQ,
     TOKENS,
-    VOCAB,
+    bf16_model,
     build,
     gathered_params,
     local_batch,
@@ -21,7 +18,7 @@ from megatron_optimizer_runs import (
     train,
 )
 
-from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, train_step, wrap_ddp
+from loggra_megatron.testing import run_distributed, train_step, wrap_ddp
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -152,11 +149,6 @@ def test_config_rejects_bad_loggra_fields():
         LoGRAOptimizerConfig(loggra_update_interval=-1)
 
 
-def _bf16_model():
-    """The tiny model in bf16 (norms included), wrapped in Megatron's Float16Module."""
-    return tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
-
-
 def _bf16_identity_vs_dense(rank, kind):
     """bf16 params, fp32 main params in the DistributedOptimizer: state after one step
     (later steps amplify bf16 rounding flips) and the losses of four."""
@@ -164,7 +156,7 @@ def _bf16_identity_vs_dense(rank, kind):
 
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
-    ddp = wrap_ddp(_bf16_model())
+    ddp = wrap_ddp(bf16_model())
     base = dict(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
@@ -202,7 +194,7 @@ def _bf16_grads(rank, fp32_copy):
     active, with or without Megatron's fp32 copy of the gradient shards."""
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
-    ddp = wrap_ddp(_bf16_model(), grad_reduce_in_fp32=False)
+    ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
     config = LoGRAOptimizerConfig(
         optimizer="adam",
         lr=1e-2,

@@ -18,11 +18,10 @@ remainders: docs/optimizer.md#sharding.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.optim.energy_log import EnergyLog
 from loggra_megatron.optim.loggra_adamw import (
     LoGRAAdamW,
     adam_moments,
@@ -36,9 +35,6 @@ from loggra_megatron.optim.loggra_adamw import (
 from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.optim.row_sketch import RowShardedSketch, all_reduce_fn
 from loggra_megatron.optim.weight_layout import WeightLayout
-
-MAX_ENERGY_RECORDS = 4096
-"""Captured-energy records kept when nobody reads them (the oldest are dropped)."""
 
 
 class ShardedLoGRAAdamW(LoGRAAdamW):
@@ -57,7 +53,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         param_remainders: ``{bf16 shard param: int16 remainder}`` of params whose fp32
             master is kept as remainders (the shard is a view of the model's weight).
         energy_slots: rows of the captured-energy record of a step (0: none recorded); see
-            :attr:`energy_records`.
+            :attr:`energy`.
         **defaults: LoGRAAdamW hyper-parameters.
     """
 
@@ -92,13 +88,6 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         of Megatron's grad buffer); see :meth:`set_model_grads`."""
         self.model_grad_scale = 1.0
         """Clipping coefficient still to be applied to :attr:`model_grads`."""
-        self.energy_slots = energy_slots
-        self.energy_records: deque[torch.Tensor] = deque(maxlen=MAX_ENERGY_RECORDS)
-        """One ``[energy_slots, 2]`` float64 record per committed step: ``(‖S‖², ‖G‖²)`` of
-        this rank's share of each slot's weights (``S = G Q`` on the rows owned here, ``G``
-        on this slice), from the step's own sketches and the non-finite check's norms. Summed
-        over all ranks they are whole matrices' (:mod:`~loggra_megatron.optim.megatron.energy`
-        reads and clears them); a skipped step records nothing."""
         self._candidates: dict | None = None
         """This step's sketches (and refreshed bases) by weight, kept from the first
         :meth:`write_candidate` for the later trials and the commit; see
@@ -113,6 +102,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
+        self.energy = EnergyLog(energy_slots, self._device)
+        """Captured energy of the committed steps (:mod:`~loggra_megatron.optim.energy_log`)."""
         self._rows = RowShardedSketch(
             all_layouts,
             dp_rank,
@@ -270,7 +261,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
             if p not in self._index_of:
                 self._update_dense(p, group, state, commit, scale, write)
         if commit:
-            self._record_energy(cache)
+            self.energy.record(cache["energy"])
             self.num_steps += 1
             self.model_grads = {}  # views of grad buffers that are about to be zeroed
         return True
@@ -407,32 +398,11 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         basis, moment = (basis_and_moments or (None, None))[:2]
         shape = None if moment is None else moment.shape
         sketch = self._rows.sketch(layout, grad, basis, shape)
-        if p is not None and layout.energy_slot >= 0 and self.energy_slots:
-            cache["energy"][w] = self._energy(layout, p, sketch, cache["norms"][p])
+        if p is not None and layout.energy_slot >= 0 and self.energy.slots:
+            scale = self.model_grad_scale if p.grad is None else 1.0
+            measured = EnergyLog.measure(layout, self._dp_rank, sketch, cache["norms"][p], scale)
+            cache["energy"].setdefault(layout.energy_slot, []).append(measured)
         return basis_and_moments, sketch
-
-    def _energy(self, layout, p, sketch, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(‖S‖² of the rows owned here, ‖G‖² of this slice)`` of weight ``p`` in float64:
-        a split row's sketch is the full row's on every rank that touches it, so only its
-        owner counts it; ``norm`` is the raw gradient's (from :meth:`_any_nonfinite`), scaled
-        as :meth:`_grad` scales the gradient. Reads only ``S`` and a scalar."""
-        lo = layout.touched_rows(self._dp_rank)[0]
-        own_lo, own_hi = layout.owned_rows(self._dp_rank)
-        captured = sketch[own_lo - lo : own_hi - lo].double().square().sum()
-        scale = self.model_grad_scale if p.grad is None else 1.0
-        return captured, (norm.double() * scale).square()
-
-    def _record_energy(self, cache: dict) -> None:
-        """Append this committed step's :attr:`energy_records` entry (one ``index_add_``)."""
-        if not self.energy_slots:
-            return
-        record = torch.zeros(self.energy_slots, 2, dtype=torch.float64, device=self._device)
-        if cache["energy"]:
-            slots = [self._all_layouts[w].energy_slot for w in cache["energy"]]
-            values = torch.stack([torch.stack(v) for v in cache["energy"].values()])
-            index = torch.tensor(slots, device=self._device)
-            record.index_add_(0, index, values.to(self._device))
-        self.energy_records.append(record)
 
     def _any_nonfinite(self, grads) -> tuple[bool, list[torch.Tensor]]:
         """Whether any rank of the consensus group holds a non-finite gradient: one fused

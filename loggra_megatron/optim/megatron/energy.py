@@ -3,7 +3,7 @@ LoGRA's sketch ``S = G Q`` retains, per weight family and transformer layer.
 
 Every committed step of a :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW`
 records this rank's ``(‖S‖², ‖G‖²)`` per slot ``4·global layer + family`` from norms the
-step already has (``energy_records``). :func:`captured_energy` sums the records of an RL
+step already has (its ``energy``, :class:`~loggra_megatron.optim.energy_log.EnergyLog`). :func:`captured_energy` sums the records of an RL
 step's updates over all ranks in one all-reduce of ``[updates, slots, 2]`` float64 (DP
 slices, TP shards and pipeline stages partition the weights; a replicated weight is counted
 alike in both terms) and reports, per family, the mean and the min over layers of each
@@ -50,13 +50,13 @@ def _recorders(optimizer) -> list:
     """The inner optimizers of ``optimizer``'s leaves that record captured energy."""
     leaves = getattr(optimizer, "chained_optimizers", [optimizer])
     inner = [getattr(leaf, "optimizer", None) for leaf in leaves]
-    return [o for o in inner if getattr(o, "energy_slots", 0)]
+    return [o for o in inner if getattr(getattr(o, "energy", None), "slots", 0)]
 
 
 def discard_captured_energy(optimizer) -> None:
     """Forget the records so far (e.g. the warm-up's, before an RL step)."""
     for recorder in _recorders(optimizer):
-        recorder.energy_records.clear()
+        recorder.energy.records.clear()
 
 
 def captured_energy(optimizer, max_updates: int, device, group=None) -> dict[str, float]:
@@ -68,13 +68,13 @@ def captured_energy(optimizer, max_updates: int, device, group=None) -> dict[str
     recorders = _recorders(optimizer)
     if not recorders:
         return {}
-    total = torch.zeros(max_updates, recorders[0].energy_slots, 2, dtype=torch.float64)
+    total = torch.zeros(max_updates, recorders[0].energy.slots, 2, dtype=torch.float64)
     total = total.to(device)
     for recorder in recorders:
-        records = list(recorder.energy_records)[-max_updates:]
+        records = list(recorder.energy.records)[-max_updates:]
         for u, record in enumerate(records):
             total[u] += record.to(device)
-        recorder.energy_records.clear()
+        recorder.energy.records.clear()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return energy_metrics(total.cpu())
