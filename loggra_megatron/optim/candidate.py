@@ -47,9 +47,9 @@ def update_sq_norm(inner: torch.optim.Optimizer) -> torch.Tensor | None:
     return None
 
 
-@torch.no_grad()
-def _adamw_update_sq_norm(opt: torch.optim.AdamW) -> torch.Tensor:
-    total = None
+def _adamw_directions(opt: torch.optim.AdamW):
+    """``(param, group, direction, step size)`` of this step's AdamW update of every param
+    with a gradient, computed aside (the state is not changed)."""
     for group in opt.param_groups:
         for p in group["params"]:
             if p.grad is None:
@@ -61,26 +61,23 @@ def _adamw_update_sq_norm(opt: torch.optim.AdamW) -> torch.Tensor:
             _, _, direction, step_size = adam_moments(
                 exp_avg, exp_avg_sq, p.grad, step, group, inplace=False
             )
-            norm = step_size**2 * direction.float().square().sum()
-            total = norm if total is None else total + norm
+            yield p, group, direction, step_size
+
+
+@torch.no_grad()
+def _adamw_update_sq_norm(opt: torch.optim.AdamW) -> torch.Tensor:
+    total = None
+    for _, _, direction, step_size in _adamw_directions(opt):
+        norm = step_size**2 * direction.float().square().sum()
+        total = norm if total is None else total + norm
     return torch.zeros(()) if total is None else total
 
 
 @torch.no_grad()
 def _adamw_candidate(opt: torch.optim.AdamW, write: WriteFn, scale: float) -> bool:
-    for group in opt.param_groups:
-        if group.get("amsgrad") or group.get("maximize"):
-            raise NotImplementedError("candidate updates need AdamW without amsgrad/maximize")
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = opt.state.get(p, {})
-            exp_avg = state.get("exp_avg", torch.zeros_like(p))
-            exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(p))
-            step = int(state.get("step", 0)) + 1
-            _, _, direction, step_size = adam_moments(
-                exp_avg, exp_avg_sq, p.grad, step, group, inplace=False
-            )
-            target = p.detach().clone().mul_(1 - scale * group["lr"] * group["weight_decay"])
-            write(p, target.add_(direction, alpha=-scale * step_size))
+    if any(g.get("amsgrad") or g.get("maximize") for g in opt.param_groups):
+        raise NotImplementedError("candidate updates need AdamW without amsgrad/maximize")
+    for p, group, direction, step_size in _adamw_directions(opt):
+        target = p.detach().clone().mul_(1 - scale * group["lr"] * group["weight_decay"])
+        write(p, target.add_(direction, alpha=-scale * step_size))
     return True
