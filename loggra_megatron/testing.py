@@ -149,6 +149,15 @@ def _collect(procs, status_q, timeout: float) -> tuple[set[int], dict[int, str]]
     return done, errors
 
 
+PORT_ATTEMPTS = 3
+"""Launches tried when the rendezvous port was taken between :func:`free_port` and the
+bind (another process on the machine, e.g. a second test session): nothing ran yet."""
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port (EADDRINUSE)."""
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -170,6 +179,18 @@ def run_distributed(
     """
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp * pp}")
+    attempts = PORT_ATTEMPTS
+    while True:
+        try:
+            return _launch(fn, world_size, args, tp, pp, seed, timeout, start_method, kwargs)
+        except _PortTaken:
+            attempts -= 1
+            if not attempts:
+                raise
+
+
+def _launch(fn, world_size, args, tp, pp, seed, timeout, start_method, kwargs) -> list[Any]:
+    """One launch of :func:`run_distributed`'s ranks on a fresh port."""
     ctx = _mp_context(start_method)
     status_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="loggra_dist_") as out_dir:
@@ -213,7 +234,9 @@ def run_distributed(
             msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             if missing:
                 msg += f"\n(ranks {missing} were still running and were killed)"
-            raise RuntimeError(f"run_distributed: {len(errors)} rank(s) failed:\n{msg}")
+            taken = "EADDRINUSE" in msg and "server socket has failed to listen" in msg
+            error = _PortTaken if taken else RuntimeError
+            raise error(f"run_distributed: {len(errors)} rank(s) failed:\n{msg}")
         if missing:
             raise TimeoutError(f"run_distributed: ranks {missing} did not finish in {timeout} s")
         return [

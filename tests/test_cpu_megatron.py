@@ -295,3 +295,26 @@ def test_run_distributed_propagates_worker_errors():
 def test_run_distributed_spawn_start_method():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1.*ValueError: boom from rank 1"):
         run_distributed(_fail_on_rank1, 2, start_method="spawn")
+
+
+def _rank_of_world(rank):
+    import torch.distributed as dist
+
+    return (rank, dist.get_world_size())
+
+
+def test_run_distributed_retries_a_taken_rendezvous_port(monkeypatch):
+    """The rendezvous port taken between free_port() and the bind (another test session on
+    the machine) is a fresh launch, not a failed test."""
+    import socket
+
+    from loggra_megatron import testing
+    from loggra_megatron.parallel import free_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = iter([held.getsockname()[1], free_port()])
+        monkeypatch.setattr(testing, "free_port", lambda: next(ports))
+        assert run_distributed(_rank_of_world, 2) == [(0, 2), (1, 2)]
+        assert next(ports, None) is None  # the second launch took the second port
