@@ -4,7 +4,7 @@
 #   2. warm up a tiny Llama-style policy with a short supervised phase (so RL has signal),
 #   3. run GRPO with LoGRA and predicted-KL step control on 2 processes (DP=2, gloo),
 # and watch reward/accuracy rise in the progress lines and in $OUT/metrics.jsonl (measured:
-# mean reward 0.53 -> 0.74, accuracy 0.48 -> 0.71 over the 60 steps; ~2.5 minutes on 2 cores).
+# mean reward 0.53 -> 0.74, accuracy 0.48 -> 0.71 over the 60 steps; ~3 minutes on 2 cores).
 # The tasks are 1-digit additions/subtractions so that a 4-layer model trained for a few
 # seconds has signal. Usage: bash examples/tiny_cpu/run.sh [OUT_DIR] [extra flags]
 set -euo pipefail
