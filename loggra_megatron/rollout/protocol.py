@@ -76,6 +76,21 @@ class RolloutRequest:
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
 
+    def sampling(self) -> dict:
+        """The keyword arguments every engine's generation takes alike (sampling, stop and
+        pad ids, seeding, the bounds)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "max_tokens": self.max_tokens,
+            "step": self.step,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "eos_id": self.stop_ids,
+            "pad_id": self.pad_id,
+            "seed": self.seed,
+            "vocab_size": self.vocab_size,
+        }
+
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:
     """The statistics ``generate`` returns, which the trainer logs: ``time/rollout_s``,

@@ -49,18 +49,7 @@ class StaticEngine(RolloutEngine):
         r = request
         t0 = time.perf_counter()
         rollout, kv_bytes = generate_chunked(
-            policy,
-            prompts,
-            max_new_tokens=r.max_new_tokens,
-            max_tokens=r.max_tokens,
-            row_multiple=r.row_multiple,
-            step=r.step,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            eos_id=r.stop_ids,
-            pad_id=r.pad_id,
-            seed=r.seed,
-            vocab_size=r.vocab_size,
+            policy, prompts, row_multiple=r.row_multiple, **r.sampling()
         )
         return rollout, rollout_stats(rollout, time.perf_counter() - t0, kv_bytes)
 
@@ -112,17 +101,9 @@ class DynamicEngine(RolloutEngine):
         rollout = generate_rollout_dynamic(
             policy,
             prompts,
-            max_new_tokens=r.max_new_tokens,
-            max_tokens=r.max_tokens,
             log_prob_micro_batch_size=r.log_prob_micro_batch_size,
             length_grouping=r.length_grouping,
-            step=r.step,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            eos_id=r.stop_ids,
-            pad_id=r.pad_id,
-            seed=r.seed,
-            vocab_size=r.vocab_size,
+            **r.sampling(),
         )
         tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens, r.max_tokens)
         kv_bytes = kv_cache_bytes(policy, 1, tokens)  # the engine's paged buffer
