@@ -19,6 +19,25 @@ def bf16_model():
     return tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
 
 
+def build_bf16_clipped(**loggra):
+    """``(ddp, optimizer)``: LoGRA on the bf16 model with bf16 grad buffers handed over
+    uncopied and clipping active (``loggra``: the LoGRA settings that differ)."""
+    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+
+    ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
+    config = LoGRAOptimizerConfig(
+        optimizer="adam",
+        lr=1e-2,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=0.05,
+        loggra_min_dim=1,
+        loggra_oversample=2,
+        **loggra,
+    )
+    return ddp, get_loggra_optimizer(config, [ddp])
+
+
 def build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

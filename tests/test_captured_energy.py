@@ -52,25 +52,13 @@ def _energy_and_reference(rank, overlap=False, bf16=False, **loggra):
     gradient slice and the basis the step sketched it with. ``bf16``: bf16 params and grad
     buffers handed to LoGRA uncopied, clipped (the clip scale is applied by LoGRA)."""
     from megatron.core import parallel_state as ps
-    from megatron_optimizer_runs import TOKENS, bf16_model, build, local_batch
+    from megatron_optimizer_runs import TOKENS, build, build_bf16_clipped, local_batch
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
     from loggra_megatron.optim.megatron.energy import captured_energy
-    from loggra_megatron.testing import train_step, wrap_ddp
+    from loggra_megatron.testing import train_step
 
     if bf16:
-        ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
-        config = LoGRAOptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            bf16=True,
-            use_distributed_optimizer=True,
-            clip_grad=0.05,
-            loggra_min_dim=1,
-            loggra_rank=3,
-            loggra_oversample=2,
-        )
-        opt = get_loggra_optimizer(config, [ddp])
+        ddp, opt = build_bf16_clipped(loggra_rank=3)
     else:
         ddp, opt = build("loggra", True, overlap, **loggra)
     opt = getattr(opt, "chained_optimizers", [opt])[0]

@@ -12,6 +12,7 @@ from megatron_optimizer_runs import (
     TOKENS,
     bf16_model,
     build,
+    build_bf16_clipped,
     gathered_params,
     local_batch,
     max_rel_diff,
@@ -192,22 +193,9 @@ def test_bf16_params_with_fp32_main_params_match_dense_adam():
 def _bf16_grads(rank, fp32_copy):
     """LoGRA (range finder, refreshes) on bf16 params with bf16 grad buffers, clipping
     active, with or without Megatron's fp32 copy of the gradient shards."""
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
-
-    ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
-    config = LoGRAOptimizerConfig(
-        optimizer="adam",
-        lr=1e-2,
-        bf16=True,
-        use_distributed_optimizer=True,
-        clip_grad=0.05,
-        loggra_min_dim=1,
-        loggra_rank=4,
-        loggra_oversample=2,
-        loggra_update_interval=2,
-        loggra_fp32_grad_copy=fp32_copy,
+    ddp, opt = build_bf16_clipped(
+        loggra_rank=4, loggra_update_interval=2, loggra_fp32_grad_copy=fp32_copy
     )
-    opt = get_loggra_optimizer(config, [ddp])
     (leaf,) = opt.chained_optimizers
     inner = leaf.optimizer
     seen = []  # per step: (fp32 .grad bytes of 16-bit-model mains, dtypes handed over)
