@@ -104,14 +104,6 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> No
         raise NotImplementedError("generate_rollout() does not support context parallelism")
 
 
-def _groups():
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    return tp_group, pp_group, dist.get_world_size(tp_group), dist.get_world_size(pp_group)
-
-
 def _pack_prompts(
     prompts, prompt_lengths, pad_id: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,8 +253,9 @@ def generate_rollout(
         *_fill_rows(buf, lengths, row_multiple), real_rows, max_new_tokens, pad_id
     )
     stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
-    tp_group, pp_group, _, pp = _groups()
-    last = pp_group.rank() == pp - 1
+    tp_group = ps.get_tensor_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    last = pp_group.rank() == pp_group.size() - 1
     generator = None
     if last and dist.get_rank(tp_group) == 0 and temperature > 0:
         generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device, chunk)
@@ -277,7 +270,7 @@ def generate_rollout(
     context = StaticInferenceContext(batch, total) if use_kv_cache else None
     with _generation_mode(model):
         _decode(model, state, sample, stop_ids, context, pp_group)
-    if pp > 1:
+    if pp_group.size() > 1:
         src = dist.get_process_group_ranks(pp_group)[-1]
         dist.broadcast(state.log_probs, src=src, group=pp_group)
     return state.rollout(real_rows)
