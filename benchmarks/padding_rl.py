@@ -1,5 +1,6 @@
-"""Padding waste of the training and log-prob forwards, with and without length grouping
-(``--length-grouping``), side by side in one process.
+"""Padding waste of the training and log-prob forwards: micro-batches in row order, grouped by
+length (``--length-grouping``) and packed (``--sequence-packing``), side by side in one
+process.
 
     python benchmarks/padding_rl.py                  # 3 repeats, 64 rows, micro-batches of 8
     python benchmarks/padding_rl.py --repeats 5 --json out.json
@@ -9,11 +10,14 @@ The workload is an RL step's batch on the ``word_problems`` task (GSM8K-style st
 answer: ``--failed-fraction`` of the completions run to that budget (a failed answer of a
 reasoning model), the others are the task's reference answer and EOS (a right answer stops
 early; failed ones are random ids: the forwards' cost depends on the shapes only). One
-rank (CPU, gloo), a tiny Llama-style policy and its reference; each repeat times both arms
-(ABBA order): the training phase (forward + backward of every micro-batch, one Adam step per
-mini-batch) and the reference log-probs. Reported: median real tokens/s of each phase, the
-ratio grouped / plain (and the median of per-repeat ratios), the padded fraction of the
-slots each phase fed. Method and results: docs/benchmarks.md.
+rank (CPU, gloo), a tiny Llama-style policy and its reference; each repeat times the arms
+(forward then reverse order): the training phase (forward + backward of every micro-batch,
+one Adam step per mini-batch) and the reference log-probs. The packed arm runs Transformer
+Engine's THD attention as ``tests/gpu_standins.py`` stands in for it (a per-row loop on CPU:
+its attention is slower than the batched kernel, its linears see fewer tokens). Reported:
+median real tokens/s of each phase, the ratios to the plain arm (and the median of
+per-repeat ratios), the padded fraction of the slots each phase fed. Results:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # gpu_standins: TE's THD attention on CPU
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +106,7 @@ class _AdamStep:
 
 
 def _worker(rank, args, tokenizer_path: str) -> dict:
+    import gpu_standins
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -114,42 +120,40 @@ def _worker(rank, args, tokenizer_path: str) -> dict:
 
     batch, budget, real, vocab, lengths, answer_median = make_batch(args, tokenizer_path)
     seq = batch["tokens"].shape[1]
-    shape = dict(num_layers=args.layers, hidden_size=args.hidden, heads=args.heads)
-    policy = wrap_ddp(
-        tiny_gpt_model(**shape, vocab=vocab, seq=seq, use_cpu_initialization=True),
-        use_distributed_optimizer=False,
-    )
-    reference = tiny_gpt_model(**shape, vocab=vocab, seq=seq, use_cpu_initialization=True)
-    config = OptimizerConfig(optimizer="adam", lr=1e-6, use_distributed_optimizer=False)
-    optimizer = get_megatron_optimizer(config, [policy])
+    shape = dict(num_layers=args.layers, hidden_size=args.hidden, heads=args.heads, vocab=vocab)
+    shape.update(seq=seq, use_cpu_initialization=True)
     loss = PPOClipLoss(
         PolicyLossConfig(),
         budget,
         AdaptiveKLCoefficient(0.01),
         ps.get_tensor_model_parallel_group(),
     )
-    actors = {
-        arm: Actor(
-            policy,
-            optimizer,
-            _AdamStep(optimizer),
-            loss,
-            ps.get_data_parallel_group(),
-            args.micro_batch_size,
-            args.global_batch_size,
-            length_grouping=arm == "grouped",
+
+    def actor_and_reference(group: bool, **build):
+        policy = wrap_ddp(tiny_gpt_model(**shape, **build), use_distributed_optimizer=False)
+        config = OptimizerConfig(optimizer="adam", lr=1e-6, use_distributed_optimizer=False)
+        optimizer = get_megatron_optimizer(config, [policy])
+        dp, mbs = ps.get_data_parallel_group(), args.micro_batch_size
+        actor = Actor(
+            policy, optimizer, _AdamStep(optimizer), loss, dp, mbs, args.global_batch_size, group
         )
-        for arm in ("plain", "grouped")
-    }
-    times = {arm: {"train": [], "logprobs": []} for arm in actors}
-    padded = {arm: {} for arm in actors}
+        return actor, tiny_gpt_model(**shape, **build)
+
+    arms = {arm: actor_and_reference(arm == "grouped") for arm in ("plain", "grouped")}
+    gpu_standins.install_transformer_engine()  # TE's THD attention, as the tests check it
+    gpu_standins.ThdDotProductAttention.dtype_rule = False  # fp32 on CPU
+    arms["packed"] = actor_and_reference(False, use_te=True, sequence_packing=True)
+    times = {arm: {"train": [], "logprobs": []} for arm in arms}
+    padded = {arm: {} for arm in arms}
     needed = needed_lengths(batch["mask"])
-    order = ["plain", "grouped", "grouped", "plain"]  # ABBA per repeat: drift hits both
-    compute_log_probs(reference, batch["tokens"], micro_batch_size=8)  # warm the allocator
+    order = [*arms, *reversed(arms)]  # forward then reverse per repeat: drift hits all
+    for _, reference in arms.values():  # warm the allocator
+        compute_log_probs(reference, batch["tokens"], micro_batch_size=8)
     for _ in range(args.repeats):
-        for arm in order[: 2 if args.repeats == 1 else 4]:
+        for arm in order[: len(arms) if args.repeats == 1 else None]:
+            actor, reference = arms[arm]
             t0 = time.perf_counter()
-            metrics = actors[arm].update_policy(batch, ppo_epochs=1)
+            metrics = actor.update_policy(batch, ppo_epochs=1)
             times[arm]["train"].append(time.perf_counter() - t0)
             padded[arm]["train"] = metrics["throughput/padded_token_fraction"]
             stats = PaddingStats()
@@ -177,24 +181,22 @@ def _worker(rank, args, tokenizer_path: str) -> dict:
 
 
 def summarize(result: dict) -> dict:
-    """Tokens/s medians per arm and phase, the grouped / plain ratios, the padded shares."""
+    """Tokens/s medians per arm and phase, each arm's ratio to plain, the padded shares."""
     out = {}
     for phase in ("train", "logprobs"):
-        plain = result["times"]["plain"][phase]
-        grouped = result["times"]["grouped"][phase]
-        tps = {
-            arm: result["real_tokens"] / statistics.median(t)
-            for arm, t in (("plain", plain), ("grouped", grouped))
-        }
-        n = min(len(plain), len(grouped))
-        pairs = [p / g for p, g in zip(plain[:n], grouped[:n], strict=True)]
+        times = {arm: t[phase] for arm, t in result["times"].items()}
+        tps = {arm: result["real_tokens"] / statistics.median(t) for arm, t in times.items()}
         out[phase] = {
             "tokens_per_s": tps,
-            "speedup": tps["grouped"] / tps["plain"],
-            "speedup_median_of_pairs": statistics.median(pairs),
             "padded_fraction": {arm: result["padded"][arm][phase] for arm in tps},
-            "runs": n,
+            "runs": min(len(t) for t in times.values()),
         }
+        for arm in tps:
+            pairs = [p / a for p, a in zip(times["plain"], times[arm], strict=True)]
+            out[phase][arm] = {
+                "speedup": tps[arm] / tps["plain"],
+                "speedup_median_of_pairs": statistics.median(pairs),
+            }
     return out
 
 
@@ -215,14 +217,16 @@ def main() -> None:
         f"median {result['answer_median']:.0f}; budget {result['budget']}), batch width "
         f"{result['width']}, {result['real_tokens']} real tokens; repeats {args.repeats}"
     )
-    print("| phase | padded, plain | padded, grouped | tok/s plain | tok/s grouped | speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+    arms = list(result["times"])
+    print("| phase | arm | padded share | tokens/s | / plain (median of pairs) |")
+    print("|---|---|---:|---:|---:|")
     for phase, s in summary.items():
-        pf, tps = s["padded_fraction"], s["tokens_per_s"]
-        print(
-            f"| {phase} | {pf['plain']:.3f} | {pf['grouped']:.3f} | {tps['plain']:.0f} | "
-            f"{tps['grouped']:.0f} | {s['speedup']:.2f}x (pairs {s['speedup_median_of_pairs']:.2f}x) |"
-        )
+        for arm in arms:
+            print(
+                f"| {phase} | {arm} | {s['padded_fraction'][arm]:.3f} | "
+                f"{s['tokens_per_s'][arm]:.0f} | {s[arm]['speedup']:.2f}x "
+                f"({s[arm]['speedup_median_of_pairs']:.2f}x) |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "result": result, "summary": summary}, f, indent=1)

@@ -288,6 +288,12 @@ def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
             "transformer_engine on a GPU): Megatron-Core's local layer spec refuses it "
             "('sequence parallel not supported by torch LayerNorm')"
         )
+    if cfg.model.sequence_packing and not _te_layers(cfg, here):
+        yield (
+            "--sequence-packing: needs Transformer Engine layers (--transformer-impl "
+            "transformer_engine on a GPU): Megatron-Core's local attention refuses packed "
+            "sequences"
+        )
     m = cfg.model
     if here and m.fp8_format is not None and _on_gpu(cfg, here):
         capability = torch.cuda.get_device_capability()

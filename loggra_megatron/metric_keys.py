@@ -237,7 +237,8 @@ METRICS: dict[str, Metric] = _declare(
         "throughput/padded_token_fraction",
         "share of the token slots fed to the training forwards (PPO epochs × mini-batches × "
         "micro-batches) that are padding: past a row's last response target, or the "
-        "schedule's rounding to the sequence multiple (--length-grouping cuts it)",
+        "schedule's rounding to the sequence multiple (--length-grouping cuts it; with "
+        "--sequence-packing only the rounding is left)",
         PER_RANK,
     ),
     Metric(

@@ -9,7 +9,8 @@ stand-ins for Transformer Engine and flash-attn".
   tensors under ``torch.inference_mode``); under delayed scaling, the in-place copy of the
   stashed meta in the recompute (``get_old_fp8_meta_tensors_for_recompute``); TE's
   ``is_first_microbatch``.
-* :func:`te_checkpoint`, :class:`SequenceParallelNorm`, :func:`prepare_model_for_fp8_inference`.
+* :func:`te_checkpoint`, :class:`SequenceParallelNorm`, :func:`prepare_model_for_fp8_inference`;
+  :class:`ThdDotProductAttention`: TE's contract for packed sequences (THD).
 * flash-attn's paged kernels (:func:`varlen_attention`, :func:`kvcache_attention`) with its
   fp16/bf16 rule, and the CPU redirects Megatron-Core's dynamic engine needs.
 
@@ -33,6 +34,7 @@ import weakref
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 FLASH_DTYPE_ERROR = "FlashAttention only support fp16 and bf16 data type"
 _phase = threading.local()  # .name: None | "checkpoint_forward" | "recompute"
@@ -134,6 +136,56 @@ class SequenceParallelNorm:
         return norm
 
 
+class ThdDotProductAttention(DotProductAttention):
+    """``TEDotProductAttention`` as Megatron wraps it and TE checks it: unpacked inputs go to
+    Megatron's local attention; packed ones (``PackedSeqParams(qkv_format="thd")``) must be
+    what TE asserts (``[t, h, d]`` queries, keys and values; int32 ``cu_seqlens [b + 1]``
+    covering the ``t`` tokens, on their device; ``max_seqlen`` at least the longest row, as
+    TE sizes its kernels by it) and fp16/bf16 (TE disables its unfused backend for THD and
+    flash/cuDNN take no fp32: "No dot product attention backend is available"). Each row
+    attends causally within itself; the output is TE's ``[t, h·d]``."""
+
+    dtype_rule = True
+    """TE's backend rule; an fp32 equivalence test turns it off (the only rule that is not
+    about layout)."""
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        packed = packed_seq_params
+        if packed is None:
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias
+            )
+        assert packed.qkv_format == "thd", packed.qkv_format
+        assert all(x.dim() == 3 for x in (query, key, value)), (
+            "Queries, keys and values must be 3D tensors when qkv_format = thd!"
+        )
+        cu_q, cu_kv = packed.cu_seqlens_q, packed.cu_seqlens_kv
+        assert cu_q is not None and cu_kv is not None and cu_q.shape == cu_kv.shape
+        assert cu_q.dtype == torch.int32 and cu_kv.dtype == torch.int32, (
+            "cu_seqlens_q and cu_seqlens_q must both be in dtype torch.int32!"
+        )
+        assert cu_q.device == query.device, f"cu_seqlens on {cu_q.device}, q on {query.device}"
+        assert int(cu_q[0]) == 0 and int(cu_q[-1]) == query.shape[0], (cu_q, query.shape)
+        longest = int(cu_q.diff().max())
+        assert packed.max_seqlen_q >= longest and packed.max_seqlen_kv >= longest
+        if self.dtype_rule and query.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("No dot product attention backend is available for the inputs")
+        RECORD["thd_attention"] += 1
+        out = torch.empty_like(query)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            out[a:b] = _attend(query[a:b], key[a:b], value[a:b], self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+
 _WRAPPED = weakref.WeakSet()
 
 
@@ -183,7 +235,7 @@ def _swap_classes(spec, swaps: dict) -> None:
 
 def te_layer_spec(qk_layernorm: bool = False, **kwargs):
     """Stands in for ``get_gpt_layer_with_transformer_engine_spec``: Megatron's local spec
-    with the FP8 linears and the sequence-parallel norm."""
+    with the FP8 linears, the sequence-parallel norm and TE's attention (THD)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -194,6 +246,7 @@ def te_layer_spec(qk_layernorm: bool = False, **kwargs):
             tensor_parallel.ColumnParallelLinear: FP8ColumnParallelLinear,
             tensor_parallel.RowParallelLinear: FP8RowParallelLinear,
             WrappedTorchNorm: SequenceParallelNorm,
+            DotProductAttention: ThdDotProductAttention,
         },
     )
     return spec

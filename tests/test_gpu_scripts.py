@@ -341,7 +341,9 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
     fp8 = _bash_array(text, "FP8")
     assert fp8[-2:] == ["--fp8-recipe", "tensorwise"] and "--fp8-format" in fp8
     assert "--bf16" in shape
-    for impl, engine in ((["--transformer-impl", "local"], "static"), (fp8, "dynamic")):
+    packed = ["--transformer-impl", "transformer_engine", "--sequence-packing"]
+    runs = ((["--transformer-impl", "local"], "static"), (fp8, "dynamic"), (packed, "static"))
+    for impl, engine in runs:
         run = ["--rollout-engine", engine, "--train-iters", "3", "--device", "cuda"]
         task = ["--tokenizer-model", "t.model", "--task", "arithmetic"]
         args = build_parser().parse_args([*task, *shape, *impl, *step, *run])
@@ -356,6 +358,7 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
         r"^    rl rl_dynamic dynamic",
         r"^    section memory_fp8",
         r"^    rl rl_fp8",
+        r"^    rl rl_packed static --transformer-impl transformer_engine --sequence-packing",
     )
     order = [re.search(call, text, re.M).start() for call in calls]
     assert order == sorted(order)
@@ -384,7 +387,7 @@ def _rehearse(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
     return proc, results.read_text()
 
 
-NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8")  # on a CPU machine
+NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_packed")  # on a CPU machine
 
 
 def test_h200_check_skips_sections_past_its_budget(tmp_path):

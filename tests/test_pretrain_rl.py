@@ -97,6 +97,8 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
             2,
             "--sequence-parallel",
         ),  # the local spec refuses it
+        ({"sequence-packing": True}, 1, "--sequence-packing"),  # TE's THD kernels: bf16
+        ({"sequence-packing": True, "bf16": True}, 1, "--sequence-packing"),  # no TE here
         ({"rollout-engine": "dynamic", "device": "cpu"}, 1, "--rollout-engine"),
         ({"rollout-engine": "paged"}, 1, "--rollout-engine"),
         ({"inference-max-tokens": 0}, 1, "--inference-max-tokens"),

@@ -14,6 +14,8 @@
 #   4. memory_fp8, rl_fp8: the sweep and the RL run with FP8 (--fp8-format hybrid
 #      --fp8-recipe tensorwise; needs Transformer Engine and compute capability >= 8.9; the
 #      RL run takes the dynamic engine when it is available, as the 27B example does).
+#   5. rl_packed: the run of section 1 with --sequence-packing (Transformer Engine's THD
+#      attention; needs Transformer Engine): tokens/s and peak memory against rl_static's.
 # Every number goes to ONE file, ${RESULTS:-${OUT:-.}/h200_check.txt}; each section runs
 # under `timeout` within the budget, so a failure or a hang loses only that section.
 #
@@ -123,7 +125,8 @@ if ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
     note "megatron-core is not importable: on the device machine, run" \
         "'bash benchmarks/gpu/h200_check.sh fetch-wheels' first and carry .whl (header)"
 fi
-# why_not dynamic|fp8: why the dynamic engine / FP8 cannot run here (empty: they can)
+# why_not dynamic|te|fp8: why the dynamic engine / TE layers / FP8 cannot run here (empty:
+# they can)
 why_not() {
     "$PY" - "$1" "$RL_DEVICE" <<'PY' 2>/dev/null
 import sys
@@ -142,6 +145,8 @@ def why(what: str, device: str) -> str:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         return f"transformer_engine not importable ({type(e).__name__}: {e})"[:200]
+    if what == "te":
+        return ""
     cc = torch.cuda.get_device_capability()
     return "" if cc >= (8, 9) else f"FP8 needs compute capability >= 8.9, this GPU has {cc}"
 
@@ -154,6 +159,7 @@ PY
 }
 DYNAMIC_WHY=$(why_not dynamic)
 FP8_WHY=$(why_not fp8)
+TE_WHY=$(why_not te)
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     IMPL=(--transformer-impl transformer_engine)
 else
@@ -231,5 +237,11 @@ if [ -z "$FP8_WHY" ]; then
 else
     not_available memory_fp8 "$FP8_WHY"
     not_available rl_fp8 "$FP8_WHY"
+fi
+# 5: packed sequences (Transformer Engine's THD attention), rl_static's flags otherwise
+if [ -z "$TE_WHY" ]; then
+    rl rl_packed static --transformer-impl transformer_engine --sequence-packing
+else
+    not_available rl_packed "$TE_WHY"
 fi
 note "# done in ${SECONDS} s; logs in $WORK/logs"

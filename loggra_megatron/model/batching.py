@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loggra_megatron.model.packing import PACKED
+
 LENGTHS = "lengths"
 """Key of a micro-batch: ``[b]`` the fed positions each row needs (the rest is padding)."""
 ROWS = "rows"
@@ -109,7 +111,12 @@ class PaddingStats:
 
     def count(self, batch: dict) -> None:
         """Add a (padded) micro-batch: ``b × s`` slots, of which each row's
-        :data:`LENGTHS` (all ``s`` without it) are real."""
+        :data:`LENGTHS` (all ``s`` without it) are real; a packed one: its packed slots."""
+        packed = batch.get(PACKED)
+        if packed is not None:
+            self.real += packed.num_real
+            self.slots += packed.num_slots
+            return
         rows, seq = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
         lengths = batch.get(LENGTHS)
         real = rows * seq if lengths is None else float(lengths.clamp(max=seq).sum())

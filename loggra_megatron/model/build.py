@@ -92,6 +92,28 @@ def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
     return TransformerConfig(**kwargs)
 
 
+def _layer_spec(args: GPTModelArgs, use_te: bool):
+    """Megatron-Core's Transformer Engine layer spec (TE imported only then), else its local
+    spec (pure PyTorch, CPU-capable)."""
+    if use_te:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "build_gpt_model(use_te=True) needs transformer_engine installed"
+            ) from e
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization
+    )
+
+
 def build_gpt_model(
     args: GPTModelArgs,
     pre_process: bool | None = None,
@@ -100,6 +122,7 @@ def build_gpt_model(
     *,
     parallel_output: bool = True,
     vp_stage: int | None = None,
+    sequence_packing: bool = False,
     **config_overrides: Any,
 ):
     """Build the Megatron-Core ``GPTModel`` chunk of ``args`` for this pipeline stage.
@@ -112,6 +135,9 @@ def build_gpt_model(
             otherwise Megatron-Core's local spec (pure PyTorch, CPU-capable).
         parallel_output: keep logits split over the vocabulary across TP ranks.
         vp_stage: virtual pipeline stage of this chunk, if interleaving.
+        sequence_packing: the schedule feeds its micro-batches packed (THD,
+            :mod:`loggra_megatron.model.packing`); needs ``use_te`` (Megatron-Core's local
+            attention refuses ``packed_seq_params``).
         config_overrides: forwarded to :func:`transformer_config_from_args`.
 
     The model lives on the host with ``use_cpu_initialization=True``, else on the current
@@ -123,6 +149,14 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from loggra_megatron.model.forward import PACKS_SEQUENCES
+
+    if sequence_packing and not use_te:
+        raise ValueError(
+            "build_gpt_model(sequence_packing=True) needs use_te=True: packed sequences run "
+            "in Transformer Engine's attention (Megatron-Core's local DotProductAttention "
+            "refuses packed_seq_params)"
+        )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(
             ignore_virtual=vp_stage is None, vp_stage=vp_stage
@@ -132,28 +166,10 @@ def build_gpt_model(
             ignore_virtual=vp_stage is None, vp_stage=vp_stage
         )
     config = transformer_config_from_args(args, **config_overrides)
-    if use_te:
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "build_gpt_model(use_te=True) needs transformer_engine installed"
-            ) from e
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        layer_spec = get_gpt_layer_local_spec(
-            qk_layernorm=args.qk_layernorm, normalization=args.normalization
-        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=_layer_spec(args, use_te),
         vocab_size=args.padded_vocab_size(tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -167,6 +183,7 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    setattr(model, PACKS_SEQUENCES, sequence_packing)
     if not config.use_cpu_initialization and torch.cuda.is_available():
         # As Megatron-LM's get_model: what Megatron-Core does not place itself (the local
         # spec's torch.nn.RMSNorm, buffers) is created on the host; move all of it.

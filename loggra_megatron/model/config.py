@@ -77,6 +77,10 @@ class ModelConfig:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism: norms, dropout and residuals split over TP ranks
     along the sequence (needs --tensor-model-parallel-size > 1)."""
+    sequence_packing: bool = False
+    """Feed each training and log-prob micro-batch as one packed row, no padding between its
+    rows (THD, Megatron's ``PackedSeqParams``; docs/benchmarks.md): Transformer Engine's
+    attention only, bf16."""
 
     @property
     def ffn_size(self) -> int:
@@ -134,6 +138,20 @@ class ModelConfig:
                 self.fp8_format,
                 "FP8 runs in Transformer Engine layers; use "
                 "--transformer-impl transformer_engine (or auto), not local",
+            )
+        if self.sequence_packing and self.transformer_impl == "local":
+            reject(
+                "sequence_packing",
+                True,
+                "packed sequences run in Transformer Engine's attention (Megatron-Core's local "
+                "DotProductAttention refuses them); use --transformer-impl transformer_engine",
+            )
+        if self.sequence_packing and not self.bf16:
+            reject(
+                "sequence_packing",
+                True,
+                "needs --bf16: Transformer Engine's packed-sequence kernels (flash, cuDNN "
+                "fused) take fp16/bf16 only",
             )
         if self.fp8_format is not None and not self.bf16:
             reject("fp8_format", self.fp8_format, "FP8 training needs --bf16")

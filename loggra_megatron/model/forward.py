@@ -8,7 +8,8 @@ through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is 
 
 * :func:`run_schedule` — forward + backward with a loss (the actor), or forward-only; every
   micro-batch right-padded to the :func:`sequence_multiple` that sequence parallelism and
-  Transformer Engine's FP8 GEMMs need;
+  Transformer Engine's FP8 GEMMs need, or packed (THD, :mod:`~loggra_megatron.model.packing`)
+  for a model built with ``sequence_packing``;
 * :func:`forward_map` — forward-only, ``fn(micro_batch, logits)`` applied on the last
   pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages;
 * :func:`token_log_probs` — ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits
@@ -25,8 +26,13 @@ from functools import partial
 
 import torch
 
-from loggra_megatron.model.batching import PaddingStats
+from loggra_megatron.model.batching import LENGTHS, PaddingStats
+from loggra_megatron.model.packing import PACKED, pack_micro_batch
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
+
+PACKS_SEQUENCES = "packs_sequences"
+"""Attribute of a ``GPTModel`` built with ``sequence_packing``
+(:func:`~loggra_megatron.model.build.build_gpt_model`): its forwards take packed rows."""
 
 
 def positions_like(x: torch.Tensor) -> torch.Tensor:
@@ -34,11 +40,31 @@ def positions_like(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand_as(x)
 
 
+def packs_sequences(model) -> bool:
+    """Whether the (wrapped) model's forwards take the micro-batches packed (THD)."""
+    from megatron.core.utils import unwrap_model
+
+    return bool(getattr(unwrap_model(model), PACKS_SEQUENCES, False))
+
+
 def gpt_logits(model, batch: dict) -> torch.Tensor:
     """The (DDP-/Float16-wrapped) GPT model on ``batch["tokens"][:, :-1]``: ``[b, s, V/TP]``
-    logits on the last pipeline stage, hidden states elsewhere."""
-    x = batch["tokens"][:, :-1]
-    return model(x, positions_like(x), None)
+    logits on the last pipeline stage, hidden states elsewhere; a packed micro-batch
+    (:data:`~loggra_megatron.model.packing.PACKED`) is fed as its one packed row and its
+    logits are returned in the ``[b, s]`` layout."""
+    from megatron.core import parallel_state as ps
+
+    packed = batch.get(PACKED)
+    if packed is None:
+        x = batch["tokens"][:, :-1]
+        return model(x, positions_like(x), None)
+    out = model(
+        packed.input_ids,
+        packed.position_ids,
+        None,
+        packed_seq_params=packed.packed_seq_params(),
+    )
+    return packed.unpack(out) if ps.is_pipeline_last_stage() else out
 
 
 def token_log_probs(
@@ -118,31 +144,51 @@ def run_schedule(
     micro-batch padded on the right to the model's :func:`sequence_multiple`: the extra
     positions are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference
     log-probs), so they carry no loss; causal attention keeps them out of the real positions'
-    logits. Under PP every micro-batch is padded to the longest (the stages exchange
-    activations of one shape). ``padding``: counts the slots fed."""
+    logits. A model that :func:`packs_sequences` is fed each micro-batch as one packed row
+    of its rows' :data:`~loggra_megatron.model.batching.LENGTHS` instead. Under PP every
+    micro-batch is padded to the longest (the stages exchange activations of one shape).
+    ``padding``: counts the slots fed."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
     multiple = sequence_multiple(get_model_config(model))
-    width = 0
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        width = max(b["tokens"].shape[1] - 1 for b in micro)
-    micro = [pad_micro_batch(b, multiple, width) for b in micro]
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    if packs_sequences(model):
+        lengths = [_lengths(b) for b in micro]
+        width = max(int(n.sum()) for n in lengths) if pipelined else 0
+        micro = [
+            pack_micro_batch(b, n, multiple, width) for b, n in zip(micro, lengths, strict=True)
+        ]
+        seq_length, rows = micro[0][PACKED].num_slots, 1
+    else:
+        width = max(b["tokens"].shape[1] - 1 for b in micro) if pipelined else 0
+        micro = [pad_micro_batch(b, multiple, width) for b in micro]
+        seq_length, rows = micro[0]["tokens"].shape[1] - 1, micro[0]["tokens"].shape[0]
     if padding is not None:
         for b in micro:
             padding.count(b)
-    tokens = micro[0]["tokens"]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro),
         model=[model],
         num_microbatches=len(micro),
-        seq_length=tokens.shape[1] - 1,
-        micro_batch_size=tokens.shape[0],
+        seq_length=seq_length,
+        micro_batch_size=rows,
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
+
+
+def _lengths(batch: dict) -> torch.Tensor:
+    """``[b]`` the fed positions each row of a micro-batch needs, in ``1 .. s`` (all ``s``
+    without :data:`~loggra_megatron.model.batching.LENGTHS`)."""
+    tokens = batch["tokens"]
+    seq = tokens.shape[1] - 1
+    lengths = batch.get(LENGTHS)
+    if lengths is None:
+        return torch.full((tokens.shape[0],), seq, device=tokens.device)
+    return lengths.to(tokens.device).clamp(1, seq)
 
 
 def _map_step(fn, data_iterator, model):

@@ -61,7 +61,7 @@ def gpt_model(
         **fused_kernels(device.type, use_te),
         **m.transformer_overrides(),
     )
-    model = build_gpt_model(args, use_te=use_te, **overrides)
+    model = build_gpt_model(args, use_te=use_te, sequence_packing=m.sequence_packing, **overrides)
     if cfg.start.mode == "converted":  # verified once; the reference becomes the policy
         load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
     if m.bf16:
