@@ -172,8 +172,8 @@ def controller_share(
     the training forward, as in pretrain_rl.py (computed here outside the timer), else
     the controller runs its own reference forward. ``target`` 1e9: never scaled; None: a
     quarter of the first step's KL, so that every step is scaled (η ≈ 1/2).
-    ``realized``: ``kl/realized`` on the held-out rows every step (the default of
-    ``--kl-realized-interval``). ``skip``: probe skipping on (the default,
+    ``realized``: ``kl/realized`` on the held-out rows every step
+    (``--kl-realized-interval 1``). ``skip``: probe skipping on (the default,
     ``--kl-probe-skip-below 0.1``), else the probe runs every step. ``stat`` over the steps'
     controller times (the mean amortizes the probes of a skipping controller)."""
     ctl = controller(
@@ -246,7 +246,8 @@ def measure_honesty(args, tokens):
     """A fresh model trained with the controller on, the target cycled over 16x: the KL
     predicted for each committed step, the KL realized, and the step scales."""
     ddp, opt = build(args)
-    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)  # probe skipping on
+    # probe skipping on, kl/realized on every update
+    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8, kl_realized_interval=1)
     probe, holdout = ctl.config.probe_split(args.batch)
     predicted, realized, scales, skipped = [], [], [], 0
     base_target = None
@@ -271,7 +272,7 @@ def measure_skip_honesty(args, tokens, factor: float = 20.0):
     KL (far below it: most steps skip): on the skipped steps, the extrapolated KL (their
     ``kl/predicted``) against the full step's KL measured on the held-out rows."""
     ddp, opt = build(args)
-    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8)
+    ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8, kl_realized_interval=1)
     probe, holdout = ctl.config.probe_split(args.batch)
     pairs = []
     for step in range(args.run_steps):

@@ -5,9 +5,10 @@
     python benchmarks/kl_overhead_rl.py --repeats 5 --json out.json
     python benchmarks/kl_overhead_rl.py --arms plain,probing  # without probe skipping only
 
-Three arms: plain, ``--kl-target`` probing every update (``--kl-probe-skip-below 0``) and
-``--kl-target`` with probe skipping (the default). The method (ABBA-style repeats of
-``examples/tiny_cpu/run.sh``'s command) and what is reported:
+Four arms: plain; ``--kl-target`` probing every update (``--kl-probe-skip-below 0``) with
+``kl/realized`` every update (the controller before issue 25); with probe skipping; and
+with the defaults (probe skipping, ``kl/realized`` every 4th update). The method
+(ABBA-style repeats of ``examples/tiny_cpu/run.sh``'s command) and what is reported:
 ``docs/benchmarks.md``, "Predicted-KL step control".
 """
 
@@ -103,11 +104,12 @@ def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[s
 
 ARMS = {
     "plain": [],
-    "probing": ["--kl-probe-skip-below", "0"],  # the controller before probe skipping
-    "skipping": [],  # the default: --kl-probe-skip-below 0.1
+    "probing": ["--kl-probe-skip-below", "0", "--kl-realized-interval", "1"],  # before issue 25
+    "skipping": ["--kl-realized-interval", "1"],  # probe skipping, kl/realized every update
+    "realized4": [],  # the defaults: probe skipping, kl/realized every 4th update
 }
-"""The arms: no control, control that probes every update, control with probe skipping
-(the last two get ``--kl-target``)."""
+"""The arms: no control, control that probes every update, control with probe skipping,
+the same with ``kl/realized`` every 4th update (all but the first get ``--kl-target``)."""
 
 
 def parse_args():

@@ -108,7 +108,7 @@ def _controller(ddp, opt, **cfg):
 
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
-    config = KLControlConfig(**cfg)
+    config = KLControlConfig(**{"kl_realized_interval": 1, **cfg})  # kl/realized every step
     return PredictedKLController(
         config,
         MegatronStepper(opt),
@@ -305,7 +305,9 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     ddp, opt = _build("loggra")
     from megatron.core import parallel_state as ps
 
-    config = KLControlConfig(kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator)
+    config = KLControlConfig(
+        kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator, kl_realized_interval=1
+    )
     k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
     forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
     ctl = PredictedKLController(

@@ -87,7 +87,7 @@ def test_the_rule_state_round_trips_and_an_old_checkpoint_probes_first():
 
 
 # ---------------------------------------------------------------- the controller
-def _run(rank, kind, skip_below, steps=5):
+def _run(rank, kind, skip_below, steps=5, **cfg):
     """``steps`` controlled steps far below target (1e9); per step its metrics and the
     forwards the controller ran (rows of each), then the weights and the controller."""
     torch.manual_seed(0)
@@ -99,6 +99,7 @@ def _run(rank, kind, skip_below, steps=5):
         kl_probe_fraction=0.25,
         kl_probe_skip_below=skip_below,
         kl_probe_max_skips=2,
+        **cfg,
     )
     forwards = []
     forward = ctl.forward
@@ -168,3 +169,15 @@ def _resumed(rank, steps_before=2, steps_after=3):
 def test_a_resumed_controller_continues_the_skip_pattern():
     for skipped in run_distributed(_resumed, 2):
         assert skipped == [0, 1, 1, 0, 1]  # without the state the third step would probe
+
+
+def test_default_realized_interval_checks_skipped_steps_at_a_quarter_of_the_cost():
+    """The default ``--kl-realized-interval`` 4: kl/realized on steps 0 and 4 of 6 (key
+    absent elsewhere), step 4 a skipped one whose extrapolation it checks; the steps without
+    it run no forward at all when they skip the probe."""
+    assert KLControlConfig(kl_target=0.1).kl_realized_interval == 4
+    (steps, _, _), _ = run_distributed(_run, 2, "dense", 0.1, steps=6, kl_realized_interval=4)
+    assert [int("kl/realized" in m) for m, _ in steps] == [1, 0, 0, 0, 1, 0]
+    assert [m["kl/probe_skipped"] for m, _ in steps] == [0, 1, 1, 0, 1, 1]
+    assert steps[4][0]["kl/realized"] > 0 and steps[4][1] == [1, 1]
+    assert steps[5][1] == []  # skipped, not due: the update norm only

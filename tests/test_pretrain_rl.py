@@ -241,6 +241,7 @@ def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
             tokenizer,
             **parallel,
             **{"output-dir": out, "bf16": True, "kl-target": 0.05, "kl-coef": 0.01},
+            **{"kl-realized-interval": 1},  # kl/realized on every update (default: every 4th)
         )
     )
     rows = _check_metrics(out, 2)

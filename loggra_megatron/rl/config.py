@@ -78,8 +78,11 @@ class KLControlConfig:
     """TRPO-style safeguard: how many times η may be halved after the quadratic model."""
     kl_backtrack_tolerance: float = applies(1.5, "with --kl-target", _kl_control)
     """Halve η while the probe KL of the scaled step exceeds this × ``kl_target``."""
-    kl_realized_interval: int = applies(1, "with --kl-target", _kl_control)
-    """Measure ``kl/realized`` on held-out sequences every N steps (0: never)."""
+    kl_realized_interval: int = applies(4, "with --kl-target", _kl_control)
+    """Measure ``kl/realized`` on held-out sequences every N optimizer steps (0: never; 1:
+    every step). The default 4 keeps the control under 5 % of an RL step
+    (docs/benchmarks.md) and, next to the probe cycle of at most 5 steps, lands mostly on
+    steps that skipped the probe, whose extrapolation it checks."""
     kl_probe_skip_below: float = applies(0.1, "with --kl-target", _kl_control)
     """Skip the probe trial and commit the full step (η = 1) when the quadratic model's
     extrapolation of the last measured full-step KL, ``KL·‖Δθ‖²/‖Δθ_then‖²``, is below
