@@ -12,10 +12,18 @@ from itertools import islice
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import torch
+from packaging import version
 
 from loggra_megatron.data import DatasetFormatError, PromptDataset
-from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
+from loggra_megatron.data import tokenizer as tokenizer_module
+from loggra_megatron.data.tokenizer import (
+    USER_DEFINED_SYMBOLS,
+    SentencePieceTokenizer,
+    train_tokenizer,
+    with_required_chars,
+)
 from loggra_megatron.tasks import generate_tasks, write_jsonl
 from loggra_megatron.tasks.prompt_format import format_completion, format_prompt, task_texts
 from loggra_megatron.tasks.rewards import (
@@ -347,6 +355,24 @@ def test_tokenizer_training_is_deterministic(tokenizer_model, tmp_path):
     with open(tokenizer_model, "rb") as a, open(again, "rb") as b:
         assert a.read() == b.read()
     assert os.path.isfile(tmp_path / "again.vocab")
+
+
+def test_required_chars_the_corpus_lacks_get_a_sentence_each(tmp_path, monkeypatch):
+    """SentencePiece 0.2.2 (e.g. on the H200 image) aborts the process on a required
+    character the corpus never shows (`#` shows only inside the `####` symbol); each gets a
+    one-character sentence, which leaves 0.2.3's model bitwise unchanged."""
+    texts = ["12 + 3 = 15\n#### 15", "7 - 2 = 5"]
+    fed = list(with_required_chars(iter(texts), "1#x\t", USER_DEFINED_SYMBOLS))
+    assert fed == [*texts, "#", "x", "\t"]
+    tasks = list(task_texts(generate_tasks("mixed", 500, seed=0)))
+    with_sentences = train_tokenizer(tasks, tmp_path / "with", vocab_size=256)
+    tok = SentencePieceTokenizer(with_sentences)
+    assert tok.unk not in tok.tokenize("#x~") and tok.detokenize(tok.tokenize("#x~")) == "#x~"
+    if version.parse(spm.__version__) >= version.parse("0.2.3"):
+        monkeypatch.setattr(tokenizer_module, "with_required_chars", lambda texts, *_: iter(texts))
+        without = train_tokenizer(tasks, tmp_path / "without", vocab_size=256)
+        with open(with_sentences, "rb") as a, open(without, "rb") as b:
+            assert a.read() == b.read()
 
 
 def test_tokenizer_errors_name_the_flag(tmp_path):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import io
 import os
 import string
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import sentencepiece as spm
@@ -162,6 +163,26 @@ def load_tokenizer(path: str, kind: str | None = None) -> Tokenizer:
         raise ValueError(str(e)) from None
 
 
+def with_required_chars(
+    texts: Iterable[str], required_chars: str, user_defined_symbols: Sequence[str]
+) -> Iterator[str]:
+    """``texts``, then one one-character sentence per required character that none of them
+    shows outside a user-defined symbol (``#`` inside ``####`` is the symbol, not ``#``).
+
+    SentencePiece < 0.2.3 aborts the whole process (``CHECK freq > 0`` in its BPE trainer,
+    no exception) on a required character the corpus never shows; 0.2.3 counts such a
+    character once, so its models are bitwise those it trains without these sentences, and
+    a one-character sentence adds no pair to merge."""
+    seen: set[str] = set()
+    for text in texts:
+        shown = text
+        for symbol in user_defined_symbols:
+            shown = shown.replace(symbol, "")
+        seen.update(shown)
+        yield text
+    yield from (c for c in dict.fromkeys(required_chars) if c not in seen)
+
+
 def train_tokenizer(
     texts: Iterable[str],
     prefix: str | os.PathLike,
@@ -192,7 +213,7 @@ def train_tokenizer(
         os.makedirs(directory, exist_ok=True)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
+        sentence_iterator=with_required_chars(texts, required_chars, user_defined_symbols),
         model_writer=model,
         model_type=model_type,
         vocab_size=vocab_size,
@@ -220,6 +241,14 @@ def train_tokenizer(
     with open(model_path, "wb") as f:
         f.write(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    lost = [c for c in dict.fromkeys(required_chars) if sp.piece_to_id(c) == sp.unk_id()]
+    if lost:  # SentencePiece 0.2.2 makes no piece of a tab, even one the corpus shows
+        warnings.warn(
+            f"sentencepiece {spm.__version__} kept no piece for the required characters "
+            f"{''.join(lost)!r}: they tokenize to <unk> (sentencepiece >= 0.2.3 keeps them; "
+            "or --byte-fallback)",
+            stacklevel=2,
+        )
     with open(prefix + ".vocab", "w", encoding="utf-8") as f:
         for i in range(sp.get_piece_size()):
             f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
