@@ -400,6 +400,16 @@ def test_h200_check_skips_sections_past_its_budget(tmp_path):
     assert "# done in" in text
 
 
+def test_h200_check_skips_the_sections_named_in_skip(tmp_path):
+    """A rerun on the device spends its minutes on the sections that failed only."""
+    skip = "environment tokenizer estimate_rl_static rl_static memory_bf16"
+    proc, text = _rehearse(tmp_path, SKIP=skip, RL_DEVICE="cpu")
+    assert proc.returncode == 0, proc.stderr
+    for name in skip.split():
+        assert f"## {name}: SKIPPED (SKIP)" in text
+    assert "FAILED" not in text and "# done in" in text
+
+
 @pytest.mark.slow  # ~2 minutes on 2 cores: four Python processes that import Megatron
 def test_h200_check_rehearsal_on_cpu(tmp_path):
     """The whole script on CPU with tiny shapes, as on a GPU without flash-attn and

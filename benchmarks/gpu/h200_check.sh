@@ -32,6 +32,7 @@
 # included, every section runs; give it the time):
 #   BUDGET_S=900 bash benchmarks/gpu/h200_check.sh            # -> ./h200_check.txt
 #   RESULTS=/tmp/r.txt BUDGET_S=900 STEPS=5 bash benchmarks/gpu/h200_check.sh
+#   SKIP="memory_bf16" bash benchmarks/gpu/h200_check.sh     # sections by name, e.g. a rerun
 set -uo pipefail  # no -e: a failing section is recorded and the next one runs
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO"
@@ -78,6 +79,10 @@ note() { echo "$*" | tee -a "$RESULTS"; }
 section() {
     local name=$1 limit=$2 left rc t0
     shift 2
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        note "## $name: SKIPPED (SKIP)"
+        return 1
+    fi
     left=$((BUDGET_S - SECONDS))
     if ((left < 30)); then
         note "## $name: SKIPPED (the ${BUDGET_S} s budget is spent)"
