@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -333,7 +334,7 @@ def _bash_array(text: str, name: str) -> list[str]:
     return shlex.split(m[1].replace("\n", " "))
 
 
-def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, capsys):
+def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, capsys, monkeypatch):
     from loggra_megatron.arguments import build_parser
 
     text = _read(H200)
@@ -355,6 +356,7 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
     calls = (
         r"^rl rl_static static",
         r"^section memory_bf16",
+        r"^section kl_control",
         r"^    rl rl_dynamic dynamic",
         r"^    section memory_fp8",
         r"^    rl rl_fp8",
@@ -362,6 +364,15 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
     )
     order = [re.search(call, text, re.M).start() for call in calls]
     assert order == sorted(order)
+    kl = re.search(r"bench_kl_control\.py (--device .*?)\"\$\{KL_EXTRA", text, re.S)[1]
+    path = os.path.join(ROOT, "benchmarks", "bench_kl_control.py")
+    spec = importlib.util.spec_from_file_location("bench_kl_control", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = shlex.split(kl.replace("\\\n", " ").replace('"$RL_DEVICE"', "cuda"))
+    monkeypatch.setattr(sys, "argv", [path, *flags])
+    args = bench.parse_args()
+    assert args.skipping_only and (args.hidden, args.seq, args.device) == (2048, 1024, "cuda")
     # the header says how to run it through the device tool and by hand
     assert 'carry=[".whl"]' in text and "fetch-wheels" in text and "By hand" in text
 
@@ -387,13 +398,15 @@ def _rehearse(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
     return proc, results.read_text()
 
 
+RUNNABLE = ("environment", "tokenizer", "estimate_rl_static", "rl_static", "memory_bf16")
+RUNNABLE += ("kl_control",)  # wherever torch and megatron-core run, in this order
 NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_packed")  # on a CPU machine
 
 
 def test_h200_check_skips_sections_past_its_budget(tmp_path):
     proc, text = _rehearse(tmp_path, BUDGET_S="0", RL_DEVICE="cpu")
     assert proc.returncode == 0, proc.stderr
-    for name in ("environment", "tokenizer", "estimate_rl_static", "rl_static", "memory_bf16"):
+    for name in RUNNABLE:
         assert f"## {name}: SKIPPED (the 0 s budget is spent)" in text
     for name in NOT_HERE:  # not available is said whatever the budget
         assert f"## {name}: not available: no CUDA device (RL_DEVICE=cpu)" in text
@@ -402,10 +415,9 @@ def test_h200_check_skips_sections_past_its_budget(tmp_path):
 
 def test_h200_check_skips_the_sections_named_in_skip(tmp_path):
     """A rerun on the device spends its minutes on the sections that failed only."""
-    skip = "environment tokenizer estimate_rl_static rl_static memory_bf16"
-    proc, text = _rehearse(tmp_path, SKIP=skip, RL_DEVICE="cpu")
+    proc, text = _rehearse(tmp_path, SKIP=" ".join(RUNNABLE), RL_DEVICE="cpu")
     assert proc.returncode == 0, proc.stderr
-    for name in skip.split():
+    for name in RUNNABLE:
         assert f"## {name}: SKIPPED (SKIP)" in text
     assert "FAILED" not in text and "# done in" in text
 
@@ -421,6 +433,7 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
         "--loggra-min-dim 16 --inference-max-tokens 512"
     )
     mem = "--device cpu --layers 2 --hidden 64 --ffn 128 --heads 4 --vocab 128 --seq 16 --new-tokens 8 --timed-steps 1"
+    kl = "--layers 1 --hidden 64 --heads 4 --vocab 128 --seq 16 --batch 8 --steps 1 --run-steps 3"
     proc, text = _rehearse(
         tmp_path,
         BUDGET_S="500",
@@ -429,11 +442,11 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
         RL_DEVICE="cpu",
         RL_EXTRA=rl,
         MEM_EXTRA=mem,
+        KL_EXTRA=kl + " --repeats 1",
     )
     assert proc.returncode == 0, proc.stderr
     sections = re.findall(r"^## (\w+)", text, re.M)
-    runs = ["environment", "tokenizer", "estimate_rl_static", "rl_static", "memory_bf16"]
-    assert sections == [*runs, *NOT_HERE], sections
+    assert sections == [*RUNNABLE, *NOT_HERE], sections
     assert "FAILED" not in text
     for name in NOT_HERE:
         assert f"## {name}: not available: no CUDA device (RL_DEVICE=cpu)" in text
@@ -445,6 +458,7 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     assert "| dense | fp32 grads | yes |" in text
     assert "| loggra | bf16 grads, remainders | yes |" in text
     assert re.search(r"\| yes \| \S+ \(.*\) \| \S+ \(.*\) \| \S+ \| \S+ % \|", text)  # best vs best
+    assert "| kl/realized every step |" in text and "predicted vs realized over" in text
     assert text.rstrip().splitlines()[-1].startswith("# done in")
 
 

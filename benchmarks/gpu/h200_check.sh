@@ -9,7 +9,8 @@
 #      memory (torch.cuda.max_memory_allocated), KV-cache bytes, after
 #      tools/estimate_memory.py's estimate of the same flags.
 #   2. memory_bf16: the memory sweep of benchmarks/memory_rl.py (dense Adam vs LoGRA inside
-#      Megatron's distributed optimizer).
+#      Megatron's distributed optimizer); kl_control: benchmarks/bench_kl_control.py at hidden
+#      2048, seq 1024 (predicted-KL control per update, probe skipping, honesty).
 #   3. rl_dynamic: the same run with Megatron-Core's dynamic engine (needs flash-attn).
 #   4. memory_fp8, rl_fp8: the sweep and the RL run with FP8 (--fp8-format hybrid
 #      --fp8-recipe tensorwise; needs Transformer Engine and compute capability >= 8.9; the
@@ -51,10 +52,12 @@ RESULTS=${RESULTS:-${OUT:-.}/h200_check.txt}
 BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-3}
 # For a rehearsal on CPU (tests/test_gpu_scripts.py): RL_DEVICE=cpu, and flags appended to
-# the pretrain_rl/estimate calls (RL_EXTRA) and to the memory_rl calls (MEM_EXTRA).
+# the pretrain_rl/estimate calls (RL_EXTRA), the memory_rl calls (MEM_EXTRA) and the
+# bench_kl_control call (KL_EXTRA).
 RL_DEVICE=${RL_DEVICE:-cuda}
 read -ra RL_EXTRA <<<"${RL_EXTRA:-}"
 read -ra MEM_EXTRA <<<"${MEM_EXTRA:-}"
+read -ra KL_EXTRA <<<"${KL_EXTRA:-}"
 WORK=${WORK:-$(mktemp -d /tmp/h200_check.XXXXXX)}
 mkdir -p "$WORK/logs" "$(dirname "$RESULTS")"
 : >"$RESULTS"
@@ -229,6 +232,15 @@ SHAPE=(--device cuda --layers 16 --hidden 2048 --ffn 5632 --heads 16 --vocab 320
 SHAPE+=("${MEM_EXTRA[@]}")
 section memory_bf16 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}"
 grep -E '^(#|\||$)' "$WORK/logs/memory_bf16.log" >>"$RESULTS" 2>/dev/null
+# 2b: predicted-KL control per update at LLM width: probing every update against probe
+# skipping (interleaved repeats), then predicted vs realized KL at an RL-scale lr (the
+# benchmark's 3e-3 moves this model by ~0.75 nats per update, far outside the quadratic model)
+section kl_control 150 "$PY" -m torch.distributed.run --nproc-per-node 1 \
+    benchmarks/bench_kl_control.py --device "$RL_DEVICE" --layers 8 --hidden 2048 --heads 16 \
+    --vocab 32000 --seq 1024 --batch 16 --lr 1e-4 --steps 10 --run-steps 20 --repeats 3 \
+    --skipping-only \
+    "${KL_EXTRA[@]}"
+grep -E '^(#|\||baseline|Probe|predicted|skipped)' "$WORK/logs/kl_control.log" >>"$RESULTS" 2>/dev/null
 # 3-4: the dynamic engine (flash-attn) and FP8 (Transformer Engine on Hopper)
 if [ -z "$DYNAMIC_WHY" ]; then
     rl rl_dynamic dynamic "${IMPL[@]}"
