@@ -398,8 +398,14 @@ def _rehearse(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
     return proc, results.read_text()
 
 
-RUNNABLE = ("environment", "tokenizer", "estimate_rl_static", "rl_static", "memory_bf16")
-RUNNABLE += ("kl_control",)  # wherever torch and megatron-core run, in this order
+RUNNABLE = (  # wherever torch and megatron-core run, in this order
+    "environment",
+    "tokenizer",
+    "estimate_rl_static",
+    "rl_static",
+    "memory_bf16",
+    "kl_control",
+)
 NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_packed")  # on a CPU machine
 
 

@@ -36,6 +36,17 @@ def needed_lengths(mask: torch.Tensor) -> torch.Tensor:
     return (mask.bool() * positions).amax(dim=1).clamp(min=1).long()
 
 
+def fed_lengths(batch: dict) -> torch.Tensor:
+    """``[b]`` the fed positions each row of a micro-batch needs: its :data:`LENGTHS`
+    (within ``1 .. s``), all ``s`` without them."""
+    tokens = batch["tokens"]
+    seq = tokens.shape[1] - 1
+    lengths = batch.get(LENGTHS)
+    if lengths is None:
+        return torch.full((tokens.shape[0],), seq, device=tokens.device)
+    return lengths.to(tokens.device).clamp(1, seq)
+
+
 def _cut(batch: dict, rows: torch.Tensor | slice, width: int) -> dict:
     """Rows ``rows`` of ``batch``, its ``tokens`` cut to ``width + 1`` and its ``[B, s]``
     tensors to ``width``."""
@@ -118,9 +129,7 @@ class PaddingStats:
             self.slots += packed.num_slots
             return
         rows, seq = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
-        lengths = batch.get(LENGTHS)
-        real = rows * seq if lengths is None else float(lengths.clamp(max=seq).sum())
-        self.real += real
+        self.real += float(fed_lengths(batch).sum())
         self.slots += rows * seq
 
     @property

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from loggra_megatron.model.batching import LENGTHS, PaddingStats
+from loggra_megatron.model.batching import PaddingStats, fed_lengths
 from loggra_megatron.model.packing import PACKED, pack_micro_batch
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
@@ -155,7 +155,7 @@ def run_schedule(
     multiple = sequence_multiple(get_model_config(model))
     pipelined = ps.get_pipeline_model_parallel_world_size() > 1
     if packs_sequences(model):
-        lengths = [_lengths(b) for b in micro]
+        lengths = [fed_lengths(b) for b in micro]
         width = max(int(n.sum()) for n in lengths) if pipelined else 0
         micro = [
             pack_micro_batch(b, n, multiple, width) for b, n in zip(micro, lengths, strict=True)
@@ -178,17 +178,6 @@ def run_schedule(
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
-
-
-def _lengths(batch: dict) -> torch.Tensor:
-    """``[b]`` the fed positions each row of a micro-batch needs, in ``1 .. s`` (all ``s``
-    without :data:`~loggra_megatron.model.batching.LENGTHS`)."""
-    tokens = batch["tokens"]
-    seq = tokens.shape[1] - 1
-    lengths = batch.get(LENGTHS)
-    if lengths is None:
-        return torch.full((tokens.shape[0],), seq, device=tokens.device)
-    return lengths.to(tokens.device).clamp(1, seq)
 
 
 def _map_step(fn, data_iterator, model):
