@@ -57,4 +57,4 @@ def test_generated_help_escapes_percent_once():
     assert "under 5 % of a step (100%: off)" in text
     assert "%(default)s stays literal" in text
     assert "(default: 10%)" in text
-    assert "holds 5 % and 100%" in text
+    assert "docs hold 5 % and 100%." in text
