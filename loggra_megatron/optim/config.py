@@ -5,9 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, valid_seed
+from loggra_megatron.config import (
+    applies,
+    at_least,
+    check_fields,
+    one_of,
+    positive,
+    reject,
+    valid_seed,
+)
+from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES
 from loggra_megatron.optim.projection import PROJECTIONS
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.row_adam import ROW_OPTIMIZERS
+
+SKETCH_MODES = ("gradient", "backward")
+"""``--loggra-sketch``: sketch the dense gradient (range-finder basis, Adam moments), or form
+the sketch in the backward pass (LoGRA as published; no dense gradient of a target)."""
+SKETCH_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -16,8 +31,26 @@ def _sketched(s: dict) -> bool:
     return OPTIMIZERS[s["optimizer"]].sketched
 
 
+def _gradient(s: dict) -> bool:
+    return _sketched(s) and s["loggra_sketch"] == "gradient"
+
+
+def _backward(s: dict) -> bool:
+    return _sketched(s) and s["loggra_sketch"] == "backward"
+
+
 def _range_finder(s: dict) -> bool:
-    return _sketched(s) and s["loggra_projection"] == "range_finder"
+    return _gradient(s) and s["loggra_projection"] == "range_finder"
+
+
+def gradient_setting(default):
+    """A field of the gradient sketch: it applies to ``--loggra-sketch gradient`` only."""
+    return applies(default, "to --optimizer loggra --loggra-sketch gradient", _gradient)
+
+
+def backward_setting(default):
+    """A field of the backward sketch: it applies to ``--loggra-sketch backward`` only."""
+    return applies(default, "to --optimizer loggra --loggra-sketch backward", _backward)
 
 
 def loggra_setting(default):
@@ -91,27 +124,44 @@ class LoGRAConfig:
     :class:`~loggra_megatron.optim.megatron.factory.LoGRAOptimizerConfig` adds to Megatron's
     ``OptimizerConfig``."""
 
+    loggra_sketch: str = loggra_setting("gradient")
+    """gradient (sketch the dense gradient: range-finder basis, Adam moments, captured energy)
+    | backward (LoGRA as published: the sketch is formed in the backward pass, no dense
+    gradient of a target exists, RowAdam; docs/optimizer.md#the-backward-sketch)."""
     loggra_rank: int | None = loggra_setting(None)
-    """Sketch rank per weight matrix (default: hidden size / 8; clamped to min(m, n))."""
+    """Sketch rank per weight matrix (default: hidden size / 8; clamped to min(m, n), or to
+    the narrowest target's input width with --loggra-sketch backward)."""
+    loggra_targets: str = backward_setting(",".join(SKETCH_TARGETS))
+    """Comma-separated linear layers sketched in the backward pass (their weights get no
+    gradient and no grad buffer): any of linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    loggra_refresh_interval: int = backward_setting(1)
+    """Updates between redraws of the backward sketch's random projection (1: every update,
+    as published)."""
+    loggra_sketch_matrix: str = backward_setting("rademacher")
+    """The backward sketch's projection entries: rademacher (±1/√r) | gaussian (N(0, 1/r))."""
+    loggra_row_optimizer: str = backward_setting("adam")
+    """The backward sketch's update: adam (RowAdam, one second moment per output row) | sgd
+    (the reconstructed sketch itself)."""
     loggra_update_interval: int = applies(
         200,
-        "to --optimizer loggra with a --loggra-projection that refreshes its basis",
-        lambda s: _sketched(s) and PROJECTIONS[s["loggra_projection"]].refreshes,
+        "to --optimizer loggra --loggra-sketch gradient with a --loggra-projection that "
+        "refreshes its basis",
+        lambda s: _gradient(s) and PROJECTIONS[s["loggra_projection"]].refreshes,
     )
     """Optimizer steps between basis refreshes."""
-    loggra_projection: str = loggra_setting("range_finder")
+    loggra_projection: str = gradient_setting("range_finder")
     """range_finder | svd (GaLore baseline: the all-reduced Gram matrix) | random | identity."""
     loggra_oversample: int = applies(8, "to --loggra-projection range_finder", _range_finder)
     """Extra range-finder probe vectors."""
     loggra_power_iters: int = applies(1, "to --loggra-projection range_finder", _range_finder)
     """Range-finder power iterations."""
-    loggra_min_dim: int = loggra_setting(64)
+    loggra_min_dim: int = gradient_setting(64)
     """Matrices with a (TP-local) side shorter than this are updated densely."""
-    loggra_scale: float = loggra_setting(1.0)
+    loggra_scale: float = gradient_setting(1.0)
     """α, multiplies the low-rank update."""
     loggra_seed: int | None = loggra_setting(None)
-    """Base seed of the range finder's Gaussian test matrices (default: --seed; 0 outside
-    pretrain_rl.py)."""
+    """Base seed of the range finder's Gaussian test matrices, or of the backward sketch's
+    projections (default: --seed; 0 outside pretrain_rl.py)."""
     loggra_fp32_grad_copy: bool = applies(
         False,
         "to --optimizer loggra with --grad-reduce-in-bf16",
@@ -122,7 +172,7 @@ class LoGRAConfig:
     loggra_param_remainders: bool = loggra_setting(False)
     """Keep each bf16 weight's fp32 master as the weight plus a 16-bit remainder (exact, 2
     instead of 4 bytes/param; needs --bf16 and the distributed optimizer)."""
-    loggra_energy_warn_threshold: float = loggra_setting(0.5)
+    loggra_energy_warn_threshold: float = gradient_setting(0.5)
     """Warn once when a weight family's captured energy (``loggra/captured_energy/<family>/
     mean``) stays below this for 10 consecutive RL steps; 0: never (docs/optimizer.md
     #captured-energy)."""
@@ -131,6 +181,18 @@ class LoGRAConfig:
         check_fields(
             self,
             [
+                ("loggra_sketch", one_of(*SKETCH_MODES), f"one of {', '.join(SKETCH_MODES)}"),
+                ("loggra_refresh_interval", positive, ">= 1"),
+                (
+                    "loggra_sketch_matrix",
+                    one_of(*SKETCH_MATRICES),
+                    f"one of {', '.join(SKETCH_MATRICES)}",
+                ),
+                (
+                    "loggra_row_optimizer",
+                    one_of(*ROW_OPTIMIZERS),
+                    f"one of {', '.join(ROW_OPTIMIZERS)}",
+                ),
                 ("loggra_rank", positive, ">= 1"),
                 ("loggra_update_interval", positive, ">= 1"),
                 ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),
@@ -143,6 +205,18 @@ class LoGRAConfig:
             ],
             owner=LoGRAConfig,
         )
+        targets = self.loggra_targets.split(",")
+        unknown = [t for t in targets if t not in SKETCH_TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            reject(
+                "loggra_targets",
+                self.loggra_targets,
+                f"must be distinct names from {', '.join(SKETCH_TARGETS)}, comma-separated",
+            )
+
+    def targets(self) -> tuple[str, ...]:
+        """``--loggra-targets`` as names."""
+        return tuple(self.loggra_targets.split(","))
 
     def rank_for(self, hidden_size: int) -> int:
         """The sketch rank for a model of width ``hidden_size``."""

@@ -53,6 +53,10 @@ class OptimizerSpec:
     """Megatron's precision-aware optimizer can run it (TE's FusedAdam: moments at
     ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, masters as remainders with bf16 moments);
     the memory model reads those dtypes for it only."""
+    prepare_model: str | None = None
+    """``"module:function"``: ``function(model, optim, loggra)`` prepares the (unwrapped)
+    policy before DDP wraps it, e.g. freezes and hooks the backward sketch's targets
+    (``train.build.gpt_model``). None: nothing to prepare."""
     init_state: str | None = None
     """``"module:function"``: ``function(optimizer, config=None)`` gives every parameter of a
     torch optimizer its state (zeros), as Megatron's ``init_state_fn``, so that a checkpoint
@@ -84,6 +88,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         candidate=True,
         state_bytes_per_param=8,
         state_bytes_per_tensor=8,
+        prepare_model="loggra_megatron.optim.megatron.sketch_sites:prepare_model",
     ),
 }
 

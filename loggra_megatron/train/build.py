@@ -11,6 +11,7 @@ import torch
 
 from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.model.args import GPTModelArgs
+from loggra_megatron.optim.registry import OPTIMIZERS, resolve
 from loggra_megatron.rl.kl_control import PredictedKLController
 from loggra_megatron.rl.losses import AdaptiveKLCoefficient
 from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLoss
@@ -70,6 +71,9 @@ def gpt_model(
         model.eval().requires_grad_(False)
         return model
     opt = cfg.optimizer
+    prepare = OPTIMIZERS[opt.optimizer].prepare_model
+    if prepare is not None:  # before DDP: frozen weights get no grad buffer
+        resolve(prepare)(model, opt, cfg.loggra)
     return wrap_ddp(
         model,
         use_distributed_optimizer=opt.use_distributed_optimizer,
@@ -82,7 +86,6 @@ def gpt_model(
 def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimizer:
     """``--optimizer`` from the registry, over the policy."""
     from loggra_megatron.optim.megatron.factory import build_optimizer
-    from loggra_megatron.optim.registry import OPTIMIZERS
 
     spec = OPTIMIZERS[cfg.optimizer.optimizer]
     return build_optimizer(spec, cfg.optimizer, cfg.loggra, [policy])

@@ -49,6 +49,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         inner = self.optimizer
         return {
             "format": FORMAT_VERSION,
+            "sketch": getattr(self.config, "loggra_sketch", "gradient"),
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "projection": inner.param_groups[0]["projection"],
@@ -63,6 +64,12 @@ class LoGRACheckpointMixin(MegatronOptimizer):
                 "--optimizer adam, or load the weights only with --no-load-optim"
             )
         mine = self._loggra_meta()
+        if saved_meta.get("sketch", "gradient") != mine["sketch"]:  # older: gradient only
+            raise ValueError(
+                f"--loggra-sketch: the checkpoint was saved with --loggra-sketch "
+                f"{saved_meta.get('sketch', 'gradient')}, this run has {mine['sketch']}; "
+                "resume with the same mode, or load the weights only with --no-load-optim"
+            )
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "projection"):
             if saved_meta.get(name) != mine[name]:
                 raise ValueError(

@@ -118,6 +118,10 @@ def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
     config = megatron_optimizer_config(
         optim, model_chunks, LoGRAOptimizerConfig, **dataclasses.asdict(loggra)
     )
+    if loggra.loggra_sketch == "backward":
+        from loggra_megatron.optim.megatron.sketch_optimizer import build_backward_sketch
+
+        return build_backward_sketch(config, model_chunks)
     return get_loggra_optimizer(config, model_chunks)
 
 
@@ -194,6 +198,8 @@ class _ParamInfo:
         return self.gated and self.names.get(p, "").endswith("linear_fc1.weight")
 
     def sketched(self, p, config) -> bool:
+        if config.loggra_sketch == "backward":
+            return False  # the targets are frozen (sketch_sites); what is left is dense
         name = self.names.get(p, "")
         projection = PROJECTIONS[config.loggra_projection]
         return not any(part in name for part in DENSE_NAME_PARTS) and projection.sketches(

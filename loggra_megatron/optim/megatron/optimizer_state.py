@@ -87,6 +87,8 @@ def allocate_state(leaf) -> None:
     inner = getattr(leaf, "optimizer", None)
     if inner is None or len(inner.state) or isinstance(leaf, LoGRACheckpointMixin):
         return
+    if hasattr(inner, "init_state_of"):  # allocates its state in sharded_state_dict
+        return
     if not isinstance(leaf, DistributedOptimizer):
         if getattr(leaf, "init_state_fn", None) is None:
             raise ValueError(

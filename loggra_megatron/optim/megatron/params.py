@@ -26,7 +26,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 def main_params_of(leaf) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """``(main param, model param, start, end)`` for each main param of a Megatron leaf
     optimizer: the main param holds ``model_param.view(-1)[start:end]`` in fp32 (for fp32
-    model params it *is* that view)."""
+    model params it *is* that view). A leaf of LoGRA's own (the backward sketch's) says so
+    itself (``main_params()``)."""
+    if hasattr(leaf, "main_params"):
+        return leaf.main_params()
     if isinstance(leaf, DistributedOptimizer):
         groups = [
             *zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups, strict=True),

@@ -240,8 +240,12 @@ class MegatronStepper:
         self.sync_model_weights()
 
     def sync_model_weights(self) -> None:
-        """All-gather the model weights over DP (distributed optimizer), now."""
+        """All-gather the model weights over DP (distributed optimizer), now: those in DDP's
+        buffers, and a leaf's own (the backward sketch's targets, ``sync_weights``)."""
         chunks = {id(c): c for leaf in self.leaves for c in getattr(leaf, "model_chunks", [])}
         for chunk in chunks.values():
             if chunk.ddp_config.use_distributed_optimizer:
                 chunk.start_param_sync(force_sync=True)
+        for leaf in self.leaves:
+            if hasattr(leaf, "sync_weights"):
+                leaf.sync_weights()

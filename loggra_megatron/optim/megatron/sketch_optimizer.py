@@ -1,0 +1,345 @@
+"""The backward sketch's optimizer inside Megatron-Core: a leaf chained with the dense one.
+
+``--optimizer loggra --loggra-sketch backward`` builds a
+:class:`~loggra_megatron.optim.megatron.model_grads.LoGRAChainedOptimizer` (Megatron's
+``ChainedOptimizer``) over
+
+* the dense leaves: Megatron's (distributed) optimizer with LoGRA's AdamW inside and nothing
+  sketched (:func:`~loggra_megatron.optim.megatron.factory.get_loggra_optimizer`) for every
+  parameter that is not a target (embeddings, output layer, norms, biases). The targets were
+  frozen before DDP wrapped the model (:mod:`~loggra_megatron.optim.megatron.sketch_sites`), so
+  they are in none of its grad buffers;
+* one :class:`BackwardSketchOptimizer` (a ``MegatronOptimizer``) whose inner optimizer is
+  :class:`~loggra_megatron.optim.row_adam.RowAdam` over this DP rank's rows of every target.
+
+Together they have one ``step()`` (Megatron's ``ChainedOptimizer.step`` or
+:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`), one clip norm (this leaf adds
+``Σ ⟨S_i (A Aᵀ), S_i⟩`` over its rows to Megatron's single norm all-reduce; the chain hands the
+clip coefficient to RowAdam as ``model_grad_scale``, as to the dense leaves), one non-finite
+skip (a non-finite sketch makes the norm non-finite), and one ``sharded_state_dict``.
+
+A step of this leaf:
+
+1. ``prepare_grads``: reduce-scatter the flat sketch buffer over DP (each rank receives the
+   summed ``S`` of its own rows, scaled as Megatron's DDP scales gradients), then all-reduce
+   the rows of row-parallel targets over TP (their ``S`` was summed from column blocks).
+2. ``step_with_ready_grads``: RowAdam updates the fp32 masters of its rows (or the bf16
+   rows + int16 remainders), the rows are copied into the bf16 weights and all-gathered over
+   DP, and the projection's draw index advances.
+
+Bytes communicated per step: docs/optimizer.md#the-backward-sketch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+from loggra_megatron.optim.backward_sketch import gram_sq_norm
+from loggra_megatron.optim.megatron.model_grads import LoGRAChainedOptimizer
+from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites, find_sites
+from loggra_megatron.optim.row_adam import RowAdam
+
+FORMAT_VERSION = 1
+
+
+class BackwardSketchOptimizer(MegatronOptimizer):
+    """RowAdam on this rank's rows of the backward-sketched targets (module docstring).
+
+    Args:
+        config: the chain's ``LoGRAOptimizerConfig`` (lr, betas, eps, weight decay, clip,
+            ``loggra_row_optimizer``, ``loggra_param_remainders``).
+        sites: the :class:`SketchSites` of each model chunk.
+        model_chunks: the DDP-wrapped chunks.
+        grad_stats_group: the dense leaves' grad-stats group (one norm all-reduce).
+    """
+
+    def __init__(self, config, sites: list[SketchSites], model_chunks, grad_stats_group):
+        if config.fp16:
+            raise ValueError("--loggra-sketch backward supports bf16 and fp32 models, not fp16")
+        self.sites = sites
+        self.model_chunks = model_chunks
+        self.grad_stats_parallel_group = grad_stats_group
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = dist.get_world_size(self.dp_group)
+        self.segment = self.dp_group.rank() if sites[0].segments > 1 else 0
+        self.grad_scale = (
+            1.0 if model_chunks[0].config.calculate_per_token_loss else 1 / self.dp_size
+        )
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        remainders = config.loggra_param_remainders
+        self.rows_of: dict[torch.Tensor, tuple[SketchSites, SketchSite, int, int]] = {}
+        masters, param_remainders = [], {}
+        for chunk_sites in sites:
+            for site in chunk_sites:
+                lo, hi = site.owned_rows(self.segment)
+                if hi == lo:
+                    continue
+                rows = site.weight.detach()[lo:hi]
+                if rows.dtype == torch.float32:
+                    main = rows  # fp32 weights are their own masters
+                elif remainders:
+                    main = rows  # the bf16 rows; the master is rows + remainder
+                    param_remainders[main] = torch.zeros_like(rows, dtype=torch.int16)
+                else:
+                    main = rows.float()
+                self.rows_of[main] = (chunk_sites, site, lo, hi)
+                masters.append(main)
+        inner = RowAdam(
+            [{"params": masters}],  # may be empty: more DP ranks than rows
+            lr=config.lr if config.lr is not None else 0.0,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            row_optimizer=config.loggra_row_optimizer,
+            param_remainders=param_remainders,
+        )
+        super().__init__(inner, config)
+        self.is_stub_optimizer = False
+        self._reduced = False
+
+    # ------------------------------------------------------------------ Megatron's API
+    def get_parameters(self) -> list:
+        return []  # the sketches are clipped through RowAdam.model_grad_scale
+
+    def _gram_norms(self) -> list[torch.Tensor]:
+        total = torch.zeros((), dtype=torch.float32, device=self.sites[0].buffer.device)
+        for chunk_sites, site, _, _ in self.rows_of.values():
+            total += gram_sq_norm(
+                chunk_sites.rows_view(site, self.segment), chunk_sites.signs(site)
+            )
+        return [total.sqrt().reshape(1)]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:  # megatron-core ≤ 0.18
+        return self._gram_norms()
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:  # ≥ 0.19
+        return self._gram_norms() if grad_norm_group is None else []
+
+    def count_zeros(self) -> float:
+        return 0.0
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Sum the sketches over DP (reduce-scatter by rows) and TP (row-parallel targets),
+        once per backward; hand them to RowAdam. Returns False (no fp16 loss scaling)."""
+        if self._reduced:
+            return False
+        for chunk_sites in self.sites:
+            buffer = chunk_sites.buffer
+            if chunk_sites.segments > 1:
+                own = torch.empty_like(buffer[0])
+                dist.reduce_scatter_tensor(
+                    own, buffer.view(-1, buffer.shape[-1]), group=self.dp_group
+                )
+                buffer[self.segment].copy_(own)
+                del own
+            elif self.dp_size > 1:
+                dist.all_reduce(buffer, group=self.dp_group)
+            if self.grad_scale != 1.0:
+                buffer[self.segment].mul_(self.grad_scale)
+            if dist.get_world_size(self.tp_group) > 1:
+                for site in chunk_sites:
+                    if not site.column_parallel:
+                        dist.all_reduce(
+                            chunk_sites.rows_view(site, self.segment), group=self.tp_group
+                        )
+        self.optimizer.model_grad_scale = 1.0
+        self.optimizer.set_sketches(
+            {
+                main: (
+                    chunk_sites.rows_view(site, self.segment),
+                    lambda s=chunk_sites, t=site: s.signs(t),
+                )
+                for main, (chunk_sites, site, _, _) in self.rows_of.items()
+            }
+        )
+        self._reduced = True
+        return False
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        self.sync_weights()
+        for chunk_sites in self.sites:
+            chunk_sites.updates = self.optimizer.num_steps
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's step of this leaf alone (the chain's step is the one that runs)."""
+        self.prepare_grads()
+        grad_norm = self.get_grad_norm()
+        ok = bool(torch.isfinite(torch.as_tensor(grad_norm)))
+        if ok:
+            self.step_with_ready_grads()
+        return ok, grad_norm, None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk_sites in self.sites:
+            chunk_sites.zero()
+        self._reduced = False
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(1, device=self.sites[0].buffer.device)
+
+    # ------------------------------------------------------------------ weights
+    def main_params(self) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        """``(main, model param, start, end)``: each main holds ``weight.view(-1)[start:end]``."""
+        return [
+            (main, site.weight, lo * site.cols, hi * site.cols)
+            for main, (_, site, lo, hi) in self.rows_of.items()
+        ]
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        for main, (_, site, lo, hi) in self.rows_of.items():
+            rows = site.weight.detach()[lo:hi]
+            if main.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
+                rows.copy_(main)
+
+    @torch.no_grad()
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        for main, (_, site, lo, hi) in self.rows_of.items():
+            if main in self.optimizer.param_remainders:
+                self.optimizer.param_remainders[main].zero_()
+            else:
+                main.copy_(site.weight.detach()[lo:hi])
+
+    def reload_model_params(self, state_dict=None) -> None:
+        self._copy_model_params_to_main_params(state_dict)
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """All-gather every target's rows over DP (each rank updated its own)."""
+        if self.sites[0].segments == 1:
+            return
+        for chunk_sites in self.sites:
+            for site in chunk_sites:
+                weight = site.weight.detach()
+                out = weight.new_empty((chunk_sites.segments * site.chunk, site.cols))
+                lo, hi = site.owned_rows(self.segment)
+                mine = weight.new_zeros((site.chunk, site.cols))
+                mine[: hi - lo].copy_(weight[lo:hi])
+                dist.all_gather_into_tensor(out, mine, group=self.dp_group)
+                weight.copy_(out[: site.rows])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict:
+        s, config = self.sites[0], self.config
+        return {
+            "format": FORMAT_VERSION,
+            "sketch": "backward",
+            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "seed": s.seed,
+            "rank": s.rank,
+            "targets": sorted({site.name.partition(".")[2] for site in s}),
+            "row_optimizer": config.loggra_row_optimizer,
+            "num_steps": self.optimizer.num_steps,
+        }
+
+    def check_compatible(self, saved: dict | None) -> None:
+        """Raise ``ValueError`` when a checkpoint's optimizer meta cannot be loaded here."""
+        if not saved or saved.get("sketch", "gradient") != "backward":
+            raise ValueError(
+                "the checkpoint holds another optimizer's state than --loggra-sketch backward "
+                "(dense Adam, or --loggra-sketch gradient): resume with the optimizer it was "
+                "saved with, or load the weights only with --no-load-optim"
+            )
+        mine = self._meta()
+        flags = {
+            "tensor_model_parallel_size": "--tensor-model-parallel-size",
+            "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+            "seed": "--loggra-seed",
+            "rank": "--loggra-rank",
+            "targets": "--loggra-targets",
+            "row_optimizer": "--loggra-row-optimizer",
+        }
+        for name, flag in flags.items():
+            if saved.get(name) != mine[name]:
+                raise ValueError(
+                    f"{flag}: the checkpoint's backward-sketch optimizer state has {name}="
+                    f"{saved.get(name)!r}, this run {mine[name]!r}; resume with the same "
+                    f"{flag} (any data-parallel size works), or load the weights only with "
+                    "--no-load-optim"
+                )
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        """``{"loggra": meta, "param_state": {name: {fp32_param, exp_avg_sq?}}}``: flat
+        tensors with global offsets (rows), so a checkpoint loads at any DP size. The
+        projection is not saved: it is drawn again from (seed, draw, name)."""
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        replica = 0 if self.sites[0].segments > 1 else self.dp_group.rank()
+        param_state = {}
+        for main, (_, site, lo, _) in self.rows_of.items():
+            key = f"optimizer.loggra_sketch.tp{tp}.{site.name}"
+            master = self.optimizer.master_of(main).float()
+            if is_loading:
+                master = torch.empty_like(master)
+            entry = {
+                "fp32_param": _flat(
+                    f"{key}.fp32_param", master, site.rows * site.cols, lo * site.cols, replica
+                )
+            }
+            state = self.optimizer.init_state_of(main)
+            if "exp_avg_sq" in state:
+                v = torch.empty_like(state["exp_avg_sq"]) if is_loading else state["exp_avg_sq"]
+                entry["exp_avg_sq"] = _flat(f"{key}.exp_avg_sq", v, site.rows, lo, replica)
+            param_state[site.name] = entry
+        return {"loggra": self._meta(), "param_state": param_state}
+
+    def state_dict(self):
+        return self.sharded_state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict) -> None:
+        self.check_compatible(state_dict["loggra"])
+        num_steps = state_dict["loggra"]["num_steps"]
+        self.optimizer.num_steps = num_steps
+        for main, (_, site, _, _) in self.rows_of.items():
+            saved = state_dict["param_state"][site.name]
+            self.optimizer.set_master(main, saved["fp32_param"].view(main.shape))
+            if "exp_avg_sq" in saved:
+                self.optimizer.init_state_of(main)["exp_avg_sq"].copy_(saved["exp_avg_sq"])
+        for chunk_sites in self.sites:
+            chunk_sites.updates = num_steps
+        self._copy_main_params_to_model_params()
+        self.sync_weights()
+
+
+def build_backward_sketch(config, model_chunks) -> LoGRAChainedOptimizer:
+    """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
+    :class:`BackwardSketchOptimizer` over the targets that
+    :func:`~loggra_megatron.optim.megatron.sketch_sites.prepare_model` froze."""
+    from loggra_megatron.optim.megatron.factory import get_loggra_optimizer
+
+    sites = find_sites(model_chunks)
+    if not sites:
+        raise ValueError(
+            "--loggra-sketch backward: the model was wrapped in DDP without prepare_model "
+            "(optim.megatron.sketch_sites): its targets would get dense gradients"
+        )
+    dense = get_loggra_optimizer(config, model_chunks)
+    leaves = list(getattr(dense, "chained_optimizers", [dense]))
+    sketch = BackwardSketchOptimizer(
+        config, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
+    )
+    return LoGRAChainedOptimizer([*leaves, sketch])
+
+
+def _flat(key: str, data: torch.Tensor, global_numel: int, offset: int, replica: int):
+    return ShardedTensor(
+        key=key,
+        data=data.reshape(-1),
+        dtype=data.dtype,
+        local_shape=(data.numel(),),
+        global_shape=(global_numel,),
+        global_offset=(offset,),
+        axis_fragmentations=None,
+        replica_id=replica,
+    )

@@ -1,0 +1,272 @@
+"""Backward sketches inside a Megatron-Core ``GPTModel`` (``--loggra-sketch backward``).
+
+:func:`prepare_model` runs before DDP wraps the policy. For every ``--loggra-targets`` linear
+layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; Megatron's
+``ColumnParallelLinear`` / ``RowParallelLinear`` and their subclasses) it
+
+* freezes the weight for autograd (``requires_grad=False``): Megatron then runs
+  ``linear_with_frozen_weight`` (no weight gradient, the input is not saved for one), and DDP
+  allocates no ``main_grad`` and not a byte of grad buffer for it;
+* registers a forward hook that keeps ``P = X Bᵀ`` (``[tokens, r]``, activation dtype) and a
+  hook on the layer's output gradient ``H`` that adds ``Hᵀ P / √r`` into the layer's rows of
+  one flat fp32 buffer (:class:`SketchSites`). Hooks run only in forwards that build a graph
+  (training; under activation recompute in the recomputation), never in rollouts or
+  log-prob forwards.
+
+Sharding and communication (``W_local``: ``[m, n]`` on this TP rank, ``A = B/√r`` drawn
+for the full input width, identically on every rank):
+
+* TP, column-parallel (qkv, fc1: ``W_local = W[rows of this rank]``): the full ``A``;
+  ``S_local = H_localᵀ P`` is this rank's rows of ``S``, no TP sum. Under sequence parallelism
+  ``X`` holds this rank's tokens, so ``P`` (``r`` columns) is all-gathered along tokens.
+* TP, row-parallel (proj, fc2: ``W_local = W[:, cols of this rank]``): the column block
+  ``A[:, cols]``; ``X_local A_blockᵀ`` are partial sums of ``P``. Without SP every rank has
+  all tokens' ``H`` and sketches ``Hᵀ P_partial``; with SP ``P`` is reduce-scattered along
+  tokens to this rank's tokens of ``H``. Either way ``S`` is summed over TP once per step
+  (``[m, r]``), by :class:`~loggra_megatron.optim.megatron.sketch_optimizer.BackwardSketchOptimizer`.
+  Per micro-batch TP traffic is ``tokens·r`` per layer; per step ``m·r``: never ``m·n``.
+* DP: the buffer is ``[segments, rows per segment, r]``, segment ``d`` holding DP rank
+  ``d``'s rows of every weight (rows cut in ``ceil(m / DP)`` blocks), so one
+  ``reduce_scatter`` gives each rank the summed sketch of the rows it updates and keeps state
+  for (one segment, all-reduced, without the distributed optimizer).
+* PP: each stage sketches its own layers. The projection of a layer is named by its global
+  layer number, so PP=2 draws what PP=1 draws.
+
+Megatron-Core attributes read (pinned, 0.16–0.19): ``weight.partition_dim``,
+``module.sequence_parallel``, ``TransformerLayer.layer_number``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from loggra_megatron.optim.backward_sketch import draw_signs, fp32_matmul, sketch_scale
+
+SITES_ATTR = "loggra_sketch_sites"
+"""The attribute of the model chunk that holds its :class:`SketchSites`."""
+
+
+@dataclass
+class SketchSite:
+    """One target weight on this rank."""
+
+    name: str
+    """``layer{global layer number}.{target}``: names the projection's draw."""
+    module: torch.nn.Module
+    weight: torch.nn.Parameter
+    column_parallel: bool
+    sequence_parallel: bool
+    rows: int
+    """``m``: rows of the TP-local weight."""
+    cols: int
+    """``n``: columns of the TP-local weight."""
+    full_cols: int
+    """Columns of the whole weight (the width ``A`` is drawn for)."""
+    col_offset: int
+    """First column of this TP rank's block of ``A`` (row-parallel; 0 otherwise)."""
+    offset: int = 0
+    """First row of this weight in each DP segment of the buffer."""
+    chunk: int = 0
+    """Rows of this weight per DP segment (``ceil(rows / segments)``)."""
+
+    def owned_rows(self, segment: int) -> tuple[int, int]:
+        """The rows ``[lo, hi)`` of the weight that DP segment ``segment`` holds."""
+        lo = min(segment * self.chunk, self.rows)
+        return lo, min(lo + self.chunk, self.rows)
+
+
+class SketchSites:
+    """The target layers of one model chunk, their flat sketch buffer and projection.
+
+    Args:
+        model: the (unwrapped) model chunk.
+        targets: target layer names (``--loggra-targets``).
+        rank: sketch rank ``r`` (clamped to the narrowest target's full width).
+        seed, kind, refresh_interval: the projection's draw (``--loggra-seed``,
+            ``--loggra-sketch-matrix``, ``--loggra-refresh-interval``).
+        segments: DP segments of the buffer (the DP size under the distributed optimizer,
+            else 1).
+    """
+
+    def __init__(self, model, targets, rank, seed, kind, refresh_interval, segments):
+        self.seed, self.kind, self.refresh_interval = seed, kind, refresh_interval
+        self.segments = segments
+        self.updates = 0
+        """Updates committed; the draw index is ``updates // refresh_interval``."""
+        self.sites = list(_find_sites(model, targets))
+        if not self.sites:
+            raise ValueError(
+                f"--loggra-sketch backward: no {'/'.join(targets)} layer in this model chunk"
+            )
+        self.rank = min(rank, *(s.full_cols for s in self.sites))
+        self.requested_rank = rank
+        offset = 0
+        for site in self.sites:
+            site.chunk = math.ceil(site.rows / segments)
+            site.offset, offset = offset, offset + site.chunk
+        self.segment_rows = offset
+        device = self.sites[0].weight.device
+        self.buffer = torch.zeros(segments, offset, self.rank, dtype=torch.float32, device=device)
+        """``[segments, rows per segment, r]`` fp32: every target's ``S``."""
+        self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self.sites]
+
+    # ------------------------------------------------------------------ projection
+    @property
+    def draw(self) -> int:
+        return self.updates // self.refresh_interval
+
+    def signs(self, site: SketchSite, dtype=None) -> torch.Tensor:
+        """``B`` of ``site`` for this draw, this TP rank's block: ``[r, n]``."""
+        full = draw_signs(
+            self.kind,
+            self.seed,
+            self.draw,
+            site.name,
+            self.rank,
+            site.full_cols,
+            site.weight.device,
+            dtype or site.weight.dtype,
+        )
+        return full[:, site.col_offset : site.col_offset + site.cols]
+
+    # ------------------------------------------------------------------ the buffer
+    def rows_view(self, site: SketchSite, segment: int) -> torch.Tensor:
+        """``S`` rows of ``site`` held in ``segment``: ``[hi − lo, r]`` (a view)."""
+        lo, hi = site.owned_rows(segment)
+        return self.buffer[segment, site.offset : site.offset + hi - lo]
+
+    def segment(self, index: int) -> torch.Tensor:
+        """Segment ``index`` of the buffer: ``[rows per segment, r]`` (a view)."""
+        return self.buffer[index]
+
+    @torch.no_grad()
+    def _accumulate(self, site: SketchSite, grad_out: torch.Tensor, p: torch.Tensor) -> None:
+        h = grad_out.reshape(-1, site.rows)
+        product = fp32_matmul(h.t(), p.reshape(-1, self.rank).to(h.dtype))  # [m, r]
+        product.mul_(sketch_scale(self.rank))
+        view = self.buffer[:, site.offset : site.offset + site.chunk]
+        if site.chunk * self.segments == site.rows:
+            view.add_(product.view(self.segments, site.chunk, self.rank))
+            return
+        for d in range(self.segments):
+            lo, hi = site.owned_rows(d)
+            view[d, : hi - lo].add_(product[lo:hi])
+
+    def _forward_hook(self, site: SketchSite):
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not (torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad):
+                return  # no backward follows (rollouts, log-probs, a checkpointed forward)
+            with torch.no_grad():
+                x = args[0].detach()
+                p = x.reshape(-1, site.cols) @ self.signs(site, x.dtype).t()  # [tokens, r]
+                p = p.view(*x.shape[:-1], self.rank)
+                if site.sequence_parallel:
+                    p = (
+                        _gather_tokens(p, tp_group)
+                        if site.column_parallel
+                        else _scatter_sum(p, tp_group)
+                    )
+            out.register_hook(lambda grad: self._accumulate(site, grad, p))
+
+        return hook
+
+    def zero(self) -> None:
+        self.buffer.zero_()
+
+    def __iter__(self) -> Iterator[SketchSite]:
+        return iter(self.sites)
+
+
+def _gather_tokens(p: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``p`` along its first (sequence) dimension over ``group``."""
+    world = dist.get_world_size(group)
+    out = p.new_empty((p.shape[0] * world, *p.shape[1:]))
+    dist.all_gather_into_tensor(out, p.contiguous(), group=group)
+    return out
+
+
+def _scatter_sum(p: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``p`` over ``group`` and keep this rank's block of the first dimension."""
+    world = dist.get_world_size(group)
+    out = p.new_empty((p.shape[0] // world, *p.shape[1:]))
+    dist.reduce_scatter_tensor(out, p.contiguous(), group=group)
+    return out
+
+
+def _find_sites(model, targets) -> Iterator[SketchSite]:
+    """The target layers of ``model`` in module order, named by global layer number."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for layer in model.modules():
+        number = getattr(layer, "layer_number", None)
+        if number is None or not hasattr(layer, "mlp"):
+            continue  # not a TransformerLayer
+        for path, module in layer.named_modules():
+            target = path.rpartition(".")[2]
+            weight = getattr(module, "weight", None)
+            if target not in targets or not isinstance(weight, torch.nn.Parameter):
+                continue
+            rows, cols = weight.shape
+            column = getattr(weight, "partition_dim", 0) == 0
+            split_cols = tp > 1 and not column
+            yield SketchSite(
+                name=f"layer{number}.{target}",
+                module=module,
+                weight=weight,
+                column_parallel=column,
+                sequence_parallel=bool(getattr(module, "sequence_parallel", False)) and tp > 1,
+                rows=rows,
+                cols=cols,
+                full_cols=cols * tp if split_cols else cols,
+                col_offset=tp_rank * cols if split_cols else 0,
+            )
+
+
+def find_sites(model_chunks) -> list[SketchSites]:
+    """The :class:`SketchSites` of (DDP/Float16-wrapped) ``model_chunks`` (empty: none)."""
+    found = []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            sites = getattr(module, SITES_ATTR, None)
+            if sites is not None:
+                found.append(sites)
+                break
+    return found
+
+
+def prepare_model(model, optim, loggra) -> None:
+    """Freeze ``--loggra-targets`` of ``model`` (before DDP wraps it) and install the
+    backward sketch on them, with ``--loggra-sketch backward``; a no-op otherwise."""
+    if optim.optimizer != "loggra" or loggra.loggra_sketch != "backward":
+        return
+    config = model.config
+    for module in model.modules():  # Float16Module → GPTModel
+        if hasattr(module, "decoder") or hasattr(module, "embedding"):
+            model = module
+            break
+    segments = (
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        if optim.use_distributed_optimizer
+        else 1
+    )
+    sites = SketchSites(
+        model,
+        loggra.targets(),
+        loggra.rank_for(config.hidden_size),
+        loggra.loggra_seed or 0,
+        loggra.loggra_sketch_matrix,
+        loggra.loggra_refresh_interval,
+        segments,
+    )
+    for site in sites:
+        site.weight.requires_grad_(False)
+    setattr(model, SITES_ATTR, sites)

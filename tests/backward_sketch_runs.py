@@ -1,0 +1,179 @@
+"""Rank functions of the backward-sketch tests (``tests/test_backward_sketch.py``): a tiny GPT
+with ``--loggra-sketch backward`` through Megatron's DDP, schedule and chained optimizer, and
+the dense reference it is compared with (the same weights, targets trainable)."""
+
+import torch
+
+from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
+from loggra_megatron.testing import tiny_gpt_model, train_step, wrap_ddp
+
+HIDDEN, HEADS, VOCAB, SEQ, RANK = 32, 4, 64, 16, 8
+TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def settings(**loggra):
+    optim = OptimConfig(optimizer="loggra", lr=3e-2, weight_decay=0.1, clip_grad=0.5)
+    base = dict(loggra_sketch="backward", loggra_rank=RANK, loggra_seed=7)
+    return optim, LoGRAConfig(**{**base, **loggra})
+
+
+def model(bf16=False, **overrides):
+    """The tiny model with CPU initialization (the same weights at any TP size); under
+    sequence parallelism with the stand-in Transformer Engine layers (``gpu_standins``: the
+    local spec's norm refuses SP)."""
+    kw = dict(use_cpu_initialization=True, **overrides)
+    if kw.get("sequence_parallel"):
+        import gpu_standins
+
+        gpu_standins.install_transformer_engine()
+        gpu_standins.ThdDotProductAttention.dtype_rule = kw.get("bf16", bf16)
+        kw["use_te"] = True
+    if bf16:
+        kw.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    m = tiny_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, **kw)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        m = Float16Module(m.config, m.bfloat16())
+    return m
+
+
+def build_sketched(optim, loggra, bf16=False, grad_reduce_in_fp32=True, state=None, **overrides):
+    """``(ddp, chained optimizer)`` with the backward sketch on the targets (the weights of
+    ``state`` when given)."""
+    from loggra_megatron.optim.megatron.factory import build_loggra
+    from loggra_megatron.optim.megatron.sketch_sites import prepare_model
+
+    m = model(bf16, **overrides)
+    if state is not None:
+        m.load_state_dict(state)
+    prepare_model(m, optim, loggra)
+    ddp = wrap_ddp(
+        m,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+    )
+    return ddp, build_loggra(optim, loggra, [ddp])
+
+
+def local_batch(tokens):
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    local = tokens[parallel_state.get_data_parallel_rank() :: dp]
+    return local, local.shape[0]
+
+
+def _backward(ddp, tokens):
+    from loggra_megatron.model.forward import run_schedule
+    from loggra_megatron.testing import _gpt_forward_step
+
+    batch, micro = local_batch(tokens)
+    mbs = batch.shape[0] // micro
+    micro_batches = [{"tokens": batch[i : i + mbs]} for i in range(0, batch.shape[0], mbs)]
+    ddp.zero_grad_buffer()
+    run_schedule(ddp, _gpt_forward_step, micro_batches, forward_only=False)
+
+
+def sketch_vs_dense(rank, recompute=False, **overrides):
+    """Max relative error of each target's reduced ``S`` (this rank's rows) against
+    ``G Aᵀ`` in float64, ``G`` the dense gradient of the same weights and batch."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    extra = dict(overrides)
+    if recompute:
+        extra.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    optim, loggra = settings()
+    dense = model(**extra)
+    ddp_dense = wrap_ddp(dense, use_distributed_optimizer=False)
+    _backward(ddp_dense, TOKENS)
+    grads = {n: p.main_grad.double() for n, p in dense.named_parameters()}
+    ddp, opt = build_sketched(optim, loggra, state=dense.state_dict(), **extra)
+    leaf = opt.chained_optimizers[-1]
+    leaf.zero_grad()
+    _backward(ddp, TOKENS)
+    leaf.prepare_grads()
+    (sites,) = leaf.sites
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    errors, not_frozen = {}, []
+    for site in sites:
+        name = names[id(site.weight)]
+        if (
+            site.weight.requires_grad
+            or hasattr(site.weight, "main_grad")
+            or site.weight.grad is not None
+        ):
+            not_frozen.append(name)
+        a = sites.signs(site, torch.float64) / RANK**0.5
+        ref = grads[name] @ a.t()  # [m, n] x [n, r]
+        if not site.column_parallel and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(ref, group=tp_group)
+        lo, hi = site.owned_rows(leaf.segment)
+        got = sites.rows_view(site, leaf.segment).double()
+        errors[site.name] = float((got - ref[lo:hi]).norm() / ref[lo:hi].norm())
+    grad_buffer_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
+    dense_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp_dense.buffers)
+    in_buffers = [s.name for s in sites for b in ddp.buffers if s.weight in b.param_index_map]
+    return {
+        "errors": errors,
+        "not_frozen": not_frozen + in_buffers,
+        "grad_buffer_bytes": grad_buffer_bytes,
+        "dense_grad_buffer_bytes": dense_bytes,
+        "target_numel": sum(s.weight.numel() for s in sites),
+    }
+
+
+def train(rank, steps=3, save=None, load=None, bf16=False, **kw):
+    """``steps`` updates with the backward sketch; the gathered weights and what the tests
+    compare (grad norms, state bytes, the projection of layer 1's qkv)."""
+    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
+    from loggra_megatron.optim import state_bytes
+
+    overrides = {k: kw.pop(k) for k in list(kw) if k in ("sequence_parallel",)}
+    optim, loggra = settings(**kw)
+    ddp, opt = build_sketched(optim, loggra, bf16=bf16, **overrides)
+    if load is not None:
+        load_checkpoint(load, [ddp], opt)
+    batch, micro = local_batch(TOKENS)
+    norms = []
+    for step in range(steps):
+        _, (ok, norm, _) = train_step(ddp, opt, batch, num_microbatches=micro)
+        assert ok
+        norms.append(float(norm))
+        if save is not None and step + 1 == save[1]:
+            save_checkpoint(save[0], step + 1, [ddp], opt, common={"step": step + 1})
+    ddp.start_param_sync(force_sync=True)
+    leaf = opt.chained_optimizers[-1]
+    (sites,) = leaf.sites
+    return {
+        "params": full_params(ddp),
+        "norms": norms,
+        "state_bytes": state_bytes(opt),
+        "rows": sum(hi - lo for _, _, lo, hi in leaf.rows_of.values()),
+        "signs": sites.signs(sites.sites[0], torch.float32),
+    }
+
+
+def full_params(ddp):
+    """Every parameter, gathered over TP to its full shape (``[m, n]`` as at TP=1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    out = {}
+    for name, p in ddp.module.named_parameters():
+        t = p.detach().float().clone()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+            if name.endswith("linear_fc1.weight"):  # SwiGLU: [gate_k; up_k] per rank
+                halves = [x.chunk(2) for x in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        out[name] = t
+    return out
