@@ -21,6 +21,10 @@ def model(bf16=False, **overrides):
     """The tiny model with CPU initialization (the same weights at any TP size); under
     sequence parallelism with the stand-in Transformer Engine layers (``gpu_standins``: the
     local spec's norm refuses SP)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(1234)  # the same weights at every build in a process
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     kw = dict(use_cpu_initialization=True, **overrides)
     if kw.get("sequence_parallel"):
         import gpu_standins
@@ -177,3 +181,74 @@ def full_params(ddp):
                 t = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         out[name] = t
     return out
+
+
+def resume(rank, root, bf16=False, **kw):
+    """4 updates straight, and 2 + save → a fresh build that loads → 2 more: both results,
+    and the checkpoint's optimizer keys of this rank."""
+    straight = train(rank, steps=4, bf16=bf16, **kw)
+    train(rank, steps=2, save=(root, 2), bf16=bf16, **kw)
+    resumed = train(rank, steps=2, load=root, bf16=bf16, **kw)
+    return {"straight": straight, "resumed": resumed}
+
+
+def kl_trial(rank):
+    """bf16 weights, bf16 grads, remainders: through ``MegatronStepper`` the trial at η is the
+    commit at η bit for bit, and a trial that is not committed restores θ bit for bit."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    optim = OptimConfig(
+        optimizer="loggra", lr=3e-2, weight_decay=0.1, clip_grad=0.5, grad_reduce_in_bf16=True
+    )
+    loggra = LoGRAConfig(
+        loggra_sketch="backward", loggra_rank=RANK, loggra_seed=7, loggra_param_remainders=True
+    )
+    ddp, opt = build_sketched(optim, loggra, bf16=True, grad_reduce_in_fp32=False)
+    stepper = MegatronStepper(opt)
+    assert stepper.trials_are_commits
+    out = {}
+    for step in range(2):
+        opt.zero_grad()
+        _backward(ddp, TOKENS)
+        prepared = stepper.prepare()
+        assert prepared.ok
+        theta = full_params(ddp)
+        with stepper.try_candidate(1.0):
+            full = full_params(ddp)
+        stepper.restore_model_weights()
+        restored = full_params(ddp)
+        with stepper.try_candidate(0.5):
+            half = full_params(ddp)
+        sq_norm = stepper.update_sq_norm()
+        stepper.commit(0.5)
+        committed = full_params(ddp)
+        out[step] = {
+            "restored_equal": all(torch.equal(restored[k], theta[k]) for k in theta),
+            "commit_equals_trial": all(torch.equal(committed[k], half[k]) for k in half),
+            "full_moved": sum(float((full[k] - theta[k]).norm()) for k in theta),
+            "sq_norm": sq_norm,
+        }
+    return out
+
+
+def nonfinite_skip(rank):
+    """A NaN in one rank's sketch: the step is skipped and changes nothing."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    optim, loggra = settings()
+    ddp, opt = build_sketched(optim, loggra)
+    stepper = MegatronStepper(opt)
+    opt.zero_grad()
+    _backward(ddp, TOKENS)
+    before = full_params(ddp)
+    leaf = opt.chained_optimizers[-1]
+    if rank == 0:
+        leaf.sites[0].buffer.view(-1)[3] = float("nan")
+    prepared = stepper.step()
+    after = full_params(ddp)
+    return {
+        "ok": prepared.ok,
+        "unchanged": all(torch.equal(after[k], before[k]) for k in before),
+        "num_steps": leaf.optimizer.num_steps,
+        "state": leaf.optimizer.state_dict()["state"],
+    }

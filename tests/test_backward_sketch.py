@@ -70,3 +70,37 @@ def test_tp2_sequence_parallel_update_equals_tp1(single_rank):
     results = run_distributed(runs.train, 2, tp=2, sequence_parallel=True)
     assert _max_rel(results[0]["params"], single_rank["params"]) < 1e-5
     assert results[0]["norms"] == pytest.approx(single_rank["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dp2_save_resume_is_bitwise(tmp_path, bf16):
+    kw = dict(loggra_param_remainders=True) if bf16 else {}
+    results = run_distributed(runs.resume, 2, str(tmp_path / "ckpt"), bf16=bf16, **kw)
+    for r in results:
+        straight, resumed = r["straight"], r["resumed"]
+        for name, p in straight["params"].items():
+            assert torch.equal(resumed["params"][name], p), name
+        assert resumed["norms"] == straight["norms"][2:]
+    # the projection is drawn again, not saved: only masters and row moments are stored
+    from megatron.core import dist_checkpointing
+
+    (iteration,) = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("iter_")]
+    keys = dist_checkpointing.load_tensors_metadata(str(iteration)).keys()
+    sketch_keys = sorted(k for k in keys if "loggra_sketch" in k)
+    assert sketch_keys and {k.rpartition(".")[2] for k in sketch_keys} == {
+        "fp32_param",
+        "exp_avg_sq",
+    }
+
+
+def test_kl_control_trial_is_the_commit_and_restores_theta_dp2_bf16_remainders():
+    for rank_result in run_distributed(runs.kl_trial, 2):
+        for step in rank_result.values():
+            assert step["restored_equal"] and step["commit_equals_trial"]
+            assert step["full_moved"] > 0 and step["sq_norm"] > 0
+
+
+def test_nonfinite_sketch_skips_the_step_and_changes_nothing():
+    for r in run_distributed(runs.nonfinite_skip, 2):
+        assert not r["ok"] and r["unchanged"] and r["num_steps"] == 0
+        assert all(not s["exp_avg_sq"].any() for s in r["state"].values())
