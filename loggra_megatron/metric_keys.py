@@ -152,6 +152,20 @@ METRICS: dict[str, Metric] = _declare(
         "optimizer state bytes of rank 0 (exact, optim.state_bytes)",
     ),
     Metric(
+        "memory/grad_buffer_bytes",
+        "bytes of rank 0's DDP grad buffers (the backward sketch's targets have none)",
+    ),
+    Metric(
+        "memory/sketch_buffer_bytes",
+        "bytes of rank 0's backward-sketch buffer S (fp32 [Σ m, r]; 0 in other modes)",
+    ),
+    Metric(
+        "loggra/sketch_norm",
+        "global norm ‖S·A‖ of the backward sketches' reconstructed gradients before clipping "
+        "(--loggra-sketch backward)",
+        PER_UPDATE,
+    ),
+    Metric(
         "memory/peak_bytes",
         "peak allocated memory of rank 0 so far (CUDA max allocated; peak RSS on CPU)",
     ),

@@ -50,8 +50,11 @@ STATE_DEFINING = (
 )
 """Flags the saved optimizer state, reference model or data position depend on."""
 
-SKETCH_DEFINING = ("loggra_rank", "loggra_projection", "loggra_min_dim")
+SKETCH_DEFINING = ("loggra_sketch", "loggra_rank", "loggra_projection", "loggra_min_dim")
 """Flags the shapes of a sketching optimizer's saved state depend on."""
+BACKWARD_SKETCH_DEFINING = ("loggra_seed", "loggra_targets", "loggra_row_optimizer")
+"""Flags the backward sketch's state depends on besides: its projection is drawn again from
+the seed (never saved), the targets own the state, and RowAdam's state is SGD's (none)."""
 
 SCHEDULE = (
     "train_iters",
@@ -248,7 +251,13 @@ def _adopt_architecture(m: ModelConfig, load: str, explicit: set[str]) -> None:
 def _check_state_settings(now: dict, saved: dict) -> None:
     from loggra_megatron.optim.registry import OPTIMIZERS
 
-    names = STATE_DEFINING + (SKETCH_DEFINING if OPTIMIZERS[now["optimizer"]].sketched else ())
+    sketched = OPTIMIZERS[now["optimizer"]].sketched
+    backward = sketched and now["loggra_sketch"] == "backward"
+    names = (
+        STATE_DEFINING
+        + (SKETCH_DEFINING if sketched else ())
+        + (BACKWARD_SKETCH_DEFINING if backward else ())
+    )
     for name in names:
         if now[name] != saved.get(name, now[name]):
             raise ConfigError(

@@ -42,18 +42,28 @@ def reduce_metrics(
     return reduced
 
 
-def memory_metrics(optimizer, device) -> dict[str, float]:
-    """Optimizer state bytes (exact) and the peak memory so far of this rank."""
+def memory_metrics(optimizer, model_chunks, device) -> dict[str, float]:
+    """Optimizer state bytes (exact), the bytes of the DDP grad buffers and of the backward
+    sketch's buffer, and the peak memory so far of this rank."""
     from loggra_megatron.optim import state_bytes
+    from loggra_megatron.optim.megatron.sketch_sites import find_sites
 
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:  # CPU: the process's peak resident set size (KiB on Linux)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    buffers = [b for c in model_chunks for b in [*c.buffers, *c.expert_parallel_buffers]]
+    sites = find_sites(model_chunks)
     return {
         "memory/optimizer_state_bytes": float(state_bytes(optimizer)),
+        "memory/grad_buffer_bytes": float(sum(_nbytes(b.grad_data) for b in buffers)),
+        "memory/sketch_buffer_bytes": float(sum(_nbytes(s.buffer) for s in sites)),
         "memory/peak_bytes": float(peak),
     }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 ENERGY_WARN_STEPS = 10

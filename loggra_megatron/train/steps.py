@@ -92,6 +92,7 @@ class OptimizerStep:
         self.skips.count(ok, grad_norm, self.where())
         if ok:
             self.scheduler.step(1)
+        metrics.update(self.stepper.step_metrics())
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
         metrics["optimizer/skipped_steps"] = 0.0 if ok else 1.0
         metrics["lr"] = lr

@@ -218,7 +218,7 @@ class RLTrainer:
         tokens = exp.num_tokens.to(torch.float64)
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_group)
-        metrics.update(memory_metrics(self.optimizer, self.device))
+        metrics.update(memory_metrics(self.optimizer, [self.policy], self.device))
         metrics.update(captured_energy(self.optimizer, build.updates_per_rl_step(cfg), self.device))
         warning = self.energy_watch.update(metrics)
         if warning is not None:

@@ -100,18 +100,28 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         super().__init__(inner, config)
         self.is_stub_optimizer = False
         self._reduced = False
+        self.sketch_norm = float("nan")
 
     # ------------------------------------------------------------------ Megatron's API
     def get_parameters(self) -> list:
         return []  # the sketches are clipped through RowAdam.model_grad_scale
 
     def _gram_norms(self) -> list[torch.Tensor]:
+        """``[‖S A‖]`` of this rank's rows (Gram form); also keeps the global value for
+        ``loggra/sketch_norm`` (one scalar all-reduce over the grad-stats group)."""
         total = torch.zeros((), dtype=torch.float32, device=self.sites[0].buffer.device)
         for chunk_sites, site, _, _ in self.rows_of.values():
             total += gram_sq_norm(
                 chunk_sites.rows_view(site, self.segment), chunk_sites.signs(site)
             )
+        overall = total.clone()
+        dist.all_reduce(overall, group=self.grad_stats_parallel_group)
+        self.sketch_norm = float(overall.sqrt())
         return [total.sqrt().reshape(1)]
+
+    def step_metrics(self) -> dict[str, float]:
+        """``loggra/sketch_norm`` of the last norm computed."""
+        return {"loggra/sketch_norm": self.sketch_norm}
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:  # megatron-core ≤ 0.18
         return self._gram_norms()

@@ -124,6 +124,15 @@ class MegatronStepper:
             self.commit()
         return prepared
 
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics the leaves report of the last :meth:`prepare` (``step_metrics()``, e.g. the
+        backward sketch's ``loggra/sketch_norm``)."""
+        metrics = {}
+        for leaf in self.leaves:
+            if hasattr(leaf, "step_metrics"):
+                metrics.update(leaf.step_metrics())
+        return metrics
+
     @property
     def _config(self):
         return self.leaves[0].config
