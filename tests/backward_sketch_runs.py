@@ -19,17 +19,18 @@ def settings(**loggra):
 
 def model(bf16=False, **overrides):
     """The tiny model with CPU initialization (the same weights at any TP size); under
-    sequence parallelism with the stand-in Transformer Engine layers (``gpu_standins``: the
-    local spec's norm refuses SP)."""
+    sequence parallelism or with ``fused_norm`` (TE's ``LayerNormLinear``) with the stand-in
+    Transformer Engine layers (``gpu_standins``: the local spec's norm refuses SP)."""
     from megatron.core import tensor_parallel
 
     torch.manual_seed(1234)  # the same weights at every build in a process
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     kw = dict(use_cpu_initialization=True, **overrides)
-    if kw.get("sequence_parallel"):
+    fused_norm = kw.pop("fused_norm", False)
+    if kw.get("sequence_parallel") or fused_norm:
         import gpu_standins
 
-        gpu_standins.install_transformer_engine()
+        gpu_standins.install_transformer_engine(fused_norm=fused_norm)
         gpu_standins.ThdDotProductAttention.dtype_rule = kw.get("bf16", bf16)
         kw["use_te"] = True
     if bf16:

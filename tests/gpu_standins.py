@@ -124,6 +124,40 @@ class FP8RowParallelLinear(_FP8Module, tensor_parallel.RowParallelLinear):
         return super().forward(input_, *args, **kwargs)
 
 
+class FusedNormColumnParallelLinear(FP8ColumnParallelLinear):
+    """TE's ``LayerNormLinear`` as Megatron's TE spec uses it for ``linear_qkv`` and
+    ``linear_fc1`` (``TELayerNormColumnParallelLinear``; the layer's own norm is an
+    ``IdentityOp``): the module receives the *un-normalized* input and owns the norm's
+    ``layer_norm_weight`` (``layer_norm_bias`` for LayerNorm), ``normalization``,
+    ``zero_centered_gamma`` and ``eps``. The norm runs on the local SP shard in fp32 and
+    returns the activation dtype, as TE's ``_apply_normalization``; the normalized input is
+    then all-gathered under SP by the linear."""
+
+    def __init__(self, input_size, output_size, *args, config, **kwargs):
+        super().__init__(input_size, output_size, *args, config=config, **kwargs)
+        self.normalization = config.normalization
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.eps = config.layernorm_epsilon
+        init = 0.0 if self.zero_centered_gamma else 1.0
+        dtype = config.params_dtype
+        self.layer_norm_weight = torch.nn.Parameter(torch.full((input_size,), init, dtype=dtype))
+        self.layer_norm_weight.sequence_parallel = config.sequence_parallel
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=dtype))
+            self.layer_norm_bias.sequence_parallel = config.sequence_parallel
+
+    def forward(self, input_, *args, **kwargs):
+        x = input_.float()
+        shape = (x.shape[-1],)
+        w = self.layer_norm_weight.float() + (1.0 if self.zero_centered_gamma else 0.0)
+        if self.normalization == "RMSNorm":
+            y = torch.nn.functional.rms_norm(x, shape, w, self.eps)
+        else:
+            bias = self.layer_norm_bias.float()
+            y = torch.nn.functional.layer_norm(x, shape, w, bias, self.eps)
+        return super().forward(y.to(input_.dtype), *args, **kwargs)
+
+
 class SequenceParallelNorm:
     """``WrappedTorchNorm`` without its refusal of sequence parallelism (TE's norms allow
     it); the weight is marked ``sequence_parallel`` so its grad is all-reduced over TP."""
@@ -252,9 +286,23 @@ def te_layer_spec(qk_layernorm: bool = False, **kwargs):
     return spec
 
 
-def install_transformer_engine() -> None:
+def te_fused_norm_layer_spec(qk_layernorm: bool = False, **kwargs):
+    """:func:`te_layer_spec` with the norms fused into ``linear_qkv`` and ``linear_fc1``
+    (:class:`FusedNormColumnParallelLinear`), as Megatron's real TE spec has them."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = te_layer_spec(qk_layernorm=qk_layernorm, **kwargs)
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = IdentityOp
+    _swap_classes(spec, {FP8ColumnParallelLinear: FusedNormColumnParallelLinear})
+    return spec
+
+
+def install_transformer_engine(fused_norm: bool = False) -> None:
     """Make ``--transformer-impl transformer_engine`` build the stand-in layers. Megatron-Core
-    is imported first, so its own TE detection stays False (nothing of TE is ever called)."""
+    is imported first, so its own TE detection stays False (nothing of TE is ever called).
+    ``fused_norm``: the norms fused into ``linear_qkv`` / ``linear_fc1`` (TE's
+    ``LayerNormLinear``, :func:`te_fused_norm_layer_spec`)."""
     import megatron.core.fp8_utils as fp8_utils
     import megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper as w
     import megatron.core.models.gpt.gpt_layer_specs as specs
@@ -263,7 +311,9 @@ def install_transformer_engine() -> None:
     fake = types.ModuleType("transformer_engine")
     fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
     sys.modules.setdefault("transformer_engine", fake)
-    specs.get_gpt_layer_with_transformer_engine_spec = te_layer_spec
+    specs.get_gpt_layer_with_transformer_engine_spec = (
+        te_fused_norm_layer_spec if fused_norm else te_layer_spec
+    )
     for name in ("megatron.core.transformer.transformer_block", "megatron.core.recompute"):
         with contextlib.suppress(ImportError):  # 0.17+ recomputes in megatron.core.recompute
             module = importlib.import_module(name)

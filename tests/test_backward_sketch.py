@@ -36,6 +36,16 @@ def test_sketch_equals_dense_gradient_times_projection_tp2_sequence_parallel():
     _check_exact(run_distributed(runs.sketch_vs_dense, 2, tp=2, sequence_parallel=True))
 
 
+def test_sketch_equals_dense_gradient_times_projection_te_fused_norm_linear_tp2_sp():
+    """TE's LayerNormLinear (qkv, fc1) is sketched from the normalized input it multiplies,
+    not from the raw input its forward hook receives."""
+    results = run_distributed(
+        runs.sketch_vs_dense, 2, tp=2, sequence_parallel=True, fused_norm=True
+    )
+    _check_exact(results)
+    assert any("linear_qkv" in name for name in results[0]["errors"])
+
+
 def test_sketch_equals_dense_gradient_times_projection_tp2():
     _check_exact(run_distributed(runs.sketch_vs_dense, 2, tp=2))
 

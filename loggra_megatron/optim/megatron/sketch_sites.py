@@ -32,8 +32,11 @@ for the full input width, identically on every rank):
 * PP: each stage sketches its own layers. The projection of a layer is named by its global
   layer number, so PP=2 draws what PP=1 draws.
 
-Megatron-Core attributes read (pinned, 0.16–0.19): ``weight.partition_dim``,
-``module.sequence_parallel``, ``TransformerLayer.layer_number``.
+Transformer Engine's fused ``LayerNormLinear`` is sketched from its normalized input
+(:func:`layer_input`). Megatron-Core / TE attributes read (pinned: megatron-core 0.16–0.19,
+TE 2.x): ``weight.partition_dim``, ``module.sequence_parallel``,
+``TransformerLayer.layer_number``; ``layer_norm_weight``, ``layer_norm_bias``,
+``normalization``, ``zero_centered_gamma`` and ``eps`` of a ``LayerNormLinear``.
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ class SketchSites:
             if not (torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad):
                 return  # no backward follows (rollouts, log-probs, a checkpointed forward)
             with torch.no_grad():
-                x = args[0].detach()
+                x = layer_input(module, args[0].detach())
                 p = x.reshape(-1, site.cols) @ self.signs(site, x.dtype).t()  # [tokens, r]
                 p = p.view(*x.shape[:-1], self.rank)
                 if site.sequence_parallel:
@@ -184,6 +187,29 @@ class SketchSites:
 
     def __iter__(self) -> Iterator[SketchSite]:
         return iter(self.sites)
+
+
+def layer_input(module, x: torch.Tensor) -> torch.Tensor:
+    """What the linear layer multiplies by its weight: ``x`` itself, or, for Transformer
+    Engine's fused ``LayerNormLinear`` (Megatron's ``TELayerNormColumnParallelLinear``: the TE
+    spec's ``linear_qkv`` and ``linear_fc1``, with the layer's own norm an ``IdentityOp``),
+    the normalized ``x``, recomputed with TE's formula (fp32 statistics, ``(1 + γ)`` under
+    ``zero_centered_gamma``, output in the input's dtype: TE 2.x ``_apply_normalization``). An
+    FP8 layer is sketched from this high-precision input, never from its FP8 cast."""
+    gamma = getattr(module, "layer_norm_weight", None)
+    if gamma is None:
+        return x
+    xf, w = x.float(), gamma.float()
+    if getattr(module, "zero_centered_gamma", False):
+        w = w + 1
+    if module.normalization == "RMSNorm":
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + module.eps)
+    else:
+        centered = xf - xf.mean(-1, keepdim=True)
+        y = centered * torch.rsqrt(centered.square().mean(-1, keepdim=True) + module.eps)
+    y = y * w
+    bias = getattr(module, "layer_norm_bias", None)
+    return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
 def _gather_tokens(p: torch.Tensor, group) -> torch.Tensor:
