@@ -27,7 +27,7 @@ def model(bf16=False, **overrides):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     kw = dict(use_cpu_initialization=True, **overrides)
     fused_norm = kw.pop("fused_norm", False)
-    if kw.get("sequence_parallel") or fused_norm:
+    if kw.get("sequence_parallel") or fused_norm or kw.get("sequence_packing"):
         import gpu_standins
 
         gpu_standins.install_transformer_engine(fused_norm=fused_norm)
@@ -69,20 +69,55 @@ def local_batch(tokens):
     return local, local.shape[0]
 
 
-def _backward(ddp, tokens):
+LENGTHS = torch.tensor([16, 9, 12, 5])
+"""Fed positions of each row of :data:`TOKENS` in the packed runs."""
+
+
+def _packed_step(data_iterator, model):
+    """A masked token-mean loss on the logits of a packed (THD) micro-batch."""
+    from megatron.core import parallel_state
+
+    from loggra_megatron.model.batching import LENGTHS as KEY
+    from loggra_megatron.model.forward import gpt_logits, token_log_probs
+
+    batch = next(data_iterator)
+    logits = gpt_logits(model, batch)
+
+    def loss_func(out):
+        if not parallel_state.is_pipeline_last_stage():
+            return out.float().sum() * 0, {}
+        log_probs = token_log_probs(out, batch["tokens"][:, 1:])
+        positions = torch.arange(log_probs.shape[1]).unsqueeze(0)
+        mask = (positions < batch[KEY].unsqueeze(1)).float()
+        return -(log_probs * mask).sum() / mask.sum(), {}
+
+    return logits, loss_func
+
+
+def _backward(ddp, tokens, packed=False):
+    from loggra_megatron.model.batching import LENGTHS as KEY
     from loggra_megatron.model.forward import run_schedule
     from loggra_megatron.testing import _gpt_forward_step
 
     batch, micro = local_batch(tokens)
+    lengths, _ = local_batch(LENGTHS)
     mbs = batch.shape[0] // micro
-    micro_batches = [{"tokens": batch[i : i + mbs]} for i in range(0, batch.shape[0], mbs)]
+    micro_batches = [
+        {"tokens": batch[i : i + mbs], **({KEY: lengths[i : i + mbs]} if packed else {})}
+        for i in range(0, batch.shape[0], mbs)
+    ]
+    from loggra_megatron.model.forward import packs_sequences
+
+    assert packs_sequences(ddp) == packed
     ddp.zero_grad_buffer()
-    run_schedule(ddp, _gpt_forward_step, micro_batches, forward_only=False)
+    step = _packed_step if packed else _gpt_forward_step
+    run_schedule(ddp, step, micro_batches, forward_only=False)
 
 
 def sketch_vs_dense(rank, recompute=False, **overrides):
     """Max relative error of each target's reduced ``S`` (this rank's rows) against
-    ``G Aᵀ`` in float64, ``G`` the dense gradient of the same weights and batch."""
+    ``G Aᵀ`` in float64, ``G`` the dense gradient of the same weights and batch
+    (``sequence_packing``: THD micro-batches of rows of :data:`LENGTHS`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -94,12 +129,13 @@ def sketch_vs_dense(rank, recompute=False, **overrides):
     optim, loggra = settings()
     dense = model(**extra)
     ddp_dense = wrap_ddp(dense, use_distributed_optimizer=False)
-    _backward(ddp_dense, TOKENS)
+    packed = bool(overrides.get("sequence_packing"))
+    _backward(ddp_dense, TOKENS, packed)
     grads = {n: p.main_grad.double() for n, p in dense.named_parameters()}
     ddp, opt = build_sketched(optim, loggra, state=dense.state_dict(), **extra)
     leaf = opt.chained_optimizers[-1]
     leaf.zero_grad()
-    _backward(ddp, TOKENS)
+    _backward(ddp, TOKENS, packed)
     leaf.prepare_grads()
     (sites,) = leaf.sites
     names = {id(p): n for n, p in ddp.module.named_parameters()}

@@ -46,6 +46,10 @@ def test_sketch_equals_dense_gradient_times_projection_te_fused_norm_linear_tp2_
     assert any("linear_qkv" in name for name in results[0]["errors"])
 
 
+def test_sketch_equals_dense_gradient_times_projection_dp2_packed():
+    _check_exact(run_distributed(runs.sketch_vs_dense, 2, sequence_packing=True))
+
+
 def test_sketch_equals_dense_gradient_times_projection_tp2():
     _check_exact(run_distributed(runs.sketch_vs_dense, 2, tp=2))
 

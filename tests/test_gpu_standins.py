@@ -209,3 +209,22 @@ def test_flash_attn_standin_takes_fp16_and_bf16_only():
         q[None, :1].bfloat16(), cache.bfloat16(), cache.bfloat16(), **kwargs
     )
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_27b_example_flags_with_the_backward_sketch(tokenizer, tmp_path, packing):
+    """The example's flags with ``--loggra-sketch backward`` on the simulated CUDA device:
+    FP8 linears sketched from their high-precision input under TP=2 + SP, full recompute
+    (``P`` from the recomputation), the dynamic engine, predicted-KL control and, packed, THD
+    micro-batches; every tensor on the device and TE's rules met."""
+    out = tmp_path / "out"
+    flags = {**EXAMPLE_27B, "loggra-sketch": "backward", "loggra-min-dim": None}
+    if packing:
+        flags["sequence-packing"] = True
+    reports, _ = _run(tmp_path, tiny_argv(tokenizer, **flags, **{"output-dir": out}))
+    assert all(r["record"]["fp8_forwards"] > 0 for r in reports)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["loggra/sketch_norm"] > 0 and m["memory/sketch_buffer_bytes"] > 0
+        assert 0 < m["kl/step_scale"] <= 1
