@@ -1,4 +1,5 @@
-"""Peak memory of one RL step, dense Adam vs LoGRA, each in its best setting, side by side.
+"""Peak memory of one RL step, dense Adam vs LoGRA (``--loggra-sketch gradient`` and
+``backward``), each in its best setting, side by side.
 
     python benchmarks/memory_rl.py                 # CPU: tensor accounting + allocation events
     python benchmarks/memory_rl.py --device cuda   # GPU: torch.cuda.max_memory_allocated
@@ -42,7 +43,8 @@ class MainGrads:
     is the largest such fp32 conversion, in bytes."""
 
     def __init__(self, optimizer):
-        self.inner, self.grads, self.largest_converted = optimizer.optimizer, [], 0
+        first = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # the dense leaf
+        self.inner, self.grads, self.largest_converted = first.optimizer, [], 0
 
     def __enter__(self):
         inner_step = self.inner.step
@@ -123,8 +125,24 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     )
     if args.fp8:  # Transformer Engine layers; FP8 GEMMs inside Megatron's fp8 context
         shape.update(use_te=True, fp8=args.fp8, fp8_recipe="delayed")
-    policy = wrap_ddp(tiny_gpt_model(**shape), grad_reduce_in_fp32=not bf16_grads)
+    model = tiny_gpt_model(**shape)
+    if kind == "backward":  # targets frozen and hooked before DDP: no grad buffer for them
+        from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
+        from loggra_megatron.optim.megatron.factory import build_loggra
+        from loggra_megatron.optim.megatron.sketch_sites import prepare_model
+
+        optim = OptimConfig(optimizer="loggra", lr=1e-4)
+        loggra = LoGRAConfig(
+            loggra_sketch="backward",
+            loggra_rank=args.hidden // 8,
+            loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+            loggra_param_remainders=remainders,
+        )
+        prepare_model(model, optim, loggra)
+    policy = wrap_ddp(model, grad_reduce_in_fp32=not bf16_grads)
     reference = tiny_gpt_model(**shape).eval().requires_grad_(False) if with_reference else None
+    if kind == "backward":
+        return policy, reference, build_loggra(optim, loggra, [policy])
     base = dict(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True)
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
@@ -157,18 +175,23 @@ def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.
 
 
 def persistent_tensors(policy, reference, optimizer):
-    """Weights, grad buffers, fp32 masters (or remainders), optimizer state, reference."""
+    """Weights, grad buffers, fp32 masters (or remainders), optimizer state, reference, and
+    the backward sketch's buffer ``S``."""
+    from loggra_megatron.optim.megatron.sketch_sites import find_sites
+
     yield from policy.parameters()
     yield from reference.parameters() if reference is not None else ()
     for buffer in policy.buffers:
         yield buffer.grad_data
         if buffer.param_data is not None:
             yield buffer.param_data
-    for group in optimizer.optimizer.param_groups:
-        yield from group["params"]
-    for state in optimizer.optimizer.state.values():
-        yield from state.values()
-    yield from getattr(optimizer.optimizer, "param_remainders", {}).values()
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in leaf.optimizer.param_groups:
+            yield from group["params"]
+        for state in leaf.optimizer.state.values():
+            yield from state.values()
+        yield from getattr(leaf.optimizer, "param_remainders", {}).values()
+    yield from (sites.buffer for sites in find_sites([policy]))
 
 
 def measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders=False) -> dict:
@@ -231,12 +254,15 @@ def _measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders
 SETTINGS = {  # optimizer: its legal settings, (grad buffers in bf16, masters as remainders)
     "dense": ((False, False), (True, False)),
     "loggra": ((False, False), (True, False), (False, True), (True, True)),
+    "backward": ((False, False), (True, False), (False, True), (True, True)),
 }
+"""``loggra``: ``--loggra-sketch gradient``; ``backward``: ``--loggra-sketch backward`` (its
+targets have no grad buffer: the grad dtype applies to the dense rest)."""
 
 
 def setting_name(kind: str, bf16_grads: bool, remainders: bool) -> str:
     name = f"{'bf16' if bf16_grads else 'fp32'} grads"
-    return name + (", remainders" if remainders else (", fp32 masters" if kind == "loggra" else ""))
+    return name + (", remainders" if remainders else (", fp32 masters" if kind != "dense" else ""))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -321,15 +347,19 @@ def main() -> None:
                 key = (kind, with_reference)
                 if key not in best or r["peak"] < best[key][1]["peak"]:
                     best[key] = (name, r)
-    print("\n| reference | dense Adam's best (GiB) | LoGRA's best (GiB) | LoGRA / dense | saved |")
-    print("|---|---|---|---:|---:|")
+    print(
+        "\n| reference | LoGRA sketch | dense Adam's best (GiB) | LoGRA's best (GiB) | "
+        "LoGRA / dense | saved |"
+    )
+    print("|---|---|---|---|---:|---:|")
     for with_reference in references:
-        (dn, d), (gn, g) = best[("dense", with_reference)], best[("loggra", with_reference)]
-        ratio = g["peak"] / d["peak"]
-        print(
-            f"| {'yes' if with_reference else 'no'} | {d['peak'] / gib:.3f} ({dn}) | "
-            f"{g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |"
-        )
+        for kind, mode in (("loggra", "gradient"), ("backward", "backward")):
+            (dn, d), (gn, g) = best[("dense", with_reference)], best[(kind, with_reference)]
+            ratio = g["peak"] / d["peak"]
+            print(
+                f"| {'yes' if with_reference else 'no'} | {mode} | {d['peak'] / gib:.3f} ({dn}) "
+                f"| {g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Megatron's dense Adam (``adam``, the memory reference: identity also stores ``Q 
     python benchmarks/rank_sweep.py --out runs/rank_sweep                  # runs + table
     python benchmarks/rank_sweep.py --out runs/rank_sweep --summarize      # table only
     python benchmarks/rank_sweep.py --out runs/rank_sweep --one-seed 8 32  # 1 seed for those
+    python benchmarks/rank_sweep.py --out runs/rank_sweep --sketch backward --configs 4 8 16 32 64 adam
 
 Flags: examples/tiny_cpu/run.sh's (read from it; hidden 128). One warm-up (the example's
 200 supervised steps at rank 16) is saved and reused (``--no-load-optim``); each run is the
@@ -15,6 +16,8 @@ parentheses), reward/mean first 5 → last 5 steps, the last 5 over the identity
 same seed, reward/accuracy of the last 5, ``memory/optimizer_state_bytes`` (logged: exact
 state bytes of rank 0) over identity's and dense Adam's, and the step at which each run
 would warn (``train.reporting.EnergyWatch`` at the default threshold). ± : std over seeds.
+``--sketch backward``: the ranks run LoGRA as published (``--loggra-sketch backward``; no
+captured energy, its columns are "–"), in their own run folders.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("qkv", "proj", "fc1", "fc2")
-CONFIGS = ("4", "8", "16", "32", "identity", "adam")
+CONFIGS = ("4", "8", "16", "32", "64", "identity", "adam")
 LOGGRA_FLAGS = ("--loggra-rank", "--loggra-min-dim", "--loggra-update-interval")
 STEPS = 60
 
@@ -67,7 +70,7 @@ def rl_flags(flags: list[str]) -> list[str]:
     return with_flags(flags, sft_iters=None, sft_lr=None, save_interval=None)
 
 
-def run_flags(config: str, flags: list[str]) -> list[str]:
+def run_flags(config: str, flags: list[str], sketch: str = "gradient") -> list[str]:
     if config == "adam":  # Megatron's dense Adam: the --loggra-* flags do not apply (refused)
         names = {f[2:].replace("-", "_"): None for f in LOGGRA_FLAGS}
         return with_flags(flags, optimizer="adam", **names)
@@ -75,11 +78,21 @@ def run_flags(config: str, flags: list[str]) -> list[str]:
         return with_flags(
             flags, loggra_projection="identity", loggra_rank=None, loggra_update_interval=None
         )
+    if sketch == "backward":  # the gradient sketch's settings do not apply (refused)
+        return with_flags(
+            flags,
+            loggra_rank=config,
+            loggra_sketch="backward",
+            loggra_min_dim=None,
+            loggra_update_interval=None,
+        )
     return with_flags(flags, loggra_rank=config)
 
 
-def run_dir(out: str, config: str, seed: int) -> str:
+def run_dir(out: str, config: str, seed: int, sketch: str = "gradient") -> str:
     name = config if config in ("identity", "adam") else f"rank{config}"
+    if sketch == "backward" and config not in ("identity", "adam"):
+        name += "_backward"
     return os.path.join(out, name, f"seed{seed}")
 
 
@@ -118,12 +131,12 @@ def run_all(args) -> None:
     rl = rl_flags(flags)
     for s, seed in enumerate(args.seeds):
         for config in args.configs:
-            path = run_dir(args.out, config, seed)
+            path = run_dir(args.out, config, seed, args.sketch)
             if (s and config in args.one_seed) or finished(path):
                 continue
             print(f"== {config}, seed {seed}", flush=True)
             os.makedirs(path, exist_ok=True)
-            run = run_flags(config, rl) + ["--load", warmup, "--no-load-optim"]
+            run = run_flags(config, rl, args.sketch) + ["--load", warmup, "--no-load-optim"]
             launch(run + ["--seed", str(seed), "--output-dir", path], os.path.join(path, "run.log"))
 
 
@@ -140,7 +153,7 @@ def summarize(args) -> None:
 
     table = {}
     for config in args.configs:
-        paths = {s: run_dir(args.out, config, s) for s in args.seeds}
+        paths = {s: run_dir(args.out, config, s, args.sketch) for s in args.seeds}
         runs = {s: read_metrics(path) for s, path in paths.items() if finished(path)}
         if runs:
             table[config] = runs
@@ -160,9 +173,9 @@ def summarize(args) -> None:
 
     ident, adam = table.get("identity", {}), table.get("adam", {})
     print("\n| rank | seeds | " + " | ".join(f"energy {f} (min)" for f in FAMILIES), end="")
-    print(" | reward first 5 → last 5 | reward vs identity | accuracy last 5", end="")
+    print(" | reward first 5 → last 5 | reward vs identity | accuracy last 5 | KL to ref", end="")
     print(" | optimizer state (rank 0) | vs identity | vs dense Adam | warns at step |")
-    print("|---|---:|" + "---:|" * (len(FAMILIES) + 7))
+    print("|---|---:|" + "---:|" * (len(FAMILIES) + 8))
     for config, runs in table.items():
         cells = []
         for f in FAMILIES:
@@ -172,6 +185,7 @@ def summarize(args) -> None:
         first = mean([mean([r["reward/mean"] for r in rows[:5]]) for rows in runs.values()])
         last = [last5(rows) for rows in runs.values()]
         acc = mean([mean([r["reward/accuracy"] for r in rows[-5:]]) for rows in runs.values()])
+        kl = mean([mean([r["kl/ref"] for r in rows[-5:]]) for rows in runs.values()])
         paired = [last5(rows) / last5(ident[s]) for s, rows in runs.items() if s in ident]
         spread = pm(last)
         label = {"identity": "identity (AdamW update)", "adam": "Megatron dense Adam"}.get(
@@ -180,7 +194,8 @@ def summarize(args) -> None:
         ratios = [f"{state(runs) / state(base):.3f}" if base else "–" for base in (ident, adam)]
         print(
             f"| {label} | {len(runs)} | {' | '.join(cells)} | {first:.3f} → {mean(last):.3f}"
-            f"{spread} | {mean(paired):.3f}{pm(paired)} | {acc:.3f} | {state(runs) / 2**20:.2f} MiB | "
+            f"{spread} | {mean(paired):.3f}{pm(paired)} | {acc:.3f} | {kl:.4f} | "
+            f"{state(runs) / 2**20:.2f} MiB | "
             + " | ".join(ratios)
             + f" | {', '.join(warned(rows) for rows in runs.values())} |"
         )
@@ -193,6 +208,12 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument(
         "--one-seed", nargs="*", default=[], choices=CONFIGS, help="run only the first seed"
+    )
+    ap.add_argument(
+        "--sketch",
+        choices=("gradient", "backward"),
+        default="gradient",
+        help="--loggra-sketch of the rank configurations",
     )
     ap.add_argument("--summarize", action="store_true", help="only print the table")
     args = ap.parse_args()

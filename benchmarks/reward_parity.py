@@ -1,5 +1,6 @@
-"""Reward parity and stability: dense Adam, LoGRA, LoGRA + predicted-KL control and the
-GaLore-style ``svd`` projection over several seeds, and a 10x-learning-rate stress test.
+"""Reward parity and stability: dense Adam, LoGRA (the gradient sketch, and the backward
+sketch as published), LoGRA + predicted-KL control and the GaLore-style ``svd`` projection
+over several seeds, and a 10x-learning-rate stress test.
 
     python benchmarks/reward_parity.py --out runs/parity            # runs + table
     python benchmarks/reward_parity.py --out runs/parity --summarize  # table only
@@ -26,9 +27,16 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16", "--loggra-min-dim", "32"]
+BACKWARD = ["--optimizer", "loggra", "--loggra-sketch", "backward", "--loggra-rank", "16"]
 CONFIGS = {
     "dense Adam": ["--optimizer", "adam"],
     "LoGRA": LOGRA,
+    "LoGRA backward": BACKWARD,  # LoGRA as published (--loggra-sketch backward)
+    "LoGRA backward, bf16 grads, remainders": [
+        *BACKWARD,
+        "--grad-reduce-in-bf16",
+        "--loggra-param-remainders",
+    ],
     "LoGRA + KL control": [*LOGRA, "--kl-target", "{kl_target}"],
     "GaLore-style svd": [*LOGRA, "--loggra-projection", "svd"],
     "LoGRA, bf16 grads": [*LOGRA, "--grad-reduce-in-bf16"],  # the 45 %-memory setting

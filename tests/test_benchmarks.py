@@ -168,3 +168,5 @@ def test_rank_sweep_arms_are_the_tiny_example_and_pass_validation(tokenizer):
         if config.isdigit():
             assert cfg.loggra.loggra_rank == int(config)
     assert ranks["identity"] == ("loggra", "identity") and ranks["adam"][0] == "adam"
+    backward = parse_args([*sweep.run_flags("16", rl, "backward"), "--seed", "2"], world_size=2)
+    assert backward.loggra.loggra_sketch == "backward" and backward.loggra.loggra_rank == 16
