@@ -19,3 +19,16 @@ fails_on_fourth_sample.calls = 0
 def spelled_number(prompt: str, completion: str, answer: str, metadata: dict) -> float:
     """Text answers ("fourteen"): a reward that never parses a number."""
     return 1.0 if answer in completion else 0.1 * sum(c.isalpha() for c in completion) / 12
+
+
+def hangs_on_second_sample(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """Never returns on its second call (a verifier stuck on one input)."""
+    hangs_on_second_sample.calls += 1
+    if hangs_on_second_sample.calls == 2:
+        import threading
+
+        threading.Event().wait()
+    return 0.0
+
+
+hangs_on_second_sample.calls = 0

@@ -454,3 +454,28 @@ def test_accuracy_comes_from_the_reward_or_its_own_verdict():
     for bad in ({"score": 1.0}, {"reward": 1.0, "correct": "yes"}):
         with pytest.raises(RewardFunctionError, match="returned"):
             compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
+
+
+def test_a_reward_call_past_its_timeout_fails_naming_the_sample():
+    import threading
+    import time
+
+    from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+
+    def stuck_on_b(prompt, completion, answer, metadata):
+        if prompt == "b":
+            threading.Event().wait()
+        return 1.0
+
+    t0 = time.perf_counter()
+    with pytest.raises(RewardFunctionError, match="did not return within --reward-timeout 0.3 s"):
+        compute_rewards(stuck_on_b, ["a", "b"], ["c", "c"], ["1", "1"], timeout=0.3)
+    assert time.perf_counter() - t0 < 5
+    try:
+        compute_rewards(stuck_on_b, ["a", "b"], ["c", "c"], ["1", "1"], timeout=0.3)
+    except RewardFunctionError as e:
+        assert e.index == 1 and e.prompt == "b"
+    # bounded calls return the same rewards, and raise what the function raises
+    assert compute_rewards(stuck_on_b, ["a"], ["c"], ["1"], timeout=5) == ([1.0], [True])
+    with pytest.raises(RewardFunctionError, match="raised"):
+        compute_rewards(lambda p, c, a, m: 1 / 0, ["a"], ["c"], ["1"], timeout=5)

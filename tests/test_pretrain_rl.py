@@ -354,6 +354,24 @@ def test_failing_reward_function_stops_the_run_with_index_and_traceback(tokenize
     assert not metrics.exists() or read_metrics(metrics) == []  # no silent zero-reward step
 
 
+def test_a_reward_function_that_never_returns_stops_the_run_naming_the_sample(tokenizer, tmp_path):
+    """Issue 34, item 2: it used to hang the run forever (SIGTERM waited for a step boundary
+    that never came); --reward-timeout bounds each call, on every rank."""
+    argv = tiny_argv(
+        tokenizer,
+        **{
+            "reward-fn": f"{REWARD}:hangs_on_second_sample",
+            "reward-timeout": 2,
+            "output-dir": tmp_path / "r",
+        },
+    )
+    proc = torchrun(argv, check=False, timeout=300)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "did not return within --reward-timeout 2 s on sample 1" in log
+    assert "dataset prompt index" in log
+
+
 def test_h100_example_flags_pass_validation(tokenizer, tmp_path, capsys):
     """The 8-GPU launch script's flags are valid (FP8, Transformer Engine where it is not
     installed and sequence parallelism are refused here only for lack of a GPU stack)."""

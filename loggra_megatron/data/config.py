@@ -64,6 +64,9 @@ class DataConfig:
     """Replace the task's reward: exact_match_numeric | format | default | module:function |
     file.py:function (a response is then correct when the function says so, or its reward is
     at least --accuracy-threshold)."""
+    reward_timeout: float = 60.0
+    """Seconds one reward call (the task's or --reward-fn's) may take; a call still running
+    then stops the run, naming the sample, instead of hanging it (0: no limit)."""
     accuracy_threshold: float = applies(
         1.0, "with --reward-fn", lambda s: s["reward_fn"] is not None
     )
@@ -104,6 +107,7 @@ class DataConfig:
                     "a non-empty subset of +-*",
                 ),
                 ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
+                ("reward_timeout", at_least(0), ">= 0 (0: no limit)"),
                 ("eval_interval", at_least(0), ">= 0 (0: never)"),
                 ("eval_samples", positive, ">= 1"),
             ],

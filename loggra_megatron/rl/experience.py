@@ -194,6 +194,7 @@ class ExperienceMaker:
                 [e["metadata"] for e in group],
                 scoring.threshold,
                 scoring.is_correct,
+                scoring.timeout,
             )
         except RewardFunctionError as e:
             raise e.at(f"{where} (dataset prompt index {group[e.index]['index']})") from None

@@ -24,6 +24,7 @@ import numbers
 import os
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class Scoring:
     reward_fn: RewardFn
     is_correct: RewardFn | None
     threshold: float
+    timeout: float = 0.0
+    """Seconds one call may take (0: no limit; ``--reward-timeout``)."""
 
 
 # -12  1,000  3.5  .5  -1,234.56 ; thousands groups must be exactly 3 digits
@@ -243,6 +246,31 @@ class RewardFunctionError(RuntimeError):
         )
 
 
+class _TimedOut(Exception):
+    """A bounded reward call did not return in time."""
+
+
+def _bounded(f, args: tuple, timeout: float):
+    """``f(*args)`` in a daemon thread (the process can still exit if it never returns);
+    its result or exception, or :class:`_TimedOut` after ``timeout`` seconds."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = f(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name="reward-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _TimedOut
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def _fn_name(fn) -> str:
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -257,11 +285,14 @@ def compute_rewards(
     metadatas: Sequence[dict] | None = None,
     accuracy_threshold: float = 1.0,
     is_correct: RewardFn | None = None,
+    timeout: float = 0.0,
 ) -> tuple[list[float], list[bool]]:
     """``(rewards, correct)`` of ``fn`` on each sample; raises :class:`RewardFunctionError`
-    if ``fn`` raises (``sys.exit`` included) or returns anything but a finite real number
-    or ``{"reward": number, "correct": bool}``. ``correct`` comes from ``is_correct`` (a
-    task's verdict) when given, else from the returned dict, else reward ≥ threshold.
+    if ``fn`` raises (``sys.exit`` included), returns anything but a finite real number
+    or ``{"reward": number, "correct": bool}``, or, with ``timeout`` > 0, has not returned
+    after ``timeout`` seconds (the call is left running in a daemon thread, which cannot
+    be stopped from outside; the error ends the run). ``correct`` comes from ``is_correct``
+    (a task's verdict) when given, else from the returned dict, else reward ≥ threshold.
     ``KeyboardInterrupt`` and ``os._exit`` in ``fn`` are failures of ``fn`` too."""
     n = len(prompts)
     if metadatas is None:
@@ -281,7 +312,10 @@ def compute_rewards(
         def call(f, i=i):
             try:
                 with _os_exit_raises():
-                    return f(prompts[i], completions[i], answers[i], metadatas[i])
+                    args = (prompts[i], completions[i], answers[i], metadatas[i])
+                    return _bounded(f, args, timeout) if timeout > 0 else f(*args)
+            except _TimedOut:
+                raise fail(f"did not return within --reward-timeout {timeout:g} s", f=f) from None
             except (Exception, SystemExit, KeyboardInterrupt, _OsExit) as e:  # must not end the run
                 tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
                 exits = isinstance(e, SystemExit | _OsExit)

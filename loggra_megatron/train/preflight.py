@@ -103,9 +103,9 @@ def _scoring(d: DataConfig, task: Task) -> Scoring:
     from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
 
     if d.reward_fn is None:
-        return Scoring(task.reward, task.is_correct, d.accuracy_threshold)
+        return Scoring(task.reward, task.is_correct, d.accuracy_threshold, d.reward_timeout)
     try:
-        return Scoring(load_reward_fn(d.reward_fn), None, d.accuracy_threshold)
+        return Scoring(load_reward_fn(d.reward_fn), None, d.accuracy_threshold, d.reward_timeout)
     except RewardSpecError as e:
         raise ConfigError(str(e)) from None
 
