@@ -147,3 +147,23 @@ def test_a_tracker_without_an_iteration_is_reported_as_it_is(tokenizer, tmp_path
     _write_checkpoint(root, 3)
     ref = select_checkpoint(str(root))
     assert ref.iteration == 3 and f"holds {text!r}, not an iteration number" in ref.warnings[0]
+
+
+def test_a_converted_model_without_its_manifest_is_refused(tokenizer, tmp_path, capsys):
+    """Issue 34, item 5: it loaded unverified (flipped bytes included) with only a warning;
+    a lost manifest cannot be told from a conversion older than manifests, so it is refused
+    by --load and by the converter alike (both resolve it with select_model_checkpoint)."""
+    from loggra_megatron.checkpointing.layout import select_model_checkpoint
+
+    converted = tmp_path / "converted"
+    _converted_model(converted, tokenizer)
+    select_model_checkpoint(converted)  # complete: accepted
+    (converted / "release" / MANIFEST).unlink()
+    with pytest.raises(FileNotFoundError, match="has no manifest.json, so its files cannot"):
+        select_model_checkpoint(converted)
+    refused(
+        tiny_argv(tokenizer, load=converted, save=tmp_path / "run"),
+        capsys,
+        "has no manifest.json",
+        "--direction hf-to-megatron",
+    )

@@ -297,11 +297,16 @@ def select_model_checkpoint(
             f"iter_* directory, no {RELEASE} directory, no metadata.json)"
         )
     ref = CheckpointRef(load_dir, None, path, pinned=True)
-    legacy = path != load_dir and not os.path.exists(os.path.join(path, MANIFEST))
-    if legacy and os.path.isfile(os.path.join(path, "metadata.json")):
-        why = f"was converted before checkpoints had a {MANIFEST}: its files are not verified"
-        ref.warnings.append(f"{path} {why}")
-        return ref
+    lost = os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST))
+    if path != load_dir and lost:
+        # a lost manifest cannot be told from a conversion older than manifests: neither
+        # can be verified, so neither is loaded (a flipped byte would train silently)
+        raise FileNotFoundError(
+            f"converted model {path} has no {MANIFEST}, so its files cannot be verified (it "
+            "was lost, or the model was converted before manifests existed): convert the "
+            "Hugging Face model again with tools/convert_checkpoint.py --direction "
+            "hf-to-megatron"
+        )
     problem = checkpoint_problem(path)
     if problem is not None:
         raise FileNotFoundError(f"checkpoint {path} {problem}")
