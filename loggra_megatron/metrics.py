@@ -252,12 +252,37 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def truncate_after(self, step: int) -> None:
-        """Keep only the records of steps ``<= step`` (call at resume from step ``step``)."""
+        """Keep only the records of steps ``<= step`` (call at resume from step ``step``).
+        Lines that are not a record with an integer ``step`` (a line torn by a crash, an
+        edit) are moved, as they were, to ``metrics.rejected.jsonl`` beside it, and named on
+        stdout: nothing is dropped silently."""
         if not self.enabled:
             return
         if self._file is None:
             raise RuntimeError("truncate_after() on a closed MetricsLogger")
-        kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) <= step]
+        kept, rejected = [], []
+        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            ok = isinstance(record, dict) and type(record.get("step")) is int
+            if not ok:
+                rejected.append((number, line))
+            elif record["step"] <= step:
+                kept.append(record)
+        if rejected:
+            side = self.path.with_name("metrics.rejected.jsonl")
+            with open(side, "a") as f:
+                f.writelines(line + "\n" for _, line in rejected)
+            numbers = ", ".join(str(n) for n, _ in rejected[:10])
+            print(
+                f"{self.path}: {len(rejected)} line(s) without a record of an integer step "
+                f"(line {numbers}{', ...' if len(rejected) > 10 else ''}) moved to {side}",
+                flush=True,
+            )
         self._file.close()
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w") as f:

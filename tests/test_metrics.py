@@ -92,6 +92,26 @@ def test_truncate_after_matches_uninterrupted_run(tmp_path):
     assert read_metrics(tmp_path / "resumed") == []
 
 
+def test_resume_moves_lines_without_a_step_aside_and_names_them(tmp_path, capsys):
+    """Issue 34, item 10: a malformed line in the middle and a record without ``step`` were
+    dropped without a word at resume; they are kept in metrics.rejected.jsonl now."""
+    run = tmp_path / "run"
+    with MetricsLogger(run) as log:
+        for step in range(1, 4):
+            log.log(step, _step_metrics(step))
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    edited = [lines[0], "{not json", lines[1], '{"note": "a hand-written line"}', lines[2]]
+    path.write_text("\n".join(edited) + "\n" + '{"step": 4, "rew')
+    with MetricsLogger(run) as log:
+        log.truncate_after(2)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    side = (run / "metrics.rejected.jsonl").read_text().splitlines()
+    assert side == ["{not json", '{"note": "a hand-written line"}', '{"step": 4, "rew']
+    out = capsys.readouterr().out
+    assert "3 line(s) without a record of an integer step (line 2, 4, 6)" in out
+
+
 def test_read_metrics_ignores_cut_last_line_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lr"')

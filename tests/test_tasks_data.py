@@ -197,3 +197,18 @@ def test_adversarial_final_answers_are_judged_once_quickly_and_quietly(capfd):
         assert time.perf_counter() - start < 6.0
     out, err = capfd.readouterr()
     assert "9^{9" not in out + err and "{{{{" not in out + err
+
+
+def test_big_integer_metadata_is_read_exactly(tmp_path):
+    """Issue 34, item 10: integers above 2^53 in metadata (a top-level column or a nested
+    object) were rounded like the answers used to be."""
+    path = tmp_path / "meta.jsonl"
+    rows = [
+        {"prompt": "a", "answer": 1, "id": 9007199254740993, "metadata": {"seed": 2**63 + 1}},
+        {"prompt": "b", "answer": 2, "id": 0.5, "metadata": {"seed": 1.25}},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, second = read_examples(str(path))
+    assert first["metadata"]["id"] == 9007199254740993
+    assert first["metadata"]["seed"] == 2**63 + 1
+    assert second["metadata"]["id"] == 0.5 and second["metadata"]["seed"] == 1.25

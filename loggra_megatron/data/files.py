@@ -10,8 +10,9 @@ needs a user message. A malformed row raises :class:`DatasetFormatError` naming
 ``file:line`` (JSONL) or ``file: row N`` (Parquet, 1-based). pyarrow reads a JSONL column
 with one type: a column (also a nested one, ``metadata.x``) that mixes numbers and strings
 is refused at the first line that changes it (quote the numbers). Rows of any length are
-read (pyarrow's block size follows the longest line), and integer answers keep every digit
-(pyarrow reads a column that mixes integers and decimals, or exceeds int64, as doubles).
+read (pyarrow's block size follows the longest line), and integers keep every digit in
+every column, metadata included (pyarrow reads a column that mixes integers and decimals, or
+exceeds int64, as doubles).
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _read_rows(path: str, answer_key: str):
         rows = table.to_pylist()
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
         raise DatasetFormatError(_diagnose_jsonl(path, str(e))) from None
-    if answer_key in table.column_names and pa.types.is_floating(table[answer_key].type):
-        _exact_integers(path, rows, answer_key)
+    if any(_has_floats(field.type) for field in table.schema):
+        _exact_integers(path, rows)
     return rows, lambda i: f"{path}:{lines[i]}"
 
 
@@ -109,15 +110,33 @@ def _nonblank_lines(path: str) -> tuple[list[int], int]:
     return numbers, longest
 
 
-def _exact_integers(path: str, rows: list[dict], key: str) -> None:
-    """Put back the integers of column ``key`` that pyarrow read as doubles (2^53 + 1 would
-    lose its last digit), read from the text with ``json``."""
+def _has_floats(arrow_type) -> bool:
+    """Whether a column of ``arrow_type`` holds doubles, at any depth of its structs."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(arrow_type):
+        return any(_has_floats(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    return pa.types.is_floating(arrow_type)
+
+
+def _exact_integers(path: str, rows: list[dict]) -> None:
+    """Put back the integers that pyarrow read as doubles (2^53 + 1 would lose its last
+    digit), in every column and nested object (answers and metadata alike), read from the
+    text with ``json``."""
     with open(path, "rb") as f:
         records = (json.loads(raw) for raw in f if raw.strip())
         for row, record in zip(rows, records, strict=True):
-            value = record.get(key) if isinstance(record, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool):
-                row[key] = value
+            if isinstance(record, dict):
+                _restore_integers(row, record)
+
+
+def _restore_integers(row: dict, record: dict) -> None:
+    for key, value in record.items():
+        current = row.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and isinstance(current, float):
+            row[key] = value
+        elif isinstance(value, dict) and isinstance(current, dict):
+            _restore_integers(current, value)
 
 
 def _diagnose_jsonl(path: str, arrow_message: str) -> str:
