@@ -146,8 +146,9 @@ def _launch(argv):
     )
 
 
-def _sigterm_one_rank_when(proc, prefix: str, rank: int) -> str:
-    """Send SIGTERM to one worker once a line starting with ``prefix`` appears; all output."""
+def _sigterm_one_rank_when(proc, prefix: str, rank: int, signum=signal.SIGTERM) -> str:
+    """Send SIGTERM (or ``signum``) to one worker once a line starting with ``prefix``
+    appears; all output."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -157,7 +158,7 @@ def _sigterm_one_rank_when(proc, prefix: str, rank: int) -> str:
                 if rank in workers:
                     break
                 time.sleep(0.1)
-            workers[rank].send_signal(signal.SIGTERM)
+            workers[rank].send_signal(signum)
             break
     out, _ = proc.communicate(timeout=300)
     return "".join(lines) + out
@@ -168,7 +169,24 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
     proc = _launch(tiny_argv(tokenizer, **{"train-iters": 1000, "save": save}))
     log = _sigterm_one_rank_when(proc, " step", rank=1)
     assert proc.returncode == 0, log[-3000:]
-    assert "SIGTERM on rank 1" in log and "SIGTERM on another rank" in log
+    assert "SIGTERM on rank 1" in log and "SIGTERM or SIGINT on another rank" in log
+    steps = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= steps < 1000 and [r["step"] for r in read_metrics(save)] == list(
+        range(1, steps + 1)
+    )
+
+
+def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer, tmp_path):
+    """Issue 34, item 3: Ctrl-C (SIGINT) on one rank inside a save raised KeyboardInterrupt
+    in the writer start and hung the other rank in a collective; SIGINT is now SIGTERM's
+    agreed save and exit. Every step saves here, so the signal lands in or near a save."""
+    save = tmp_path / "ckpt"
+    flags = {"train-iters": 1000, "save": save, "save-interval": 1}
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    log = _sigterm_one_rank_when(proc, " saved checkpoint", rank=1, signum=signal.SIGINT)
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGINT on rank 1: saving at the next step boundary" in log
+    assert "SIGTERM or SIGINT on another rank" in log
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= steps < 1000 and [r["step"] for r in read_metrics(save)] == list(
         range(1, steps + 1)

@@ -68,7 +68,8 @@ class RLTrainer:
                 initialize_fp8_state(model)
         self.metrics = self._metrics_logger()
         self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C: the same agreed save
+            signal.signal(signum, self._on_sigterm)
         return self
 
     def _build_models(self):
@@ -258,11 +259,15 @@ class RLTrainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = flag.item() > 0
         if agreed and not self._sigterm:
-            self._log(" SIGTERM on another rank: saving and exiting")
+            self._log(" SIGTERM or SIGINT on another rank: saving and exiting")
         return agreed
 
     def _on_sigterm(self, signum, frame) -> None:
-        print(f" SIGTERM on rank {self.rank}: saving at the next step boundary", flush=True)
+        """SIGTERM or SIGINT: save at the next step boundary, agreed by every rank, then exit
+        (a ``KeyboardInterrupt`` raised inside a save's collective or writer start would
+        leave the other ranks waiting in it)."""
+        name = signal.Signals(signum).name
+        print(f" {name} on rank {self.rank}: saving at the next step boundary", flush=True)
         self._sigterm = True
 
     def _copy_policy_to_reference(self) -> None:
