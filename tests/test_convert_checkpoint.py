@@ -475,3 +475,66 @@ def test_hf_to_megatron_refuses_a_truncated_safetensors_file(hf_models, tmp_path
     err = capsys.readouterr().err
     assert f"{weights}: not a readable safetensors file" in err, err
     assert not (tmp_path / "mg").exists()
+
+
+def _cli(*argv, timeout=300):
+    return subprocess.run(
+        [sys.executable, CLI, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=timeout,
+    )
+
+
+def test_an_interrupted_conversion_is_cleaned_up_by_the_rerun(hf_models, tmp_path):
+    """Issue 34, item 8: kill -9 left --save holding only release.tmp, which the rerun
+    refused as "exists and is not empty" without saying why; its leftovers are removed now
+    (a directory holding anything else is still refused, naming what it holds)."""
+    hf_dir = hf_models["llama_tied"][0]
+    mg = tmp_path / "mg"
+    (mg / "release.tmp").mkdir(parents=True)
+    (mg / "release.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (mg / "loggra_model_args.json").write_text("{}")
+    r = _cli("--direction", "hf-to-megatron", "--load", hf_dir, "--save", mg)
+    assert r.returncode == 0, r.stderr
+    assert "removing an interrupted conversion's loggra_model_args.json, release.tmp" in r.stdout
+    assert sorted(os.listdir(mg)) == [
+        "hf_config.json",
+        "latest_checkpointed_iteration.txt",
+        "loggra_model_args.json",
+        "release",
+    ]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    r = _cli("--direction", "hf-to-megatron", "--load", hf_dir, "--save", other)
+    assert r.returncode == 2 and "is not empty (notes.txt)" in r.stderr
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 96 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_in_one_line_and_leaves_nothing(hf_models, tmp_path, full_disk):
+    """Issue 34, item 8: a full disk gave a SafetensorError traceback (megatron-to-hf) or
+    "unexpected pos" (hf-to-megatron) and left an empty directory."""
+    hf_dir = hf_models["llama_tied"][0]
+    mg = tmp_path / "mg"
+    assert _cli("--direction", "hf-to-megatron", "--load", hf_dir, "--save", mg).returncode == 0
+    for direction, load in (("hf-to-megatron", hf_dir), ("megatron-to-hf", mg)):
+        save = full_disk / direction
+        r = _cli("--direction", direction, "--load", load, "--save", save)
+        assert r.returncode == 1, (direction, r.stdout, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: writing --save {save} failed, its file system is full")
+        assert "Traceback" not in r.stderr, r.stderr
+        assert not save.exists(), os.listdir(save)

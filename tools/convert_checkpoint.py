@@ -119,11 +119,62 @@ def _init_distributed(tp: int, pp: int) -> bool:
     return True
 
 
+_INTERRUPTED = re.compile(
+    r"^(release\.tmp|loggra_model_args\.json|hf_config\.json|.+\.tmp\.safetensors)$"
+)
+"""What an interrupted conversion leaves in --save: the temporary dist checkpoint or shards
+(and the files written beside them before the rename that publishes the conversion)."""
+
+
 def _check_destination(path: str, direction: str) -> None:
-    if os.path.isdir(path) and os.listdir(path):
+    """Refuse a --save that holds anything but the leftovers of an interrupted conversion;
+    those are removed (by rank 0), as the trainer removes its interrupted saves."""
+    entries = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    leftovers = [e for e in entries if _INTERRUPTED.match(e)]
+    if entries and len(leftovers) == len(entries) and any(".tmp" in e for e in leftovers):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"--save {path}: removing an interrupted conversion's {', '.join(leftovers)}",
+                flush=True,
+            )
+            _remove(path, leftovers)
+        return
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise FileExistsError(
-            f"--save {path} exists and is not empty; refusing to overwrite ({direction})"
+            f"--save {path} exists and is not empty ({shown}); refusing to overwrite "
+            f"({direction}): give an empty or new directory"
         )
+
+
+def _remove(path: str, names: list[str]) -> None:
+    import shutil
+
+    for name in names:
+        target = os.path.join(path, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
+
+
+def _clean_failed(path: str, existed: bool) -> None:
+    """After a failed conversion (rank 0): remove its partial files, and --save itself when
+    this run made it and it is empty."""
+    if int(os.environ.get("RANK", "0")) != 0 or not os.path.isdir(path):
+        return
+    _remove(path, [n for n in os.listdir(path) if _INTERRUPTED.match(n)])
+    if not existed and not os.listdir(path):
+        os.rmdir(path)
+
+
+def _disk_full(path: str) -> bool:
+    """Whether the file system of ``path`` has (almost) no space left."""
+    import shutil
+
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    return shutil.disk_usage(path).free < 1 << 20
 
 
 def _preflight(opts) -> None:
@@ -174,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     t0 = time.perf_counter()
+    existed = os.path.isdir(opts.save)
     try:
         _preflight(opts)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
@@ -226,9 +278,23 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         return 0
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except Exception as e:
+        # a write that failed for want of space (an OSError, safetensors' error, or the
+        # dist checkpoint writer's "unexpected pos"): one line, no partial files, exit 1
+        full = _disk_full(opts.save)
+        refused = (ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError)
+        if not full and not isinstance(e, refused):
+            raise
+        message = " ".join(str(e).split())
+        if full:
+            message = (
+                f"writing --save {opts.save} failed, its file system is full "
+                f"({type(e).__name__}: {message[:200]}); the partial files were removed: "
+                "free space and run the same command again"
+            )
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        _clean_failed(opts.save, existed)
+        return 1 if full else 2
     finally:
         if owns_group:
             parallel_state.destroy_model_parallel()
