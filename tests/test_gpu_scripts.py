@@ -463,7 +463,10 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     assert re.search(r"step 1: step_s=\S+ rollout_s=\S+ .*peak_bytes=\S+GiB", static)
     assert "| dense | fp32 grads | yes |" in text
     assert "| loggra | bf16 grads, remainders | yes |" in text
-    assert re.search(r"\| yes \| \S+ \(.*\) \| \S+ \(.*\) \| \S+ \| \S+ % \|", text)  # best vs best
+    assert "| backward | bf16 grads, remainders | yes |" in text
+    for mode in ("gradient", "backward"):  # best vs best, per LoGRA sketch mode
+        best = rf"\| yes \| {mode} \| \S+ \(.*\) \| \S+ \(.*\) \| \S+ \| \S+ % \|"
+        assert re.search(best, text), mode
     assert "| kl/realized every step |" in text and "predicted vs realized over" in text
     assert text.rstrip().splitlines()[-1].startswith("# done in")
 

@@ -16,7 +16,11 @@ change no memory, e.g. ``--tokenizer-model`` or ``--lr``, are read and ignored) 
 
 The run modelled is the one ``pretrain_rl.py`` would start on GPUs with these flags
 (:func:`loggra_megatron.memory.run_step.modelled_step`); what it would refuse on such a GPU
-exits with status 2 naming the flag. Sizes are GiB (2^30 B); ``--gpu-memory-gb 79.1`` is what
+exits with status 2 naming the flag. LoGRA's column is the run's sketch: ``--loggra-sketch
+backward`` (LoGRA as published: no grad buffer for the ``--loggra-targets``, masters and
+``--loggra-row-optimizer`` state of a rank's own rows, the fp32 sketch buffer S;
+:mod:`loggra_megatron.memory.backward_sketch`) or the gradient sketch (the default), with
+``--fit`` too. Sizes are GiB (2^30 B); ``--gpu-memory-gb 79.1`` is what
 PyTorch can allocate of an 80 GB A100/H100. The model and every assumption: docs/memory.md.
 """
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, SKETCH_TARGETS
 from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 
 GiB = 1024**3
@@ -19,6 +19,9 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+ROW_STATE_BYTES = {"adam": 4, "sgd": 0}
+"""State bytes per owned row of a backward-sketched weight, by ``--loggra-row-optimizer``
+(``optim.row_adam.ROW_OPTIMIZERS``): RowAdam's fp32 ``exp_avg_sq``; row SGD keeps none."""
 
 
 class MemoryConfigError(ValueError):
@@ -161,6 +164,16 @@ class RLStepConfig:
     optimizer: str = "loggra"
     loggra_rank: int = 128
     loggra_min_dim: int = 64
+    loggra_sketch: str = "gradient"
+    """``--loggra-sketch``: ``gradient`` (LoGRA's sketches of the dense gradient) or
+    ``backward`` (LoGRA as published: the targets are frozen, no grad buffer, the sketch is
+    formed in the backward pass; :mod:`~loggra_megatron.memory.backward_sketch`). Read for
+    a sketching ``optimizer`` only."""
+    loggra_targets: tuple[str, ...] = SKETCH_TARGETS
+    """``--loggra-targets`` of the backward sketch."""
+    loggra_row_optimizer: str = "adam"
+    """``--loggra-row-optimizer`` of the backward sketch: ``adam`` (RowAdam, one fp32 second
+    moment per row) or ``sgd`` (no state)."""
     exp_avg_dtype: str = "fp32"
     """Dense Adam's first moment (bf16: Megatron's precision-aware optimizer). LoGRA: fp32."""
     exp_avg_sq_dtype: str = "fp32"
@@ -231,6 +244,19 @@ class RLStepConfig:
         _choice(self, "rollout_engine", tuple(ROLLOUT_ENGINES))
         for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             _choice(self, name, tuple(DTYPE_BYTES))
+        _choice(self, "loggra_sketch", SKETCH_MODES)
+        _choice(self, "loggra_row_optimizer", tuple(ROW_STATE_BYTES))
+        targets = self.loggra_targets
+        if (
+            not isinstance(targets, tuple)
+            or not targets
+            or len(set(targets)) != len(targets)
+            or not set(targets) <= set(SKETCH_TARGETS)
+        ):
+            raise MemoryConfigError(
+                "loggra_targets",
+                f"{targets!r} must be a tuple of distinct names from {SKETCH_TARGETS}",
+            )
 
     @property
     def log_prob_rows(self) -> int:

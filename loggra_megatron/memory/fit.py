@@ -106,6 +106,8 @@ class FitResult:
     """The GPU's memory (--gpu-memory-gb)."""
     budget_bytes: int
     """What a configuration may use: the GPU's memory less --fit-headroom-gb."""
+    loggra_sketch: str = "gradient"
+    """LoGRA's ``--loggra-sketch`` (the command line's; not searched)."""
 
     def fitting(self, optimizer: str) -> list[Outcome]:
         return sorted((o for o in self.outcomes[optimizer] if o.fits), key=Outcome.rank_key)
@@ -203,6 +205,7 @@ def search(cfg: Any, given: set[str], est: Any, evaluate: Evaluate) -> FitResult
     budget = int((est.gpu_memory_gb - est.fit_headroom_gb) * GiB)
     kv_given = "inference_max_tokens" in given
     result = FitResult({"loggra": [], "adam": []}, [], space, world, kv_given, gpu_bytes, budget)
+    result.loggra_sketch = cfg.loggra.loggra_sketch
     for c in candidates(cfg, given, world, space):
         got = evaluate([*c.flags, *c.loggra_flags])
         if isinstance(got, str):

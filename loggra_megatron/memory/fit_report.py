@@ -75,7 +75,9 @@ def _flags(o: Outcome) -> list[str]:
 
 def _table(result: FitResult, name: str, top: int, seq: int) -> list[str]:
     fitting, tried, gpu = result.fitting(name), len(result.outcomes[name]), result.gpu_bytes
-    title = f"{OPTIMIZER_NAMES[name]} (--optimizer {name})"
+    title = f"{OPTIMIZER_NAMES[name]} (--optimizer {name}"
+    backward = name == "loggra" and result.loggra_sketch == "backward"
+    title += " --loggra-sketch backward)" if backward else ")"
     if not fitting:
         o = result.closest(name)
         if o is None:
@@ -137,6 +139,7 @@ def fit_json(result: FitResult, est) -> dict:
     """The same as JSON (GiB): per optimizer the counts, the best and the closest."""
     gpu_bytes = result.gpu_bytes
     out: dict = {"unit": "GiB", "world": result.world, "refused": len(result.refused)}
+    out["loggra_sketch"] = result.loggra_sketch
     for name, outcomes in result.outcomes.items():
         closest = result.closest(name)
         out[name] = {

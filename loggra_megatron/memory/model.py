@@ -4,7 +4,8 @@
 Pure arithmetic (no torch): ``estimate_rl_step_memory(model, parallel, step)`` returns a
 :class:`MemoryBreakdown` in bytes for the GPU of the most loaded pipeline stage.
 
-The formulas of every term, and what they assume: ``docs/memory.md`` ("Formulas").
+The formulas of every term, and what they assume: ``docs/memory.md`` ("Formulas"); those of
+``--loggra-sketch backward``: :mod:`~loggra_megatron.memory.backward_sketch`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from loggra_megatron.memory.backward_sketch import sketch_terms
 from loggra_megatron.memory.config import (
     DTYPE_BYTES,
     OPTIMIZERS,
@@ -212,8 +214,11 @@ def optimizer_state_bytes(
     dp: int = 1,
     exp_avg_bytes: int = 4,
     exp_avg_sq_bytes: int = 4,
+    sketch: bool = True,
 ) -> int:
     """Optimizer state on one DP rank (see the module docstring for the convention).
+    ``sketch=False``: a sketching optimizer with nothing sketched (the backward sketch's
+    dense leaves; its targets' state: :mod:`~loggra_megatron.memory.backward_sketch`).
 
     With ``dp=1`` this equals ``loggra_megatron.optim.state_bytes`` of a ``LoGRAAdamW``
     (embeddings/output layer in ``sketch=False`` groups) or a ``torch.optim.AdamW`` over
@@ -229,7 +234,7 @@ def optimizer_state_bytes(
         per_element = exp_avg_bytes + exp_avg_sq_bytes
     total = 0
     for s in params:
-        if spec.sketched and is_sketched(s, min_dim):
+        if sketch and spec.sketched and is_sketched(s, min_dim):
             m, n = s.shape
             r = min(rank, m, n)
             rows = m if dp == 1 else min(m, ceil_div(m, dp) + 1)
@@ -271,6 +276,9 @@ class MemoryBreakdown:
     allocator_fragmentation: int = 0
     old_log_prob_activations: int = 0
     old_log_prob_logits: int = 0
+    sketch_buffer: int = 0
+    sketch_projections: int = 0
+    sketch_step: int = 0
 
     STATIC = (
         "weights",
@@ -278,6 +286,7 @@ class MemoryBreakdown:
         "grads",
         "master_params",
         "optimizer_state",
+        "sketch_buffer",
         "reference_model",
         "reference_fp8_weight_cache",
         "runtime_overhead",
@@ -287,9 +296,9 @@ class MemoryBreakdown:
     ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations", "allocator_fragmentation")
     OLD_LOG_PROBS = ("old_log_prob_activations", "old_log_prob_logits")
     LOG_PROBS = ("log_prob_activations", "log_prob_logits")
-    TRAINING = ("activations", "logits")
+    TRAINING = ("activations", "sketch_projections", "logits")
     KL_CONTROL = ("kl_probe_activations", "kl_probe_logits", "kl_weight_backup")
-    OPTIMIZER_STEP = ("main_grad_copies",)
+    OPTIMIZER_STEP = ("main_grad_copies", "sketch_step")
     TRANSIENT = (*ROLLOUT, *OLD_LOG_PROBS, *LOG_PROBS, *TRAINING, *KL_CONTROL, *OPTIMIZER_STEP)
     PHASES = {
         "rollout": ROLLOUT,
@@ -382,6 +391,9 @@ def _stage_breakdown(
     probe = step.kl_probe_sequences
     probe_rows = min(probe, step.log_prob_rows)
     masters = bytes_per_master(step)
+    # the backward sketch's frozen targets (none without it) and the dense rest
+    sk = sketch_terms(model, parallel, step, stage, params, dp)
+    dense = sk.dense_of(params)
     # a KL trial overwrites LoGRA's bf16 weights, which are half of each master with
     # remainders: it backs up this rank's shards (2 bytes per master element)
     trial_backup = probe and masters == 2 and OPTIMIZERS[step.optimizer].grads_per_weight
@@ -390,17 +402,20 @@ def _stage_breakdown(
         num_parameters=sum(p.numel for p in params),
         weights=weight_bytes(params, step.param_bytes),
         fp8_weight_cache=weight_bytes(linear, 2) if fp8 else 0,
-        grads=grad_bytes(params, step.grad_bytes),
-        master_params=master_param_bytes(params, dp, masters),
+        grads=grad_bytes(dense, step.grad_bytes),
+        master_params=master_param_bytes(dense, dp, masters) + sk.masters(masters),
         optimizer_state=optimizer_state_bytes(
-            params,
+            dense,
             step.optimizer,
             rank=step.loggra_rank,
             min_dim=step.loggra_min_dim,
             dp=dp,
             exp_avg_bytes=DTYPE_BYTES[step.exp_avg_dtype],
             exp_avg_sq_bytes=DTYPE_BYTES[step.exp_avg_sq_dtype],
-        ),
+            sketch=not sk.targets,
+        )
+        + sk.row_state,
+        sketch_buffer=sk.buffer,
         reference_model=weight_bytes(params, ref_bytes) if ref else 0,
         # forward only: TE caches the FP8 weight without its transpose
         reference_fp8_weight_cache=weight_bytes(linear, 1) if fp8 and ref else 0,
@@ -414,7 +429,8 @@ def _stage_breakdown(
         log_prob_logits=(
             logits_bytes(model, parallel, step.log_prob_rows * seq) if ref and last else 0
         ),
-        activations=activation_bytes(model, parallel, step, stage),
+        activations=activation_bytes(model, parallel, step, stage) - sk.activation_saving,
+        sketch_projections=sk.projections,
         logits=(
             logits_bytes(model, parallel, step.micro_batch_size * seq, TRAINING_LOGITS_COPIES)
             if last
@@ -433,8 +449,9 @@ def _stage_breakdown(
         )
         if last
         else 0,
-        kl_weight_backup=master_param_bytes(params, dp, 2) if trial_backup else 0,
-        main_grad_copies=main_grad_copy_bytes(params, step, dp),
+        kl_weight_backup=master_param_bytes(dense, dp, 2) + sk.masters(2) if trial_backup else 0,
+        main_grad_copies=main_grad_copy_bytes(dense, step, dp),
+        sketch_step=sk.step,
     )
 
 

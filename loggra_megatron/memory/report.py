@@ -23,6 +23,7 @@ LABELS = {
     "grads": "grads",
     "master_params": "masters",
     "optimizer_state": "optimizer state",
+    "sketch_buffer": "sketch buffer S (fp32)",
     "reference_model": "reference model",
     "reference_fp8_weight_cache": "reference fp8 cache (TE)",
     "runtime_overhead": "runtime overhead",
@@ -37,11 +38,13 @@ LABELS = {
     "log_prob_activations": "ref log-probs: activations",
     "log_prob_logits": "ref log-probs: logits",
     "activations": "training: activations",
+    "sketch_projections": "training: sketch P = XB^T",
     "logits": "training: logits",
     "kl_probe_activations": "kl control: activations",
     "kl_probe_logits": "kl control: probe logits",
     "kl_weight_backup": "kl control: weight backup",
     "main_grad_copies": "optimizer: fp32 grad copies",
+    "sketch_step": "optimizer: sketch step",
 }
 
 
@@ -55,8 +58,7 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     dense, loggra = results["adam"], results["loggra"]
     mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
     header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
-    rank = steps["loggra"].loggra_rank
-    header += f"{f'LoGRA r={rank}' + mark['loggra']:>20}{'LoGRA - Adam':>14}"
+    header += f"{_loggra_label(steps['loggra']) + mark['loggra']:>20}{'LoGRA - Adam':>14}"
     lines = _describe(model, parallel, steps["loggra"], dense, source)
     lines += [header, "-" * len(header)]
     lines += _term_rows(parallel, steps, dense, loggra)
@@ -67,6 +69,12 @@ def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
     )
     lines += _verdicts(model, parallel, steps, results, gpu_bytes, selected, list(mark))
     return "\n".join(lines)
+
+
+def _loggra_label(step: RLStepConfig) -> str:
+    """``LoGRA r=128``, or ``LoGRA bwd r=128`` with ``--loggra-sketch backward``."""
+    mode = " bwd" if step.loggra_sketch == "backward" else ""
+    return f"LoGRA{mode} r={step.loggra_rank}"
 
 
 def _describe(model, parallel, step, dense, source) -> list[str]:
@@ -96,6 +104,12 @@ def _describe(model, parallel, step, dense, source) -> list[str]:
         + (
             f", KL trials on {step.kl_probe_sequences} seqs (probe + held-out, {step.kl_estimator})"
             if step.kl_probe_sequences
+            else ""
+        )
+        + (
+            f", LoGRA's backward sketch of {','.join(step.loggra_targets)} "
+            f"(row {step.loggra_row_optimizer})"
+            if step.loggra_sketch == "backward"
             else ""
         ),
         f"rollout   {step.rollout_batch_size} seqs per replica, {step.rollout_engine} engine, "

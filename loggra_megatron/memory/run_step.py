@@ -10,7 +10,8 @@ makes it (a converted model's, or ``ModelConfig.model_args``), the rollout batch
 ``GRPOConfig.rollout_batch_size``, the forward-only micro-batch from
 ``TrainingConfig.forward_micro_batch_size``, the KL trial rows from
 ``KLControlConfig.probe_split``, the engine from the rollout registry's ``auto`` rule for a
-GPU, the optimizer's state from its registry entry.
+GPU, the optimizer's state from its registry entry, LoGRA's sketch mode, targets and row
+update from its settings section (``--loggra-sketch backward``: :mod:`.backward_sketch`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def modelled_step(
         optimizer=cfg.optimizer.optimizer,
         loggra_rank=cfg.loggra.rank_for(m.hidden_size),
         loggra_min_dim=cfg.loggra.loggra_min_dim,
+        loggra_sketch=cfg.loggra.loggra_sketch,
+        loggra_targets=cfg.loggra.targets(),
+        loggra_row_optimizer=cfg.loggra.loggra_row_optimizer,
         exp_avg_dtype=est.exp_avg_dtype,
         exp_avg_sq_dtype=est.exp_avg_sq_dtype,
         loggra_fp32_grad_copy=cfg.loggra.loggra_fp32_grad_copy,

@@ -25,6 +25,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "forward_activation_bytes",
     "kv_cache_bytes",
+    "layers_held",
     "logits_bytes",
     "prefill_tokens",
     "rollout_kv_cache_bytes",
@@ -67,6 +68,25 @@ def _layer_input(model: TransformerShape, parallel: ParallelConfig, tokens: int)
     return ceil_div(2 * tokens * model.hidden_size, _t_sp(parallel))
 
 
+def layers_held(
+    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int = 0
+) -> tuple[int, int]:
+    """``(layers, inputs)`` held at the peak of the backward pass on PP stage ``stage``
+    (1F1B): transformer layers with all their saved activations, and checkpoint inputs
+    (``2sbh/t'`` each) of full recompute (see :func:`activation_bytes`)."""
+    p = parallel.pipeline_model_parallel_size
+    layers = model.num_layers // p
+    in_flight = p - stage
+    if step.num_microbatches is not None:
+        in_flight = min(in_flight, step.num_microbatches)
+    n = min(step.recompute_num_layers, layers)
+    if step.recompute_granularity != "full":
+        return in_flight * layers, 0
+    if step.recompute_method == "block":
+        return in_flight * (layers - n) + 1, in_flight * n
+    return n, in_flight * ceil_div(layers, n)
+
+
 def activation_bytes(
     model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig, stage: int = 0
 ) -> int:
@@ -78,22 +98,12 @@ def activation_bytes(
     keep their inputs, the other ``L_stage − n`` their full activations, plus one recomputed
     layer. Selective recompute equals none (flash attention stores nothing quadratic).
     """
-    p = parallel.pipeline_model_parallel_size
-    layers = model.num_layers // p
-    in_flight = p - stage
-    if step.num_microbatches is not None:
-        in_flight = min(in_flight, step.num_microbatches)
     sb = step.micro_batch_size * step.seq_length
     per_layer = activation_bytes_per_layer(model, parallel, step.micro_batch_size, step.seq_length)
     layer_input = _layer_input(model, parallel, sb)
-    n = min(step.recompute_num_layers, layers)
-    if step.recompute_granularity != "full":
-        total = in_flight * layers * per_layer
-    elif step.recompute_method == "block":
-        total = in_flight * (n * layer_input + (layers - n) * per_layer) + per_layer
-    else:
-        total = in_flight * ceil_div(layers, n) * layer_input + n * per_layer
-    if stage == p - 1:  # final-norm input and output-layer input
+    layers, inputs = layers_held(model, parallel, step, stage)
+    total = layers * per_layer + inputs * layer_input
+    if stage == parallel.pipeline_model_parallel_size - 1:  # final-norm and output-layer input
         total += 2 * layer_input
     return total
 

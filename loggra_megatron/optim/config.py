@@ -16,13 +16,8 @@ from loggra_megatron.config import (
 )
 from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES
 from loggra_megatron.optim.projection import PROJECTIONS
-from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, SKETCH_TARGETS
 from loggra_megatron.optim.row_adam import ROW_OPTIMIZERS
-
-SKETCH_MODES = ("gradient", "backward")
-"""``--loggra-sketch``: sketch the dense gradient (range-finder basis, Adam moments), or form
-the sketch in the backward pass (LoGRA as published; no dense gradient of a target)."""
-SKETCH_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 

@@ -93,6 +93,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 
 
+SKETCH_MODES = ("gradient", "backward")
+"""``--loggra-sketch``: sketch the dense gradient (range-finder basis, Adam moments), or form
+the sketch in the backward pass (LoGRA as published; no dense gradient of a target)."""
+SKETCH_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""``--loggra-targets`` names: the transformer-layer linears the backward sketch can own."""
+
+
 def sketches_shape(shape: tuple[int, ...], min_dim: int) -> bool:
     """LoGRA's default rule for a transformer weight: 2-D with both sides ≥ ``min_dim`` (the
     projections' :meth:`~loggra_megatron.optim.projection.Projection.sketches` and the memory

@@ -1,0 +1,222 @@
+# Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
+"""The terms of ``--optimizer loggra --loggra-sketch backward`` (LoGRA as published) in
+:mod:`loggra_megatron.memory.model` (pure arithmetic, no torch).
+
+The targets (``--loggra-targets``: ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+``linear_fc2`` of every layer, TP-local ``[m, n]``) are frozen for autograd before DDP wraps
+the model (``optim/megatron/sketch_sites.py``): they have no grad-buffer bytes and no fp32
+grad copy. What they hold instead (``D`` the DP size under the distributed optimizer, else
+1; ``k = ⌈m/D⌉`` the rows a DP rank owns; ``r`` the sketch rank):
+
+* masters of the owned rows only, ``k·n`` elements at :func:`~.model.bytes_per_master`;
+* RowAdam's ``exp_avg_sq``, 4 bytes per owned row (0 with ``--loggra-row-optimizer sgd``);
+* the flat fp32 sketch buffer ``[D, Σ k, r]`` on every rank (not sharded: every rank sums all
+  rows in its backward, one reduce-scatter gives it its own);
+* in the backward, ``P = X·Bᵀ`` (``[tokens, r]``, activation dtype) per target of every layer
+  whose activations are held, and no saved input of the frozen ``linear_fc2``
+  (:func:`frozen_input_bytes_per_layer`);
+* in the optimizer step, the largest of the reduce-scatter's receive buffer, one weight's
+  update and one weight's all-gather (:func:`step_bytes`).
+
+Everything else is dense: LoGRA's AdamW with nothing sketched, as the gradient mode treats
+its dense parameters. Formulas and what they assume: ``docs/memory.md`` ("The backward
+sketch").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loggra_megatron.memory.config import (
+    ROW_STATE_BYTES,
+    ParallelConfig,
+    RLStepConfig,
+    TransformerShape,
+    ceil_div,
+)
+from loggra_megatron.memory.transient import layers_held
+from loggra_megatron.optim.registry import OPTIMIZERS
+
+__all__ = [
+    "ROW_PARALLEL",
+    "SketchTerms",
+    "applies",
+    "buffer_bytes",
+    "frozen_input_bytes_per_layer",
+    "master_bytes",
+    "projection_bytes_per_layer",
+    "row_state_bytes",
+    "sketch_rank",
+    "sketch_terms",
+    "step_bytes",
+    "target_of",
+]
+
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+"""Row-parallel targets (``W_local [m, n/t]``); the others are column-parallel."""
+
+
+def applies(step: RLStepConfig) -> bool:
+    """Whether ``step`` runs the backward sketch (a sketching optimizer with
+    ``loggra_sketch="backward"``; dense Adam's column of the same step does not)."""
+    return OPTIMIZERS[step.optimizer].sketched and step.loggra_sketch == "backward"
+
+
+def target_of(spec: Any) -> str:
+    """The layer name of a parameter (``…linear_qkv.weight`` → ``linear_qkv``)."""
+    return spec.name.split(".")[-2]
+
+
+def _full_cols(model: TransformerShape, target: str) -> int:
+    """Columns of the whole weight (the width ``B`` is drawn for)."""
+    return {
+        "linear_qkv": model.hidden_size,
+        "linear_proj": model.num_attention_heads * model.kv_channels,
+        "linear_fc1": model.hidden_size,
+        "linear_fc2": model.ffn_hidden_size,
+    }[target]
+
+
+def sketch_rank(model: TransformerShape, step: RLStepConfig) -> int:
+    """``r``: ``--loggra-rank`` clamped to the narrowest target's full input width, as
+    ``SketchSites`` clamps it."""
+    return min(step.loggra_rank, *(_full_cols(model, t) for t in step.loggra_targets))
+
+
+def master_bytes(targets, dp: int, bytes_per_master: int) -> int:
+    """Masters of this DP rank's rows: ``bytes_per_master · ⌈m/D⌉ · n`` per target."""
+    return bytes_per_master * sum(ceil_div(s.shape[0], dp) * s.shape[1] for s in targets)
+
+
+def row_state_bytes(targets, dp: int, row_optimizer: str) -> int:
+    """RowAdam's fp32 second moment per owned row (``⌈m/D⌉`` per target), or nothing."""
+    return ROW_STATE_BYTES[row_optimizer] * sum(ceil_div(s.shape[0], dp) for s in targets)
+
+
+def buffer_bytes(targets, segments: int, rank: int) -> int:
+    """The fp32 sketch buffer ``[segments, Σ ⌈m/segments⌉, r]`` (≈ ``4·Σm·r``), on every
+    rank."""
+    return 4 * segments * sum(ceil_div(s.shape[0], segments) for s in targets) * rank
+
+
+def step_bytes(targets, segments: int, rank: int, weight_bytes: int, tp: int) -> int:
+    """The backward sketch's optimizer step, one phase after the other, at its largest:
+
+    * the reduce-scatter's receive buffer, one fp32 segment ``[Σ k, r]`` (``segments > 1``);
+    * RowAdam's update of one weight: the fp32 target and reconstruction ``D·A`` (``[k, n]``
+      each), the signs ``B`` drawn for the full width ``[r, n_full]`` in the weight dtype and
+      their fp32 copy ``[r, n]`` (16-bit weights), the fp32 direction and clipped sketch
+      (``[k, r]`` each) and the new second moments (``[k]``);
+    * the all-gather of one weight's rows over DP: ``[segments·k, n]`` and this rank's
+      padded ``[k, n]`` in the weight dtype (``segments > 1``).
+
+    ``k = ⌈m/segments⌉``."""
+    if not targets:
+        return 0
+    chunks = [(ceil_div(s.shape[0], segments), s.shape[1], s) for s in targets]
+    receive = 4 * sum(k for k, _, _ in chunks) * rank if segments > 1 else 0
+    update, gather = 0, 0
+    for k, n, spec in chunks:
+        full = n * tp if target_of(spec) in ROW_PARALLEL else n
+        signs = weight_bytes * rank * full + (4 * rank * n if weight_bytes != 4 else 0)
+        update = max(update, 8 * k * n + signs + 8 * k * rank + 4 * k)
+        if segments > 1:
+            gather = max(gather, weight_bytes * (segments + 1) * k * n)
+    return max(receive, update, gather)
+
+
+def _tokens(parallel: ParallelConfig, step: RLStepConfig, target: str) -> int:
+    """Tokens of one micro-batch whose ``P`` a target keeps: all of them (column-parallel;
+    row-parallel without sequence parallelism), this TP rank's under sequence parallelism
+    for the row-parallel ones."""
+    sb, t = step.micro_batch_size * step.seq_length, parallel.tensor_model_parallel_size
+    if target in ROW_PARALLEL and parallel.sequence_parallel and t > 1:
+        return ceil_div(sb, t)
+    return sb
+
+
+def projection_bytes_per_layer(
+    parallel: ParallelConfig, step: RLStepConfig, rank: int, activation_bytes: int = 2
+) -> int:
+    """``P = X·Bᵀ`` of one layer's targets for one micro-batch: ``tokens · r`` elements each,
+    kept from the forward hook to the target's backward."""
+    return sum(_tokens(parallel, step, t) * rank * activation_bytes for t in step.loggra_targets)
+
+
+def frozen_input_bytes_per_layer(
+    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig
+) -> int:
+    """Bytes of one layer's saved activations (``transient.activation_bytes_per_layer``) that
+    were saved only for a target's weight gradient, which a frozen weight does not compute
+    (Megatron's ``linear_with_frozen_weight`` saves the weight only; Transformer Engine's
+    ``Linear`` saves its input only when the weight needs a gradient):
+
+    * ``linear_fc2``: its input, the MLP activation's output ``2sb·f/t`` (the fused
+      bias-SwiGLU/GeLU saves its own input, fc1's output, counted apart): removed;
+    * ``linear_proj``: its input is the attention output, which flash attention saves for
+      its own backward: kept;
+    * ``linear_qkv``, ``linear_fc1``: their input is a norm's output, which Transformer
+      Engine's fused ``LayerNormLinear`` saves whether or not the weight is frozen (and an
+      unfused norm saves its normalised input for its own weight): kept."""
+    if "linear_fc2" not in step.loggra_targets:
+        return 0
+    sb = step.micro_batch_size * step.seq_length
+    return ceil_div(2 * sb * model.ffn_hidden_size, parallel.tensor_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class SketchTerms:
+    """The backward sketch on one GPU (all zero, no targets, without it)."""
+
+    targets: tuple = ()
+    """This stage's target weights (``ParamSpec`` of :mod:`~loggra_megatron.memory.model`)."""
+    dp: int = 1
+    """Rows are split over this many ranks (the buffer's segments)."""
+    rank: int = 0
+    row_state: int = 0
+    buffer: int = 0
+    step: int = 0
+    projections: int = 0
+    """``P`` of every layer held in the backward, and one ``[m, r]`` fp32 product of a
+    backward hook at a time."""
+    activation_saving: int = 0
+    """Saved activations of the held layers that the frozen targets no longer need."""
+
+    def masters(self, bytes_per_master: int) -> int:
+        return master_bytes(self.targets, self.dp, bytes_per_master)
+
+    def dense_of(self, params: list) -> list:
+        """``params`` less the targets: what the dense leaves update."""
+        frozen = {id(s) for s in self.targets}
+        return [s for s in params if id(s) not in frozen] if frozen else params
+
+
+def sketch_terms(
+    model: TransformerShape,
+    parallel: ParallelConfig,
+    step: RLStepConfig,
+    stage: int,
+    params: list,
+    dp: int,
+) -> SketchTerms:
+    """The backward sketch's terms on PP stage ``stage`` (``params``: its parameters; ``dp``:
+    the DP size under the distributed optimizer, else 1)."""
+    if not applies(step):
+        return SketchTerms(dp=dp)
+    names = set(step.loggra_targets)
+    targets = tuple(s for s in params if s.kind == "linear" and target_of(s) in names)
+    r = sketch_rank(model, step)
+    layers, _ = layers_held(model, parallel, step, stage)
+    product = max(4 * s.shape[0] * r for s in targets)
+    per_layer = projection_bytes_per_layer(parallel, step, r, step.param_bytes)
+    return SketchTerms(
+        targets=targets,
+        dp=dp,
+        rank=r,
+        row_state=row_state_bytes(targets, dp, step.loggra_row_optimizer),
+        buffer=buffer_bytes(targets, dp, r),
+        step=step_bytes(targets, dp, r, step.param_bytes, parallel.tensor_model_parallel_size),
+        projections=layers * per_layer + product,
+        activation_saving=layers * frozen_input_bytes_per_layer(model, parallel, step),
+    )
