@@ -194,6 +194,7 @@ def train(rank, steps=3, save=None, load=None, bf16=False, **kw):
         "params": full_params(ddp),
         "norms": norms,
         "state_bytes": state_bytes(opt),
+        "sketch_state_bytes": state_bytes(leaf.optimizer),
         "rows": sum(hi - lo for _, _, lo, hi in leaf.rows_of.values()),
         "signs": sites.signs(sites.sites[0], torch.float32),
     }

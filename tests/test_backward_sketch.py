@@ -75,8 +75,10 @@ def test_dp2_update_equals_dp1(single_rank):
     results = run_distributed(runs.train, 2)
     assert _max_rel(results[0]["params"], single_rank["params"]) < 1e-5
     assert results[0]["norms"] == pytest.approx(single_rank["norms"], rel=1e-5)
-    # each DP rank keeps RowAdam state for its own rows only
+    # each DP rank keeps RowAdam state for its own rows only: 4 bytes per row, exactly
     assert results[0]["rows"] + results[1]["rows"] == single_rank["rows"]
+    for r in (*results, single_rank):
+        assert r["sketch_state_bytes"] == 4 * r["rows"] > 0
     assert torch.equal(results[0]["signs"], results[1]["signs"])
 
 

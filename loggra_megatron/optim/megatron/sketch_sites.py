@@ -42,6 +42,7 @@ TE 2.x): ``weight.partition_dim``, ``module.sequence_parallel``,
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -108,7 +109,12 @@ class SketchSites:
                 f"--loggra-sketch backward: no {'/'.join(targets)} layer in this model chunk"
             )
         self.rank = min(rank, *(s.full_cols for s in self.sites))
-        self.requested_rank = rank
+        if self.rank < rank:
+            warnings.warn(
+                f"--loggra-rank {rank} exceeds the input width of a target; the backward "
+                f"sketch uses rank {self.rank}",
+                stacklevel=2,
+            )
         offset = 0
         for site in self.sites:
             site.chunk = math.ceil(site.rows / segments)
