@@ -29,9 +29,11 @@ from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
 from loggra_megatron.optim.loggra_adamw import basis_seed
 from loggra_megatron.optim.megatron.energy import energy_slots_of
-from loggra_megatron.optim.megatron.leaves import loggra_class_for
+from loggra_megatron.optim.megatron.leaves import LoGRAChainedOptimizer, loggra_class_for
 from loggra_megatron.optim.megatron.optimizer_state import install_state_init
 from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, main_params_of
+from loggra_megatron.optim.megatron.sketch_optimizer import BackwardSketchOptimizer
+from loggra_megatron.optim.megatron.sketch_sites import find_sites
 from loggra_megatron.optim.projection import PROJECTIONS
 from loggra_megatron.optim.registry import OptimizerSpec, resolve
 from loggra_megatron.optim.weight_layout import WeightLayout
@@ -119,10 +121,26 @@ def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
         optim, model_chunks, LoGRAOptimizerConfig, **dataclasses.asdict(loggra)
     )
     if loggra.loggra_sketch == "backward":
-        from loggra_megatron.optim.megatron.sketch_optimizer import build_backward_sketch
-
         return build_backward_sketch(config, model_chunks)
     return get_loggra_optimizer(config, model_chunks)
+
+
+def build_backward_sketch(config, model_chunks) -> LoGRAChainedOptimizer:
+    """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
+    :class:`BackwardSketchOptimizer` over the targets that
+    :func:`~loggra_megatron.optim.megatron.sketch_sites.prepare_model` froze."""
+    sites = find_sites(model_chunks)
+    if not sites:
+        raise ValueError(
+            "--loggra-sketch backward: the model was wrapped in DDP without prepare_model "
+            "(optim.megatron.sketch_sites): its targets would get dense gradients"
+        )
+    dense = get_loggra_optimizer(config, model_chunks)
+    leaves = list(getattr(dense, "chained_optimizers", [dense]))
+    sketch = BackwardSketchOptimizer(
+        config, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
+    )
+    return LoGRAChainedOptimizer([*leaves, sketch])
 
 
 def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwargs):

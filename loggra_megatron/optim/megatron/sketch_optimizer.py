@@ -39,8 +39,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm
-from loggra_megatron.optim.megatron.model_grads import LoGRAChainedOptimizer
-from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites, find_sites
+from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.row_adam import RowAdam
 
 FORMAT_VERSION = 1
@@ -320,26 +319,6 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             chunk_sites.updates = num_steps
         self._copy_main_params_to_model_params()
         self.sync_weights()
-
-
-def build_backward_sketch(config, model_chunks) -> LoGRAChainedOptimizer:
-    """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
-    :class:`BackwardSketchOptimizer` over the targets that
-    :func:`~loggra_megatron.optim.megatron.sketch_sites.prepare_model` froze."""
-    from loggra_megatron.optim.megatron.factory import get_loggra_optimizer
-
-    sites = find_sites(model_chunks)
-    if not sites:
-        raise ValueError(
-            "--loggra-sketch backward: the model was wrapped in DDP without prepare_model "
-            "(optim.megatron.sketch_sites): its targets would get dense gradients"
-        )
-    dense = get_loggra_optimizer(config, model_chunks)
-    leaves = list(getattr(dense, "chained_optimizers", [dense]))
-    sketch = BackwardSketchOptimizer(
-        config, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
-    )
-    return LoGRAChainedOptimizer([*leaves, sketch])
 
 
 def _flat(key: str, data: torch.Tensor, global_numel: int, offset: int, replica: int):
