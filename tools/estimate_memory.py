@@ -163,7 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     source = est.hf_config or "flags"
     print(report(model, parallel, steps, results, gpu_bytes, source, step.optimizer))
+    if cfg.model.sequence_packing:
+        print(PACKING_NOTE)
     return 0
+
+
+PACKING_NOTE = (
+    "note: --sequence-packing changes no term above: a packed micro-batch holds at most "
+    "--micro-batch-size x --seq-length tokens, the padded bound every phase is estimated at; "
+    "packing lowers the average memory and time of a step, not its peak"
+)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
         hidden_size=hidden,
         ffn_hidden_size=need("intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=d.get("num_key_value_heads") or heads,
+        num_query_groups=heads
+        if d.get("num_key_value_heads") is None
+        else d["num_key_value_heads"],
         kv_channels=d.get("head_dim") or hidden // heads,
         vocab_size=need("vocab_size"),
         max_position_embeddings=need("max_position_embeddings"),
@@ -186,7 +188,13 @@ def _as_dict(config: Any) -> dict[str, Any]:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{config} has no config.json: not a Hugging Face model")
         with open(path) as f:
-            return json.load(f)
+            cfg = json.load(f)
+        if not isinstance(cfg, dict):
+            raise ValueError(
+                f"{path}: a Hugging Face config.json holds a JSON object, not a "
+                f"{type(cfg).__name__}"
+            )
+        return cfg
     if hasattr(config, "to_dict"):
         return config.to_dict()
     raise TypeError(

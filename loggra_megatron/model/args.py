@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+MAX_LAYERS = 4096
+"""More layers than any model has: a guard against a mistyped config (the estimator's
+``--fit`` searches per layer)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -136,9 +140,19 @@ class GPTModelArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTModelArgs.{name} must be a positive int, got {value!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(
+                f"GPTModelArgs.num_layers must be at most {MAX_LAYERS}, got {self.num_layers}"
+            )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups:
+        groups = self.num_query_groups
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 0:
+            raise ValueError(
+                f"GPTModelArgs.num_query_groups (key/value heads) must be a positive int, got "
+                f"{groups!r}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a positive multiple "
                 f"of num_query_groups ({self.num_query_groups})"
@@ -162,8 +176,16 @@ class GPTModelArgs:
             raise ValueError(
                 f"params_dtype must be one of {sorted(_DTYPES)}, got {self.params_dtype!r}"
             )
-        if self.rotary_base <= 0 or self.norm_epsilon <= 0 or self.rope_scaling_factor <= 0:
-            raise ValueError("rotary_base, norm_epsilon and rope_scaling_factor must be positive")
+        for name in ("rotary_base", "rope_scaling_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"GPTModelArgs.{name} must be a finite positive number, got {value!r}"
+                )
+        if not (isinstance(self.norm_epsilon, int | float) and 0 < self.norm_epsilon < 1):
+            raise ValueError(
+                f"GPTModelArgs.norm_epsilon must be in (0, 1), got {self.norm_epsilon!r}"
+            )
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

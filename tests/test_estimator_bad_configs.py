@@ -1,0 +1,63 @@
+"""tools/estimate_memory.py on garbage Hugging Face configs (issue 34, item 9): each exits 2
+in about a second with a message naming the field, never a traceback or a table."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")) as _f:
+    BASE = json.load(_f)
+FLAGS = ["--world-size", "8", "--tensor-model-parallel-size", "8"]
+
+
+def _estimate(tmp_path, config_text: str, *extra):
+    path = tmp_path / "config.json"
+    path.write_text(config_text)
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "estimate_memory.py")]
+    return subprocess.run(
+        [*cmd, "--hf-config", str(path), *FLAGS, *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({**BASE, "num_attention_heads": 0}, "num_attention_heads must be a positive int"),
+        ({**BASE, "num_key_value_heads": 0}, "num_query_groups (key/value heads) must be"),
+        ({**BASE, "hidden_size": "3584"}, "hidden_size must be a positive int, got '3584'"),
+        ({**BASE, "hidden_size": 1e30}, "hidden_size must be a positive int"),
+        ({**BASE, "rms_norm_eps": 2.0}, "norm_epsilon must be in (0, 1)"),
+        ([1, 2], "holds a JSON object, not a list"),
+        ({**BASE, "num_hidden_layers": 100000}, "num_layers must be at most 4096"),
+    ],
+    ids=["heads0", "kv-heads0", "string", "huge", "eps", "list", "layers"],
+)
+def test_a_garbage_config_exits_2_naming_the_field(tmp_path, config, needle):
+    t0 = time.perf_counter()
+    r = _estimate(tmp_path, json.dumps(config), "--fit")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert time.perf_counter() - t0 < 60
+
+
+def test_a_nan_rope_theta_is_refused(tmp_path):
+    r = _estimate(tmp_path, json.dumps(BASE)[:-1] + ', "rope_theta": NaN}')
+    assert r.returncode == 2 and "rotary_base must be a finite positive number" in r.stderr
+
+
+def test_sequence_packing_says_why_it_changes_no_term(tmp_path):
+    plain = _estimate(tmp_path, json.dumps(BASE), "--bf16", "--transformer-impl", "local")
+    assert plain.returncode == 0, plain.stderr
+    assert "--sequence-packing changes no term" not in plain.stdout
+    flags = ("--bf16", "--transformer-impl", "transformer_engine", "--sequence-packing")
+    packed = _estimate(tmp_path, json.dumps(BASE), *flags)
+    assert packed.returncode == 0, packed.stderr
+    assert "--sequence-packing changes no term above" in packed.stdout
