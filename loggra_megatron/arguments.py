@@ -43,12 +43,29 @@ def build_parser(sections: dict[str, type] = SECTIONS, **kwargs) -> argparse.Arg
         "prog": "pretrain_rl.py",
         "description": "GRPO/PPO training of a Megatron-Core policy with LoGRA and "
         "predicted-KL step control. Run with torchrun.",
+        # no prefix matching: a script's --save-int must not bind to a flag added later
+        "allow_abbrev": False,
         **kwargs,
     }
     parser = argparse.ArgumentParser(**kwargs)
     parser.add_argument("--config", default=None, help="YAML file of flag defaults")
+    for old, new in RENAMED_FLAGS.items():  # say where a renamed flag went
+        parser.add_argument(old, action=_Renamed, nargs="?", help=argparse.SUPPRESS, new=new)
     add_flags(parser, sections)
     return parser
+
+
+RENAMED_FLAGS = {"--kl-coef-target": "--kl-ref-target"}
+"""Flags that were renamed: given, they exit 2 naming the new name."""
+
+
+class _Renamed(argparse.Action):
+    def __init__(self, *args, new: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed {self.new}")
 
 
 def read_sections(
@@ -110,6 +127,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     problem = validate(cfg)
     if problem:
         parser.error(problem)
+    if cfg.rollout.temperature == 0:  # every completion of a group alike: advantages all 0
+        cfg.start.notes.append(
+            f"warning: --temperature 0 samples the {cfg.grpo.num_generations} completions of "
+            "a prompt greedily, so they are identical, every GRPO advantage is 0 and the "
+            "policy gradient vanishes; use --temperature > 0 for training"
+        )
     return cfg
 
 

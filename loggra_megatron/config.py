@@ -173,7 +173,9 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict)
         parser.error(f"--config: no such file {path!r}")
     try:
         with open(path, "rb") as f:
-            values = yaml.safe_load(f) or {}
+            values = yaml.load(f, Loader=_unique_key_loader()) or {}  # noqa: S506 (safe)
+    except _DuplicateKey as e:
+        parser.error(f"--config: {path!r} {e}")
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         parser.error(f"--config: {path!r} is not valid YAML ({' '.join(str(e).split())})")
     if not isinstance(values, dict):
@@ -200,6 +202,31 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict)
                 )
         out[name] = value
     return out
+
+
+class _DuplicateKey(Exception):
+    """A key given twice in a ``--config`` mapping."""
+
+
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """``yaml.safe_load`` that refuses a key given twice (it keeps the last silently)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise _DuplicateKey(
+                        f"gives {key!r} twice (lines {seen[key]} and {line}): keep one"
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def _yaml_bool(value) -> bool:

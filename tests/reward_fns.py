@@ -32,3 +32,8 @@ def hangs_on_second_sample(prompt: str, completion: str, answer: str, metadata: 
 
 
 hangs_on_second_sample.calls = 0
+
+
+def two_args(prompt: str, completion: str) -> float:
+    """A reward with the wrong signature (no answer, no metadata)."""
+    return 0.0

@@ -40,7 +40,9 @@ def _parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--direction", required=True, choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument("--load", required=True, help="source checkpoint directory")

@@ -93,7 +93,9 @@ def _draw(ax, rows, key, label, color, style) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files ([label=]path)")
     ap.add_argument("--out", default="plots", help="output directory for the PNG files")
     args = ap.parse_args(argv)

@@ -5,7 +5,9 @@ import argparse
 
 from loggra_megatron.tasks import TASKS, generate_tasks, write_jsonl
 
-parser = argparse.ArgumentParser(description="Write generated tasks as JSONL (--data-path).")
+parser = argparse.ArgumentParser(
+    allow_abbrev=False, description="Write generated tasks as JSONL (--data-path)."
+)
 parser.add_argument("--kind", choices=list(TASKS), default="mixed")
 parser.add_argument("--n", type=int, required=True)
 parser.add_argument("--seed", type=int, default=0)

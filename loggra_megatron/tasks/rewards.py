@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -29,6 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from loggra_megatron.config import FLOAT32_MAX
 from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 RewardFn = Callable[[str, str, str, dict], float]
@@ -210,6 +212,15 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(
             f"--reward-fn {spec!r}: {attr!r} is a {type(fn).__name__}, not callable"
         )
+    try:  # at start-up, not at RL step 1
+        inspect.signature(fn).bind("prompt", "completion", "answer", {})
+    except TypeError as e:
+        raise RewardSpecError(
+            f"--reward-fn {spec!r}: cannot be called as {attr}(prompt, completion, answer, "
+            f"metadata): {e}"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): checked when called
+        pass
     return fn
 
 
@@ -335,6 +346,8 @@ def compute_rewards(
             value = value.item()  # 0-d torch / numpy value
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise fail(f"returned {value!r} (need a finite float)")
+        if abs(float(value)) > FLOAT32_MAX:  # trained in float32: it would become inf
+            raise fail(f"returned {value!r}, beyond float32's range (|reward| <= 3.4e38)")
         rewards.append(float(value))
         correct.append(float(value) >= accuracy_threshold if verdict is None else verdict)
     return rewards, correct
