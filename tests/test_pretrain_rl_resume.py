@@ -339,6 +339,11 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(ConfigError, match=f'in use by another live run .*"pid": {holder.pid}'):
         RunLock.acquire(str(tmp_path), "--save")
+    # issue 34, item 4: a cleanup script deletes the lock file under the live run; a second
+    # run then locked a new file and both ran in the directory. The directory is locked too.
+    (tmp_path / "pretrain_rl.lock").unlink()
+    with pytest.raises(ConfigError, match="its lock file .* was deleted, the directory itself"):
+        RunLock.acquire(str(tmp_path), "--save")
     holder.kill()
     holder.wait()
     RunLock.acquire(str(tmp_path), "--save").release()

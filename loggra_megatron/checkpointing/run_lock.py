@@ -7,8 +7,11 @@ The kernel (or the NFS lock manager) releases the lock whenever its holder ends,
 included, so the lock of a crashed run is stale by construction and the next run takes it;
 a second run while the first is alive (a scheduler's requeue race starting the same
 auto-resume command twice) is refused with exit status 2, naming the holder. The file's
-text (host, pid, start time of the holder) is only for that message: its presence means
-nothing.
+text (host, pid, start time of the holder) is only for that message. Because a cleanup
+script may delete the file under a live run (a second run would then lock a new file),
+rank 0 also holds an exclusive ``flock`` on the directory itself, which no unlink can take
+away; where the file system has no ``flock`` for directories (NFS), the file lock alone
+guards the directory.
 
 Once it holds the lock, a run checks that the directory is as it was when its start was
 planned (:func:`directory_state`: another run may have saved or logged in between; the
@@ -51,8 +54,8 @@ def directory_state(directory: str) -> tuple:
 class RunLock:
     """The lock of one directory, held by this process until :meth:`release` or its end."""
 
-    def __init__(self, directory: str, fd: int):
-        self.directory, self._fd = directory, fd
+    def __init__(self, directory: str, fd: int, dir_fd: int | None):
+        self.directory, self._fd, self._dir_fd = directory, fd, dir_fd
 
     @classmethod
     def acquire(cls, directory: str, flag: str) -> RunLock:
@@ -76,16 +79,41 @@ class RunLock:
                 f"ends (its lock {path} is released then, even after kill -9), or choose "
                 f"another {flag}"
             ) from None
+        dir_fd = _lock_directory(directory)
+        if dir_fd is False:
+            os.close(fd)
+            raise ConfigError(
+                f"{flag} {directory!r} is in use by another live run: its lock file {path} was "
+                "deleted, the directory itself is still locked; wait until that run ends, or "
+                f"choose another {flag}"
+            )
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
-        return cls(directory, fd)
+        return cls(directory, fd, dir_fd)
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the lock
-            self._fd = None
+        for name in ("_fd", "_dir_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)  # closing the descriptor releases its lock
+                setattr(self, name, None)
+
+
+def _lock_directory(directory: str) -> int | None | bool:
+    """An exclusive ``flock`` on ``directory`` itself: its descriptor, False if another
+    process holds it, None where directories cannot be flocked (e.g. NFS)."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(dir_fd)
+        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    return dir_fd
 
 
 def written_directories(checkpoint: CheckpointConfig, logging: LoggingConfig) -> dict[str, str]:
