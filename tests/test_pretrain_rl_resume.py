@@ -356,3 +356,30 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
     cfg = parse_args(tiny_argv(tokenizer, save=save, load=save))
     for lock in claim_run_directories(cfg.checkpoint, cfg.logging, cfg.start.seen, []):
         lock.release()
+
+
+def test_a_resume_onto_another_vocabulary_of_the_same_size_is_refused(tokenizer, saved, tmp_path):
+    """Issue 34, item 6: 160 of 256 pieces differed and training went on with scrambled ids;
+    run_config.json records the vocabulary's SHA-256 and a mismatch stops the resume before
+    any process group, unless --override-tokenizer-check."""
+    from loggra_megatron.config import ConfigError
+    from loggra_megatron.data.tokenizer import fingerprint, load_tokenizer
+    from loggra_megatron.train.preflight import preflight
+
+    prefix = tmp_path / "other"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--builtin-tasks"]
+        + ["3000", "--vocab-size", "192", "--seed", "5", "--output-prefix", str(prefix)],
+        check=True,
+        capture_output=True,
+    )
+    other = f"{prefix}.model"
+    a, b = load_tokenizer(tokenizer, None), load_tokenizer(other, None)
+    assert a.vocab_size == b.vocab_size and fingerprint(a) != fingerprint(b)
+    base = {**COSINE, "load": saved, "save": saved, "train-iters": 6}
+    cfg = parse_args(tiny_argv(other, **base), world_size=2)
+    with pytest.raises(ConfigError, match="is not the tokenizer the checkpoint in --load was"):
+        preflight(cfg)
+    cfg = parse_args(tiny_argv(other, **base, **{"override-tokenizer-check": True}), world_size=2)
+    preflight(cfg)  # accepted when meant
+    preflight(parse_args(tiny_argv(tokenizer, **base), world_size=2))  # the same tokenizer

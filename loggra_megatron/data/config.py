@@ -37,6 +37,9 @@ class DataConfig:
     tokenizer_model: str | None = None
     """A sentencepiece .model file (tools/train_tokenizer.py) or a Hugging Face tokenizer
     directory (tokenizer.json, tokenizer_config.json)."""
+    override_tokenizer_check: bool = False
+    """Resume or load a checkpoint saved with a tokenizer of another vocabulary (its pieces'
+    SHA-256 in run_config.json differs from --tokenizer-model's): refused without this."""
     apply_chat_template: bool | None = None
     """Render prompts with the tokenizer's chat template (default: when it has one)."""
     system_prompt: str | None = None

@@ -63,6 +63,9 @@ class HuggingFaceTokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def vocabulary(self) -> list[str]:
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(len(self._tok))))]
+
     @property
     def bos(self) -> int | None:
         return self._tok.bos_token_id

@@ -17,6 +17,7 @@ The trainer's settings and why: docs/data.md#training-a-sentencepiece-tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import string
@@ -63,6 +64,20 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: list[dict]) -> str: ...
 
+    def vocabulary(self) -> list[str]:
+        """Every token's text, in id order."""
+        ...
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+    """SHA-256 of the tokenizer's pieces in id order: the same for the same vocabulary,
+    whatever file it came from; different when any id means another piece (a resume onto
+    such a tokenizer would train on scrambled ids, even at the same vocabulary size)."""
+    digest = hashlib.sha256()
+    for piece in tokenizer.vocabulary():
+        digest.update(piece.encode("utf-8", "surrogatepass") + b"\0")
+    return digest.hexdigest()
+
 
 class SentencePieceTokenizer:
     """A trained SentencePiece model (``--tokenizer-model``)."""
@@ -102,6 +117,9 @@ class SentencePieceTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    def vocabulary(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
     @property
     def bos(self) -> int:

@@ -185,6 +185,7 @@ def _prompt_length(renderer: PromptRenderer, dataset: PromptDataset, i: int, fla
 
 def _check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     from loggra_megatron.checkpointing.layout import MODEL_ARGS
+    from loggra_megatron.data.tokenizer import fingerprint
     from loggra_megatron.model.args import GPTModelArgs
 
     where = cfg.start.model_args_dir
@@ -195,6 +196,16 @@ def _check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
         raise ConfigError(
             f"--tokenizer-model has {tokenizer.vocab_size} tokens but the model in --load "
             f"{cfg.checkpoint.load!r} has {args.vocab_size}: use the tokenizer it was trained with"
+        )
+    ref = cfg.start.checkpoint
+    saved = ref.run_config() if ref is not None else None
+    mine = fingerprint(tokenizer)
+    if saved and saved.get("tokenizer", mine) != mine and not cfg.data.override_tokenizer_check:
+        raise ConfigError(
+            f"--tokenizer-model {cfg.data.tokenizer_model!r} is not the tokenizer the checkpoint "
+            f"in --load was trained with (its vocabulary's SHA-256 {saved['tokenizer'][:12]}..., "
+            f"this one's {mine[:12]}...; same size or not, its ids mean other pieces): use that "
+            "tokenizer, or --override-tokenizer-check if the change is meant"
         )
 
 

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from loggra_megatron.data.tokenizer import fingerprint
 from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
@@ -60,6 +61,7 @@ class RLTrainer:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self._log(*(f" {note}" for note in host.notes))
         self.dataset = host.dataset
+        self._tokenizer_fingerprint = fingerprint(host.tokenizer)
         stepper = self._build_models()
         self._build_rl(stepper)
         self._load()
@@ -296,7 +298,12 @@ class RLTrainer:
             "model_args": self.model_args.to_dict(),
             **{name: c.state_dict() for name, c in self.stateful().items()},
         }
-        run = {"flags": self.cfg.flags(), "step": self.step, "data": self.dataset.state_dict()}
+        run = {
+            "flags": self.cfg.flags(),
+            "step": self.step,
+            "data": self.dataset.state_dict(),
+            "tokenizer": self._tokenizer_fingerprint,
+        }
         try:
             save_checkpoint(
                 root,
