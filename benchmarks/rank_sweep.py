@@ -174,8 +174,8 @@ def summarize(args) -> None:
     ident, adam = table.get("identity", {}), table.get("adam", {})
     print("\n| rank | seeds | " + " | ".join(f"energy {f} (min)" for f in FAMILIES), end="")
     print(" | reward first 5 → last 5 | reward vs identity | accuracy last 5 | KL to ref", end="")
-    print(" | optimizer state (rank 0) | vs identity | vs dense Adam | warns at step |")
-    print("|---|---:|" + "---:|" * (len(FAMILIES) + 8))
+    print(" | optimizer state (rank 0) | vs identity | vs dense Adam | S buffer | warns at step |")
+    print("|---|---:|" + "---:|" * (len(FAMILIES) + 9))
     for config, runs in table.items():
         cells = []
         for f in FAMILIES:
@@ -192,6 +192,8 @@ def summarize(args) -> None:
             config, f"{config} (h/{128 // int(config) if config.isdigit() else 1})"
         )
         ratios = [f"{state(runs) / state(base):.3f}" if base else "–" for base in (ident, adam)]
+        sketch = mean([rows[-1].get("memory/sketch_buffer_bytes", 0.0) for rows in runs.values()])
+        ratios.append(f"{sketch / 2**20:.2f} MiB")  # the backward sketch's S (0 otherwise)
         print(
             f"| {label} | {len(runs)} | {' | '.join(cells)} | {first:.3f} → {mean(last):.3f}"
             f"{spread} | {mean(paired):.3f}{pm(paired)} | {acc:.3f} | {kl:.4f} | "
