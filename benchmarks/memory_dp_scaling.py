@@ -11,9 +11,10 @@ model, not a measurement. The run is the ``pretrain_rl.py`` command of
 estimator's ``--expandable-segments`` / ``--no-nccl-nvls``) on
 ``tools/configs/llama-style-27b.json``, at the script's TP = 8 with ``--grad-reduce-in-bf16``
 added, on ``8·DP`` GPUs for each ``--dp``. Dense Adam is the estimator's dense column of the
-same step (Megatron's default: fp32 masters and moments). The backward rows add
-``--loggra-sketch backward`` and drop the script's flags that apply to the gradient sketch only.
-Then the script's own command (DP = 1, fp32 grads) with ``--loggra-sketch backward``.
+same step (Megatron's default: fp32 masters and moments). Each LoGRA arm sets its own mode
+over the script's: the gradient rows ``--loggra-sketch gradient``, the backward rows
+``--loggra-sketch backward`` without the flags that apply to the gradient sketch only. Then
+the script's own command (DP = 1, fp32 grads) in both modes.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def run(args) -> dict:
     cli = estimator()
     flags = script_flags(os.path.join(ROOT, args.script))
     base = ["--hf-config", args.hf_config, "--gpu-memory-gb", str(args.gpu_memory_gb), *flags]
+    base = without(base, {"--loggra-sketch"})  # the script's own mode: each arm sets its own
     backward = [*without(base, gradient_only_flags()), "--loggra-sketch", "backward"]
+    base = [*base, "--loggra-sketch", "gradient"]
     rows = []
     for dp in args.dp:
         layout = ["--world-size", str(dp * GPUS_PER_NODE), "--grad-reduce-in-bf16"]

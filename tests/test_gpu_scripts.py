@@ -4,6 +4,7 @@
 * The 27B example's memory flags, fed to ``tools/estimate_memory.py`` under the same names,
   fit an 80 GB H100 with at least 5 GiB to spare, and its header quotes that command's
   output; every flag is either modelled by the estimator or listed here as memory-neutral.
+  Both scripts run LoGRA's backward sketch, with no flag of the gradient sketch's.
 * Every GPU script exports ``CUDA_DEVICE_MAX_CONNECTIONS=1``; the Slurm script runs in a
   pyxis container and takes ``pretrain_rl.py`` from the repository (fake ``sbatch``,
   ``scontrol``, ``srun`` and ``torchrun`` record what would run).
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -67,6 +69,11 @@ def _estimate(cli, capsys, argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def _gradient(argv: list[str]) -> list[str]:
+    """``argv`` with LoGRA's gradient sketch (the default) instead of the backward sketch."""
+    return [*without(argv, "--loggra-sketch", 1), "--loggra-sketch", "gradient"]
+
+
 # ---------------------------------------------------------------------- the 27B example
 def test_example_flags_are_pretrain_rl_flags(estimator_flags):
     from loggra_megatron.arguments import build_parser
@@ -87,6 +94,23 @@ def test_example_flags_are_pretrain_rl_flags(estimator_flags):
             assert needed in shared, f"{path}: {needed}"
 
 
+def test_examples_run_the_backward_sketch_without_gradient_only_flags():
+    """``--loggra-sketch backward``; pretrain_rl.py refuses the gradient sketch's flags with it."""
+    from loggra_megatron.optim.config import LoGRAConfig
+
+    gradient_only = set()
+    for field in dataclasses.fields(LoGRAConfig):
+        rule = field.metadata.get("applies")
+        if rule is not None and "--loggra-sketch gradient" in rule.when:
+            gradient_only.add("--" + field.name.replace("_", "-"))
+    assert "--loggra-update-interval" in gradient_only
+    for path in (SH, SLURM):
+        flags = dict(torchrun_flags(path))
+        assert flags["--optimizer"] == ["loggra"] and flags["--loggra-sketch"] == ["backward"]
+        assert flags["--loggra-rank"] == ["128"] and "--loggra-param-remainders" in flags
+        assert not gradient_only & set(flags), f"{path}: {gradient_only & set(flags)}"
+
+
 @pytest.mark.parametrize("path,world", [(SH, 8), (SLURM, 16)])
 def test_27b_example_fits_80gb_with_5gib_margin(path, world, cli, estimator_flags, capsys):
     argv = script_argv(path, world, estimator_flags)
@@ -101,9 +125,15 @@ def test_27b_example_fits_80gb_with_5gib_margin(path, world, cli, estimator_flag
     # every phase of the step is modelled, the dynamic engine's recompute included
     assert set(loggra["phases"]) >= {"rollout", "old log-probs", "ref log-probs", "training"}
     assert loggra["phases"]["old log-probs"] > 0 and loggra["prefill_activations"] > 0
-    if world == 8:  # the example's claims: dense Adam does not fit one node, and LoGRA
-        assert dense["total"] > USABLE_GIB  # does only with the allocator setting
+    if world == 8:  # the example's claims: dense Adam does not fit one node; the backward
+        assert dense["total"] > USABLE_GIB  # sketch does without the allocator setting too
         pinned = _estimate(cli, capsys, without(argv, "--expandable-segments"))["loggra"]
+        assert pinned["fits"] and pinned["total"] > loggra["total"]
+        # the gradient sketch (66.30 GiB, quoted once) fits only with the allocator setting
+        gradient = _gradient(argv)
+        default = _estimate(cli, capsys, gradient)["loggra"]
+        assert default["fits"] and default["total"] > loggra["total"]
+        pinned = _estimate(cli, capsys, without(gradient, "--expandable-segments"))["loggra"]
         assert pinned["total"] > USABLE_GIB
 
 
@@ -138,6 +168,7 @@ def test_27b_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
         "Without --inference-max-tokens": without(argv, "--inference-max-tokens", 1),
         "Without --expandable-segments": without(argv, "--expandable-segments"),
         "With --nccl-nvls": [*without(argv, "--no-nccl-nvls"), "--nccl-nvls"],
+        "With --loggra-sketch gradient": _gradient(argv),
     }
     assert len(parts) == len(variants)
     for part in parts:
@@ -147,7 +178,8 @@ def test_27b_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
 
 def test_27b_readme_and_slurm_header_quote_the_estimator(cli, estimator_flags, capsys):
     """examples/h100_8gpu/README.md's table (one row per script) and prose, and the Slurm
-    script's header, print what the estimator prints for the scripts' flags."""
+    script's header, print what the estimator prints for the scripts' flags (the prose: or
+    for their variants, the one-node command with the gradient sketch among them)."""
     one = script_argv(SH, 8, estimator_flags)
     two = script_argv(SLURM, 16, estimator_flags)
     out = {"one": printed(cli, capsys, one), "two": printed(cli, capsys, two)}
@@ -160,6 +192,7 @@ def test_27b_readme_and_slurm_header_quote_the_estimator(cli, estimator_flags, c
         without(one, "--inference-max-tokens", 1),
         without(one, "--expandable-segments"),
         [*without(one, "--no-nccl-nvls"), "--nccl-nvls"],
+        _gradient(one),
     ]
     everything = "".join([*out.values(), *(printed(cli, capsys, v) for v in variants)])
     prose = readme.split("| two nodes", 1)[1].split("These scripts have not", 1)[0]

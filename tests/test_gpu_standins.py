@@ -33,7 +33,8 @@ def _run(tmp_path, argv) -> tuple[list[dict], object]:
 # TP=2 with sequence parallelism, FP8 through TE layers, full recompute of every layer, the
 # dynamic engine with a KV budget, no supervised warm-up (the first FP8 forward of the run is
 # then the engine's, under inference mode), LoGRA with remainders, predicted-KL control (k3)
-# and a KL penalty.
+# and a KL penalty. The example itself runs --loggra-sketch backward: this dict keeps the
+# gradient sketch, and test_27b_example_flags_with_the_backward_sketch adds the published one.
 EXAMPLE_27B = {
     "tensor-model-parallel-size": 2,
     "bf16": True,

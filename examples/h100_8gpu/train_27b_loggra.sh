@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GRPO of a 27B-class Llama/Qwen-style policy on ONE 8×H100/H200 node with LoGRA and
-# predicted-KL step control (bf16 + FP8 via Transformer Engine on Hopper), TP=8 with sequence
+# GRPO of a 27B-class Llama/Qwen-style policy on ONE 8×H100/H200 node with LoGRA's backward
+# sketch (--loggra-sketch backward: LoGRA as published, the sketch formed in the backward pass,
+# no gradient buffer for the sketched linears, RowAdam; docs/optimizer.md) and predicted-KL
+# step control (bf16 + FP8 via Transformer Engine on Hopper), TP=8 with sequence
 # parallelism, full activation recompute, and the rollout KV cache bounded by
 # --inference-max-tokens (32 of the 64 sequences of 16k tokens at once). --rollout-engine
 # auto is Megatron-Core's dynamic engine on GPU; --rollout-engine static (this project's
@@ -18,27 +20,33 @@
 #       --recompute-num-layers 1 --seq-length 16384 --max-new-tokens 15360 \
 #       --rollout-engine auto --inference-max-tokens 524288 --prompts-per-step 8 \
 #       --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
-#       --log-prob-micro-batch-size 4 --optimizer loggra --loggra-rank 128 \
-#       --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
+#       --log-prob-micro-batch-size 4 --optimizer loggra --loggra-sketch backward \
+#       --loggra-rank 128 --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
 #       --kl-probe-fraction 0.125 --kl-coef 0.001
 #
-# prints (GiB per GPU): LoGRA r=128 66.30 total, "yes (12.80 free)" of the 79.1 GiB PyTorch
-# can allocate on an H100 80GB; dense Adam 95.06 ("NO (over by 15.96)"). Static 45.92 (LoGRA)
-# vs 74.68 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 12.57 + masters 6.29
-# (bf16 weights + int16 remainders, --loggra-param-remainders; dense 12.57) + optimizer state
-# 2.67 (dense 25.14) + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime + 0.86 of NCCL ring
-# buffers (3 communicators). Transient phases (one at a time): rollout 20.38 (the peak: KV
-# cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64 prompts in
-# one 65536-token forward), KL control 19.69 (probe in micro-batches of 4 sequences: logits
-# 11.81 + activations 1.59, plus the 6.29 backup of the weights a trial overwrites), the
-# dynamic engine's old-log-prob recompute and the reference log-probs 13.40 each (4
-# sequences per forward, --log-prob-micro-batch-size), training 5.60.
+# prints (GiB per GPU): LoGRA bwd r=128 53.43 total, "yes (25.67 free)" of the 79.1 GiB
+# PyTorch can allocate on an H100 80GB; dense Adam 95.06 ("NO (over by 15.96)"). Static 33.05
+# (LoGRA) vs 74.68 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 0.62 (the
+# embeddings, output layer and norms only: the sketched linears have no grad buffer; dense
+# 12.57) + masters 6.29 (bf16 weights + int16 remainders, --loggra-param-remainders; dense
+# 12.57) + optimizer state 1.24 (RowAdam's moment per row, AdamW for the rest; dense 25.14)
+# + sketch buffer S 0.51 + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime + 0.86 of NCCL
+# ring buffers (3 communicators). Transient phases (one at a time): rollout 20.38 (the peak:
+# KV cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64 prompts
+# in one 65536-token forward), KL control 19.69 (probe in micro-batches of 4 sequences:
+# logits 11.81 + activations 1.59, plus the 6.29 backup of the weights a trial overwrites),
+# the dynamic engine's old-log-prob recompute and the reference log-probs 13.40 each (4
+# sequences per forward, --log-prob-micro-batch-size), training 5.53, the optimizer step's
+# sketch update 0.22.
 # Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
-# tokens at once) and LoGRA 82.30 ("NO (over by 3.20)").
-# Without --expandable-segments it prints the same 82.30 ("NO"): the freed 16.00 KV buffer's
+# tokens at once) and LoGRA 69.43 ("yes (9.67 free)"): it still fits, with less room.
+# Without --expandable-segments it prints the same 69.43: the freed 16.00 KV buffer's
 # segment, pinned by one tensor, is counted again ("rollout: fragmentation").
-# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 67.05
-# ("yes (12.05 free)").
+# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 54.18
+# ("yes (24.92 free)").
+# With --loggra-sketch gradient (the default: the dense gradient in the fp32 grad buffer,
+# 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 66.30 ("yes (12.80
+# free)"), static 45.92.
 # tests/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
 # yet: benchmarks/gpu/h200_check.sh is the first check.
 #
@@ -54,8 +62,8 @@ OUT=${OUT:-runs/grpo_27b}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # The rollout frees a 16 GiB KV buffer every step: with expandable segments its pages are
 # reused; without, one tensor left in its segment makes the next step's buffer need 16 GiB
-# more and the run does not fit (header). NCCL's NVLS buffers are off: 0.75 GiB per GPU
-# here, 6.75 with older NCCL releases' larger ones (docs/memory.md); NCCL_NVLS_ENABLE=1.
+# more (header). NCCL's NVLS buffers are off: 0.75 GiB per GPU here, 6.75 with older NCCL
+# releases' larger ones (docs/memory.md); NCCL_NVLS_ENABLE=1.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # Relaunching resumes this run; the first launch starts from the converted model.
@@ -73,7 +81,7 @@ torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --prompts-per-step 8 --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
     --log-prob-micro-batch-size 4 \
     --train-iters 500 --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0 \
-    --optimizer loggra --loggra-rank 128 --loggra-update-interval 200 --loggra-param-remainders \
+    --optimizer loggra --loggra-sketch backward --loggra-rank 128 --loggra-param-remainders \
     --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 \
     --kl-coef 0.001 --kl-ref-estimator k3 \
     --loss-aggregation token_mean --clip-low 0.2 --clip-high 0.28 \
