@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm
+from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.row_adam import RowAdam
 
@@ -180,11 +181,13 @@ class BackwardSketchOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self):
-        """Megatron's step of this leaf alone (the chain's step is the one that runs)."""
+        """Megatron's step of this leaf alone (the chain's step is the one that runs):
+        its own norm, clipped by its own coefficient."""
         self.prepare_grads()
         grad_norm = self.get_grad_norm()
         ok = bool(torch.isfinite(torch.as_tensor(grad_norm)))
         if ok:
+            self.optimizer.model_grad_scale = clip_coefficient(self.config.clip_grad, grad_norm)
             self.step_with_ready_grads()
         return ok, grad_norm, None
 
