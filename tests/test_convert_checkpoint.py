@@ -538,3 +538,42 @@ def test_a_full_disk_fails_in_one_line_and_leaves_nothing(hf_models, tmp_path, f
         assert last.startswith(f"error: writing --save {save} failed, its file system is full")
         assert "Traceback" not in r.stderr, r.stderr
         assert not save.exists(), os.listdir(save)
+
+
+def test_kill_9_during_a_conversion_leaves_no_process_behind(tmp_path):
+    """Issue 34, item 8: kill -9 of the converter while it writes must not leave its
+    helper processes (the dist-checkpoint writer's queue manager, the resource tracker)
+    running; the rerun then cleans up and converts."""
+    import signal
+    import time
+
+    import psutil
+
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    mg = tmp_path / "mg"
+    argv = [CLI, "--direction", "hf-to-megatron", "--load", tmp_path / "hf", "--save", mg]
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.DEVNULL)
+    converter = psutil.Process(proc.pid)
+    deadline = time.time() + 120
+    children = []
+    while time.time() < deadline and proc.poll() is None:
+        children = converter.children(recursive=True)
+        if (mg / "release.tmp").exists() and children:
+            break
+        time.sleep(0.05)
+    assert children, "the converter finished or never started writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    r = _cli("--direction", "hf-to-megatron", "--load", tmp_path / "hf", "--save", mg)
+    assert r.returncode == 0, r.stderr
