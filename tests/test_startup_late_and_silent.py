@@ -84,3 +84,35 @@ def test_flag_prefixes_are_not_accepted(tokenizer, capsys):
             timeout=120,
         )
         assert r.returncode == 2 and "unrecognized arguments" in r.stderr, (tool, r.stderr)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--builtin-tasks", "100", "--vocab-size", "0"], "--vocab-size 0: sentencepiece refused"),
+        (["--builtin-tasks", "-5"], "--builtin-tasks -5: must be >= 1"),
+        (["--builtin-tasks", "100", "--vocab-size", "50"], "smaller than required_chars"),
+    ],
+)
+def test_the_tokenizer_tool_refuses_bad_input_in_one_line(tmp_path, argv, needle):
+    """Found looking for item 7's class of defect in the other tools: these were
+    sentencepiece or generator tracebacks."""
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), *argv]
+        + ["--output-prefix", str(tmp_path / "tok")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_plot_metrics_of_a_run_without_metrics_is_one_line(tmp_path):
+    """A directory without metrics.jsonl was a FileNotFoundError traceback."""
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plot_metrics.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "No such file" in r.stderr and "Traceback" not in r.stderr

@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files ([label=]path)")
     ap.add_argument("--out", default="plots", help="output directory for the PNG files")
     args = ap.parse_args(argv)
-    for path in plot(parse_runs(args.runs), args.out):
+    try:
+        paths = plot(parse_runs(args.runs), args.out)
+    except (OSError, ValueError) as e:  # a missing run, a metrics.jsonl that is not JSON
+        ap.error(f"{' '.join(str(e).split())}")
+    for path in paths:
         print(path)
 
 

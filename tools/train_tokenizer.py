@@ -67,27 +67,36 @@ def _lines(paths):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from loggra_megatron.data.tokenizer import SentencePieceTokenizer, train_tokenizer
 
+    if args.builtin_tasks is not None and args.builtin_tasks < 1:
+        parser.error(f"--builtin-tasks {args.builtin_tasks}: must be >= 1")
+    if args.num_threads < 1:
+        parser.error(f"--num-threads {args.num_threads}: must be >= 1")
     if args.input:
         missing = [path for path in args.input if not os.path.isfile(path)]
         if missing:
-            raise SystemExit(f"--input: no such file(s): {missing}")
+            parser.error(f"--input: no such file(s): {missing}")
         texts = _lines(args.input)
     else:
         texts = task_texts(generate_tasks(args.task_kind, args.builtin_tasks, args.seed))
 
     start = time.perf_counter()
-    model_path = train_tokenizer(
-        texts,
-        args.output_prefix,
-        args.vocab_size,
-        model_type=args.model_type,
-        byte_fallback=args.byte_fallback,
-        hard_vocab_limit=args.hard_vocab_limit,
-        num_threads=args.num_threads,
-    )
+    try:
+        model_path = train_tokenizer(
+            texts,
+            args.output_prefix,
+            args.vocab_size,
+            model_type=args.model_type,
+            byte_fallback=args.byte_fallback,
+            hard_vocab_limit=args.hard_vocab_limit,
+            num_threads=args.num_threads,
+        )
+    except RuntimeError as e:  # sentencepiece's checks ("vocab_size > 0", "smaller than ...")
+        reason = " ".join(str(e).split()).split("] ", 1)[-1]
+        parser.error(f"--vocab-size {args.vocab_size}: sentencepiece refused it: {reason}")
     seconds = time.perf_counter() - start
     tokenizer = SentencePieceTokenizer(model_path)
     print(
