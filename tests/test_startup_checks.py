@@ -29,6 +29,10 @@ BASES = [
 base where its own condition is false)."""
 CHOICES = {
     "loggra_projection": "random",
+    "loggra_sketch": "backward",
+    "loggra_targets": "linear_qkv",
+    "loggra_sketch_matrix": "gaussian",
+    "loggra_row_optimizer": "sgd",
     "kl_estimator": "k3",
     "kl_ref_estimator": "k1",
     "recompute_method": "uniform",
