@@ -363,13 +363,15 @@ def _measure(rank, bf16=False, remainders=False):
     batch, micro = local_batch(TOKENS)
     _, (ok, _, _) = train_step(ddp, opt, batch, num_microbatches=micro)
     assert ok
+    from loggra_megatron.optim.megatron.params import shares_storage
+
     leaf = opt.chained_optimizers[-1]
     (sites,) = leaf.sites
     masters = 0
     for main, (_, site, _, _) in leaf.rows_of.items():
         if main in leaf.optimizer.param_remainders:
             masters += leaf.optimizer.param_remainders[main].nbytes
-        elif main.untyped_storage().data_ptr() != site.weight.untyped_storage().data_ptr():
+        elif not shares_storage(main, site.weight):
             masters += main.nbytes  # a separate fp32 copy of the rows
     in_buffers = any(s.weight in b.param_index_map for s in sites for b in ddp.buffers)
     return {

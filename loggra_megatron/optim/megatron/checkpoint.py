@@ -23,7 +23,9 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 FORMAT_VERSION = 1
 
 
-def _flat_sharded(key, data, global_numel, offset, main_replica, fresh):
+def flat_sharded(key, data, global_numel, offset, main_replica, fresh):
+    """A flat ``ShardedTensor``: ``data`` (1-D) at ``offset`` of a ``global_numel`` tensor;
+    a fresh buffer of its shape to load into with ``fresh``."""
     data = torch.empty_like(data) if fresh else data
     return ShardedTensor(
         key=key,
@@ -120,7 +122,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             else:
                 master = inner.master_of(main)
             entry = {
-                "fp32_param": _flat_sharded(
+                "fp32_param": flat_sharded(
                     f"{prefix}.{key}.fp32_param",
                     master.view(-1),
                     numel,
@@ -131,7 +133,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             }
             if layout is None:
                 for name in ("exp_avg", "exp_avg_sq"):
-                    entry[name] = _flat_sharded(
+                    entry[name] = flat_sharded(
                         f"{prefix}.{key}.{name}",
                         state[name].view(-1),
                         numel,
@@ -154,10 +156,8 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         if hi > lo:
             for name in ("exp_avg", "exp_avg_sq"):
                 rows = state[name][lo - t_lo : hi - t_lo].reshape(-1)
-                entries[name] = _flat_sharded(
-                    f"{key}.{name}", rows, m * r, lo * r, True, is_loading
-                )
-        entries["basis"] = _flat_sharded(
+                entries[name] = flat_sharded(f"{key}.{name}", rows, m * r, lo * r, True, is_loading)
+        entries["basis"] = flat_sharded(
             f"{key}.basis",
             state["basis"].view(-1),
             n * r,

@@ -35,11 +35,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm
+from loggra_megatron.optim.megatron.checkpoint import flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
+from loggra_megatron.optim.megatron.params import shares_storage
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.row_adam import RowAdam
 
@@ -211,7 +212,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     def _copy_main_params_to_model_params(self) -> None:
         for main, (_, site, lo, hi) in self.rows_of.items():
             rows = site.weight.detach()[lo:hi]
-            if main.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
+            if not shares_storage(main, rows):
                 rows.copy_(main)
 
     @torch.no_grad()
@@ -286,22 +287,32 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         tensors with global offsets (rows), so a checkpoint loads at any DP size. The
         projection is not saved: it is drawn again from (seed, draw, name)."""
         tp = parallel_state.get_tensor_model_parallel_rank()
-        replica = 0 if self.sites[0].segments > 1 else self.dp_group.rank()
+        # rows sharded over DP: every rank writes its own; replicated: DP rank 0 writes
+        main_replica = self.sites[0].segments > 1 or self.dp_group.rank() == 0
         param_state = {}
         for main, (_, site, lo, _) in self.rows_of.items():
             key = f"optimizer.loggra_sketch.tp{tp}.{site.name}"
-            master = self.optimizer.master_of(main).float()
-            if is_loading:
-                master = torch.empty_like(master)
+            master = self.optimizer.master_of(main).float().view(-1)
             entry = {
-                "fp32_param": _flat(
-                    f"{key}.fp32_param", master, site.rows * site.cols, lo * site.cols, replica
+                "fp32_param": flat_sharded(
+                    f"{key}.fp32_param",
+                    master,
+                    site.rows * site.cols,
+                    lo * site.cols,
+                    main_replica,
+                    is_loading,
                 )
             }
             state = self.optimizer.init_state_of(main)
             if "exp_avg_sq" in state:
-                v = torch.empty_like(state["exp_avg_sq"]) if is_loading else state["exp_avg_sq"]
-                entry["exp_avg_sq"] = _flat(f"{key}.exp_avg_sq", v, site.rows, lo, replica)
+                entry["exp_avg_sq"] = flat_sharded(
+                    f"{key}.exp_avg_sq",
+                    state["exp_avg_sq"],
+                    site.rows,
+                    lo,
+                    main_replica,
+                    is_loading,
+                )
             param_state[site.name] = entry
         return {"loggra": self._meta(), "param_state": param_state}
 
@@ -322,16 +333,3 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             chunk_sites.updates = num_steps
         self._copy_main_params_to_model_params()
         self.sync_weights()
-
-
-def _flat(key: str, data: torch.Tensor, global_numel: int, offset: int, replica: int):
-    return ShardedTensor(
-        key=key,
-        data=data.reshape(-1),
-        dtype=data.dtype,
-        local_shape=(data.numel(),),
-        global_shape=(global_numel,),
-        global_offset=(offset,),
-        axis_fragmentations=None,
-        replica_id=replica,
-    )

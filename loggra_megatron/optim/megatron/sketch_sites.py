@@ -119,11 +119,11 @@ class SketchSites:
         for site in self.sites:
             site.chunk = math.ceil(site.rows / segments)
             site.offset, offset = offset, offset + site.chunk
-        self.segment_rows = offset
         device = self.sites[0].weight.device
         self.buffer = torch.zeros(segments, offset, self.rank, dtype=torch.float32, device=device)
         """``[segments, rows per segment, r]`` fp32: every target's ``S``."""
-        self._handles = [s.module.register_forward_hook(self._forward_hook(s)) for s in self.sites]
+        for site in self.sites:
+            site.module.register_forward_hook(self._forward_hook(site))
 
     # ------------------------------------------------------------------ projection
     @property
@@ -149,10 +149,6 @@ class SketchSites:
         """``S`` rows of ``site`` held in ``segment``: ``[hi − lo, r]`` (a view)."""
         lo, hi = site.owned_rows(segment)
         return self.buffer[segment, site.offset : site.offset + hi - lo]
-
-    def segment(self, index: int) -> torch.Tensor:
-        """Segment ``index`` of the buffer: ``[rows per segment, r]`` (a view)."""
-        return self.buffer[index]
 
     @torch.no_grad()
     def _accumulate(self, site: SketchSite, grad_out: torch.Tensor, p: torch.Tensor) -> None:
