@@ -97,11 +97,11 @@ def estimates(cli, argv: list[str]) -> dict:
     """``{"adam", "loggra"}``: the estimator's dense column and LoGRA's (the command line's
     ``--loggra-sketch``), as ``tools/estimate_memory.py argv`` prints them."""
     cfg, est, _ = cli.settings(cli.build_parser(), argv)
-    model, parallel, step = modelled_step(cfg, est)
-    dense = dataclasses.replace(step, optimizer="adam")
+    model, plan = modelled_step(cfg, est)
+    dense = dataclasses.replace(plan, optimizer="adam")
     return {
-        "adam": estimate_rl_step_memory(model, parallel, dense),
-        "loggra": estimate_rl_step_memory(model, parallel, step),
+        "adam": estimate_rl_step_memory(model, dense, est),
+        "loggra": estimate_rl_step_memory(model, plan, est),
         "gpu_bytes": int(est.gpu_memory_gb * GiB),
     }
 

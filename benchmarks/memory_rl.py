@@ -125,7 +125,7 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     )
     if args.fp8:  # Transformer Engine layers; FP8 GEMMs inside Megatron's fp8 context
         shape.update(use_te=True, fp8=args.fp8, fp8_recipe="delayed")
-    model = tiny_gpt_model(**shape)
+    model = tiny_gpt_model(**shape, log_prob_chunk_size=args.log_prob_chunk_size)
     if kind == "backward":  # targets frozen and hooked before DDP: no grad buffer for them
         from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
         from loggra_megatron.optim.megatron.factory import build_loggra
@@ -140,7 +140,14 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
         )
         prepare_model(model, optim, loggra)
     policy = wrap_ddp(model, grad_reduce_in_fp32=not bf16_grads)
-    reference = tiny_gpt_model(**shape).eval().requires_grad_(False) if with_reference else None
+    reference = None
+    if with_reference:
+        reference = tiny_gpt_model(**shape, log_prob_chunk_size=args.log_prob_chunk_size)
+        reference.eval().requires_grad_(False)
+        if args.reference_offload:  # its weights on the host, streamed unit by unit
+            from loggra_megatron.model.offload import offload_to_host
+
+            offload_to_host(reference, torch.device(args.device))
     if kind == "backward":
         return policy, reference, build_loggra(optim, loggra, [policy])
     base = dict(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True)
@@ -160,18 +167,23 @@ PHASES = ("rollout", "log_probs", "training")
 
 def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.nullcontext):
     """Rollout (KV-cached sampling), the reference's log-probs, then forward + backward of
-    the policy (one micro-batch at a time) and the optimizer step. ``phase(name)`` wraps
-    each phase."""
+    the policy (one micro-batch at a time, the actor's own schedule and chunked log-probs)
+    and the optimizer step. ``phase(name)`` wraps each phase."""
+    from loggra_megatron.model.offload import release_device_weights
+    from loggra_megatron.rl.actor import forward_backward, sft_loss_fn
     from loggra_megatron.rollout import compute_log_probs, generate_rollout
-    from loggra_megatron.testing import train_step
 
     with phase("rollout"):
         generate_rollout(policy, prompts, max_new_tokens=tokens.shape[1] - 1 - prompts.shape[1])
     with phase("log_probs"):
         if reference is not None:
             compute_log_probs(reference, tokens, micro_batch_size=1)
+            release_device_weights(reference)  # an offloaded one's last unit (else no-op)
     with phase("training"):
-        train_step(policy, optimizer, tokens, num_microbatches=tokens.shape[0])
+        mask = torch.ones(1, tokens.shape[1] - 1, dtype=torch.bool, device=tokens.device)
+        micro = [{"tokens": row.unsqueeze(0), "mask": mask} for row in tokens]
+        forward_backward(policy, optimizer, micro, sft_loss_fn(float(tokens[:, 1:].numel())), 1)
+        optimizer.step()
 
 
 def persistent_tensors(policy, reference, optimizer):
@@ -298,6 +310,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)",
     )
     ap.add_argument("--timed-steps", type=int, default=2)
+    ap.add_argument("--log-prob-chunk-size", type=int, default=256, help="as pretrain_rl.py's flag")
+    ap.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    ap.add_argument(
+        "--reference-offload",
+        action="store_true",
+        help="the reference's weights on the host, streamed per layer (as pretrain_rl.py's)",
+    )
     args = ap.parse_args(argv)
     if args.fp8 and args.device != "cuda":
         ap.error("--fp8 needs --device cuda (a Hopper GPU with Transformer Engine)")
@@ -318,7 +337,9 @@ def main() -> None:
         f"{args.vocab}, rollout {args.rollout_rows} x ({args.seq - args.new_tokens} + {args.new_tokens})"
         f" tokens, micro-batch 1, bf16, LoGRA rank {args.hidden // 8}, "
         f"{f'FP8 {args.fp8}, ' if args.fp8 else ''}"
-        f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}{args.device}"
+        f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}"
+        f"{'reference offloaded, ' if args.reference_offload else ''}"
+        f"log-prob chunks of {args.log_prob_chunk_size}, {args.device}"
     )
     columns = [
         ("state", "optimizer state"),
@@ -331,13 +352,14 @@ def main() -> None:
         columns = [("state", "optimizer state"), ("peak", "**peak**")]
     print(f"\n| optimizer | setting | reference | {' | '.join(n for _, n in columns)} | step (s) |")
     print("|---|---|---|" + "---:|" * (len(columns) + 1))
-    best = {}
+    best, rows = {}, []
     references = {"both": (True, False), "yes": (True,), "no": (False,)}[args.reference]
     for with_reference in references:
         for kind, settings in SETTINGS.items():
             for bf16_grads, remainders in settings:
                 r = measure(kind, args, bf16_grads, with_reference, remainders)
                 name = setting_name(kind, bf16_grads, remainders)
+                rows.append({"optimizer": kind, "setting": name, "reference": with_reference, **r})
                 cells = " | ".join(f"{r[key] / gib:.3f}" for key, _ in columns)
                 print(
                     f"| {kind} | {name} | {'yes' if with_reference else 'no'} | {cells} | "
@@ -360,6 +382,9 @@ def main() -> None:
                 f"| {'yes' if with_reference else 'no'} | {mode} | {d['peak'] / gib:.3f} ({dn}) "
                 f"| {g['peak'] / gib:.3f} ({gn}) | {ratio:.3f} | {100 * (1 - ratio):.1f} % |"
             )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "measurements": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,7 @@ _TORCH_CUDA_STANDINS = {
     "get_device_capability": lambda device=None: (0, 0),
     "get_device_name": lambda device=None: "cpu",
     "mem_get_info": _mem_get_info,
+    "reset_peak_memory_stats": _noop,  # (the CUDA allocator's statistics stay empty)
     **_RNG_STANDINS,
 }
 

@@ -21,25 +21,27 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MEAN, SUM = "mean", "sum"
+MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How a key's values combine at each stage (``mean`` | ``sum``; None: not this stage)."""
+    """How a key's values combine at each stage (``mean`` | ``sum``, over ranks also ``max``
+    | ``min``; None: not this stage)."""
 
     micro_batches: str | None = None
     """Over the micro-batches of a mini-batch (metrics of the loss terms)."""
     updates: str | None = None
     """Over the optimizer updates of the RL step."""
     ranks: str | None = None
-    """Over the DP ranks (each the mean over the pipeline stages that report the key)."""
+    """Over the DP ranks (each the mean over the pipeline stages that report the key;
+    ``max`` and ``min`` take the pipeline stages' largest and smallest too)."""
 
     def describe(self) -> str:
         stages = (
             (self.micro_batches, "micro-batches"),
             (self.updates, "updates"),
-            (self.ranks, "DP ranks"),
+            (self.ranks, "PP and DP ranks" if self.ranks in (MAX, MIN) else "DP ranks"),
         )
         return ", ".join(f"{how} over {what}" for how, what in stages if how) or "as measured"
 
@@ -56,6 +58,10 @@ PER_RANK = Reduction(ranks=MEAN)
 """One value per rank and step."""
 SUMMED_OVER_RANKS = Reduction(ranks=SUM)
 """One value per rank and step, added up over the DP ranks."""
+PEAK_OVER_RANKS = Reduction(ranks=MAX)
+"""One value per rank and step, the largest of any rank's (a memory peak)."""
+LEAST_OVER_RANKS = Reduction(ranks=MIN)
+"""One value per rank and step, the smallest of any rank's (free memory)."""
 AS_MEASURED = Reduction()
 """One value per step, reported as measured: rank 0's, or the same on every rank."""
 
@@ -167,7 +173,45 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "memory/peak_bytes",
-        "peak allocated memory of rank 0 so far (CUDA max allocated; peak RSS on CPU)",
+        "this RL step's peak memory: the max of its `memory/peak_bytes/<phase>` (CUDA: max "
+        "allocated; CPU: peak RSS); until this version rank 0's peak since the start of the "
+        "run (docs/metrics.md#memory)",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/peak_bytes/rollout",
+        "peak memory of the step's rollout: generation (its KV cache; the dynamic engine's "
+        "old log-prob recompute too) and rewards",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/peak_bytes/log_probs",
+        "peak memory of the step's reference log-prob forwards (with --kl-coef > 0)",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/peak_bytes/train",
+        "peak memory of the actor's mini-batches: forward/backward and the optimizer step "
+        "(without predicted-KL control's part)",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/peak_bytes/kl_control",
+        "peak memory of the optimizer steps under predicted-KL control (--kl-target): "
+        "gradient preparation, probe trials, commit",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/reserved_bytes",
+        "CUDA only: the caching allocator's peak reserved bytes over the step's phases "
+        "(allocated + cached free blocks)",
+        PEAK_OVER_RANKS,
+    ),
+    Metric(
+        "memory/free_bytes",
+        "CUDA only: free device memory at the end of the step (`torch.cuda.mem_get_info`: "
+        "what PyTorch's reserved blocks, NCCL, the CUDA context and other processes leave)",
+        LEAST_OVER_RANKS,
     ),
     Metric(
         "memory/kl_control_bytes",

@@ -74,24 +74,24 @@ LENGTHS = torch.tensor([16, 9, 12, 5])
 
 
 def _packed_step(data_iterator, model):
-    """A masked token-mean loss on the logits of a packed (THD) micro-batch."""
+    """A masked token-mean loss on the log-probs of a packed (THD) micro-batch."""
     from megatron.core import parallel_state
 
     from loggra_megatron.model.batching import LENGTHS as KEY
-    from loggra_megatron.model.forward import gpt_logits, token_log_probs
+    from loggra_megatron.model.forward import gpt_forward, last_hidden
 
     batch = next(data_iterator)
-    logits = gpt_logits(model, batch)
+    hidden = gpt_forward(model, batch)
 
     def loss_func(out):
         if not parallel_state.is_pipeline_last_stage():
             return out.float().sum() * 0, {}
-        log_probs = token_log_probs(out, batch["tokens"][:, 1:])
+        log_probs = last_hidden(model, batch, out).log_probs()
         positions = torch.arange(log_probs.shape[1]).unsqueeze(0)
         mask = (positions < batch[KEY].unsqueeze(1)).float()
         return -(log_probs * mask).sum() / mask.sum(), {}
 
-    return logits, loss_func
+    return hidden, loss_func
 
 
 def _backward(ddp, tokens, packed=False):

@@ -43,7 +43,7 @@ class ReferenceKeepingStep:
         self.reference = None
 
     def reference_collector(self, num_sequences):
-        return self.collector(self.controller, 3)
+        return self.collector(self.controller, 3, logits=True)  # the `full` estimator's
 
     def __call__(self, mini, reference=None):
         from loggra_megatron.rl.kl_probe import ProbeOutput, widen_output
@@ -96,7 +96,6 @@ def one_update(rank, layout: str, aggregation: str = "token_mean", te: bool = Fa
         PolicyLossConfig(loss_aggregation=aggregation),
         SEQ,
         AdaptiveKLCoefficient(0.1),
-        ps.get_tensor_model_parallel_group(),
     )
     step = ReferenceKeepingStep(opt)
     dp = ps.get_data_parallel_world_size()

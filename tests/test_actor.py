@@ -58,9 +58,7 @@ def _one_grpo_step(rank, pad_to: int = 1):
     opt = get_megatron_optimizer(config, [ddp])
     before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     batch = _grpo_batch()
-    loss = PPOClipLoss(
-        PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.1), ps.get_tensor_model_parallel_group()
-    )
+    loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.1))
     loss_fn = partial(loss, counts=(float(batch["mask"].sum()), float(BATCH)))
     micro = [pad_micro_batch(b, pad_to) for b in split_micro(batch, 4)]
     assert all((b["tokens"].shape[1] - 1) % pad_to == 0 for b in micro)

@@ -170,3 +170,29 @@ def test_rank_sweep_arms_are_the_tiny_example_and_pass_validation(tokenizer):
     assert ranks["identity"] == ("loggra", "identity") and ranks["adam"][0] == "adam"
     backward = parse_args([*sweep.run_flags("16", rl, "backward"), "--seed", "2"], world_size=2)
     assert backward.loggra.loggra_sketch == "backward" and backward.loggra.loggra_rank == 16
+
+
+def _chunking_at_a_tiny_shape(rank):
+    import sys
+
+    from loggra_megatron.parallel import initialize_megatron
+
+    initialize_megatron(device="cpu")
+    sys.path.insert(0, os.path.dirname(BENCH))  # its AllocationPeak is memory_rl's
+    spec = importlib.util.spec_from_file_location(
+        "log_prob_chunking", os.path.join(ROOT, "benchmarks", "log_prob_chunking.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = "--layers 1 --hidden 32 --ffn 64 --heads 4 --vocab 4096 --seq 128 --rows 1"
+    args = bench.parse_args([*flags.split(), "--log-prob-chunk-size", "16", "--repeats", "1"])
+    return bench.measure(args), args
+
+
+def test_log_prob_chunking_measures_the_chunked_heads_smaller_transient():
+    ((results, args),) = run_distributed(_chunking_at_a_tiny_shape, 1)
+    for phase in ("log_probs", "training"):
+        whole = results[f"{phase}/unchunked"]["transient_bytes"]
+        chunked = results[f"{phase}/chunked"]["transient_bytes"]
+        assert whole >= 4 * args.seq * args.vocab  # at least the fp32 logits of the row
+        assert chunked < whole / 2

@@ -129,12 +129,13 @@ def test_27b_example_fits_80gb_with_5gib_margin(path, world, cli, estimator_flag
         assert dense["total"] > USABLE_GIB  # sketch does without the allocator setting too
         pinned = _estimate(cli, capsys, without(argv, "--expandable-segments"))["loggra"]
         assert pinned["fits"] and pinned["total"] > loggra["total"]
-        # the gradient sketch (66.30 GiB, quoted once) fits only with the allocator setting
+        # the gradient sketch (quoted once) fits too; without the allocator setting the
+        # freed KV buffer's pinned segment (16 GiB) is counted again
         gradient = _gradient(argv)
         default = _estimate(cli, capsys, gradient)["loggra"]
         assert default["fits"] and default["total"] > loggra["total"]
         pinned = _estimate(cli, capsys, without(gradient, "--expandable-segments"))["loggra"]
-        assert pinned["total"] > USABLE_GIB
+        assert pinned["total"] >= default["total"] + loggra["kv_cache"]
 
 
 def _header_command(text: str) -> list[str]:

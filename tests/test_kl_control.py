@@ -178,8 +178,8 @@ def _predicted_vs_exact(rank):
     ddp.start_param_sync(force_sync=True)
     after = forward(batch[probe])
     exact = F.kl_div(
-        after.logits.log_softmax(-1),
-        before.logits.log_softmax(-1),
+        after.logits.float().log_softmax(-1),
+        before.logits.float().log_softmax(-1),
         log_target=True,
         reduction="none",
     ).sum(-1)
@@ -328,8 +328,7 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
         "old": -4.0 + torch.zeros(len(tokens), SEQ),
         "adv": torch.randn(len(tokens), generator=gen),
     }
-    tp = ps.get_tensor_model_parallel_group()
-    loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.0), tp)
+    loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.0))
     loss_fn = partial(loss, counts=(float(mask.sum()) * 2, float(len(tokens)) * 2))
     keep = ctl.reference_collector(len(tokens))
     forward_backward(ddp, opt, split_micro(batch, 1), keep.wrap(loss_fn), dp=2)

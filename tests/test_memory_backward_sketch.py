@@ -16,19 +16,10 @@ import subprocess
 import sys
 
 import pytest
-from launch_flags import CONFIG_27B, ROOT, estimator_cli, read
+from launch_flags import CONFIG_27B, ROOT, estimator_cli, names_flag, read
+from memory_plans import plan
 
 from loggra_megatron.memory import backward_sketch as bs
-from loggra_megatron.memory.config import (
-    ROW_STATE_BYTES,
-    SKETCH_TARGETS,
-    GiB,
-    MemoryConfigError,
-    ParallelConfig,
-    RLStepConfig,
-    TransformerShape,
-    ceil_div,
-)
 from loggra_megatron.memory.model import (
     estimate_rl_step_memory,
     grad_bytes,
@@ -36,7 +27,9 @@ from loggra_megatron.memory.model import (
     optimizer_state_bytes,
     stage_parameters,
 )
+from loggra_megatron.memory.shape import ROW_STATE_BYTES, GiB, TransformerShape, ceil_div
 from loggra_megatron.memory.transient import layers_held
+from loggra_megatron.optim.registry import SKETCH_TARGETS
 from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # the real runs below start Megatron-Core ranks
@@ -54,14 +47,10 @@ SHAPE = TransformerShape(
 BASE = dict(seq_length=512, rollout_batch_size=0, reference_model=False, loggra_rank=16)
 
 
-def _step(**kw) -> RLStepConfig:
-    return RLStepConfig(**{**BASE, "optimizer": "loggra", "loggra_sketch": "backward", **kw})
-
-
-def _parallel(dp=1, tp=1, sp=False) -> ParallelConfig:
-    return ParallelConfig(
-        tensor_model_parallel_size=tp, data_parallel_size=dp, sequence_parallel=sp
-    )
+def _step(dp=1, tp=1, sp=False, **kw):
+    """The backward sketch's plan at DP ``dp``, TP ``tp`` (sequence parallel: ``sp``)."""
+    layout = dict(tensor_model_parallel_size=tp, data_parallel_size=dp, sequence_parallel=sp)
+    return plan(**{**BASE, **layout, "optimizer": "loggra", "loggra_sketch": "backward", **kw})
 
 
 def _split(params, targets=SKETCH_TARGETS):
@@ -81,14 +70,12 @@ def test_the_row_optimizers_are_the_optimizers():
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("grads", ["fp32", "bf16"])
 def test_targets_have_no_grad_bytes_at_any_dp(dp, grads):
-    parallel, step = _parallel(dp), _step(main_grads_dtype=grads)
-    params = stage_parameters(SHAPE, parallel)
+    step = _step(dp, main_grads_dtype=grads)
+    params = stage_parameters(SHAPE, step)
     targets, dense = _split(params)
     per = 4 if grads == "fp32" else 2
-    got = estimate_rl_step_memory(SHAPE, parallel, step)
-    gradient = estimate_rl_step_memory(
-        SHAPE, parallel, dataclasses.replace(step, loggra_sketch="gradient")
-    )
+    got = estimate_rl_step_memory(SHAPE, step)
+    gradient = estimate_rl_step_memory(SHAPE, dataclasses.replace(step, loggra_sketch="gradient"))
     assert got.grads == per * sum(p.numel for p in dense) == grad_bytes(dense, per)
     assert gradient.grads - got.grads == per * sum(p.numel for p in targets) > 0
     # bf16 grads: the dense leaves convert one shard at a time, targets have none to convert
@@ -97,34 +84,33 @@ def test_targets_have_no_grad_bytes_at_any_dp(dp, grads):
 
 
 def test_masters_are_the_owned_rows_and_shrink_with_dp():
-    params = stage_parameters(SHAPE, _parallel())
+    params = stage_parameters(SHAPE, _step())
     targets, dense = _split(params)
     totals = []
     for dp in (1, 2, 3, 4, 8):
-        got = estimate_rl_step_memory(SHAPE, _parallel(dp), _step()).master_params
+        got = estimate_rl_step_memory(SHAPE, _step(dp)).master_params
         rows = sum(ceil_div(p.shape[0], dp) * p.shape[1] for p in targets)
         assert got == 4 * rows + master_param_bytes(dense, dp, 4)
         totals.append(got)
     assert totals[0] == 4 * sum(p.numel for p in params)
     assert totals == sorted(totals, reverse=True) and totals[-1] < totals[0] / 7
     # not sharded without the distributed optimizer: every rank owns every row
-    whole = _step(distributed_optimizer=False)
-    assert estimate_rl_step_memory(SHAPE, _parallel(8), whole).master_params == totals[0]
+    whole = _step(8, distributed_optimizer=False)
+    assert estimate_rl_step_memory(SHAPE, whole).master_params == totals[0]
 
 
 def test_masters_as_remainders_and_fp32_models():
-    parallel = _parallel(4)
-    fp32 = estimate_rl_step_memory(SHAPE, parallel, _step()).master_params
-    rem = estimate_rl_step_memory(SHAPE, parallel, _step(loggra_param_remainders=True))
+    fp32 = estimate_rl_step_memory(SHAPE, _step(4)).master_params
+    rem = estimate_rl_step_memory(SHAPE, _step(4, loggra_param_remainders=True))
     assert rem.master_params * 2 == fp32
-    assert estimate_rl_step_memory(SHAPE, parallel, _step(precision="fp32")).master_params == 0
+    assert estimate_rl_step_memory(SHAPE, _step(4, precision="fp32")).master_params == 0
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 8])
 def test_sketch_buffer_is_sum_m_times_r_fp32_on_every_rank(dp):
-    params = stage_parameters(SHAPE, _parallel(dp))
+    params = stage_parameters(SHAPE, _step(dp))
     targets, _ = _split(params)
-    got = estimate_rl_step_memory(SHAPE, _parallel(dp), _step()).sketch_buffer
+    got = estimate_rl_step_memory(SHAPE, _step(dp)).sketch_buffer
     assert got == 4 * 16 * dp * sum(ceil_div(p.shape[0], dp) for p in targets)
     sum_m = sum(p.shape[0] for p in targets)
     assert 4 * sum_m * 16 <= got < 4 * (sum_m + dp * len(targets)) * 16
@@ -132,12 +118,9 @@ def test_sketch_buffer_is_sum_m_times_r_fp32_on_every_rank(dp):
         per_layer = (10 + 4) * 32 + 320 + 2 * 1000 + 320
         assert got == 4 * SHAPE.num_layers * per_layer * 16
     # the same whatever the grad dtype; none for dense Adam or the gradient sketch
-    assert (
-        estimate_rl_step_memory(SHAPE, _parallel(dp), _step(main_grads_dtype="bf16")).sketch_buffer
-        == got
-    )
-    for other in (_step(optimizer="adam"), _step(loggra_sketch="gradient")):
-        assert estimate_rl_step_memory(SHAPE, _parallel(dp), other).sketch_buffer == 0
+    assert estimate_rl_step_memory(SHAPE, _step(dp, main_grads_dtype="bf16")).sketch_buffer == got
+    for other in (_step(dp, optimizer="adam"), _step(dp, loggra_sketch="gradient")):
+        assert estimate_rl_step_memory(SHAPE, other).sketch_buffer == 0
 
 
 def test_rank_is_clamped_to_the_narrowest_target_width():
@@ -148,48 +131,42 @@ def test_rank_is_clamped_to_the_narrowest_target_width():
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 8])
 def test_row_adam_state_is_4_bytes_per_owned_row_and_dense_adamw_for_the_rest(dp):
-    parallel = _parallel(dp)
-    targets, dense = _split(stage_parameters(SHAPE, parallel))
+    targets, dense = _split(stage_parameters(SHAPE, _step(dp)))
     dense_state = optimizer_state_bytes(dense, "loggra", dp=dp, sketch=False)
     # the dense leaves: 8 B per element of their shard + LoGRA's 8-byte step per tensor
     assert dense_state == sum(8 * ceil_div(p.numel, dp) + 8 for p in dense)
     rows = sum(ceil_div(p.shape[0], dp) for p in targets)
-    adam = estimate_rl_step_memory(SHAPE, parallel, _step()).optimizer_state
-    sgd = estimate_rl_step_memory(SHAPE, parallel, _step(loggra_row_optimizer="sgd"))
+    adam = estimate_rl_step_memory(SHAPE, _step(dp)).optimizer_state
+    sgd = estimate_rl_step_memory(SHAPE, _step(dp, loggra_row_optimizer="sgd"))
     assert adam == dense_state + 4 * rows
     assert sgd.optimizer_state == dense_state
 
 
 def test_a_subset_of_targets_leaves_the_others_dense():
-    parallel, subset = _parallel(2), ("linear_qkv", "linear_fc1")
-    step = _step(loggra_targets=subset)
-    params = stage_parameters(SHAPE, parallel)
+    subset = ("linear_qkv", "linear_fc1")
+    step = _step(2, loggra_targets=subset)
+    params = stage_parameters(SHAPE, step)
     targets, dense = _split(params, subset)
     assert {bs.target_of(p) for p in targets} == set(subset)
     assert {"linear_proj", "linear_fc2"} <= {bs.target_of(p) for p in dense}
-    got = estimate_rl_step_memory(SHAPE, parallel, step)
+    got = estimate_rl_step_memory(SHAPE, step)
     assert got.grads == 4 * sum(p.numel for p in dense)
     # proj and fc2 are dense AdamW (8 B per element of their shard), not gradient sketches
     assert got.optimizer_state == sum(8 * ceil_div(p.numel, 2) + 8 for p in dense) + 4 * sum(
         ceil_div(p.shape[0], 2) for p in targets
     )
     assert got.sketch_buffer == 4 * 16 * 2 * sum(ceil_div(p.shape[0], 2) for p in targets)
-    assert (
-        got.activations
-        == estimate_rl_step_memory(
-            SHAPE, parallel, dataclasses.replace(step, loggra_sketch="gradient")
-        ).activations
-    )  # fc2 keeps its input
+    gradient = estimate_rl_step_memory(SHAPE, dataclasses.replace(step, loggra_sketch="gradient"))
+    assert got.activations == gradient.activations  # fc2 keeps its input
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
 def test_training_drops_fc2_input_and_keeps_p(recompute, tp, sp):
-    parallel = _parallel(tp=tp, sp=sp)
-    step = _step(recompute_granularity=recompute, micro_batch_size=2)
+    step = _step(tp=tp, sp=sp, recompute_granularity=recompute, micro_batch_size=2)
     gradient = dataclasses.replace(step, loggra_sketch="gradient")
-    got, ref = (estimate_rl_step_memory(SHAPE, parallel, s) for s in (step, gradient))
-    layers, _ = layers_held(SHAPE, parallel, step, 0)
+    got, ref = (estimate_rl_step_memory(SHAPE, s) for s in (step, gradient))
+    layers, _ = layers_held(SHAPE, step, 0)
     assert layers == (4 if recompute == "none" else 1)
     sb = 2 * 512
     assert ref.activations - got.activations == layers * ceil_div(2 * sb * 1000, tp)
@@ -201,41 +178,22 @@ def test_training_drops_fc2_input_and_keeps_p(recompute, tp, sp):
 
 
 def test_optimizer_step_transient():
-    dp, parallel = 4, _parallel(4)
-    targets, _ = _split(stage_parameters(SHAPE, parallel))
-    got = estimate_rl_step_memory(SHAPE, parallel, _step()).sketch_step
+    dp = 4
+    targets, _ = _split(stage_parameters(SHAPE, _step(dp)))
+    got = estimate_rl_step_memory(SHAPE, _step(dp)).sketch_step
     k, n = ceil_div(2000, dp), 320  # fc1 is the largest target
     update = 8 * k * n + (2 + 4) * 16 * n + 8 * k * 16 + 4 * k
     gather = 2 * (dp + 1) * k * n
     receive = 4 * sum(ceil_div(p.shape[0], dp) for p in targets) * 16
     assert got == max(update, gather, receive)
-    assert estimate_rl_step_memory(SHAPE, parallel, _step(optimizer="adam")).sketch_step == 0
+    assert estimate_rl_step_memory(SHAPE, _step(dp, optimizer="adam")).sketch_step == 0
 
 
 def test_dense_adam_and_the_gradient_sketch_ignore_the_backward_settings():
-    parallel = _parallel(2)
     for opt, sketch in (("adam", "backward"), ("loggra", "gradient")):
-        step = _step(optimizer=opt, loggra_sketch=sketch, loggra_targets=("linear_fc2",))
-        plain = RLStepConfig(**{**BASE, "optimizer": opt})
-        assert estimate_rl_step_memory(SHAPE, parallel, step) == estimate_rl_step_memory(
-            SHAPE, parallel, plain
-        )
-
-
-@pytest.mark.parametrize(
-    "field,value",
-    [
-        ("loggra_sketch", "forward"),
-        ("loggra_row_optimizer", "lion"),
-        ("loggra_targets", ("linear_qkv", "linear_qkv")),
-        ("loggra_targets", ("output_layer",)),
-        ("loggra_targets", ()),
-    ],
-)
-def test_invalid_settings_name_their_field(field, value):
-    with pytest.raises(MemoryConfigError) as e:
-        _step(**{field: value})
-    assert e.value.field == field
+        step = _step(2, optimizer=opt, loggra_sketch=sketch, loggra_targets=("linear_fc2",))
+        plain = _step(2, optimizer=opt, loggra_sketch="gradient")
+        assert estimate_rl_step_memory(SHAPE, step) == estimate_rl_step_memory(SHAPE, plain)
 
 
 # ---------------------------------------------------------------------- the CLI
@@ -257,7 +215,7 @@ def test_cli_reads_the_backward_flags_as_pretrain_rl_does(cli, capsys):
 
     argv = [*EXAMPLE, "--loggra-sketch", "backward", "--loggra-targets", "linear_fc1,linear_qkv"]
     _, cfg, est = cli.parse([*argv, "--loggra-row-optimizer", "sgd"])
-    step = modelled_step(cfg, est)[2]
+    step = modelled_step(cfg, est)[1]
     assert step.loggra_sketch == "backward" and step.loggra_row_optimizer == "sgd"
     assert step.loggra_targets == ("linear_fc1", "linear_qkv")
     assert cli.main([*argv, "--json"]) == 0
@@ -279,6 +237,22 @@ FIT = [
     *("--fit", "--hf-config", CONFIG_27B, "--num-nodes", "1", "--gpu-memory-gb", "79.1"),
     *("--bf16", "--seq-length", "4096", "--max-new-tokens", "3072", "--loggra-rank", "128"),
 ]
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--loggra-sketch", "forward"),
+        ("--loggra-row-optimizer", "lion"),
+        ("--loggra-targets", "linear_qkv,linear_qkv"),
+        ("--loggra-targets", "output_layer"),
+    ],
+)
+def test_invalid_settings_name_their_flag(cli, capsys, flag, value):
+    backward = [] if flag == "--loggra-sketch" else ["--loggra-sketch", "backward"]
+    with pytest.raises(SystemExit) as e:
+        cli.main([*EXAMPLE, *backward, flag, value])
+    assert e.value.code == 2 and names_flag(capsys.readouterr().err, flag)
 
 
 def test_fit_searches_with_the_backward_sketch(cli, capsys):
@@ -400,14 +374,14 @@ def _estimate(dp, bf16, remainders):
         make_vocab_size_divisible_by=1,
     )
     step = _step(
+        dp,
         loggra_rank=RANK,
         precision="bf16" if bf16 else "fp32",
         loggra_param_remainders=remainders,
     )
-    parallel = _parallel(dp)
-    params = stage_parameters(shape, parallel)
+    params = stage_parameters(shape, step)
     targets, dense = _split(params)
-    return estimate_rl_step_memory(shape, parallel, step), targets, dense
+    return estimate_rl_step_memory(shape, step), targets, dense
 
 
 @pytest.mark.parametrize(

@@ -23,13 +23,13 @@ import warnings
 import pytest
 import torch
 from launch_flags import names_flag
+from memory_plans import plan
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.memory.model import (
+    EstimateConfig,
     GiB,
     MemoryConfigError,
-    ParallelConfig,
-    RLStepConfig,
     TransformerShape,
     activation_bytes,
     activation_bytes_per_layer,
@@ -113,7 +113,7 @@ def test_parameters_and_optimizer_state_match_megatron_gptmodel(tp, pp, tie):
         qk_layernorm=True,
         untie_embeddings_and_output_weights=not tie,
     )
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel = plan(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     results = run_distributed(_megatron_stage, 2, tie, tp=tp, pp=pp)
     for rank, res in enumerate(results):
         specs = stage_parameters(model, parallel, stage=rank if pp > 1 else 0)
@@ -128,7 +128,7 @@ def test_parameters_and_optimizer_state_match_megatron_gptmodel(tp, pp, tie):
 
 def test_optimizer_state_exact_for_plain_torch_modules():
     model = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
-    specs = stage_parameters(model, ParallelConfig())
+    specs = stage_parameters(model, plan())
     named = [(s.name, torch.nn.Parameter(torch.zeros(s.shape))) for s in specs]
     got = _step_optimizers(named)
     assert got["loggra"] == optimizer_state_bytes(specs, "loggra", rank=RANK, min_dim=MIN_DIM)
@@ -185,7 +185,7 @@ def test_zero1_accounting_matches_megatron_distributed_optimizer_dp2():
         untie_embeddings_and_output_weights=True,
         make_vocab_size_divisible_by=64,
     )
-    specs = stage_parameters(model, ParallelConfig(data_parallel_size=2))
+    specs = stage_parameters(model, plan(data_parallel_size=2))
     numel = sum(s.numel for s in specs)
     res = run_distributed(_zero1_rank, 2)
     padding = 2 * 64 * len(specs) + 2 * 128 * 10  # Megatron's param alignment, bucket padding
@@ -210,8 +210,8 @@ def test_published_parameter_counts_and_kv_cache():
     assert num_parameters(_hf_shape("llama-3-70b")) == 70_553_706_496
     assert num_parameters(_hf_shape("qwen2.5-7b-instruct")) == 7_615_616_512  # QKV bias
     # Llama-3-8B: 32 layers · 2 · 8 KV heads · 128 · 2 B = 128 KiB per token (bf16)
-    assert kv_cache_bytes(llama3, ParallelConfig(), 1, 1) == 128 * 1024
-    assert kv_cache_bytes(llama3, ParallelConfig(tensor_model_parallel_size=8), 4, 100) == (
+    assert kv_cache_bytes(llama3, plan(), 1, 1) == 128 * 1024
+    assert kv_cache_bytes(llama3, plan(tensor_model_parallel_size=8), 4, 100) == (
         4 * 100 * 16 * 1024
     )
 
@@ -228,32 +228,46 @@ def test_activations_reduce_to_korthikanti_for_gpt(sp):
         vocab_size=1000,
         swiglu=False,
     )
-    par = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=sp)
+    step = plan(
+        tensor_model_parallel_size=t,
+        sequence_parallel=sp,
+        micro_batch_size=b,
+        seq_length=s,
+        recompute_granularity="full",
+    )
     replicated = 8 * s * b * h // (t if sp else 1)
     assert (
-        activation_bytes_per_layer(gpt, par, b, s)
+        activation_bytes_per_layer(gpt, step, b, s)
         == replicated + (24 * s * b * h + 4 * s * b * a) // t
     )
-    step = RLStepConfig(micro_batch_size=b, seq_length=s, recompute_granularity="full")
     layer_in = 2 * s * b * h // (t if sp else 1)
-    per_layer = activation_bytes_per_layer(gpt, par, b, s)
-    assert activation_bytes(gpt, par, step) == 8 * layer_in + per_layer + 2 * layer_in
+    per_layer = activation_bytes_per_layer(gpt, step, b, s)
+    assert activation_bytes(gpt, step) == 8 * layer_in + per_layer + 2 * layer_in
     sel = dataclasses.replace(step, recompute_granularity="selective")
-    assert activation_bytes(gpt, par, sel) == 8 * per_layer + 2 * layer_in  # flash: no gain
-    pp = ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=4)
-    none = dataclasses.replace(step, recompute_granularity="none")
-    layer = activation_bytes_per_layer(gpt, pp, b, s)
-    assert activation_bytes(gpt, pp, none, stage=0) == 4 * 2 * layer  # 1F1B: p in flight
+    assert activation_bytes(gpt, sel) == 8 * per_layer + 2 * layer_in  # flash: no gain
+    none = dataclasses.replace(
+        step, recompute_granularity="none", sequence_parallel=False, pipeline_model_parallel_size=4
+    )
+    layer = activation_bytes_per_layer(gpt, none, b, s)
+    assert none.num_microbatches >= 4
+    assert activation_bytes(gpt, none, stage=0) == 4 * 2 * layer  # 1F1B: p in flight
     one = dataclasses.replace(none, num_microbatches=1)
-    assert activation_bytes(gpt, pp, one, stage=0) == 2 * layer
+    assert activation_bytes(gpt, one, stage=0) == 2 * layer
 
 
 def test_estimate_terms_and_phases():
     model = _hf_shape("llama-style-27b")
-    par = ParallelConfig(tensor_model_parallel_size=8, sequence_parallel=True)
-    step = RLStepConfig(seq_length=8192, rollout_batch_size=64, optimizer="adam")
-    dense = estimate_rl_step_memory(model, par, step)
-    loggra = estimate_rl_step_memory(model, par, dataclasses.replace(step, optimizer="loggra"))
+    step = plan(
+        tensor_model_parallel_size=8,
+        sequence_parallel=True,
+        seq_length=8192,
+        max_new_tokens=7168,
+        rollout_batch_size=64,
+        optimizer="adam",
+        reference_model=True,
+    )
+    dense = estimate_rl_step_memory(model, step)
+    loggra = estimate_rl_step_memory(model, dataclasses.replace(step, optimizer="loggra"))
     n = dense.num_parameters
     h, f, qkv = 5120, 22016, (40 + 2 * 8) * 128
     per_layer = (qkv * h + h * 40 * 128 + 2 * f * h + h * f) // 8 + 2 * h  # norms replicated
@@ -264,36 +278,35 @@ def test_estimate_terms_and_phases():
     assert loggra.optimizer_state < dense.optimizer_state / 8
     assert dense.total_bytes == dense.static_bytes + max(dense.rollout_bytes, dense.training_bytes)
     assert dense.kv_cache == 64 * 8192 * 64 * 2 * 1 * 128 * 2 == 16 * GiB
-    fp8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, precision="fp8"))
+    fp8 = estimate_rl_step_memory(model, dataclasses.replace(step, precision="fp8"))
     assert fp8.fp8_weight_cache == 2 * sum(
-        s.numel for s in stage_parameters(model, par) if s.kind == "linear"
+        s.numel for s in stage_parameters(model, step) if s.kind == "linear"
     )
-    gpu = 80 * GiB
-    assert max_rollout_batch_size(model, par, step, gpu) is None  # 8k training does not fit
+    gpu, est = 80 * GiB, EstimateConfig()
+    long = dataclasses.replace(step, seq_length=16384, max_new_tokens=15360)
+    assert max_rollout_batch_size(model, long, est, gpu) is None  # 16k training: too large
     step = dataclasses.replace(step, recompute_granularity="full")
-    cap = max_rollout_batch_size(model, par, step, gpu)
-    assert estimate_rl_step_memory(
-        model, par, dataclasses.replace(step, rollout_batch_size=cap)
-    ).fits(gpu)
+    cap = max_rollout_batch_size(model, step, est, gpu)
+    assert estimate_rl_step_memory(model, dataclasses.replace(step, rollout_batch_size=cap)).fits(
+        gpu
+    )
     over = dataclasses.replace(step, rollout_batch_size=cap + 1)
-    assert not estimate_rl_step_memory(model, par, over).fits(gpu)
+    assert not estimate_rl_step_memory(model, over).fits(gpu)
 
 
 def test_invalid_configurations_name_the_field():
     llama3 = _hf_shape("llama-3-8b")
     with pytest.raises(MemoryConfigError) as e:
-        estimate_rl_step_memory(
-            llama3, ParallelConfig(tensor_model_parallel_size=3), RLStepConfig()
-        )
+        estimate_rl_step_memory(llama3, plan(tensor_model_parallel_size=3))
     assert e.value.field == "tensor_model_parallel_size"
     with pytest.raises(MemoryConfigError, match="pipeline_model_parallel_size"):
-        stage_parameters(llama3, ParallelConfig(pipeline_model_parallel_size=5))
+        stage_parameters(llama3, plan(pipeline_model_parallel_size=5))
     with pytest.raises(MemoryConfigError, match="hidden_size"):
         TransformerShape(2, -4, 8, 2, 10)
     with pytest.raises(MemoryConfigError, match="num_query_groups"):
         TransformerShape(2, 64, 8, 4, 10, num_query_groups=3)
-    with pytest.raises(MemoryConfigError, match="precision"):
-        RLStepConfig(precision="fp16")
+    with pytest.raises(MemoryConfigError, match="loggra_rank"):
+        optimizer_state_bytes(stage_parameters(llama3, plan()), "loggra")
 
 
 # ---------------------------------------------------------------------- CLI
@@ -381,21 +394,27 @@ def test_cli_missing_config_file_exits_2(tmp_path):
 
 
 def test_optimizer_step_phase_counts_megatrons_fp32_grad_copies_only_for_16_bit_grads():
-    model, par = TransformerShape(**SMALL), ParallelConfig(data_parallel_size=2)
-    params = stage_parameters(model, par, 0)
-    shards = [-(-s.numel // 2) for s in params]
-    bf16 = RLStepConfig(
-        main_grads_dtype="bf16", optimizer="adam", seq_length=8, runtime_overhead_bytes=0
+    model = TransformerShape(**SMALL)
+    bf16 = plan(
+        data_parallel_size=2,
+        main_grads_dtype="bf16",
+        optimizer="adam",
+        seq_length=8,
+        max_new_tokens=4,
+        rollout_batch_size=0,
     )
-    dense = estimate_rl_step_memory(model, par, bf16)
-    assert dense.main_grad_copies == 4 * sum(shards) == main_grad_copy_bytes(params, bf16, 2)
+    params = stage_parameters(model, bf16, 0)
+    shards = [-(-s.numel // 2) for s in params]
+    est = EstimateConfig(runtime_overhead_gb=0)
+    dense = estimate_rl_step_memory(model, bf16, est)
+    assert dense.main_grad_copies == 4 * sum(shards) == main_grad_copy_bytes(params, bf16, est, 2)
     assert dense.phases()["optimizer step"] == dense.main_grad_copies
-    loggra = estimate_rl_step_memory(model, par, dataclasses.replace(bf16, optimizer="loggra"))
+    loggra = estimate_rl_step_memory(model, dataclasses.replace(bf16, optimizer="loggra"), est)
     assert loggra.main_grad_copies == 4 * max(shards)  # converted one weight at a time
     fp32 = dataclasses.replace(bf16, main_grads_dtype="fp32")
-    aware = dataclasses.replace(bf16, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    assert estimate_rl_step_memory(model, par, fp32).main_grad_copies == 0
-    assert estimate_rl_step_memory(model, par, aware).main_grad_copies == 0
+    aware = EstimateConfig(runtime_overhead_gb=0, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    assert estimate_rl_step_memory(model, fp32, est).main_grad_copies == 0
+    assert estimate_rl_step_memory(model, bf16, aware).main_grad_copies == 0
     # with no rollout and tiny activations, the copies are the dense step's peak phase
     assert dense.peak_phase == "optimizer step"
     assert dense.total_bytes == dense.static_bytes + dense.main_grad_copies

@@ -1,7 +1,10 @@
 """The RL-step terms of the memory model that follow ``pretrain_rl.py``'s flags: the
-rollout's KV budget (``--inference-max-tokens``), Megatron's recompute methods, the reference
-forward's micro-batch (``--log-prob-micro-batch-size``), the FP8 caches, the prefill and the
-KL probe, and the CLI's mapping of those flags (same names, same meaning)."""
+rollout's KV budget (``--inference-max-tokens``), Megatron's recompute methods, the output
+head's chunked log-probs (``--log-prob-chunk-size``, by hand at a small shape), the reference
+forward's micro-batch (``--log-prob-micro-batch-size``) and its offload
+(``--reference-offload``), the FP8 caches, the prefill, the KL probe, the checkpoint save's
+copy bucket (``--loggra-param-remainders``), and the CLI's mapping
+of those flags (same names, same meaning)."""
 
 from __future__ import annotations
 
@@ -12,27 +15,29 @@ import os
 
 import pytest
 from launch_flags import names_flag
+from memory_plans import plan
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.memory.model import (
+    EstimateConfig,
     GiB,
-    MemoryConfigError,
-    ParallelConfig,
-    RLStepConfig,
     TransformerShape,
     activation_bytes,
     activation_bytes_per_layer,
     estimate_rl_step_memory,
     forward_activation_bytes,
+    full_kl_logits_bytes,
     kv_cache_bytes,
-    logits_bytes,
+    log_prob_head_bytes,
     main_grad_copy_bytes,
     master_param_bytes,
     max_rollout_batch_size,
     rollout_kv_cache_bytes,
+    rollout_kv_tokens,
+    rollout_rows,
     stage_parameters,
 )
-from loggra_megatron.memory.transient import LOGITS_COPIES
+from loggra_megatron.model.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
@@ -53,7 +58,7 @@ def _cli_module():
 
 
 def _27b():
-    return _hf_shape("llama-style-27b"), ParallelConfig(tensor_model_parallel_size=8)
+    return _hf_shape("llama-style-27b"), plan(tensor_model_parallel_size=8)
 
 
 def test_kv_budget_term_is_min_of_rollout_and_inference_max_tokens():
@@ -64,159 +69,248 @@ def test_kv_budget_term_is_min_of_rollout_and_inference_max_tokens():
     assert kv_cache_bytes(model, par, 1, 1) == per_token == 32 * 1024
     for rows in (1, 8, 64):
         for budget in (None, s, 5 * s, 32 * s, 10**9):
-            step = RLStepConfig(seq_length=s, rollout_batch_size=rows, inference_max_tokens=budget)
+            step = dataclasses.replace(
+                par, seq_length=s, rollout_batch_size=rows, inference_max_tokens=budget
+            )
             tokens = rows * s if budget is None else min(rows * s, budget)
-            assert step.rollout_kv_tokens == tokens
-            assert estimate_rl_step_memory(model, par, step).kv_cache == tokens * per_token
-            assert rollout_kv_cache_bytes(model, par, step) == tokens * per_token
-            assert step.rollout_rows == max(1, tokens // s)
+            assert rollout_kv_tokens(step) == tokens
+            assert estimate_rl_step_memory(model, step).kv_cache == tokens * per_token
+            assert rollout_kv_cache_bytes(model, step) == tokens * per_token
+            assert rollout_rows(step) == max(1, tokens // s)
     # linear in the budget below the whole batch, flat above it
     kv = [
         estimate_rl_step_memory(
-            model, par, RLStepConfig(seq_length=s, rollout_batch_size=64, inference_max_tokens=m)
+            model,
+            dataclasses.replace(par, seq_length=s, rollout_batch_size=64, inference_max_tokens=m),
         ).kv_cache
         for m in (8 * s, 16 * s, 32 * s, 64 * s, 128 * s)
     ]
     assert kv[1] == 2 * kv[0] and kv[2] == 2 * kv[1] and kv[3] == 2 * kv[2] == 32 * GiB
     assert kv[4] == kv[3]
     # at least one row; the dynamic engine's paged buffer is the budget whatever the batch
-    one = RLStepConfig(seq_length=s, rollout_batch_size=4, inference_max_tokens=100)
-    assert one.rollout_kv_tokens == s and one.rollout_rows == 1
+    one = dataclasses.replace(par, seq_length=s, rollout_batch_size=4, inference_max_tokens=100)
+    assert rollout_kv_tokens(one) == s and rollout_rows(one) == 1
     dyn = dataclasses.replace(one, rollout_engine="dynamic", inference_max_tokens=8 * s)
-    assert dyn.rollout_kv_tokens == 8 * s
+    assert rollout_kv_tokens(dyn) == 8 * s
     # under PP each stage holds its own layers' cache
-    pp = ParallelConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2)
-    step = RLStepConfig(seq_length=s, rollout_batch_size=64, inference_max_tokens=16 * s)
-    assert (
-        estimate_rl_step_memory(model, pp, step, stage=0).kv_cache == 16 * s * 32 * 2 * 2 * 128 * 2
-    )
-    with pytest.raises(MemoryConfigError, match="inference_max_tokens"):
-        RLStepConfig(inference_max_tokens=0)
+    pp = plan(tensor_model_parallel_size=4, pipeline_model_parallel_size=2, seq_length=s)
+    step = dataclasses.replace(pp, rollout_batch_size=64, inference_max_tokens=16 * s)
+    assert estimate_rl_step_memory(model, step, stage=0).kv_cache == 16 * s * 32 * 2 * 2 * 128 * 2
 
 
 def test_max_rollout_rows_ignore_the_budget_and_terminate():
     model, par = _27b()
-    step = RLStepConfig(
+    step = dataclasses.replace(
+        par,
         seq_length=16384,
         rollout_batch_size=64,
         inference_max_tokens=16384,
         recompute_granularity="full",
     )
-    cap = max_rollout_batch_size(model, par, step, 80 * GiB)
+    est = EstimateConfig()
+    cap = max_rollout_batch_size(model, step, est, 80 * GiB)
     free = dataclasses.replace(step, inference_max_tokens=None)
-    assert cap == max_rollout_batch_size(model, par, free, 80 * GiB) and 0 < cap < 200
+    assert cap == max_rollout_batch_size(model, free, est, 80 * GiB) and 0 < cap < 200
 
 
 @pytest.mark.parametrize("method", ["uniform", "block"])
 def test_recompute_methods_follow_megatron(method):
     model, par = _27b()
-    par = dataclasses.replace(par, sequence_parallel=True)
     s, layers = 4096, 64
-    per_layer = activation_bytes_per_layer(model, par, 1, s)
+    full = dataclasses.replace(
+        par,
+        sequence_parallel=True,
+        seq_length=s,
+        recompute_granularity="full",
+        recompute_method=method,
+    )
+    per_layer = activation_bytes_per_layer(model, full, 1, s)
     layer_in = 2 * s * 5120 // 8
     head = 2 * layer_in  # final-norm and output-layer inputs
-    full = RLStepConfig(seq_length=s, recompute_granularity="full", recompute_method=method)
     none = dataclasses.replace(full, recompute_granularity="none")
-    assert activation_bytes(model, par, none) == layers * per_layer + head
+    assert activation_bytes(model, none) == layers * per_layer + head
     # one layer per checkpoint (uniform 1) and every layer recomputed (block 64) coincide
     every = 1 if method == "uniform" else layers
-    base = activation_bytes(model, par, dataclasses.replace(full, recompute_num_layers=every))
+    base = activation_bytes(model, dataclasses.replace(full, recompute_num_layers=every))
     assert base == layers * layer_in + per_layer + head
     n = 4
-    got = activation_bytes(model, par, dataclasses.replace(full, recompute_num_layers=n))
+    got = activation_bytes(model, dataclasses.replace(full, recompute_num_layers=n))
     if method == "uniform":  # 16 checkpoints of 4 layers, one of them re-materialised
         assert got == (layers // n) * layer_in + n * per_layer + head
     else:  # 4 layers recomputed, 60 keep everything
         assert got == n * layer_in + (layers - n) * per_layer + per_layer + head
-    assert activation_bytes(model, par, dataclasses.replace(full, recompute_num_layers=999)) > 0
-    with pytest.raises(MemoryConfigError, match="recompute_method"):
-        RLStepConfig(recompute_method="chunked")
+    assert activation_bytes(model, dataclasses.replace(full, recompute_num_layers=999)) > 0
 
 
-def test_log_prob_forward_uses_the_log_prob_micro_batch_size():
+def test_chunked_log_prob_head_by_hand():
+    """The output head at a small shape, by hand: V/t = 256/2 = 128, h = 64, chunks of
+    c = min(--log-prob-chunk-size, tokens); bf16 forward 10·c·V_t, training 12·c·V_t + 6·V_t·h
+    + 4·tokens; an fp32 model no upcast and no casts back (8·c·V_t, 8·c·V_t + 4·V_t·h)."""
+    model = TransformerShape(**SMALL)  # vocab 200, padded to 256 at TP 2
+    p = plan(tensor_model_parallel_size=2, log_prob_chunk_size=32)
+    assert log_prob_head_bytes(model, p, 96) == 10 * 32 * 128 == 40960
+    assert log_prob_head_bytes(model, p, 96, training=True) == (
+        12 * 32 * 128 + 6 * 128 * 64 + 4 * 96
+    )
+    # untied (or on a later stage than the embeddings): the weight's gradient goes into
+    # DDP's main_grad chunk by chunk, with a bf16 placeholder for DDP's hook
+    untied = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
+    assert log_prob_head_bytes(untied, p, 96, training=True) == (
+        12 * 32 * 128 + 2 * 128 * 64 + 4 * 96
+    )
+    assert log_prob_head_bytes(model, p, 20) == 10 * 20 * 128  # one short chunk
+    assert log_prob_head_bytes(model, p, 0) == 0
+    fp32 = dataclasses.replace(p, precision="fp32")
+    assert log_prob_head_bytes(model, fp32, 96) == 8 * 32 * 128
+    assert log_prob_head_bytes(model, fp32, 96, training=True) == (
+        8 * 32 * 128 + 4 * 128 * 64 + 4 * 96
+    )
+
+
+def test_log_prob_passes_are_bounded_by_the_chunk_not_the_micro_batch():
     model, par = _27b()
     s = 16384
-    step = RLStepConfig(seq_length=s, micro_batch_size=1, recompute_granularity="full")
-    default = estimate_rl_step_memory(model, par, step)
-    assert default.log_prob_logits == logits_bytes(model, par, s)  # forward only: 12 B/logit
-    assert default.logits == logits_bytes(model, par, s, copies=4)  # and its backward: 16 B
+    vocab = model.padded_vocab_size(8) // 8
+    step = dataclasses.replace(
+        par, seq_length=s, recompute_granularity="full", reference_model=True
+    )
+    default = estimate_rl_step_memory(model, step)
+    c = ModelConfig.log_prob_chunk_size  # --log-prob-chunk-size's default
+    assert step.log_prob_chunk_size == c < s
+    assert default.log_prob_logits == 10 * c * vocab  # forward only
+    # and its backward: the untied output weight's gradient goes into main_grad
+    assert default.logits == 12 * c * vocab + 2 * vocab * 5120 + 4 * s
     for lp in (2, 4, 8):
-        b = estimate_rl_step_memory(
-            model, par, dataclasses.replace(step, log_prob_micro_batch_size=lp)
-        )
-        assert b.log_prob_logits == lp * default.log_prob_logits
-        assert b.log_prob_activations == forward_activation_bytes(model, par, lp, s)
+        b = estimate_rl_step_memory(model, dataclasses.replace(step, forward_micro_batch_size=lp))
+        assert b.log_prob_logits == default.log_prob_logits  # one chunk at a time
+        assert b.log_prob_activations == forward_activation_bytes(model, step, lp, s)
         assert b.phases()["ref log-probs"] == b.log_prob_logits + b.log_prob_activations
         assert b.logits == default.logits  # the training micro-batch is unchanged
-    b8 = estimate_rl_step_memory(model, par, dataclasses.replace(step, log_prob_micro_batch_size=8))
-    assert b8.peak_phase == "ref log-probs"
-    no_ref = dataclasses.replace(step, reference_model=False, log_prob_micro_batch_size=8)
-    b = estimate_rl_step_memory(model, par, no_ref)
+    # a chunk of the whole micro-batch is the unchunked pass: it scales with the rows
+    whole = dataclasses.replace(step, forward_micro_batch_size=8, log_prob_chunk_size=8 * s)
+    assert estimate_rl_step_memory(model, whole).log_prob_logits == 10 * 8 * s * vocab
+    no_ref = dataclasses.replace(step, reference_model=False, forward_micro_batch_size=8)
+    b = estimate_rl_step_memory(model, no_ref)
     assert b.log_prob_logits == b.log_prob_activations == b.reference_model == 0
 
 
 def test_fp8_caches_prefill_and_kl_probe_terms():
     model, par = _27b()
     s, n = 16384, 15360
-    step = RLStepConfig(seq_length=s, rollout_batch_size=64, precision="fp8")
-    b = estimate_rl_step_memory(model, par, step)
+    step = dataclasses.replace(
+        par,
+        seq_length=s,
+        max_new_tokens=n,
+        rollout_batch_size=64,
+        precision="fp8",
+        reference_model=True,
+    )
+    b = estimate_rl_step_memory(model, step)
     linear = sum(p.numel for p in stage_parameters(model, par) if p.kind == "linear")
     assert b.fp8_weight_cache == 2 * linear and b.reference_fp8_weight_cache == linear
-    assert b.prefill_activations == 0  # prompt length unknown without max_new_tokens
-    pre = estimate_rl_step_memory(model, par, dataclasses.replace(step, max_new_tokens=n))
-    assert pre.prefill_activations == forward_activation_bytes(
+    assert b.prefill_activations == forward_activation_bytes(
         model, par, 64, s - n, sequence_parallel=False
     )
-    probe = dataclasses.replace(step, kl_probe_sequences=8, kl_estimator="k3")
-    k = estimate_rl_step_memory(model, par, probe)
-    rows = probe.log_prob_rows  # the probe runs in micro-batches; k3 keeps log-probs only
+    probe = dataclasses.replace(step, kl_trial_rows=8, kl_estimator="k3")
+    k = estimate_rl_step_memory(model, probe)
+    rows = probe.forward_micro_batch_size  # the probe runs in micro-batches; k3: log-probs
     assert rows < 8
-    assert k.kl_probe_logits == logits_bytes(model, par, rows * s, copies=LOGITS_COPIES)
+    assert k.kl_probe_logits == log_prob_head_bytes(model, probe, rows * s)
     assert k.kl_probe_activations == forward_activation_bytes(model, par, rows, s)
-    full = estimate_rl_step_memory(model, par, dataclasses.replace(probe, kl_estimator="full"))
+    full = estimate_rl_step_memory(model, dataclasses.replace(probe, kl_estimator="full"))
     # every row's reference logits kept; one micro-batch's candidate logits and KL temporaries
-    assert full.kl_probe_logits == (
-        logits_bytes(model, par, 8 * s, copies=1) + logits_bytes(model, par, rows * s, copies=4)
-    )
-    with pytest.raises(MemoryConfigError, match="max_new_tokens"):
-        RLStepConfig(seq_length=128, max_new_tokens=128)
+    per_row = s * model.padded_vocab_size(8) // 8
+    assert full.kl_probe_logits == full_kl_logits_bytes(model, probe, 8, rows)
+    assert full.kl_probe_logits == 4 * 8 * per_row + 16 * rows * per_row
 
 
 def test_loggra_fp32_grad_copy_and_no_distributed_optimizer():
-    model, par = TransformerShape(**SMALL), ParallelConfig(data_parallel_size=2)
+    model, par = TransformerShape(**SMALL), plan(data_parallel_size=2)
     params = stage_parameters(model, par, 0)
-    step = RLStepConfig(main_grads_dtype="bf16", seq_length=8, runtime_overhead_bytes=0)
+    step = dataclasses.replace(par, main_grads_dtype="bf16", seq_length=8, max_new_tokens=4)
     copy = dataclasses.replace(step, loggra_fp32_grad_copy=True)
     shards = [-(-p.numel // 2) for p in params]
-    assert main_grad_copy_bytes(params, copy, 2) == 4 * sum(shards)
-    assert main_grad_copy_bytes(params, step, 2) == 4 * max(shards)
-    zero1 = estimate_rl_step_memory(model, par, step)
-    plain = estimate_rl_step_memory(
-        model, par, dataclasses.replace(step, distributed_optimizer=False)
-    )
+    est = EstimateConfig()
+    assert main_grad_copy_bytes(params, copy, est, 2) == 4 * sum(shards)
+    assert main_grad_copy_bytes(params, step, est, 2) == 4 * max(shards)
+    zero1 = estimate_rl_step_memory(model, step)
+    plain = estimate_rl_step_memory(model, dataclasses.replace(step, distributed_optimizer=False))
     assert plain.master_params == master_param_bytes(params, 1) > zero1.master_params
 
 
-def test_masters_as_remainders_and_the_kl_trial_backup():
+def test_masters_as_remainders_the_kl_trial_backup_and_the_checkpoint_save():
     """--loggra-param-remainders halves LoGRA's masters (2 bytes per element of the DP shard,
     as ShardedLoGRAAdamW's int16 remainders; tests/test_param_remainders.py checks the real
-    bytes) and adds the bf16 weight backup to the KL-control phase; dense Adam's masters
-    halve only with Megatron's precision-aware optimizer (bf16 moments)."""
-    model, par = TransformerShape(**SMALL), ParallelConfig(data_parallel_size=2)
+    bytes), adds the bf16 weight backup to the KL-control phase and the fp32 of one copy
+    bucket to the checkpoint save; dense Adam's masters halve only with Megatron's
+    precision-aware optimizer (bf16 moments)."""
+    model, par = TransformerShape(**SMALL), plan(data_parallel_size=2)
     params = stage_parameters(model, par, 0)
     shard = sum(-(-p.numel // 2) for p in params)
-    step = RLStepConfig(seq_length=8, runtime_overhead_bytes=0, kl_probe_sequences=1)
+    step = dataclasses.replace(par, seq_length=8, max_new_tokens=4, kl_trial_rows=1)
     rem = dataclasses.replace(step, loggra_param_remainders=True)
-    base, halved = (estimate_rl_step_memory(model, par, s) for s in (step, rem))
+    base, halved = (estimate_rl_step_memory(model, s) for s in (step, rem))
     assert base.master_params == 4 * shard and halved.master_params == 2 * shard
     assert base.kl_weight_backup == 0 and halved.kl_weight_backup == 2 * shard
     assert halved.phases()["kl control"] == base.phases()["kl control"] + 2 * shard
-    no_probe = dataclasses.replace(rem, kl_probe_sequences=0)
-    assert estimate_rl_step_memory(model, par, no_probe).kl_weight_backup == 0
+    no_probe = dataclasses.replace(rem, kl_trial_rows=0)
+    assert estimate_rl_step_memory(model, no_probe).kl_weight_backup == 0
+    numel = max(p.numel for p in params)  # a small model: its largest master at once
+    assert base.checkpoint_save == 0 and halved.checkpoint_save == 4 * numel
+    assert halved.phases()["checkpoint save"] == 4 * numel
     dense = dataclasses.replace(rem, optimizer="adam")
-    assert estimate_rl_step_memory(model, par, dense).master_params == 4 * shard
-    aware = dataclasses.replace(dense, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
-    assert estimate_rl_step_memory(model, par, aware).master_params == 2 * shard
+    assert estimate_rl_step_memory(model, dense).master_params == 4 * shard
+    aware = EstimateConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    aware_adam = estimate_rl_step_memory(model, dense, aware)
+    assert aware_adam.master_params == 2 * shard and aware_adam.checkpoint_save == 0
+
+
+def test_checkpoint_save_rebuilds_one_copy_bucket_at_a_time():
+    """A save with remainders rebuilds each master in buckets of the save code's own size
+    (``optim.param_remainders.COPY_BUCKET_NUMEL``, which the estimator's constant equals),
+    whatever the model: 64 MiB at the 27B example; a smaller model's largest master."""
+    from loggra_megatron.memory.params import SAVE_COPY_NUMEL
+    from loggra_megatron.optim.param_remainders import COPY_BUCKET_NUMEL, copy_transient_bytes
+
+    assert SAVE_COPY_NUMEL == COPY_BUCKET_NUMEL
+    model, par = _27b()
+    rem = dataclasses.replace(par, precision="bf16", loggra_param_remainders=True)
+    assert estimate_rl_step_memory(model, rem).checkpoint_save == copy_transient_bytes()
+    small, splan = TransformerShape(**SMALL), plan(loggra_param_remainders=True)
+    largest = max(p.numel for p in stage_parameters(small, splan, 0))
+    assert largest < SAVE_COPY_NUMEL
+    assert estimate_rl_step_memory(small, splan).checkpoint_save == 4 * largest
+
+
+def test_reference_offload_keeps_two_units_in_its_forward():
+    """--reference-offload: no resident reference (nor its FP8 cache); its log-prob forward
+    holds two units, the largest twice: here the final norm + the [V/t, h] output layer."""
+    model, par = _27b()
+    ref = dataclasses.replace(par, seq_length=4096, reference_model=True)
+    resident = estimate_rl_step_memory(model, ref)
+    offload = estimate_rl_step_memory(model, dataclasses.replace(ref, reference_offload=True))
+    head = 16128 * 5120 + 5120  # output layer + final norm, TP-local
+    layer = sum(
+        p.numel for p in stage_parameters(model, par) if p.name.startswith("decoder.layers.0.")
+    )
+    assert head > layer
+    assert resident.reference_model == resident.weights and resident.reference_streamed == 0
+    assert offload.reference_model == 0 and offload.reference_streamed == 2 * 2 * head
+    assert offload.phases()["ref log-probs"] == resident.phases()["ref log-probs"] + 4 * head
+    assert offload.static_bytes == resident.static_bytes - resident.reference_model
+    fp8 = dataclasses.replace(ref, precision="fp8", reference_offload=True)
+    b = estimate_rl_step_memory(model, fp8)
+    assert b.reference_fp8_weight_cache == 0 and b.reference_streamed == 4 * head
+    # a layer larger than the head (a small vocabulary): two layers and their FP8 copies
+    small = TransformerShape(**SMALL)
+    tiny = plan(precision="fp8", reference_model=True, reference_offload=True, seq_length=8)
+    params = stage_parameters(small, tiny)
+    in_layer = [p for p in params if p.name.startswith("decoder.layers.0.")]
+    linear = sum(p.numel for p in in_layer if p.kind == "linear")
+    units = 2 * (2 * sum(p.numel for p in in_layer) + linear)
+    head = 256 * 64 + 64  # the tied embedding [V, h] and the final norm
+    assert units > 2 * 2 * head
+    assert estimate_rl_step_memory(small, tiny).reference_streamed == units
 
 
 def _cli_json(capsys, argv):
@@ -266,25 +360,30 @@ EXAMPLE_LIKE = [
 
 def test_cli_takes_pretrain_rl_flags_with_their_meaning(capsys):
     res = _cli_json(capsys, EXAMPLE_LIKE)["loggra"]
-    model, par = _27b()
-    par = ParallelConfig(tensor_model_parallel_size=8, data_parallel_size=2, sequence_parallel=True)
-    step = RLStepConfig(
+    model, _ = _27b()
+    step = plan(
+        tensor_model_parallel_size=8,
+        data_parallel_size=2,
+        sequence_parallel=True,
         seq_length=16384,
         precision="fp8",
         recompute_granularity="full",
         rollout_batch_size=64,
         inference_max_tokens=524288,
         max_new_tokens=15360,
-        log_prob_micro_batch_size=4,
+        forward_micro_batch_size=4,
+        rows_per_update=64,
         num_microbatches=64,
-        kl_probe_sequences=16,
+        updates_per_rl_step=1,
+        reference_model=True,
+        kl_trial_rows=16,
         kl_estimator="k3",
         rollout_engine="dynamic",
         loggra_rank=5120 // 8,
     )
     # 16·8/DP rollouts; ceil(0.125·128/2) probe + as many held-out sequences;
     # the rank pretrain_rl.py's --loggra-rank defaults to: hidden / 8
-    b = estimate_rl_step_memory(model, par, step)
+    b = estimate_rl_step_memory(model, step)
     assert res["total"] == pytest.approx(b.total_bytes / GiB)
     assert res["kv_cache"] == pytest.approx(16.0) and res["peak_phase"] == b.peak_phase
     # --kl-coef 0: pretrain_rl builds no reference model

@@ -1,8 +1,8 @@
-"""The memory model's terms of issue 21: the logits' bytes per element (measured on the real
-log-prob code), the dynamic engine's prefill step and its old-log-prob recompute, NCCL's
-communicator buffers (NVLS included), the allocator's fragmentation, and the CLI flags that
-select them (``--bf16``, ``--rollout-engine auto``, ``--nccl-nvls``,
-``--expandable-segments``, ``--gpus-per-node``)."""
+"""The memory model's terms of issue 21 and 32: the output head's bytes (measured on the real
+chunked log-prob code and the full-vocabulary KL), the dynamic engine's prefill step and its
+old-log-prob recompute, NCCL's communicator buffers (NVLS included), the allocator's
+fragmentation, and the CLI flags that select them (``--bf16``, ``--rollout-engine auto``,
+``--nccl-nvls``, ``--expandable-segments``, ``--gpus-per-node``)."""
 
 from __future__ import annotations
 
@@ -15,20 +15,22 @@ import weakref
 import pytest
 import torch
 from launch_flags import names_flag
+from memory_plans import plan
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from loggra_megatron.config import ConfigError
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.memory.model import (
+    EstimateConfig,
     GiB,
-    MemoryConfigError,
-    ParallelConfig,
-    RLStepConfig,
     TransformerShape,
     estimate_rl_step_memory,
     forward_activation_bytes,
-    logits_bytes,
+    full_kl_logits_bytes,
+    log_prob_head_bytes,
     prefill_tokens,
+    rollout_rows,
 )
 from loggra_megatron.memory.runtime import (
     NCCL_CHANNELS,
@@ -36,7 +38,6 @@ from loggra_megatron.memory.runtime import (
     NVLS_BYTES_PER_LOCAL_RANK,
     communicators,
 )
-from loggra_megatron.memory.transient import LOGITS_COPIES, TRAINING_LOGITS_COPIES
 from loggra_megatron.rollout.registry import DynamicEngine
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
@@ -46,9 +47,9 @@ CONFIG_27B = os.path.join(REPO, "tools", "configs", "llama-style-27b.json")
 MiB = 1024**2
 
 
-def _27b(**parallel):
+def _27b(**fields):
     model = TransformerShape.from_model_args(gpt_args_from_hf(CONFIG_27B))
-    return model, ParallelConfig(tensor_model_parallel_size=8, **parallel)
+    return model, plan(tensor_model_parallel_size=8, **fields)
 
 
 # ---------------------------------------------------------------------- logits, measured
@@ -74,44 +75,56 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def test_logits_bytes_per_element_are_measured_on_the_log_prob_code():
-    """What the model charges per vocab-parallel logit is what ``model/vocab_parallel.py``
-    allocates: 12 B in a forward-only pass (fp32 logits, ``z − max``, its ``exp``), 16 B in
-    the training backward (the logits kept by the target gather, the ``exp`` backward's
-    product, the gather backward's zeros and scatter), and 16 B per candidate logit of the
-    full-vocabulary KL trial next to the kept reference logits."""
-    from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
+def test_output_head_bytes_bound_the_real_chunked_code():
+    """What the model charges for the output head bounds what ``model/output_head.py``
+    allocates, chunk after chunk, at any micro-batch: a forward-only pass keeps one chunk's
+    bf16 logits and their fp32 copy (6·c·V_t: its ``exp`` is in place; the model counts
+    10·c·V_t), the training backward one chunk's and the output weight's fp32 gradient and
+    its cast (6·c·V_t + 6·V_t·h and the input's gradient; the model counts 12·c·V_t + 6·V_t·h
+    + 4·n). The unchunked logits alone (6·n·V_t) would exceed the model's bound."""
+    from loggra_megatron.model.output_head import chunked_token_log_probs
+
+    n, v, h, c = 96, 1024, 32, 32  # three chunks of 32 tokens
+    shape = TransformerShape(1, h, 64, 4, v)
+    step = plan(log_prob_chunk_size=c)
+    hidden = torch.randn(n, h, dtype=torch.bfloat16)
+    weight = torch.randn(v, h, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (n,))
+    with torch.no_grad(), LiveBytes(1024, hidden, weight) as mode:
+        out = chunked_token_log_probs(hidden, weight, targets, c)
+    model = log_prob_head_bytes(shape, step, n)
+    assert out.shape == (n,) and mode.peak == 6 * c * v <= model == 10 * c * v < 6 * n * v
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    with LiveBytes(1024, hidden, weight) as mode:
+        chunked_token_log_probs(hidden, weight, targets, c).sum().backward()
+    model = log_prob_head_bytes(shape, step, n, training=True)
+    assert mode.peak == 6 * c * v + 6 * v * h + 2 * n * h  # + the input's gradient
+    assert mode.peak <= model == 12 * c * v + 6 * v * h + 4 * n < 6 * n * v + 6 * v * h
+
+
+def test_full_kl_bytes_are_measured_on_the_kl_code():
+    """The ``full`` estimator's trial: 16 B per candidate logit (its fp32 logits, and
+    ``vocab_parallel_kl``'s ``p_old``, ``z_old − z_new`` and their product) next to the kept
+    fp32 reference logits (4 B)."""
+    from loggra_megatron.model.vocab_parallel import vocab_parallel_kl
 
     b, s, v, h = 2, 16, 1024, 32
     n = b * s * v
     hidden = torch.randn(b, s, h, dtype=torch.bfloat16)
     weight = torch.randn(v, h, dtype=torch.bfloat16)
-    targets = torch.randint(0, v, (b, s))
-    with torch.no_grad(), LiveBytes(4 * n, hidden, weight) as mode:
-        z = (hidden @ weight.t()).float()  # the output layer's bf16 logits, Float16Module's fp32
-        out = vocab_parallel_log_probs(z, targets)
-        del z
-    assert out.shape == (b, s) and mode.peak == 4 * LOGITS_COPIES * n
-    hidden.requires_grad_(True)
-    with LiveBytes(4 * n, hidden, weight) as mode:
-        z = (hidden @ weight.t()).float()
-        loss = vocab_parallel_log_probs(z, targets).sum()
-        del z
-        loss.backward()
-    assert mode.peak == 4 * TRAINING_LOGITS_COPIES * n
     reference = torch.randn(b, s, v)  # kept from the trial's reference forward
     with torch.no_grad(), LiveBytes(4 * n, hidden, weight, reference) as mode:
-        z = (hidden @ weight.t()).float()
+        z = (hidden @ weight.t()).float()  # the candidate's logits, in fp32
         kl = vocab_parallel_kl(reference, z)
         del z
     assert kl.shape == (b, s) and mode.peak == 16 * n
-    model, par = _27b()
-    tokens = 3 * 16384
-    per_logit = tokens * model.padded_vocab_size(8) // 8
-    assert logits_bytes(model, par, tokens) == 12 * per_logit
-    step = RLStepConfig(seq_length=16384, micro_batch_size=3, kl_probe_sequences=3)
-    est = estimate_rl_step_memory(model, par, step)
-    assert est.logits == 16 * per_logit == est.kl_probe_logits - 4 * per_logit  # full KL
+    model, step = _27b(seq_length=16384)
+    per_row = 16384 * model.padded_vocab_size(8) // 8
+    assert full_kl_logits_bytes(model, step, 3, 1) == 4 * 3 * per_row + 16 * per_row
+    trial = dataclasses.replace(step, kl_trial_rows=3, forward_micro_batch_size=2)
+    est = estimate_rl_step_memory(model, trial)
+    assert est.kl_probe_logits == 4 * 3 * per_row + 16 * 2 * per_row
 
 
 # ---------------------------------------------------------------------- the dynamic engine
@@ -127,20 +140,21 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
     assert DynamicEngine.token_rounder == DynamicInferenceContext.TOKEN_ROUNDER
     model, par = _27b(sequence_parallel=True)
     s, new, m = 16384, 15360, 524288
-    static = RLStepConfig(
-        seq_length=s, max_new_tokens=new, rollout_batch_size=64, inference_max_tokens=m
+    static = dataclasses.replace(
+        par, seq_length=s, max_new_tokens=new, rollout_batch_size=64, inference_max_tokens=m
     )
     dynamic = dataclasses.replace(static, rollout_engine="dynamic")
-    assert prefill_tokens(static, 8) == 32 * 1024 and static.rollout_rows == 32
-    assert prefill_tokens(dynamic, 8) == 64 * 1024 and dynamic.rollout_rows == 64
-    b = estimate_rl_step_memory(model, par, dynamic)
+    assert prefill_tokens(static) == 32 * 1024 and rollout_rows(static) == 32
+    assert prefill_tokens(dynamic) == 64 * 1024 and rollout_rows(dynamic) == 64
+    b = estimate_rl_step_memory(model, dynamic)
     assert b.prefill_activations == forward_activation_bytes(
         model, par, 1, 65536, sequence_parallel=False
     )
-    before = estimate_rl_step_memory(model, par, static).prefill_activations
+    before = estimate_rl_step_memory(model, static).prefill_activations
     assert 2.1 * GiB < b.prefill_activations - before < 2.2 * GiB  # the issue's ~+2.2 GiB
     for tp, budget, prompt in ((8, 30000, 1024), (3, 30000, 1024), (1, 4097, 100), (8, None, 7)):
-        step = RLStepConfig(
+        step = plan(
+            tensor_model_parallel_size=tp,
             seq_length=prompt + 16,
             max_new_tokens=16,
             rollout_batch_size=64,
@@ -148,10 +162,9 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
             rollout_engine="dynamic",
         )
         want = min(64 * prompt, budget or 64 * prompt)
-        assert prefill_tokens(step, tp) == DynamicInferenceContext.round_up_tokens(want, tp)
-    # no prompt length known, or no rollout: nothing
-    assert prefill_tokens(dataclasses.replace(dynamic, max_new_tokens=None), 8) == 0
-    assert prefill_tokens(dataclasses.replace(dynamic, rollout_batch_size=0), 8) == 0
+        assert prefill_tokens(step) == DynamicInferenceContext.round_up_tokens(want, tp)
+    # no rollout: nothing
+    assert prefill_tokens(dataclasses.replace(dynamic, rollout_batch_size=0)) == 0
 
 
 def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
@@ -160,34 +173,34 @@ def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
     static engine samples the log-probs while decoding and has none."""
     model, par = _27b(sequence_parallel=True)
     s = 16384
-    dyn = RLStepConfig(
+    dyn = dataclasses.replace(
+        par,
         seq_length=s,
         rollout_batch_size=64,
         inference_max_tokens=32 * s,
         rollout_engine="dynamic",
-        log_prob_micro_batch_size=4,
+        forward_micro_batch_size=4,
+        reference_model=True,
     )
-    b = estimate_rl_step_memory(model, par, dyn)
+    b = estimate_rl_step_memory(model, dyn)
     assert b.old_log_prob_activations == forward_activation_bytes(model, par, 4, s)
-    assert b.old_log_prob_logits == logits_bytes(model, par, 4 * s)
+    assert b.old_log_prob_logits == log_prob_head_bytes(model, par, 4 * s)
     assert b.phases()["old log-probs"] == b.phases()["ref log-probs"]
     for budget in (s, 64 * s):  # the KV budget does not size it
         other = estimate_rl_step_memory(
-            model, par, dataclasses.replace(dyn, inference_max_tokens=budget)
+            model, dataclasses.replace(dyn, inference_max_tokens=budget)
         )
         assert other.phases()["old log-probs"] == b.phases()["old log-probs"]
-    no_ref = estimate_rl_step_memory(model, par, dataclasses.replace(dyn, reference_model=False))
+    no_ref = estimate_rl_step_memory(model, dataclasses.replace(dyn, reference_model=False))
     assert no_ref.phases()["old log-probs"] == b.phases()["old log-probs"]
     assert no_ref.phases()["ref log-probs"] == 0
-    one = estimate_rl_step_memory(
-        model, par, dataclasses.replace(dyn, log_prob_micro_batch_size=None)
-    )
-    assert one.old_log_prob_logits == logits_bytes(model, par, s)  # default: --micro-batch-size
+    one = estimate_rl_step_memory(model, dataclasses.replace(dyn, forward_micro_batch_size=1))
+    assert one.old_log_prob_activations == forward_activation_bytes(model, par, 1, s)
     for step in (
         dataclasses.replace(dyn, rollout_engine="static"),
         dataclasses.replace(dyn, rollout_batch_size=0),
     ):
-        assert estimate_rl_step_memory(model, par, step).phases()["old log-probs"] == 0
+        assert estimate_rl_step_memory(model, step).phases()["old log-probs"] == 0
 
 
 # ---------------------------------------------------------------------- NCCL, allocator
@@ -195,56 +208,84 @@ def test_nccl_communicators_and_nvls_buffers():
     fifo, nvls = NCCL_FIFO_BYTES, NVLS_BYTES_PER_LOCAL_RANK
     assert fifo == 4 * MiB + 4_915_200 + 512 * 1024  # Simple + LL128 + LL, NCCL's defaults
     assert nvls == 32 * MiB  # 16 channels x 2 x 128 KiB x 8 steps
-    one_node = ParallelConfig(tensor_model_parallel_size=8)
-    assert communicators(one_node, True) == [
+    one_node = plan(tensor_model_parallel_size=8)
+    assert communicators(one_node, 8) == [
         ("world", 8, 8),
         ("tensor", 8, 8),
         ("distributed-optimizer instance", 8, 8),
     ]
-    two_nodes = ParallelConfig(tensor_model_parallel_size=8, data_parallel_size=2)
-    assert [
-        (n, r, loc) for n, r, loc in communicators(two_nodes, True) if n.startswith("data")
-    ] == [
+    two_nodes = plan(tensor_model_parallel_size=8, data_parallel_size=2, seq_length=8)
+    assert [(n, r, loc) for n, r, loc in communicators(two_nodes, 8) if n.startswith("data")] == [
         ("data", 2, 1),
         ("data (Megatron DDP)", 2, 1),
     ]
-    pipeline = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
-    assert communicators(pipeline, False) == [
+    pipeline = plan(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=4, distributed_optimizer=False
+    )
+    assert communicators(pipeline, 8) == [
         ("world", 8, 8),
         ("tensor", 2, 2),
         ("pipeline", 4, 4),
         ("model", 8, 8),
     ]
-    assert communicators(ParallelConfig(), True) == []  # one GPU: no communicator
+    assert communicators(plan(), 8) == []  # one GPU: no communicator
     model = TransformerShape(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, vocab_size=256
     )
-    step = RLStepConfig(seq_length=8)
-    b = estimate_rl_step_memory(model, two_nodes, step)
+    b = estimate_rl_step_memory(model, two_nodes)
     assert b.nccl_buffers == 5 * NCCL_CHANNELS * NCCL_FIFO_BYTES
     assert b.nvls_buffers == 3 * 8 * 32 * MiB  # DP stays across nodes: one GPU per node
-    off = estimate_rl_step_memory(model, two_nodes, dataclasses.replace(step, nccl_nvls=False))
+    off = estimate_rl_step_memory(model, two_nodes, EstimateConfig(nccl_nvls=False))
     assert off.nvls_buffers == 0 and off.static_bytes == b.static_bytes - b.nvls_buffers
-    single = estimate_rl_step_memory(model, ParallelConfig(), step)
+    single = estimate_rl_step_memory(model, plan(seq_length=8))
     assert single.nccl_buffers == single.nvls_buffers == 0
-    with pytest.raises(MemoryConfigError, match="gpus_per_node"):
-        ParallelConfig(gpus_per_node=0)
+    with pytest.raises(ConfigError, match="gpus_per_node|gpus-per-node"):
+        EstimateConfig(gpus_per_node=0)
 
 
 def test_fragmentation_is_the_kv_buffer_without_expandable_segments():
     model, par = _27b(sequence_parallel=True)
-    step = RLStepConfig(
+    step = dataclasses.replace(
+        par,
         seq_length=16384,
         rollout_batch_size=64,
         inference_max_tokens=2**19,
         rollout_engine="dynamic",
     )
-    plain = estimate_rl_step_memory(model, par, step)
+    plain = estimate_rl_step_memory(model, step)
     assert plain.allocator_fragmentation == plain.kv_cache == 16 * GiB
-    expandable = dataclasses.replace(step, expandable_segments=True)
-    b = estimate_rl_step_memory(model, par, expandable)
+    b = estimate_rl_step_memory(model, step, EstimateConfig(expandable_segments=True))
     assert b.allocator_fragmentation == 0
     assert b.phases()["rollout"] == plain.phases()["rollout"] - 16 * GiB
+
+
+# ---------------------------------------------------------------------- the capacity
+def test_capacity_is_the_gpu_less_the_cuda_context_and_the_report_says_so(capsys):
+    """--gpu-memory-gb's default is what the process can allocate on an H100 80GB, its
+    81559 MiB less a 560 MiB CUDA context (79.1 GiB); the runtime allowance and NCCL's
+    buffers are terms of the total compared with it, and the report states all three."""
+    from loggra_megatron.memory import capacity
+
+    assert capacity.H100_80GB_CAPACITY_GIB == 79.1 == EstimateConfig().gpu_memory_gb
+    assert (capacity.H100_80GB_TOTAL_MIB - capacity.CUDA_CONTEXT_MIB) * MiB == pytest.approx(
+        79.1 * GiB, abs=MiB
+    )
+    assert EstimateConfig().runtime_overhead_gb == capacity.RUNTIME_OVERHEAD_GIB
+    res = json.loads(_printed(capsys, [*BASE, "--bf16", "--json"]))["loggra"]
+    terms = res["runtime_overhead"] + res["nccl_buffers"] + res["nvls_buffers"]
+    assert terms > 2 and res["total"] > terms  # counted in the total, not off the capacity
+    out = _printed(capsys, [*BASE, "--bf16"])
+    line = next(x for x in out.splitlines() if x.startswith("capacity"))
+    assert "79.1 GiB per GPU" in line and "CUDA context" in line and "79.65 - 0.55" in line
+    assert "runtime overhead 2.00" in line and "NCCL" in line
+    assert "fits 79.1 GiB" in out  # the verdict, without --gpu-memory-gb
+    small = _printed(capsys, [*BASE, "--bf16", "--gpu-memory-gb", "40"])
+    assert "capacity  40 GiB per GPU" in small and "fits 40 GiB" in small
+
+
+def _printed(capsys, argv) -> str:
+    assert _cli().main(argv) == 0
+    return capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- the CLI

@@ -144,10 +144,10 @@ def test_start_up_refuses_what_the_entry_says_it_cannot_do(builder_dir, tokenize
 
 
 def test_the_memory_model_and_the_estimator_count_its_state(builder_dir, capsys):
+    from memory_plans import plan
+
     from loggra_megatron.memory.model import (
         GiB,
-        ParallelConfig,
-        RLStepConfig,
         TransformerShape,
         estimate_rl_step_memory,
         stage_parameters,
@@ -156,12 +156,12 @@ def test_the_memory_model_and_the_estimator_count_its_state(builder_dir, capsys)
     shape = TransformerShape(
         num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, vocab_size=32000
     )
-    parallel = ParallelConfig(data_parallel_size=2)
+    parallel = plan(data_parallel_size=2)
     numel = sum(p.numel for p in stage_parameters(shape, parallel))
     state = {}
     for name in ("sgd_momentum", "adam"):
-        step = RLStepConfig(optimizer=name, distributed_optimizer=False)
-        state[name] = estimate_rl_step_memory(shape, parallel, step).optimizer_state
+        step = plan(data_parallel_size=2, optimizer=name, distributed_optimizer=False)
+        state[name] = estimate_rl_step_memory(shape, step).optimizer_state
     assert state["sgd_momentum"] == 4 * numel  # one fp32 momentum per element, no step
     assert state["adam"] > 2 * state["sgd_momentum"]
 

@@ -127,19 +127,16 @@ def test_start_up_refuses_it_where_its_entry_says_it_cannot_run(engine_dir, toke
 
 
 def test_the_memory_model_and_the_estimator_count_its_kv_cache(engine_dir, capsys):
-    from loggra_megatron.memory.model import (
-        ParallelConfig,
-        RLStepConfig,
-        TransformerShape,
-        estimate_rl_step_memory,
-    )
+    from memory_plans import plan
+
+    from loggra_megatron.memory.model import TransformerShape, estimate_rl_step_memory
 
     shape = TransformerShape(
         num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8, vocab_size=32000
     )
-    step = RLStepConfig(seq_length=1024, max_new_tokens=512, rollout_batch_size=16)
+    step = plan(seq_length=1024, max_new_tokens=512, rollout_batch_size=16)
     est = {
-        name: estimate_rl_step_memory(shape, ParallelConfig(), replace(step, rollout_engine=name))
+        name: estimate_rl_step_memory(shape, replace(step, rollout_engine=name))
         for name in ("counting", "static")
     }
     assert est["counting"].kv_cache == 2 * est["static"].kv_cache > 0

@@ -44,10 +44,12 @@ class EntropyBonus:
         self.coef = coef
 
     def __call__(self, x):
-        z = x.logits.float()
-        lse = vocab_parallel_logsumexp(z, x.tp_group)
-        p = (z - lse.unsqueeze(-1)).exp()
-        entropy = lse - vocab_parallel_sum((p * z).sum(-1), x.tp_group)
+        def entropy_of(z, tp_group):  # z [c, V/TP]: a chunk of this rank's logits
+            lse = vocab_parallel_logsumexp(z, tp_group)
+            p = (z - lse.unsqueeze(-1)).exp()
+            return lse - vocab_parallel_sum((p * z).sum(-1), tp_group)
+
+        entropy = x.output.per_token(entropy_of)
         bonus = -self.coef * x.aggregate(entropy, x.mask)
         return bonus, {"loss/entropy": bonus.detach()}
 
@@ -109,7 +111,7 @@ def _losses_with_and_without_the_bonus(rank, path):
     from megatron.core import parallel_state as ps
 
     from loggra_megatron.metric_keys import combine_micro_batches
-    from loggra_megatron.model.forward import gpt_logits
+    from loggra_megatron.model.forward import gpt_forward, last_hidden
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLossConfig
 
@@ -119,25 +121,38 @@ def _losses_with_and_without_the_bonus(rank, path):
     model = tiny_gpt_model(vocab=VOCAB, seq=SEQ, use_cpu_initialization=True)
     batch = _batch()
     with torch.no_grad():
-        logits = gpt_logits(model, batch)  # [b, s, V/TP]
+        hidden = gpt_forward(model, batch)  # [b, s, h]
+    out = last_hidden(model, batch, hidden)
     counts = (float(batch["mask"].sum()), float(BATCH))
-    beta, tp = AdaptiveKLCoefficient(0.1), ps.get_tensor_model_parallel_group()
+    beta = AdaptiveKLCoefficient(0.1)
     settings = bonus.EntropyLossConfig(policy_loss="ppo_clip_entropy", entropy_coef=0.01)
-    plain = POLICY_LOSSES["ppo_clip"](PolicyLossConfig(), SEQ, beta, tp)
-    with_bonus = POLICY_LOSSES[settings.policy_loss](settings, SEQ, beta, tp)
-    loss, metrics = plain(batch, logits, counts)
-    loss_b, metrics_b = with_bonus(batch, logits, counts)
-    halves = [(logits[i : i + 2], {k: v[i : i + 2] for k, v in batch.items()}) for i in (0, 2)]
-    shares = [with_bonus(half, half_logits, counts)[1] for half_logits, half in halves]
+    plain = POLICY_LOSSES["ppo_clip"](PolicyLossConfig(), SEQ, beta)
+    with_bonus = POLICY_LOSSES[settings.policy_loss](settings, SEQ, beta)
+    loss, metrics = plain(batch, out, counts)
+    loss_b, metrics_b = with_bonus(batch, out, counts)
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
+    shares = [
+        with_bonus(half, last_hidden(model, half, hidden[i : i + 2]), counts)[1]
+        for i, half in zip((0, 2), halves, strict=True)
+    ]
     return {
         "loss": loss,
         "loss_b": loss_b,
         "metrics": metrics,
         "metrics_b": metrics_b,
         "combined": combine_micro_batches(shares),
-        "logits": logits,
+        "logits": _gathered(out.logits(), ps.get_tensor_model_parallel_group()),
         "mask": batch["mask"],
     }
+
+
+def _gathered(logits, tp_group):
+    """The whole ``[b, s, V]`` logits from each rank's ``[b, s, V/TP]`` shard."""
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(shards, logits.contiguous(), group=tp_group)
+    return torch.cat(shards, dim=-1)
 
 
 def test_an_entropy_bonus_is_a_term_its_setting_and_its_metric(recipe):

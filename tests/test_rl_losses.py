@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from loggra_megatron.model.output_head import LastHidden
 from loggra_megatron.rl import (
     AGGREGATIONS,
     AdaptiveKLCoefficient,
@@ -222,13 +223,15 @@ def _random_batch(seed=0, b=6, t=7):
     return logp, logp_old, logp_ref, adv, mask
 
 
-def _logits_batch(seed=0, b=6, t=7, vocab=5):
-    """A micro-batch as the loss reads it: ``logits [b, t, V]`` and the batch whose sampling
-    and reference log-probs lie around the logits' own (ratios around and past the clip)."""
+def _hidden_batch(seed=0, b=6, t=7, vocab=5, h=3):
+    """A micro-batch as the loss reads it: last hidden states ``[b, t, h]``, an output weight
+    ``[V, h]``, and the batch whose sampling and reference log-probs lie around the model's
+    own (ratios around and past the clip)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([7, 3, 1, 5, 0, 6])  # one all-padding row
     tokens = torch.randint(0, vocab, (b, t + 1), generator=gen)
-    logits = torch.randn(b, t, vocab, generator=gen)
+    hidden, weight = torch.randn(b, t, h, generator=gen), torch.randn(vocab, h, generator=gen)
+    logits = hidden @ weight.t()
     logp = logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     batch = {
         "tokens": tokens,
@@ -237,12 +240,12 @@ def _logits_batch(seed=0, b=6, t=7, vocab=5):
         "ref": logp - 0.2 * torch.randn(b, t, generator=gen),
         "adv": torch.randn(b, generator=gen),
     }
-    return batch, logits
+    return batch, hidden, weight
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batch_losses_sum_to_full_batch(aggregation):
-    batch, logits = _logits_batch()
+    batch, hidden, weight = _hidden_batch()
     mask = batch["mask"]
     loss = PPOClipLoss(
         PolicyLossConfig(loss_aggregation=aggregation),
@@ -250,25 +253,26 @@ def test_micro_batch_losses_sum_to_full_batch(aggregation):
         kl_coef=AdaptiveKLCoefficient(0.05),
     )
 
-    def run(z, sl, counts=None):
-        return loss({k: v[sl] for k, v in batch.items()}, z[sl], counts)
+    def run(x, sl, counts=None):
+        micro = {k: v[sl] for k, v in batch.items()}
+        return loss(micro, LastHidden(x[sl], weight, micro, chunk=4), counts)
 
-    full_logits = logits.clone().requires_grad_()
-    full, _ = run(full_logits, slice(None))
+    full_hidden = hidden.clone().requires_grad_()
+    full, _ = run(full_hidden, slice(None))
     full.backward()
 
     counts = (int(mask.sum()), int(mask.any(-1).sum()))
-    micro_logits = logits.clone().requires_grad_()
+    micro_hidden = hidden.clone().requires_grad_()
     total = torch.zeros(())
     for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):  # uneven; slice(2, 3) is 1 token
-        micro, metrics = run(micro_logits, sl, counts)
+        micro, metrics = run(micro_hidden, sl, counts)
         micro.backward()
         total += micro.detach()
         assert metrics["loss/total"] == micro.detach()
     torch.testing.assert_close(total, full.detach(), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(micro_logits.grad, full_logits.grad, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(micro_hidden.grad, full_hidden.grad, atol=1e-7, rtol=1e-6)
     # without the global denominators the micro-batch losses do not add up
-    local = sum(run(logits, sl)[0] for sl in (slice(0, 2), slice(2, 6)))
+    local = sum(run(hidden, sl)[0] for sl in (slice(0, 2), slice(2, 6)))
     assert abs(local.item() - full.item()) > 1e-4
 
 

@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if est.fit:  # the layout is what it searches: checked per candidate
         return fit(argv, cfg, est, given)
     try:
-        model, parallel, step = modelled_step(cfg, est)
-        names = dict.fromkeys(("adam", "loggra", step.optimizer))  # and the run's own
-        steps = {opt: dataclasses.replace(step, optimizer=opt) for opt in names}
-        results = {opt: estimate_rl_step_memory(model, parallel, s) for opt, s in steps.items()}
+        model, plan = modelled_step(cfg, est)
+        names = dict.fromkeys(("adam", "loggra", plan.optimizer))  # and the run's own
+        plans = {opt: dataclasses.replace(plan, optimizer=opt) for opt in names}
+        results = {opt: estimate_rl_step_memory(model, p, est) for opt, p in plans.items()}
     except ConfigError as e:
         parser.error(str(e))
     except MemoryConfigError as e:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"unit": "GiB", **out}, indent=2))
         return 0
     source = est.hf_config or "flags"
-    print(report(model, parallel, steps, results, gpu_bytes, source, step.optimizer))
+    print(report(model, plans, results, est, source, plan.optimizer))
     if cfg.model.sequence_packing:
         print(PACKING_NOTE)
     return 0

@@ -22,31 +22,32 @@
 #       --num-generations 8 --global-batch-size 64 --micro-batch-size 1 \
 #       --log-prob-micro-batch-size 4 --optimizer loggra --loggra-sketch backward \
 #       --loggra-rank 128 --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
-#       --kl-probe-fraction 0.125 --kl-coef 0.001
+#       --kl-probe-fraction 0.125 --kl-coef 0.001 --reference-offload
 #
-# prints (GiB per GPU): LoGRA bwd r=128 53.43 total, "yes (25.67 free)" of the 79.1 GiB
-# PyTorch can allocate on an H100 80GB; dense Adam 95.06 ("NO (over by 15.96)"). Static 33.05
-# (LoGRA) vs 74.68 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 0.62 (the
+# prints (GiB per GPU): LoGRA bwd r=128 44.16 total, "yes (34.94 free)" of the 79.1 GiB
+# PyTorch can allocate on an H100 80GB; dense Adam 85.79 ("NO (over by 6.69)"). Static 23.77
+# (LoGRA) vs 65.41 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 0.62 (the
 # embeddings, output layer and norms only: the sketched linears have no grad buffer; dense
 # 12.57) + masters 6.29 (bf16 weights + int16 remainders, --loggra-param-remainders; dense
 # 12.57) + optimizer state 1.24 (RowAdam's moment per row, AdamW for the rest; dense 25.14)
-# + sketch buffer S 0.51 + reference 6.29 + its FP8 cache 2.99 + 2.00 runtime + 0.86 of NCCL
-# ring buffers (3 communicators). Transient phases (one at a time): rollout 20.38 (the peak:
-# KV cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64 prompts
-# in one 65536-token forward), KL control 19.69 (probe in micro-batches of 4 sequences:
-# logits 11.81 + activations 1.59, plus the 6.29 backup of the weights a trial overwrites),
-# the dynamic engine's old-log-prob recompute and the reference log-probs 13.40 each (4
-# sequences per forward, --log-prob-micro-batch-size), training 5.53, the optimizer step's
-# sketch update 0.22.
+# + sketch buffer S 0.51 + 2.00 runtime + 0.86 of NCCL ring buffers (3 communicators); the
+# reference's weights are on the host (--reference-offload; otherwise its bf16 weights and
+# FP8 cache stay on every GPU). Transient phases (one at a time): rollout 20.38 (the peak:
+# KV cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64
+# prompts in one 65536-token forward), KL control 7.91 (probe in micro-batches of 4 sequences, its
+# log-probs in chunks of 256 tokens: 1.63, plus the 6.29 backup of the weights a trial
+# overwrites), the dynamic engine's old-log-prob recompute 1.63 and the reference
+# log-probs 1.93 (4 sequences per forward, --log-prob-micro-batch-size; the reference's two
+# streamed layers 0.31), training 1.79, the optimizer step's sketch update 0.22.
 # Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
-# tokens at once) and LoGRA 69.43 ("yes (9.67 free)"): it still fits, with less room.
-# Without --expandable-segments it prints the same 69.43: the freed 16.00 KV buffer's
+# tokens at once) and LoGRA 60.16 ("yes (18.94 free)"): it still fits, with less room.
+# Without --expandable-segments it prints the same 60.16: the freed 16.00 KV buffer's
 # segment, pinned by one tensor, is counted again ("rollout: fragmentation").
-# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 54.18
-# ("yes (24.92 free)").
+# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 44.91
+# ("yes (34.19 free)").
 # With --loggra-sketch gradient (the default: the dense gradient in the fp32 grad buffer,
-# 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 66.30 ("yes (12.80
-# free)"), static 45.92.
+# 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 57.03 ("yes (22.07
+# free)"), static 36.65.
 # tests/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
 # yet: benchmarks/gpu/h200_check.sh is the first check.
 #
@@ -83,7 +84,7 @@ torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --train-iters 500 --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0 \
     --optimizer loggra --loggra-sketch backward --loggra-rank 128 --loggra-param-remainders \
     --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 \
-    --kl-coef 0.001 --kl-ref-estimator k3 \
+    --kl-coef 0.001 --kl-ref-estimator k3 --reference-offload \
     --loss-aggregation token_mean --clip-low 0.2 --clip-high 0.28 \
     --overlap-grad-reduce --overlap-param-gather \
     --save "$OUT" --save-interval 25 --wandb-project loggra-grpo "$@"

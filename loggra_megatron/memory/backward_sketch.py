@@ -28,15 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loggra_megatron.memory.config import (
+from loggra_megatron.memory.shape import (
     ROW_STATE_BYTES,
-    ParallelConfig,
-    RLStepConfig,
     TransformerShape,
     ceil_div,
+    param_dtype_bytes,
 )
 from loggra_megatron.memory.transient import layers_held
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
     "ROW_PARALLEL",
@@ -57,10 +57,10 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2")
 """Row-parallel targets (``W_local [m, n/t]``); the others are column-parallel."""
 
 
-def applies(step: RLStepConfig) -> bool:
-    """Whether ``step`` runs the backward sketch (a sketching optimizer with
+def applies(plan: StepPlan) -> bool:
+    """Whether ``plan`` runs the backward sketch (a sketching optimizer with
     ``loggra_sketch="backward"``; dense Adam's column of the same step does not)."""
-    return OPTIMIZERS[step.optimizer].sketched and step.loggra_sketch == "backward"
+    return OPTIMIZERS[plan.optimizer].sketched and plan.loggra_sketch == "backward"
 
 
 def target_of(spec: Any) -> str:
@@ -78,10 +78,10 @@ def _full_cols(model: TransformerShape, target: str) -> int:
     }[target]
 
 
-def sketch_rank(model: TransformerShape, step: RLStepConfig) -> int:
+def sketch_rank(model: TransformerShape, plan: StepPlan) -> int:
     """``r``: ``--loggra-rank`` clamped to the narrowest target's full input width, as
     ``SketchSites`` clamps it."""
-    return min(step.loggra_rank, *(_full_cols(model, t) for t in step.loggra_targets))
+    return min(plan.loggra_rank, *(_full_cols(model, t) for t in plan.loggra_targets))
 
 
 def master_bytes(targets, dp: int, bytes_per_master: int) -> int:
@@ -126,27 +126,23 @@ def step_bytes(targets, segments: int, rank: int, weight_bytes: int, tp: int) ->
     return max(receive, update, gather)
 
 
-def _tokens(parallel: ParallelConfig, step: RLStepConfig, target: str) -> int:
+def _tokens(plan: StepPlan, target: str) -> int:
     """Tokens of one micro-batch whose ``P`` a target keeps: all of them (column-parallel;
     row-parallel without sequence parallelism), this TP rank's under sequence parallelism
     for the row-parallel ones."""
-    sb, t = step.micro_batch_size * step.seq_length, parallel.tensor_model_parallel_size
-    if target in ROW_PARALLEL and parallel.sequence_parallel and t > 1:
+    sb, t = plan.micro_batch_size * plan.seq_length, plan.tensor_model_parallel_size
+    if target in ROW_PARALLEL and plan.sequence_parallel and t > 1:
         return ceil_div(sb, t)
     return sb
 
 
-def projection_bytes_per_layer(
-    parallel: ParallelConfig, step: RLStepConfig, rank: int, activation_bytes: int = 2
-) -> int:
+def projection_bytes_per_layer(plan: StepPlan, rank: int, activation_bytes: int = 2) -> int:
     """``P = X·Bᵀ`` of one layer's targets for one micro-batch: ``tokens · r`` elements each,
     kept from the forward hook to the target's backward."""
-    return sum(_tokens(parallel, step, t) * rank * activation_bytes for t in step.loggra_targets)
+    return sum(_tokens(plan, t) * rank * activation_bytes for t in plan.loggra_targets)
 
 
-def frozen_input_bytes_per_layer(
-    model: TransformerShape, parallel: ParallelConfig, step: RLStepConfig
-) -> int:
+def frozen_input_bytes_per_layer(model: TransformerShape, plan: StepPlan) -> int:
     """Bytes of one layer's saved activations (``transient.activation_bytes_per_layer``) that
     were saved only for a target's weight gradient, which a frozen weight does not compute
     (Megatron's ``linear_with_frozen_weight`` saves the weight only; Transformer Engine's
@@ -159,10 +155,10 @@ def frozen_input_bytes_per_layer(
     * ``linear_qkv``, ``linear_fc1``: their input is a norm's output, which Transformer
       Engine's fused ``LayerNormLinear`` saves whether or not the weight is frozen (and an
       unfused norm saves its normalised input for its own weight): kept."""
-    if "linear_fc2" not in step.loggra_targets:
+    if "linear_fc2" not in plan.loggra_targets:
         return 0
-    sb = step.micro_batch_size * step.seq_length
-    return ceil_div(2 * sb * model.ffn_hidden_size, parallel.tensor_model_parallel_size)
+    sb = plan.micro_batch_size * plan.seq_length
+    return ceil_div(2 * sb * model.ffn_hidden_size, plan.tensor_model_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -193,30 +189,25 @@ class SketchTerms:
 
 
 def sketch_terms(
-    model: TransformerShape,
-    parallel: ParallelConfig,
-    step: RLStepConfig,
-    stage: int,
-    params: list,
-    dp: int,
+    model: TransformerShape, plan: StepPlan, stage: int, params: list, dp: int
 ) -> SketchTerms:
     """The backward sketch's terms on PP stage ``stage`` (``params``: its parameters; ``dp``:
     the DP size under the distributed optimizer, else 1)."""
-    if not applies(step):
+    if not applies(plan):
         return SketchTerms(dp=dp)
-    names = set(step.loggra_targets)
+    names = set(plan.loggra_targets)
     targets = tuple(s for s in params if s.kind == "linear" and target_of(s) in names)
-    r = sketch_rank(model, step)
-    layers, _ = layers_held(model, parallel, step, stage)
+    r, w = sketch_rank(model, plan), param_dtype_bytes(plan)
+    layers, _ = layers_held(model, plan, stage)
     product = max(4 * s.shape[0] * r for s in targets)
-    per_layer = projection_bytes_per_layer(parallel, step, r, step.param_bytes)
+    per_layer = projection_bytes_per_layer(plan, r, w)
     return SketchTerms(
         targets=targets,
         dp=dp,
         rank=r,
-        row_state=row_state_bytes(targets, dp, step.loggra_row_optimizer),
+        row_state=row_state_bytes(targets, dp, plan.loggra_row_optimizer),
         buffer=buffer_bytes(targets, dp, r),
-        step=step_bytes(targets, dp, r, step.param_bytes, parallel.tensor_model_parallel_size),
+        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size),
         projections=layers * per_layer + product,
-        activation_saving=layers * frozen_input_bytes_per_layer(model, parallel, step),
+        activation_saving=layers * frozen_input_bytes_per_layer(model, plan),
     )

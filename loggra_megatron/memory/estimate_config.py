@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, check_fields, one_of, positive, reject
+from loggra_megatron.memory.capacity import H100_80GB_CAPACITY_GIB, RUNTIME_OVERHEAD_GIB
 
 MOMENT_DTYPES = ("fp32", "bf16")
 
@@ -37,13 +38,15 @@ class EstimateConfig:
     num_nodes: int | None = None
     """Nodes of the run, --gpus-per-node GPUs each: the world when --world-size is not given
     (--fit: 1 by default)."""
-    gpu_memory_gb: float = 80.0
-    """GiB per GPU the verdict is against (79.1: what PyTorch can allocate of an 80 GB
-    H100)."""
+    gpu_memory_gb: float = H100_80GB_CAPACITY_GIB
+    """GiB per GPU the verdict is against: what PyTorch and NCCL can allocate, the GPU's
+    memory less the CUDA context (default 79.1: an H100 80GB; loggra_megatron/memory/
+    capacity.py)."""
     gpus_per_node: int = 8
     """GPUs of one node (which communicators stay inside it: NCCL's NVLS buffers)."""
-    runtime_overhead_gb: float = 2.0
-    """CUDA/cuBLAS/Transformer Engine workspaces and the like, GiB (NCCL is counted apart)."""
+    runtime_overhead_gb: float = RUNTIME_OVERHEAD_GIB
+    """cuBLAS/Transformer Engine workspaces and the like, GiB, counted inside
+    --gpu-memory-gb (NCCL's buffers are counted apart, the CUDA context is outside it)."""
     nccl_nvls: bool = True
     """NCCL's NVLink SHARP buffers (NCCL's default on NVSwitch nodes; --no-nccl-nvls is
     NCCL_NVLS_ENABLE=0)."""

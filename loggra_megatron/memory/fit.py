@@ -16,10 +16,12 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from loggra_megatron.memory.config import GiB, ParallelConfig, RLStepConfig, TransformerShape
+from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.model import estimate_rl_step_memory, max_rollout_batch_size
+from loggra_megatron.memory.shape import GiB, TransformerShape
+from loggra_megatron.train.run_config import RunConfig
+from loggra_megatron.train.step_plan import StepPlan
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 """The micro-batch sizes searched (without ``--micro-batch-size``)."""
@@ -36,7 +38,7 @@ no recompute in this model: flash attention stores nothing quadratic)."""
 RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers")
 OPTIMIZER_NAMES = {"loggra": "LoGRA", "adam": "dense Adam"}
 
-Modelled = tuple[TransformerShape, ParallelConfig, RLStepConfig]
+Modelled = tuple[TransformerShape, StepPlan]
 Evaluate = Callable[[list[str]], "Modelled | str"]
 
 
@@ -130,7 +132,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_space(cfg: Any, given: set[str], world: int, gpus_per_node: int) -> dict[str, list]:
+def search_space(
+    cfg: RunConfig, given: set[str], world: int, gpus_per_node: int
+) -> dict[str, list]:
     """The values searched per setting (``tp``: TP sizes within a node that divide the
     world; PP: every divisor of world / TP, :func:`candidates`). A setting in ``given``
     (the command line's) keeps ``cfg``'s value; 16-bit options need ``--bf16``."""
@@ -157,7 +161,9 @@ def search_space(cfg: Any, given: set[str], world: int, gpus_per_node: int) -> d
     return space
 
 
-def candidates(cfg: Any, given: set[str], world: int, space: dict[str, list]) -> list[Candidate]:
+def candidates(
+    cfg: RunConfig, given: set[str], world: int, space: dict[str, list]
+) -> list[Candidate]:
     """Every combination of ``space`` (PP: the divisors of world / TP, or the command line's
     ``--pipeline-model-parallel-size``; sequence parallelism with TP > 1 unless given)."""
     out = []
@@ -173,7 +179,7 @@ def candidates(cfg: Any, given: set[str], world: int, space: dict[str, list]) ->
     return out
 
 
-def _with_flags(c: Candidate, cfg: Any, given: set[str]) -> Candidate:
+def _with_flags(c: Candidate, cfg: RunConfig, given: set[str]) -> Candidate:
     """``c`` with the flags that set what the command line does not."""
     flags: list[str] = []
     if "tensor_model_parallel_size" not in given:
@@ -194,7 +200,7 @@ def _with_flags(c: Candidate, cfg: Any, given: set[str]) -> Candidate:
     return dataclasses.replace(c, flags=tuple(flags), loggra_flags=tuple(loggra))
 
 
-def search(cfg: Any, given: set[str], est: Any, evaluate: Evaluate) -> FitResult:
+def search(cfg: RunConfig, given: set[str], est: EstimateConfig, evaluate: Evaluate) -> FitResult:
     """Each candidate's command line evaluated once (``evaluate(flags)``: the modelled step
     with LoGRA, or why ``pretrain_rl.py`` refuses it); dense Adam is the same step with
     ``optimizer="adam"`` (as the estimator's dense column), for the candidates without
@@ -211,42 +217,42 @@ def search(cfg: Any, given: set[str], est: Any, evaluate: Evaluate) -> FitResult
         if isinstance(got, str):
             result.refused.append((c, got))
             continue
-        model, parallel, step = got
-        runs = {"loggra": (step, c.flags + c.loggra_flags)}
+        model, plan = got
+        runs = {"loggra": (plan, c.flags + c.loggra_flags)}
         if not c.remainders or "loggra_param_remainders" in given:
-            runs["adam"] = (dataclasses.replace(step, optimizer="adam"), c.flags)
-        for name, (s, flags) in runs.items():
-            result.outcomes[name].append(assess(c, model, parallel, s, budget, kv_given, flags))
+            runs["adam"] = (dataclasses.replace(plan, optimizer="adam"), c.flags)
+        for name, (p, flags) in runs.items():
+            result.outcomes[name].append(assess(c, model, p, est, budget, kv_given, flags))
     return result
 
 
 def assess(
     c: Candidate,
     model: TransformerShape,
-    parallel: ParallelConfig,
-    step: RLStepConfig,
+    plan: StepPlan,
+    est: EstimateConfig,
     budget_bytes: int,
     kv_given: bool,
     flags: tuple[str, ...],
 ) -> Outcome:
-    """``c`` with ``step``'s optimizer at the largest KV budget within ``budget_bytes`` (the
+    """``c`` with ``plan``'s optimizer at the largest KV budget within ``budget_bytes`` (the
     command line's if given): whole rows of ``--seq-length`` tokens, at most the rollout
     batch per replica (then no bound is needed), at least one row (to say by how much it is
     over)."""
-    rows = max_rollout_batch_size(model, parallel, step, budget_bytes)
-    kv_rows, chosen = step.rollout_batch_size, step
-    if kv_given and step.inference_max_tokens is not None:
-        kv_rows = min(kv_rows, max(1, step.inference_max_tokens // step.seq_length))
+    rows = max_rollout_batch_size(model, plan, est, budget_bytes)
+    kv_rows, chosen = plan.rollout_batch_size, plan
+    if kv_given and plan.inference_max_tokens is not None:
+        kv_rows = min(kv_rows, max(1, plan.inference_max_tokens // plan.seq_length))
     elif not kv_given:
-        kv_rows = _kv_rows(model, parallel, step, budget_bytes, rows)
-        chosen = _at_kv_rows(step, kv_rows)
+        kv_rows = _kv_rows(model, plan, est, budget_bytes, rows)
+        chosen = _at_kv_rows(plan, kv_rows)
         if chosen.inference_max_tokens is not None:
             flags = (*flags, "--inference-max-tokens", str(chosen.inference_max_tokens))
-    b = estimate_rl_step_memory(model, parallel, chosen)
+    b = estimate_rl_step_memory(model, chosen, est)
     return Outcome(
         c,
-        step.optimizer,
-        parallel.data_parallel_size,
+        plan.optimizer,
+        plan.data_parallel_size,
         b.total_bytes,
         b.fits(budget_bytes),
         b.peak_phase,
@@ -256,22 +262,22 @@ def assess(
     )
 
 
-def _at_kv_rows(step: RLStepConfig, rows: int) -> RLStepConfig:
-    """``step`` with a KV budget of ``rows`` full-length rows (none: the whole batch)."""
-    whole = rows >= step.rollout_batch_size
-    return dataclasses.replace(step, inference_max_tokens=None if whole else rows * step.seq_length)
+def _at_kv_rows(plan: StepPlan, rows: int) -> StepPlan:
+    """``plan`` with a KV budget of ``rows`` full-length rows (none: the whole batch)."""
+    whole = rows >= plan.rollout_batch_size
+    return dataclasses.replace(plan, inference_max_tokens=None if whole else rows * plan.seq_length)
 
 
-def _kv_rows(model, parallel, step, budget_bytes: int, rows: int | None) -> int:
+def _kv_rows(model, plan, est, budget_bytes: int, rows: int | None) -> int:
     """The most rows (≤ the rollout batch per replica, ≥ 1) whose KV budget fits with the
     run's own rollout batch and engine (its prefill and logits too), bisected from
     ``rows``, the capacity at a rollout batch of that many; 1 if none fits."""
 
     def fits(r: int) -> bool:
-        s = _at_kv_rows(step, r)
-        return estimate_rl_step_memory(model, parallel, s).fits(budget_bytes)
+        p = _at_kv_rows(plan, r)
+        return estimate_rl_step_memory(model, p, est).fits(budget_bytes)
 
-    hi = max(1, min(rows or 1, step.rollout_batch_size))
+    hi = max(1, min(rows or 1, plan.rollout_batch_size))
     if fits(hi):
         return hi
     if hi == 1 or not fits(1):

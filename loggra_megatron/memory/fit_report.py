@@ -1,17 +1,17 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """What ``tools/estimate_memory.py --fit`` prints (:func:`fit_report`, :func:`fit_json`): the
-search, then per optimizer the best fitting configurations with their totals, free memory,
-rollout rows at once and the flags that launch them, or the closest one and by how much it
-is over."""
+search and the launch environment it assumes (:func:`launch_environment`), then per optimizer
+the best fitting configurations with their totals, free memory, rollout rows at once and the
+flags that launch them, or the closest one and by how much it is over."""
 
 from __future__ import annotations
 
 import textwrap
 
-from loggra_megatron.memory.config import GiB
 from loggra_megatron.memory.fit import OPTIMIZER_NAMES, FitResult, Outcome
+from loggra_megatron.memory.shape import GiB
 
-__all__ = ["fit_json", "fit_report"]
+__all__ = ["fit_json", "fit_report", "launch_environment"]
 
 HEADER = (
     f"{'':>3}{'TP':>4}{'PP':>4}{'DP':>4}  {'recompute':<10}{'mb':>3}  {'grads':<6}"
@@ -19,12 +19,22 @@ HEADER = (
 )
 
 
+def launch_environment(est) -> dict[str, str]:
+    """The allocator and NCCL environment the estimate assumes, as a launch exports it
+    (``est``: the EstimateConfig; ``--expandable-segments``, ``--no-nccl-nvls``)."""
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{est.expandable_segments}",
+        "NCCL_NVLS_ENABLE": "1" if est.nccl_nvls else "0",
+    }
+
+
 def _choices(values: list) -> str:
     return "|".join(str(v) for v in values)
 
 
-def _describe(result: FitResult, source: str, gpus_per_node: int) -> list[str]:
-    space, nodes = result.space, result.world / gpus_per_node
+def _describe(result: FitResult, source: str, est) -> list[str]:
+    space, gpus_per_node = result.space, est.gpus_per_node
+    nodes = result.world / gpus_per_node
     onoff = {(False,): "off", (True,): "on", (False, True): "off|on"}
     rec = {"given": "as given", "none": "none", "full": "full (uniform, 1 layer)"}
     counts = ", ".join(
@@ -49,6 +59,11 @@ def _describe(result: FitResult, source: str, gpus_per_node: int) -> list[str]:
     ]
     if result.refused:  # the first, as an example of the rule
         lines.append(f"          (e.g. {result.refused[0][1]})")
+    env = " ".join(f"{k}={v}" for k, v in launch_environment(est).items())
+    lines += [
+        f"launch    {env} torchrun ... pretrain_rl.py",
+        "          with this command's pretrain_rl.py flags and a configuration's flags below",
+    ]
     return [*lines, ""]
 
 
@@ -102,7 +117,7 @@ def _table(result: FitResult, name: str, top: int, seq: int) -> list[str]:
 
 def fit_report(result: FitResult, source: str, est, seq: int) -> str:
     """The text ``--fit`` prints (``est``: the EstimateConfig; ``seq``: --seq-length)."""
-    lines = _describe(result, source, est.gpus_per_node)
+    lines = _describe(result, source, est)
     for name in ("loggra", "adam"):
         lines += _table(result, name, est.fit_top, seq)
     lines += [
@@ -140,6 +155,7 @@ def fit_json(result: FitResult, est) -> dict:
     gpu_bytes = result.gpu_bytes
     out: dict = {"unit": "GiB", "world": result.world, "refused": len(result.refused)}
     out["loggra_sketch"] = result.loggra_sketch
+    out["environment"] = launch_environment(est)
     for name, outcomes in result.outcomes.items():
         closest = result.closest(name)
         out[name] = {

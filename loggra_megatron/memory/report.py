@@ -1,19 +1,25 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """The table ``tools/estimate_memory.py`` prints: dense Adam and LoGRA side by side, every
-term, each phase's total, the verdict and the largest rollout that fits."""
+term, each phase's total, the capacity the verdict is against, the verdict and the largest
+rollout that fits."""
 
 from __future__ import annotations
 
+from loggra_megatron.memory.capacity import capacity_line
+from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.model import (
     GiB,
     MemoryBreakdown,
-    RLStepConfig,
+    StepPlan,
     bytes_per_master,
     max_rollout_batch_size,
     num_parameters,
     prefill_tokens,
+    rollout_kv_tokens,
+    rollout_rows,
 )
 from loggra_megatron.memory.runtime import communicators
+from loggra_megatron.memory.shape import grad_dtype_bytes
 
 __all__ = ["report"]
 
@@ -37,6 +43,7 @@ LABELS = {
     "old_log_prob_logits": "old log-probs: logits",
     "log_prob_activations": "ref log-probs: activations",
     "log_prob_logits": "ref log-probs: logits",
+    "reference_streamed": "ref log-probs: weights",
     "activations": "training: activations",
     "sketch_projections": "training: sketch P = XB^T",
     "logits": "training: logits",
@@ -45,6 +52,7 @@ LABELS = {
     "kl_weight_backup": "kl control: weight backup",
     "main_grad_copies": "optimizer: fp32 grad copies",
     "sketch_step": "optimizer: sketch step",
+    "checkpoint_save": "checkpoint: fp32 of a bucket",
 }
 
 
@@ -52,40 +60,45 @@ def _gib(x: int) -> str:
     return f"{x / GiB:.2f}"
 
 
-def report(model, parallel, steps, results, gpu_bytes, source, selected) -> str:
-    """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}``, and the
-    ``selected`` optimizer's, summed up under the table, if it is another one)."""
+def report(model, plans, results, est: EstimateConfig, source, selected) -> str:
+    """The table for ``results`` (``{"adam": MemoryBreakdown, "loggra": ...}`` of the
+    ``plans`` of the same names, and the ``selected`` optimizer's, summed up under the table,
+    if it is another one) on the machine ``est``."""
     dense, loggra = results["adam"], results["loggra"]
     mark = {k: "*" if selected == k else " " for k in ("adam", "loggra")}
     header = f"{'GiB per GPU':<28}{'dense Adam' + mark['adam']:>20}"
-    header += f"{_loggra_label(steps['loggra']) + mark['loggra']:>20}{'LoGRA - Adam':>14}"
-    lines = _describe(model, parallel, steps["loggra"], dense, source)
+    header += f"{_loggra_label(plans['loggra']) + mark['loggra']:>20}{'LoGRA - Adam':>14}"
+    lines = _describe(model, plans["loggra"], est, dense, source)
     lines += [header, "-" * len(header)]
-    lines += _term_rows(parallel, steps, dense, loggra)
+    lines += _term_rows(plans, est, dense, loggra)
     lines.append("-" * len(header))
     saved = 100.0 * (dense.total_bytes - loggra.total_bytes) / dense.total_bytes
     lines.append(
         _row("TOTAL per GPU", dense.total_bytes, loggra.total_bytes) + f"  ({saved:.1f}% saved)"
     )
-    lines += _verdicts(model, parallel, steps, results, gpu_bytes, selected, list(mark))
+    lines += _verdicts(model, plans, results, est, selected, list(mark))
     return "\n".join(lines)
 
 
-def _loggra_label(step: RLStepConfig) -> str:
+def _loggra_label(plan: StepPlan) -> str:
     """``LoGRA r=128``, or ``LoGRA bwd r=128`` with ``--loggra-sketch backward``."""
-    mode = " bwd" if step.loggra_sketch == "backward" else ""
-    return f"LoGRA{mode} r={step.loggra_rank}"
+    mode = " bwd" if plan.loggra_sketch == "backward" else ""
+    return f"LoGRA{mode} r={plan.loggra_rank}"
 
 
-def _describe(model, parallel, step, dense, source) -> list[str]:
-    """The lines above the table: model, parallel layout, step, rollout and runtime."""
+def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list[str]:
+    """The lines above the table: model, parallel layout, step, rollout, runtime, capacity."""
     t, p, d = (
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        parallel.data_parallel_size,
+        step.tensor_model_parallel_size,
+        step.pipeline_model_parallel_size,
+        step.data_parallel_size,
     )
-    prefill = prefill_tokens(step, t)
-    comms = communicators(parallel, step.distributed_optimizer)
+    prefill = prefill_tokens(step)
+    comms = communicators(step, est.gpus_per_node)
+    reference = "off"
+    if step.reference_model:
+        offload = ", offloaded to the host" if step.reference_offload else ""
+        reference = f"on{offload} (log-prob micro-batch {step.forward_micro_batch_size})"
     return [
         f"model     {source}: {num_parameters(model) / 1e9:.2f} B params, {model.num_layers} "
         f"layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}"
@@ -93,17 +106,17 @@ def _describe(model, parallel, step, dense, source) -> list[str]:
         f"{model.num_query_groups} KV groups x {model.kv_channels}, vocab {model.vocab_size} "
         f"(padded {model.padded_vocab_size(t)}), "
         f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings",
-        f"parallel  TP {t} x PP {p} x DP {d} = {parallel.world_size} GPUs"
-        f"{', sequence parallel' if parallel.sequence_parallel else ''}; distributed optimizer "
+        f"parallel  TP {t} x PP {p} x DP {d} = {step.world_size} GPUs"
+        f"{', sequence parallel' if step.sequence_parallel else ''}; distributed optimizer "
         f"(ZeRO-1); stage {dense.stage} of {p} is the most loaded "
         f"({dense.num_parameters / 1e9:.3f} B params/GPU)",
-        f"step      {step.precision}, {'fp32' if step.grad_bytes == 4 else 'bf16'} grads, micro-batch "
-        f"{step.micro_batch_size} x {step.seq_length} tokens, recompute {_recompute(step)}, "
-        f"reference model {'on' if step.reference_model else 'off'}"
-        + (f" (log-prob micro-batch {step.log_prob_rows})" if step.reference_model else "")
+        f"step      {step.precision}, {'fp32' if grad_dtype_bytes(step) == 4 else 'bf16'} grads, "
+        f"micro-batch {step.micro_batch_size} x {step.seq_length} tokens, recompute "
+        f"{_recompute(step)}, log-probs in chunks of {step.log_prob_chunk_size} tokens, "
+        f"reference model {reference}"
         + (
-            f", KL trials on {step.kl_probe_sequences} seqs (probe + held-out, {step.kl_estimator})"
-            if step.kl_probe_sequences
+            f", KL trials on {step.kl_trial_rows} seqs (probe + held-out, {step.kl_estimator})"
+            if step.kl_trial_rows
             else ""
         )
         + (
@@ -113,7 +126,7 @@ def _describe(model, parallel, step, dense, source) -> list[str]:
             else ""
         ),
         f"rollout   {step.rollout_batch_size} seqs per replica, {step.rollout_engine} engine, "
-        f"KV cache of {step.rollout_kv_tokens} tokens ({step.rollout_rows} rows at once"
+        f"KV cache of {rollout_kv_tokens(step)} tokens ({rollout_rows(step)} rows at once"
         + (
             f", --inference-max-tokens {step.inference_max_tokens})"
             if step.inference_max_tokens
@@ -121,8 +134,9 @@ def _describe(model, parallel, step, dense, source) -> list[str]:
         )
         + (f", prefill of {prefill} tokens per forward" if prefill else ""),
         f"runtime   {len(comms)} NCCL communicators ({', '.join(c[0] for c in comms) or 'none'}), "
-        f"NVLS {'on' if step.nccl_nvls else 'off'}, expandable segments "
-        f"{'on' if step.expandable_segments else 'off'}",
+        f"NVLS {'on' if est.nccl_nvls else 'off'}, expandable segments "
+        f"{'on' if est.expandable_segments else 'off'}",
+        capacity_line(int(est.gpu_memory_gb * GiB), int(est.runtime_overhead_gb * GiB)),
         "",
     ]
 
@@ -132,16 +146,17 @@ def _row(label, a, b) -> str:
     return f"{label:<28}{_gib(a):>20}{_gib(b):>20}{diff:>14}".rstrip()
 
 
-def _term_rows(parallel, steps, dense, loggra) -> list[str]:
+def _term_rows(plans, est, dense, loggra) -> list[str]:
     """One row per non-zero term: the static terms, then each transient phase's, the peak."""
-    step, d = steps["loggra"], parallel.data_parallel_size
+    step = plans["loggra"]
+    d = step.data_parallel_size
     pdt = "fp32" if step.precision == "fp32" else "bf16"
-    gdt = "fp32" if step.grad_bytes == 4 else "bf16"
+    gdt = "fp32" if grad_dtype_bytes(step) == 4 else "bf16"
     suffix = {"weights": f" ({pdt})", "grads": f" ({gdt})"}
     suffix["reference_model"] = f" ({pdt})"
     suffix["optimizer_state"] = " (/DP)" if d > 1 else ""
     suffix["master_params"] = " (/DP)" if d > 1 else ""
-    masters = {bytes_per_master(steps[k]) for k in ("adam", "loggra")}
+    masters = {bytes_per_master(plans[k], est) for k in ("adam", "loggra")}
     kind = {4: " (fp32)", 2: " (16-bit rem.)"}.get(masters.pop()) if len(masters) == 1 else None
     suffix["master_params"] += kind or " (fp32 | rem.)"
     lines = []
@@ -161,10 +176,11 @@ def _term_rows(parallel, steps, dense, loggra) -> list[str]:
     return lines
 
 
-def _verdicts(model, parallel, steps, results, gpu_bytes, selected, shown) -> list[str]:
-    """Whether each fits ``gpu_bytes``, the largest rollout each allows, and the selected
-    optimizer's own summary if it is neither of the ``shown`` ones."""
+def _verdicts(model, plans, results, est, selected, shown) -> list[str]:
+    """Whether each fits ``--gpu-memory-gb``, the largest rollout each allows, and the
+    selected optimizer's own summary if it is neither of the ``shown`` ones."""
     dense, loggra = results["adam"], results["loggra"]
+    gpu_bytes = int(est.gpu_memory_gb * GiB)
 
     def verdict(b: MemoryBreakdown) -> str:
         left = (gpu_bytes - b.total_bytes) / GiB
@@ -172,10 +188,10 @@ def _verdicts(model, parallel, steps, results, gpu_bytes, selected, shown) -> li
 
     gb = gpu_bytes / GiB
     lines = [f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}"]
-    cap = {k: max_rollout_batch_size(model, parallel, steps[k], gpu_bytes) for k in shown}
+    cap = {k: max_rollout_batch_size(model, plans[k], est, gpu_bytes) for k in shown}
     cap_s = {k: "none" if v is None else str(v) for k, v in cap.items()}
     lines.append(f"{'max rollout rows at once':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
-    seq = steps["loggra"].seq_length
+    seq = plans["loggra"].seq_length
     budget = {k: "none" if v is None else str(v * seq) for k, v in cap.items()}
     lines.append(f"{'  = KV budget (tokens)':<28}{budget['adam']:>20}{budget['loggra']:>20}")
     if selected not in shown:
@@ -188,7 +204,7 @@ def _verdicts(model, parallel, steps, results, gpu_bytes, selected, shown) -> li
     return lines
 
 
-def _recompute(step: RLStepConfig) -> str:
+def _recompute(step: StepPlan) -> str:
     if step.recompute_granularity != "full":
         return step.recompute_granularity
     return f"full ({step.recompute_method}, {step.recompute_num_layers} layers)"

@@ -10,7 +10,8 @@ The constants, their sources and what the two launch-script settings
 
 from __future__ import annotations
 
-from loggra_megatron.memory.config import ParallelConfig, RLStepConfig
+from loggra_megatron.memory.estimate_config import EstimateConfig
+from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
     "NCCL_CHANNELS",
@@ -38,20 +39,19 @@ def _local(size: int, stride: int, gpus_per_node: int) -> int:
     return min(size, max(1, gpus_per_node // stride))
 
 
-def communicators(
-    parallel: ParallelConfig, distributed_optimizer: bool
-) -> list[tuple[str, int, int]]:
+def communicators(plan: StepPlan, gpus_per_node: int) -> list[tuple[str, int, int]]:
     """``(group, ranks, ranks on this GPU's node)`` of every NCCL communicator with more than
     one rank that an RL step drives on this GPU, for Megatron's rank order (TP innermost,
     then DP, then PP): the world (the stop agreement), TP, PP, this project's DP group and
     Megatron's DP group (its DDP; a separate communicator), and the group of the gradient-norm
-    all-reduce (the distributed optimizer's instance = the world, else TP x PP)."""
+    all-reduce (the distributed optimizer's instance = the world, else TP x PP), with
+    ``gpus_per_node`` GPUs per node."""
     t, p, d = (
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        parallel.data_parallel_size,
+        plan.tensor_model_parallel_size,
+        plan.pipeline_model_parallel_size,
+        plan.data_parallel_size,
     )
-    g, w = parallel.gpus_per_node, parallel.world_size
+    g, w = gpus_per_node, plan.world_size
     node = min(w, g)
     groups = [
         ("world", w, node),
@@ -60,31 +60,31 @@ def communicators(
         ("data", d, _local(d, t, g)),
         ("data (Megatron DDP)", d, _local(d, t, g)),
     ]
-    if distributed_optimizer:
+    if plan.distributed_optimizer:
         groups.append(("distributed-optimizer instance", w, node))
     else:
         groups.append(("model", t * p, _local(t, 1, g) * _local(p, t * d, g)))
     return [group for group in groups if group[1] > 1]
 
 
-def nccl_buffer_bytes(parallel: ParallelConfig, step: RLStepConfig) -> int:
+def nccl_buffer_bytes(plan: StepPlan, est: EstimateConfig) -> int:
     """Ring buffers of every communicator: ``NCCL_CHANNELS x NCCL_FIFO_BYTES`` each."""
-    comms = communicators(parallel, step.distributed_optimizer)
+    comms = communicators(plan, est.gpus_per_node)
     return len(comms) * NCCL_CHANNELS * NCCL_FIFO_BYTES
 
 
-def nvls_buffer_bytes(parallel: ParallelConfig, step: RLStepConfig) -> int:
-    """NVLS buffers (``step.nccl_nvls``) of the communicators with at least two GPUs of the
+def nvls_buffer_bytes(plan: StepPlan, est: EstimateConfig) -> int:
+    """NVLS buffers (``--nccl-nvls``) of the communicators with at least two GPUs of the
     node: ``NVLS_BYTES_PER_LOCAL_RANK`` per such GPU."""
-    if not step.nccl_nvls:
+    if not est.nccl_nvls:
         return 0
-    comms = communicators(parallel, step.distributed_optimizer)
+    comms = communicators(plan, est.gpus_per_node)
     return sum(NVLS_BYTES_PER_LOCAL_RANK * local for _, _, local in comms if local >= 2)
 
 
-def fragmentation_bytes(step: RLStepConfig, kv_bytes: int) -> int:
+def fragmentation_bytes(est: EstimateConfig, kv_bytes: int) -> int:
     """What the caching allocator may be unable to hand to the next step's KV cache: without
     expandable segments, the freed KV buffer's whole segment, pinned by any tensor allocated
     in it after generation (the worst case); with them, freed pages are unmapped and
     remapped, so nothing of this size (0)."""
-    return 0 if step.expandable_segments else kv_bytes
+    return 0 if est.expandable_segments else kv_bytes

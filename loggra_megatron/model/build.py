@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from loggra_megatron.model.args import GPTModelArgs
+from loggra_megatron.model.output_head import DEFAULT_CHUNK, LOG_PROB_CHUNK
 
 
 def fused_kernels(device_type: str, use_te: bool) -> dict[str, bool]:
@@ -94,7 +95,9 @@ def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
 
 def _layer_spec(args: GPTModelArgs, use_te: bool):
     """Megatron-Core's Transformer Engine layer spec (TE imported only then), else its local
-    spec (pure PyTorch, CPU-capable)."""
+    spec (pure PyTorch, CPU-capable) with PyTorch's fused attention as core attention
+    (:class:`~loggra_megatron.model.sdpa_attention.SDPAttention`, in place of Megatron's
+    ``DotProductAttention``)."""
     if use_te:
         try:
             import transformer_engine  # noqa: F401
@@ -109,9 +112,13 @@ def _layer_spec(args: GPTModelArgs, use_te: bool):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    from loggra_megatron.model.sdpa_attention import SDPAttention
+
+    spec = get_gpt_layer_local_spec(
         qk_layernorm=args.qk_layernorm, normalization=args.normalization
     )
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_gpt_model(
@@ -123,6 +130,7 @@ def build_gpt_model(
     parallel_output: bool = True,
     vp_stage: int | None = None,
     sequence_packing: bool = False,
+    log_prob_chunk_size: int = DEFAULT_CHUNK,
     **config_overrides: Any,
 ):
     """Build the Megatron-Core ``GPTModel`` chunk of ``args`` for this pipeline stage.
@@ -138,6 +146,8 @@ def build_gpt_model(
         sequence_packing: the schedule feeds its micro-batches packed (THD,
             :mod:`loggra_megatron.model.packing`); needs ``use_te`` (Megatron-Core's local
             attention refuses ``packed_seq_params``).
+        log_prob_chunk_size: tokens per chunk of its log-prob forwards
+            (:mod:`loggra_megatron.model.output_head`).
         config_overrides: forwarded to :func:`transformer_config_from_args`.
 
     The model lives on the host with ``use_cpu_initialization=True``, else on the current
@@ -184,6 +194,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     setattr(model, PACKS_SEQUENCES, sequence_packing)
+    setattr(model, LOG_PROB_CHUNK, log_prob_chunk_size)
     if not config.use_cpu_initialization and torch.cuda.is_available():
         # As Megatron-LM's get_model: what Megatron-Core does not place itself (the local
         # spec's torch.nn.RMSNorm, buffers) is created on the host; move all of it.

@@ -81,6 +81,11 @@ class ModelConfig:
     """Feed each training and log-prob micro-batch as one packed row, no padding between its
     rows (THD, Megatron's ``PackedSeqParams``; docs/benchmarks.md): Transformer Engine's
     attention only, bf16."""
+    log_prob_chunk_size: int = 256
+    """Tokens per chunk of every log-prob forward (training loss, old/reference log-probs,
+    KL probe): the output layer and the vocab-parallel log-softmax run per chunk and are
+    recomputed in the backward, so no ``[tokens, V/TP]`` logits of a whole micro-batch exist
+    (docs/memory.md#chunked-log-probs). Larger: fewer, bigger GEMMs; smaller: less memory."""
 
     @property
     def ffn_size(self) -> int:
@@ -117,6 +122,7 @@ class ModelConfig:
                     f"one of {', '.join(RECOMPUTE_METHODS)}",
                 ),
                 ("recompute_num_layers", positive, ">= 1"),
+                ("log_prob_chunk_size", positive, ">= 1"),
             ],
         )
         self._check_recompute()

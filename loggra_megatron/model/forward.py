@@ -10,10 +10,12 @@ through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is 
   micro-batch right-padded to the :func:`sequence_multiple` that sequence parallelism and
   Transformer Engine's FP8 GEMMs need, or packed (THD, :mod:`~loggra_megatron.model.packing`)
   for a model built with ``sequence_packing``;
-* :func:`forward_map` — forward-only, ``fn(micro_batch, logits)`` applied on the last
+* :func:`forward_map` — forward-only, ``fn(micro_batch, last_hidden)`` applied on the last
   pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages;
-* :func:`token_log_probs` — ``log π(targets)`` from this TP rank's ``[b, s, V/TP]`` logits
-  with Megatron's TP group (:mod:`loggra_megatron.model.vocab_parallel`).
+* :func:`gpt_forward` and :func:`last_hidden` — every log-prob forward returns the last
+  hidden states, and :class:`~loggra_megatron.model.output_head.LastHidden` scores them in
+  token chunks: no full-vocabulary logits of a batch exist
+  (:mod:`loggra_megatron.model.output_head`).
 
 :func:`initialize_fp8_state` runs the one forward that makes TE's lazily created FP8 state
 before any inference-mode forward.
@@ -27,8 +29,14 @@ from functools import partial
 import torch
 
 from loggra_megatron.model.batching import PaddingStats, fed_lengths
+from loggra_megatron.model.output_head import (
+    DEFAULT_CHUNK,
+    LOG_PROB_CHUNK,
+    LastHidden,
+    emit_hidden,
+    output_weight,
+)
 from loggra_megatron.model.packing import PACKED, pack_micro_batch
-from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 PACKS_SEQUENCES = "packs_sequences"
 """Attribute of a ``GPTModel`` built with ``sequence_packing``
@@ -47,36 +55,41 @@ def packs_sequences(model) -> bool:
     return bool(getattr(unwrap_model(model), PACKS_SEQUENCES, False))
 
 
-def gpt_logits(model, batch: dict) -> torch.Tensor:
-    """The (DDP-/Float16-wrapped) GPT model on ``batch["tokens"][:, :-1]``: ``[b, s, V/TP]``
-    logits on the last pipeline stage, hidden states elsewhere; a packed micro-batch
-    (:data:`~loggra_megatron.model.packing.PACKED`) is fed as its one packed row and its
-    logits are returned in the ``[b, s]`` layout."""
-    from megatron.core import parallel_state as ps
-
+def gpt_forward(model, batch: dict) -> torch.Tensor:
+    """The (DDP-/Float16-wrapped) GPT model on ``batch["tokens"][:, :-1]`` with its output
+    layer passing the hidden states through (:func:`~.output_head.emit_hidden`): the
+    final-norm hidden states ``[b, s, h]`` on the last pipeline stage (``[1, T, h]`` for a
+    packed micro-batch, :data:`~loggra_megatron.model.packing.PACKED`), the activations
+    handed to the next stage elsewhere. :func:`last_hidden` scores them."""
     packed = batch.get(PACKED)
-    if packed is None:
-        x = batch["tokens"][:, :-1]
-        return model(x, positions_like(x), None)
-    out = model(
-        packed.input_ids,
-        packed.position_ids,
-        None,
-        packed_seq_params=packed.packed_seq_params(),
-    )
-    return packed.unpack(out) if ps.is_pipeline_last_stage() else out
+    with emit_hidden(model):
+        if packed is None:
+            x = batch["tokens"][:, :-1]
+            return model(x, positions_like(x), None)
+        return model(
+            packed.input_ids,
+            packed.position_ids,
+            None,
+            packed_seq_params=packed.packed_seq_params(),
+        )
 
 
-def token_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
-) -> torch.Tensor:
-    """``log π(targets)`` from this TP rank's vocab-parallel ``logits [b, s, V/TP]``
-    (whole logits when their width is ``vocab_size``, e.g. ``parallel_output=False``)."""
+def last_hidden(model, batch: dict, hidden: torch.Tensor) -> LastHidden:
+    """The last stage's :func:`gpt_forward` output of ``batch`` with this TP rank's output
+    weight shard, Megatron's TP group and the model's ``--log-prob-chunk-size``."""
     from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
 
-    if vocab_size is not None and logits.shape[-1] == vocab_size:
-        return vocab_parallel_log_probs(logits, targets)
-    return vocab_parallel_log_probs(logits, targets, ps.get_tensor_model_parallel_group())
+    gpt = unwrap_model(model)
+    return LastHidden(
+        hidden,
+        output_weight(gpt),
+        batch,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        chunk=getattr(gpt, LOG_PROB_CHUNK, DEFAULT_CHUNK),
+        # tied to the word embeddings of this stage: both gradients must reach .grad
+        into_main_grad=not (gpt.share_embeddings_and_output_weights and gpt.pre_process),
+    )
 
 
 def fp8_alignment(config) -> int:
@@ -182,17 +195,18 @@ def run_schedule(
 
 def _map_step(fn, data_iterator, model):
     batch = next(data_iterator)
-    return gpt_logits(model, batch), lambda logits, non_loss_data=True: fn(batch, logits)
+    hidden = gpt_forward(model, batch)
+    return hidden, lambda out, non_loss_data=True: fn(batch, last_hidden(model, batch, out))
 
 
 @torch.no_grad()
 def forward_map(
     model,
     micro: list[dict],
-    fn: Callable[[dict, torch.Tensor], object],
+    fn: Callable[[dict, LastHidden], object],
     padding: PaddingStats | None = None,
 ):
-    """``[fn(micro_batch, logits) for each micro-batch]`` on the last pipeline stage (None on
+    """``[fn(micro_batch, its LastHidden) for each micro-batch]`` on the last pipeline stage (None on
     the others): a forward-only, no-grad pass, the model in eval mode for its duration
     (``padding``: counts the slots fed)."""
     from megatron.core import parallel_state as ps

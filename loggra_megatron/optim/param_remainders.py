@@ -12,6 +12,10 @@ Megatron-Core does the same for its precision-aware optimizer (``store_param_rem
 inside Transformer Engine's FusedAdam, GPU only); this module is the torch version that the
 LoGRA optimizer uses on any device, one weight at a time.
 
+A copy of the master on another device (a checkpoint's, on the host) is rebuilt
+:data:`COPY_BUCKET_NUMEL` elements at a time (:func:`join_master_into`): the weight's device
+then holds one bucket's int32 bits beyond the live state, :func:`copy_transient_bytes`.
+
 Rounding, negative numbers, memory and exactness:
 docs/optimizer.md#fp32-master-weights-as-bf16-weights--int16-remainders---loggra-param-remainders
 """
@@ -21,6 +25,16 @@ from __future__ import annotations
 import torch
 
 _HALF = 1 << 15
+
+COPY_BUCKET_NUMEL = 1 << 24
+"""Elements of a master rebuilt at once by :func:`join_master_into` (16 Mi: 64 MiB of int32
+bits on the weight's device)."""
+
+
+def copy_transient_bytes(bucket_numel: int = COPY_BUCKET_NUMEL) -> int:
+    """Bytes :func:`join_master_into` allocates at once on the weight's device: one bucket's
+    int32 bits, ``4 · bucket_numel`` (the bucket's bf16 and int16 slices are views)."""
+    return 4 * bucket_numel
 
 
 def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -33,6 +47,22 @@ def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
         )
     bits = weight.contiguous().view(torch.int16).to(torch.int32)  # sign-extended B
     return bits.mul_(1 << 16).add_(remainder).view(torch.float32)
+
+
+def join_master_into(
+    weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor, bucket_numel: int
+) -> torch.Tensor:
+    """Write the fp32 master of contiguous ``weight`` and ``remainder`` into fp32 ``out`` (as
+    many elements, any device, e.g. the host) and return ``out``: :func:`join_master` of
+    ``bucket_numel`` elements at a time on the weight's device, each copied into ``out``
+    before the next is rebuilt."""
+    if out.dtype != torch.float32:
+        raise TypeError(f"join_master_into writes an fp32 master, not {out.dtype}")
+    flat_weight, flat_remainder, flat_out = weight.view(-1), remainder.view(-1), out.view(-1)
+    for lo in range(0, flat_weight.numel(), bucket_numel):
+        hi = lo + bucket_numel
+        flat_out[lo:hi].copy_(join_master(flat_weight[lo:hi], flat_remainder[lo:hi]))
+    return out
 
 
 def store_master(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:

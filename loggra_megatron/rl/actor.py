@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
 from loggra_megatron.model.batching import PaddingStats, micro_batches, needed_lengths
-from loggra_megatron.model.forward import gpt_logits, run_schedule, token_log_probs
+from loggra_megatron.model.forward import gpt_forward, last_hidden, run_schedule
+from loggra_megatron.model.output_head import LastHidden
 from loggra_megatron.rl.kl_probe import ReferenceCollector
 from loggra_megatron.rl.policy_loss import PolicyLoss
 
@@ -34,8 +35,8 @@ if TYPE_CHECKING:  # imports Megatron
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
 
-LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``loss_fn(micro_batch, logits) -> (share of the global loss, metrics)``."""
+LossFn = Callable[[dict, LastHidden], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(micro_batch, last_hidden) -> (share of the global loss, metrics)``."""
 
 
 class OptimizerStepFn(Protocol):
@@ -64,24 +65,25 @@ def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, f
 def sft_loss_fn(num_tokens: float) -> LossFn:
     """Next-token NLL of the masked (completion) tokens over the global token count."""
 
-    def loss_fn(batch: dict, logits: torch.Tensor):
-        nll = -token_log_probs(logits, batch["tokens"][:, 1:]) * batch["mask"]
+    def loss_fn(batch: dict, out: LastHidden):
+        nll = -out.log_probs() * batch["mask"]
         loss = nll.sum() / num_tokens
         return loss, {"loss/sft": loss}
 
     return loss_fn
 
 
-def loss_func(loss_fn: LossFn, scale: float, batch: dict, output_tensor: torch.Tensor):
+def loss_func(loss_fn: LossFn, scale: float, model, batch: dict, output_tensor: torch.Tensor):
     """Megatron's loss function: ``scale = k·DP`` undoes the schedule's and DDP's averaging."""
-    loss, metrics = loss_fn(batch, output_tensor)
+    loss, metrics = loss_fn(batch, last_hidden(model, batch, output_tensor))
     return loss * scale, {k: v.detach().float() for k, v in metrics.items()}
 
 
 def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
-    """Megatron's forward step: feed ``tokens[:, :-1]``; the logits score ``tokens[:, 1:]``."""
+    """Megatron's forward step: feed ``tokens[:, :-1]``; the last hidden states score
+    ``tokens[:, 1:]`` (in token chunks, :mod:`loggra_megatron.model.output_head`)."""
     batch = next(data_iterator)
-    return gpt_logits(model, batch), partial(loss_func, loss_fn, scale, batch)
+    return gpt_forward(model, batch), partial(loss_func, loss_fn, scale, model, batch)
 
 
 def forward_backward(

@@ -44,6 +44,12 @@ class GRPOConfig:
         10000.0, "with --kl-ref-target", lambda s: s["kl_ref_target"] is not None
     )
     """Adaptive β horizon, in samples."""
+    reference_offload: bool = applies(False, "with --kl-coef > 0", _reference_model)
+    """Keep the reference model's weights in host memory (pinned on CUDA) and stream them to
+    the device one unit at a time (the embedding, each transformer layer, the final norm and
+    output layer) during its forward passes, the next unit copied while one computes
+    (``model/offload.py``): the reference holds at most two units of device memory instead
+    of all its weights, for one host-to-device copy of all of them per forward micro-batch."""
 
     def __post_init__(self):
         check_fields(

@@ -19,6 +19,8 @@ trains on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,10 @@ from loggra_megatron.tasks.rewards import RewardFunctionError, Scoring, compute_
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
+
+MemoryPhase = Callable[[str], AbstractContextManager]
+"""``memory_phase(name)``: a context measuring the peak memory of the phase it encloses (the
+trainer passes :mod:`loggra_megatron.train.memory_phases`'s); ``nullcontext``: none."""
 
 
 @dataclass
@@ -109,29 +115,35 @@ class ExperienceMaker:
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
         last :meth:`generate`."""
 
-    def make(self, examples: list[dict], step: int) -> Experience:
-        """Experience of RL step ``step + 1`` from this rank's ``examples``."""
+    def make(
+        self, examples: list[dict], step: int, memory_phase: MemoryPhase = nullcontext
+    ) -> Experience:
+        """Experience of RL step ``step + 1`` from this rank's ``examples``; the rollout
+        (generation, rewards) and the reference log-probs run in ``memory_phase("rollout")``
+        and ``memory_phase("log_probs")``."""
         from loggra_megatron.rollout import compute_log_probs
 
         n = self.grpo.num_generations
         group = [e for e in examples for _ in range(n)]
-        rollout = self.generate(group, step, self.rollout.temperature)
-        generated = self.last_stats
-        rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
+        with memory_phase("rollout"):
+            rollout = self.generate(group, step, self.rollout.temperature)
+            generated = self.last_stats
+            rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
         advantages = group_advantages(
             rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
         )
         ref, padding = None, {}
         if self.reference is not None:
             stats = PaddingStats()
-            ref = compute_log_probs(
-                self.reference,
-                rollout.tokens,
-                micro_batch_size=self.log_prob_micro_batch_size,
-                lengths=needed_lengths(rollout.response_mask),
-                group=self.length_grouping,
-                padding=stats,
-            )
+            with memory_phase("log_probs"):
+                ref = compute_log_probs(
+                    self.reference,
+                    rollout.tokens,
+                    micro_batch_size=self.log_prob_micro_batch_size,
+                    lengths=needed_lengths(rollout.response_mask),
+                    group=self.length_grouping,
+                    padding=stats,
+                )
             padding["throughput/padded_token_fraction/reference"] = stats.fraction
         return Experience(
             tokens=rollout.tokens,

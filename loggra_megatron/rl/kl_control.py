@@ -134,7 +134,8 @@ class PredictedKLController:
         (its result goes to :meth:`step_minibatch`)."""
         probe, holdout = self.config.probe_split(num_sequences)
         due = self._realized_due(holdout.stop > holdout.start)
-        return ReferenceCollector(self, holdout.stop if due else probe.stop)
+        full = self.config.kl_estimator == "full"
+        return ReferenceCollector(self, holdout.stop if due else probe.stop, logits=full)
 
     def _realized_due(self, has_holdout: bool) -> bool:
         interval = self.config.kl_realized_interval

@@ -25,6 +25,7 @@ from loggra_megatron.model.batching import (
     scatter_rows,
 )
 from loggra_megatron.model.forward import unpadded_length
+from loggra_megatron.model.output_head import LastHidden
 
 
 @dataclass
@@ -64,38 +65,42 @@ class ReferenceCollector:
     due) from the *training* forward of a mini-batch, so that
     :meth:`~loggra_megatron.rl.kl_control.PredictedKLController.step` needs no forward of its own for them.
 
-    :meth:`wrap` a loss function ``loss_fn(micro_batch, logits)``: it runs on the last
+    :meth:`wrap` a loss function ``loss_fn(micro_batch, last_hidden)``: it runs on the last
     pipeline stage for each micro-batch in order and keeps, of the rows among the first
-    ``rows`` of the mini-batch, the logits (``full`` estimator) or their token log-probs
-    (``k1``/``k2``/``k3``; computed at once, so only ``[rows, s]`` floats stay). The
+    ``rows`` of the mini-batch, their logits (``logits``: the ``full`` estimator) or the
+    token log-probs the loss computes (``k1``/``k2``/``k3``: only ``[rows, s]`` floats). The
     training forward is the same model at the same weights (no dropout in RL fine-tuning),
     so this is the reference the probe forward would compute.
     """
 
-    def __init__(self, controller: KeepsReferences, rows: int):
-        self.controller, self.rows = controller, rows
+    def __init__(self, controller: KeepsReferences, rows: int, logits: bool = False):
+        self.controller, self.rows, self.logits = controller, rows, logits
         self._seen, self._parts = 0, []
 
     def wrap(self, loss_fn):
-        def keeping(batch, logits):
+        def keeping(batch, out: LastHidden):
             rows = batch["tokens"].shape[0]
             index = batch.get(ROWS)  # length-grouped micro-batches: their rows' indices
             if index is None:
                 index = torch.arange(self._seen, self._seen + rows)
             self._seen += rows
-            take = (index < self.rows).to(logits.device)
+            take = (index < self.rows).to(out.hidden.device)
             if bool(take.any()):  # the probe forward's length: the schedule's padding cut off
                 seq = unpadded_length(batch)
-                with torch.no_grad():
-                    kept = self.controller.as_reference(
-                        ProbeOutput(
-                            logits.detach()[take, :seq],
-                            batch["tokens"][take, 1 : seq + 1],
-                            batch["mask"][take, :seq],
-                        )
+                if self.logits:
+                    with torch.no_grad():
+                        values = out.logits()
+                else:  # the loss's own log-probs (computed once, with their graph)
+                    values = out.log_probs()
+                kept = self.controller.as_reference(
+                    ProbeOutput(
+                        values.detach()[take, :seq],
+                        batch["tokens"][take, 1 : seq + 1],
+                        batch["mask"][take, :seq],
                     )
+                )
                 self._parts.append((index[take.to(index.device)], kept))
-            return loss_fn(batch, logits)
+            return loss_fn(batch, out)
 
         return keeping
 
@@ -122,13 +127,9 @@ def gpt_probe_forward(
     under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
     of ``micro_batch_size`` rows (default: all), grouped by length (``group``: rows of
     similar length share a micro-batch cut to its longest row; the outputs are 0 past it).
-    ``log_probs``: return the sampled tokens' log-probs ``[b, s]`` instead of the logits (the
-    k-estimators), so that only one micro-batch's logits exist at a time."""
-    from megatron.core.utils import unwrap_model
-
-    from loggra_megatron.model.forward import forward_map, token_log_probs
-
-    vocab = unwrap_model(model).vocab_size
+    ``log_probs``: return the sampled tokens' log-probs ``[b, s]`` (the k-estimators,
+    computed in token chunks) instead of the logits (``full``)."""
+    from loggra_megatron.model.forward import forward_map
 
     def forward(batch) -> ProbeOutput | None:
         tokens, mask = batch
@@ -140,12 +141,8 @@ def gpt_probe_forward(
         lengths[:rows] = seq if mask is None else needed_lengths(mask)
         micro = micro_batches({"tokens": padded}, mbs, lengths, group)
 
-        def keep(b, logits):  # the schedule may pad the length (FP8, SP): cut back
-            width = unpadded_length(b)
-            logits = logits[:, :width]
-            if not log_probs:
-                return logits
-            return token_log_probs(logits, b["tokens"][:, 1 : width + 1], vocab)
+        def keep(b, out: LastHidden):  # the schedule may pad the length (FP8, SP): cut back
+            return (out.log_probs() if log_probs else out.logits())[:, : unpadded_length(b)]
 
         out = forward_map(model, micro, keep)
         if out is None:

@@ -1,11 +1,11 @@
-"""The policy loss: an object with its own settings that reads a micro-batch's vocab-parallel
-logits and returns ``(loss, metrics)``, registered by name (``--policy-loss``; cf. verl's
+"""The policy loss: an object with its own settings that reads a micro-batch's last hidden
+states and returns ``(loss, metrics)``, registered by name (``--policy-loss``; cf. verl's
 policy-loss registry, torchtitan's ``DAPOLoss``).
 
 A loss is the sum of its *terms* (:class:`LossTerm`). Each term reads a :class:`LossInputs`:
-the batch, the token log-probs computed once from the logits with the TP group
-(:func:`~loggra_megatron.model.vocab_parallel.vocab_parallel_log_probs`: this rank's
-``[b, s, V/TP]`` shard is never gathered), the logits themselves, and the
+the batch, the token log-probs computed once from the hidden states in token chunks with the
+TP group (:mod:`~loggra_megatron.model.output_head`: no ``[b, s, V/TP]`` logits exist, and
+no shard is ever gathered), the hidden states and output weight themselves, and the
 :class:`Aggregation` that turns per-token values into this micro-batch's share of the
 mini-batch loss (``--loss-aggregation`` over the DP-global counts, ``rl/losses.py``). It
 returns its value and its metrics, each a key declared in :mod:`loggra_megatron.metric_keys`.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of
-from loggra_megatron.model.vocab_parallel import sampled_kl, vocab_parallel_log_probs
+from loggra_megatron.model.output_head import LastHidden
+from loggra_megatron.model.vocab_parallel import sampled_kl
 from loggra_megatron.rl.losses import (
     AGGREGATIONS,
     AdaptiveKLCoefficient,
@@ -97,11 +97,11 @@ class LossInputs:
     log_probs: torch.Tensor
     """``[b, s]`` log π_θ of the targets (differentiable)."""
     aggregate: Aggregation
-    logits: torch.Tensor | None = None
-    """``[b, s, V/TP]`` this TP rank's vocab-parallel logits (None where a term is tried on
-    given log-probs alone)."""
-    tp_group: dist.ProcessGroup | None = None
-    """The group the vocabulary is split over (None: whole logits)."""
+    output: LastHidden | None = None
+    """The micro-batch's last hidden states and output weight shard (None where a term is
+    tried on given log-probs alone): a term that needs more than ``log_probs`` (e.g. an
+    entropy bonus) computes it from these in token chunks, as
+    :mod:`~loggra_megatron.model.output_head` does for the log-probs."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -160,12 +160,12 @@ class KLToReference:
 
 
 class PolicyLoss:
-    """``loss(batch, logits, counts) -> (loss, metrics)``: the sum of :attr:`terms` on a
+    """``loss(batch, last_hidden, counts) -> (loss, metrics)``: the sum of :attr:`terms` on a
     micro-batch, plus ``loss/total``. ``counts``: ``(valid tokens, sequences)`` of the
     mini-batch over DP (:func:`~loggra_megatron.rl.actor.global_counts`), so that the
     micro-batch losses add up to the mini-batch loss (None: this micro-batch's own).
 
-    A registered loss is built as ``cls(settings, max_len, kl_coef, tp_group)`` and says
+    A registered loss is built as ``cls(settings, max_len, kl_coef)`` and says
     which terms it sums (:meth:`build_terms`)."""
 
     def __init__(
@@ -173,9 +173,8 @@ class PolicyLoss:
         settings: PolicyLossConfig,
         max_len: int | None,
         kl_coef: AdaptiveKLCoefficient,
-        tp_group: dist.ProcessGroup | None = None,
     ):
-        self.settings, self.max_len, self.tp_group = settings, max_len, tp_group
+        self.settings, self.max_len = settings, max_len
         self.terms: list[LossTerm] = self.build_terms(settings, kl_coef)
 
     def build_terms(
@@ -186,15 +185,14 @@ class PolicyLoss:
     def __call__(
         self,
         batch: dict[str, torch.Tensor],
-        logits: torch.Tensor,
+        output: LastHidden,
         counts: tuple[float, float] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         num_tokens, num_seqs = counts if counts is not None else (None, None)
         aggregation = Aggregation(
             self.settings.loss_aggregation, num_tokens, num_seqs, self.max_len
         )
-        log_probs = vocab_parallel_log_probs(logits, batch["tokens"][:, 1:], self.tp_group)
-        return self.sum_terms(LossInputs(batch, log_probs, aggregation, logits, self.tp_group))
+        return self.sum_terms(LossInputs(batch, output.log_probs(), aggregation, output))
 
     def sum_terms(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The terms, in order, on ``x``: ``(their sum, their metrics + loss/total)``."""

@@ -28,7 +28,7 @@ from loggra_megatron.model.batching import (
     row_indices,
     scatter_rows,
 )
-from loggra_megatron.model.forward import forward_map, token_log_probs, unpadded_length
+from loggra_megatron.model.forward import forward_map, unpadded_length
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
 __all__ = [
@@ -391,7 +391,8 @@ def compute_log_probs(
 ) -> torch.Tensor | None:
     """``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` as ``[B, L - 1]`` float32.
 
-    A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` in micro-batches of
+    A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` (log-probs in token chunks,
+    :mod:`loggra_megatron.model.output_head`) in micro-batches of
     ``micro_batch_size`` (default: the whole batch) through Megatron's forward-only schedule.
     Right padding is harmless (causal attention); mask the result with the rollout's
     ``response_mask``. ``lengths [B]``: the positions each row needs (e.g. up to its last
@@ -401,8 +402,6 @@ def compute_log_probs(
     ``lengths``). Returns the log-probs on the last
     pipeline stage, ``None`` on others.
     """
-    from megatron.core.utils import unwrap_model
-
     device = next(model.parameters()).device
     tokens = tokens.to(device=device, dtype=torch.long)
     batch, length = tokens.shape
@@ -417,11 +416,9 @@ def compute_log_probs(
         needed[batch:] = 1  # rows that fill the last micro-batch (PP: equal micro-batches)
         needed[:batch] = lengths.to(device).clamp(1, length - 1)
     micro = micro_batches({"tokens": padded}, mbs, needed, group and lengths is not None)
-    vocab = unwrap_model(model).vocab_size
 
-    def log_probs(b, logits):  # the schedule may pad the length (FP8, SP): cut back
-        seq = unpadded_length(b)
-        return token_log_probs(logits[:, :seq], b["tokens"][:, 1 : seq + 1], vocab)
+    def log_probs(b, out):  # the schedule may pad the length (FP8, SP): cut back
+        return out.log_probs()[:, : unpadded_length(b)]
 
     out = forward_map(model, micro, log_probs, padding)
     if out is None:

@@ -109,7 +109,7 @@ class RolloutEngine:
     Override :meth:`generate` and the memory model's three numbers (:meth:`kv_cache_tokens`,
     :meth:`decode_rows`, :meth:`prefill_tokens`), and :meth:`refusal` /
     :meth:`unavailable` where the engine cannot run everywhere. ``step`` arguments are
-    :class:`~loggra_megatron.memory.config.RLStepConfig` (``rollout_batch_size`` > 0 rows of
+    :class:`~loggra_megatron.train.step_plan.StepPlan` (``rollout_batch_size`` > 0 rows of
     ``seq_length`` tokens, ``inference_max_tokens``, ``prompt_tokens``).
     """
 

@@ -16,6 +16,7 @@ from loggra_megatron.rl.kl_control import PredictedKLController
 from loggra_megatron.rl.losses import AdaptiveKLCoefficient
 from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLoss
 from loggra_megatron.train.run_config import RunConfig
+from loggra_megatron.train.step_plan import StepPlan
 
 if TYPE_CHECKING:  # Megatron is imported when a builder runs
     from megatron.core.distributed import DistributedDataParallel
@@ -62,7 +63,13 @@ def gpt_model(
         **fused_kernels(device.type, use_te),
         **m.transformer_overrides(),
     )
-    model = build_gpt_model(args, use_te=use_te, sequence_packing=m.sequence_packing, **overrides)
+    model = build_gpt_model(
+        args,
+        use_te=use_te,
+        sequence_packing=m.sequence_packing,
+        log_prob_chunk_size=m.log_prob_chunk_size,
+        **overrides,
+    )
     if cfg.start.mode == "converted":  # verified once; the reference becomes the policy
         load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
     if m.bf16:
@@ -92,28 +99,23 @@ def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimi
 
 
 def policy_loss(cfg: RunConfig, kl_coef: AdaptiveKLCoefficient) -> PolicyLoss:
-    """``--policy-loss`` from the registry, on this TP rank's vocab-parallel logits (β:
-    ``kl_coef``, read at each call; ``--max-new-tokens``: the Dr.GRPO constant)."""
-    from megatron.core import parallel_state as ps
-
+    """``--policy-loss`` from the registry (β: ``kl_coef``, read at each call;
+    ``--max-new-tokens``: the Dr.GRPO constant)."""
     loss = POLICY_LOSSES[cfg.loss.policy_loss]
-    tp_group = ps.get_tensor_model_parallel_group()
-    return loss(cfg.loss, cfg.rollout.max_new_tokens, kl_coef, tp_group)
+    return loss(cfg.loss, cfg.rollout.max_new_tokens, kl_coef)
 
 
-def updates_per_rl_step(cfg: RunConfig) -> int:
-    """Optimizer steps per RL step: mini-batches per rollout × PPO epochs."""
-    return cfg.grpo.rollout_batch_size // cfg.training.global_batch_size * cfg.grpo.ppo_epochs
-
-
-def lr_scheduler(cfg: RunConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    """Megatron's ``OptimizerParamScheduler`` over the RL updates. On resume the flags win
-    over the checkpoint's values (``override_opt_param_scheduler``)."""
+def lr_scheduler(
+    cfg: RunConfig, plan: StepPlan, optimizer: MegatronOptimizer
+) -> OptimizerParamScheduler:
+    """Megatron's ``OptimizerParamScheduler`` over the RL updates (the plan's optimizer steps
+    per RL step × ``--train-iters``). On resume the flags win over the checkpoint's values
+    (``override_opt_param_scheduler``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt = cfg.optimizer
     # Megatron's scheduler needs warm-up < decay (also for --train-iters 0 warm-up runs)
-    decay = max(updates_per_rl_step(cfg) * cfg.training.train_iters, opt.lr_warmup_iters + 1)
+    decay = max(plan.updates_per_rl_step * cfg.training.train_iters, opt.lr_warmup_iters + 1)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt.lr_warmup_iters else opt.lr,

@@ -17,13 +17,20 @@
   budget;
 * on resume, that the dataset is the one the checkpoint's data position belongs to (its
   size, seed and a fingerprint of its contents).
+
+It also notes (a warning, the run goes on) a CUDA run whose allocator and NCCL environment
+is not :data:`ESTIMATED_ENVIRONMENT`, what the memory estimator's verdicts assume
+(:func:`environment_note`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from loggra_megatron.config import ConfigError
 from loggra_megatron.data.config import DataConfig
@@ -79,12 +86,56 @@ def preflight(cfg: RunConfig) -> Preflight:
     version_note = untested_version_note()
     if version_note is not None:
         notes.insert(0, version_note)
+    env_note = environment_note(os.environ, cfg.parallel.uses_cuda(torch.cuda.is_available()))
+    if env_note is not None:
+        notes.insert(0, env_note)
     dataset, dropped = _prompts(cfg, renderer, d.data_path, notes, "data")
     eval_dataset = None
     if d.eval_data_path is not None:
         eval_dataset, _ = _prompts(cfg, renderer, d.eval_data_path, notes, "eval data")
     _check_data_position(cfg, dataset)
     return Preflight(tokenizer, task, renderer, scoring, dataset, dropped, eval_dataset, notes)
+
+
+ESTIMATED_ENVIRONMENT = {
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "NCCL_NVLS_ENABLE": "0",
+}
+"""The allocator and NCCL settings behind the memory estimator's verdicts in docs/memory.md
+(``tools/estimate_memory.py --expandable-segments --no-nccl-nvls``) and exported by the
+launch scripts: no second KV-cache segment pinned by fragmentation, no NVLS buffers."""
+
+
+def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
+    """A warning when a CUDA run's ``env`` differs from :data:`ESTIMATED_ENVIRONMENT`, else
+    None. The allocator reads ``PYTORCH_ALLOC_CONF`` where set (PyTorch's newer name), else
+    ``PYTORCH_CUDA_ALLOC_CONF``."""
+    if not cuda:
+        return None
+    differs = []
+    name = "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in env else "PYTORCH_CUDA_ALLOC_CONF"
+    if not _expandable_segments(env.get(name, "")):
+        differs.append(f"{name}={env[name]!r}" if name in env else f"{name} unset")
+    nvls = env.get("NCCL_NVLS_ENABLE")
+    if nvls != "0":
+        differs.append("NCCL_NVLS_ENABLE unset" if nvls is None else f"NCCL_NVLS_ENABLE={nvls!r}")
+    if not differs:
+        return None
+    wanted = " ".join(f"{k}={v}" for k, v in ESTIMATED_ENVIRONMENT.items())
+    return (
+        f"warning: {' and '.join(differs)}: the memory estimator's verdicts (docs/memory.md) "
+        f"assume {wanted}; without them this run may need more memory than estimated (a freed "
+        "KV cache's segment pinned, NCCL's NVLS buffers): export them, or estimate this "
+        "environment (tools/estimate_memory.py without --expandable-segments or --no-nccl-nvls)"
+    )
+
+
+def _expandable_segments(conf: str) -> bool:
+    """The allocator configuration ``conf`` (``option:value`` pairs, comma-separated, spaces
+    ignored) turns expandable segments on: its last ``expandable_segments`` is ``True``."""
+    pairs = (pair.partition(":") for pair in conf.replace(" ", "").split(","))
+    values = [value for option, _, value in pairs if option == "expandable_segments"]
+    return values[-1:] == ["True"]
 
 
 def _tokenizer(cfg: RunConfig) -> Tokenizer:

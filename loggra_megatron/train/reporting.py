@@ -4,12 +4,12 @@ sketch keeps too little of the gradient (:class:`EnergyWatch`)."""
 
 from __future__ import annotations
 
-import resource
+import math
 
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.metric_keys import METRICS, SUM, declared
+from loggra_megatron.metric_keys import MAX, MEAN, METRICS, MIN, SUM, declared
 
 
 def reduce_metrics(
@@ -19,13 +19,21 @@ def reduce_metrics(
     device: torch.device,
 ) -> dict[str, float]:
     """Each key's declared reduction over the DP ranks (``mean`` or ``sum``) of its mean over
-    the pipeline stages that have it (the loss terms live on the last stage). Every rank
-    joins with every key declared to be reduced over ranks, whether or not it has a value;
-    keys no rank has are left out. Collective over both groups, on ``device`` (NCCL takes no
-    host tensors)."""
+    the pipeline stages that have it (the loss terms live on the last stage), or (``max``,
+    ``min``) the largest or smallest value of any rank of both groups. Every rank joins with
+    every key declared to be reduced over ranks, whether or not it has a value; keys no rank
+    has are left out. Collective over both groups, on ``device`` (NCCL takes no host
+    tensors)."""
     for key in local:
         declared(key, "ranks")
-    keys = sorted(key for key, metric in METRICS.items() if metric.reduction.ranks is not None)
+    reduced = _averaged(local, pp_group, dp_group, device)
+    reduced.update(_extremes(local, pp_group, dp_group, device))
+    return reduced
+
+
+def _averaged(local, pp_group, dp_group, device) -> dict[str, float]:
+    """The keys declared ``mean`` or ``sum`` over ranks (:func:`reduce_metrics`)."""
+    keys = sorted(k for k, m in METRICS.items() if m.reduction.ranks in (MEAN, SUM))
     values = [float(local.get(k, 0.0)) for k in keys]
     present = [float(k in local) for k in keys]
     stacked = torch.tensor([values, present], dtype=torch.float64, device=device)
@@ -42,23 +50,36 @@ def reduce_metrics(
     return reduced
 
 
-def memory_metrics(optimizer, model_chunks, device) -> dict[str, float]:
+def _extremes(local, pp_group, dp_group, device) -> dict[str, float]:
+    """The keys declared ``max`` or ``min`` over ranks, in one ``MAX`` all-reduce (a ``min``
+    as the max of its negation; −inf: the rank has no value)."""
+    sign = {
+        k: 1.0 if m.reduction.ranks == MAX else -1.0
+        for k, m in sorted(METRICS.items())
+        if m.reduction.ranks in (MAX, MIN)
+    }
+    values = [sign[k] * float(local[k]) if k in local else -math.inf for k in sign]
+    extreme = torch.tensor(values, dtype=torch.float64, device=device)
+    for group in (pp_group, dp_group):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(extreme, op=dist.ReduceOp.MAX, group=group)
+    return {
+        k: sign[k] * v for k, v in zip(sign, extreme.cpu().tolist(), strict=True) if v > -math.inf
+    }
+
+
+def memory_metrics(optimizer, model_chunks) -> dict[str, float]:
     """Optimizer state bytes (exact), the bytes of the DDP grad buffers and of the backward
-    sketch's buffer, and the peak memory so far of this rank."""
+    sketch's buffer (the step's peaks: :mod:`loggra_megatron.train.memory_phases`)."""
     from loggra_megatron.optim import state_bytes
     from loggra_megatron.optim.megatron.sketch_sites import find_sites
 
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated()
-    else:  # CPU: the process's peak resident set size (KiB on Linux)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     buffers = [b for c in model_chunks for b in [*c.buffers, *c.expert_parallel_buffers]]
     sites = find_sites(model_chunks)
     return {
         "memory/optimizer_state_bytes": float(state_bytes(optimizer)),
         "memory/grad_buffer_bytes": float(sum(_nbytes(b.grad_data) for b in buffers)),
         "memory/sketch_buffer_bytes": float(sum(_nbytes(s.buffer) for s in sites)),
-        "memory/peak_bytes": float(peak),
     }
 
 

@@ -18,6 +18,7 @@ import torch
 
 from loggra_megatron.rl.kl_control import PredictedKLController
 from loggra_megatron.rl.kl_probe import ReferenceCollector
+from loggra_megatron.train.memory_phases import PHASE_PEAKS
 
 if TYPE_CHECKING:  # imports Megatron
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -87,7 +88,8 @@ class OptimizerStep:
             prepared = self.stepper.step()
             ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
         else:
-            result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"], reference)
+            with PHASE_PEAKS.phase("kl_control"):
+                result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"], reference)
             ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
         self.skips.count(ok, grad_norm, self.where())
         if ok:

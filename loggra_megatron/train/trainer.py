@@ -27,9 +27,11 @@ from loggra_megatron.data.tokenizer import fingerprint
 from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.train import build
+from loggra_megatron.train.memory_phases import PHASE_PEAKS
 from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
 from loggra_megatron.train.run_config import RunConfig
+from loggra_megatron.train.step_plan import StepPlan
 from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStopped
 
 __all__ = ["RLTrainer", "TrainingStopped"]
@@ -43,6 +45,8 @@ class RLTrainer:
         self.step = 0
         """RL steps done (the checkpoint iteration)."""
         self._sigterm = False
+        self.plan = StepPlan.of(cfg, cuda=torch.cuda.is_available())
+        """The RL step's numbers, as the memory estimator models them."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> RLTrainer:
@@ -68,6 +72,7 @@ class RLTrainer:
         for model in (self.policy, self.reference):  # before any inference-mode forward
             if model is not None:
                 initialize_fp8_state(model)
+        self._release_reference()
         self.metrics = self._metrics_logger()
         self.metrics.truncate_after(self.step)  # a fresh run here continues nothing (preflight)
         for signum in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C: the same agreed save
@@ -76,6 +81,7 @@ class RLTrainer:
 
     def _build_models(self):
         """The policy, the reference, the optimizer and what steps it; returns the stepper."""
+        from loggra_megatron.model.offload import offload_to_host
         from loggra_megatron.optim.megatron.stepper import MegatronStepper
         from loggra_megatron.rl import AdaptiveKLCoefficient
 
@@ -87,8 +93,10 @@ class RLTrainer:
             if g.kl_coef > 0
             else None
         )
+        if g.reference_offload:  # applies with --kl-coef > 0 only: there is a reference
+            offload_to_host(self.reference, self.device)
         self.optimizer = build.optimizer(cfg, self.policy)
-        self.scheduler = build.lr_scheduler(cfg, self.optimizer)
+        self.scheduler = build.lr_scheduler(cfg, self.plan, self.optimizer)
         stepper = MegatronStepper(self.optimizer)
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
@@ -206,14 +214,19 @@ class RLTrainer:
 
     def rl_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
-        exp = self.experience.make(self._next_prompts(), self.step)
+        PHASE_PEAKS.start_step(self.device)
+        exp = self.experience.make(self._next_prompts(), self.step, PHASE_PEAKS.phase)
+        self._release_reference()
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
         discard_captured_energy(self.optimizer)  # the warm-up's, or a failed step's
-        updates = self.actor.update_policy(exp.training_batch(self.device), cfg.grpo.ppo_epochs)
+        with PHASE_PEAKS.phase("train"):
+            batch = exp.training_batch(self.device)
+            updates = self.actor.update_policy(batch, cfg.grpo.ppo_epochs)
         t_train = time.perf_counter() - t1
+        peaks = PHASE_PEAKS.step_metrics()
         metrics = reduce_metrics(
-            {**updates, **exp.metrics}, self.pp_group, self.dp_group, self.device
+            {**updates, **exp.metrics, **peaks}, self.pp_group, self.dp_group, self.device
         )
         if self.kl_coef.adaptive and math.isfinite(metrics.get("kl/ref", math.nan)):
             self.kl_coef.update(metrics["kl/ref"], n_steps=cfg.grpo.rollout_batch_size)
@@ -221,8 +234,8 @@ class RLTrainer:
         tokens = exp.num_tokens.to(torch.float64)
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_group)
-        metrics.update(memory_metrics(self.optimizer, [self.policy], self.device))
-        metrics.update(captured_energy(self.optimizer, build.updates_per_rl_step(cfg), self.device))
+        metrics.update(memory_metrics(self.optimizer, [self.policy]))
+        metrics.update(captured_energy(self.optimizer, self.plan.updates_per_rl_step, self.device))
         warning = self.energy_watch.update(metrics)
         if warning is not None:
             self._log(f" warning: {warning}")
@@ -272,10 +285,20 @@ class RLTrainer:
         print(f" {name} on rank {self.rank}: saving at the next step boundary", flush=True)
         self._sigterm = True
 
+    def _release_reference(self) -> None:
+        """An offloaded reference (``--reference-offload``): free the output layer its last
+        forward kept on the device (``model/offload.py``)."""
+        from loggra_megatron.model.offload import release_device_weights
+
+        if self.reference is not None:
+            release_device_weights(self.reference)
+
     def _copy_policy_to_reference(self) -> None:
+        from loggra_megatron.model.offload import host_weights
+
         if self.reference is None:
             return
-        with torch.no_grad():
+        with torch.no_grad(), host_weights(self.reference):  # offloaded: into its host copies
             policy = dict(self.policy.module.named_parameters())
             for name, p in self.reference.named_parameters():
                 p.copy_(policy[name])

@@ -9,6 +9,17 @@ different TP or PP size is refused by :meth:`LoGRACheckpointMixin.check_compatib
 any tensor is read, and loaded tensors reach the live state only after the whole load
 succeeded.
 
+Memory (:func:`checkpoint_master`). Megatron's ``torch_dist`` writer copies every tensor of
+a save to the host before it writes any, so an fp32 master kept as bf16 weight + int16
+remainder (``--loggra-param-remainders``) is rebuilt straight into its host copy,
+``COPY_BUCKET_NUMEL`` elements at a time (``param_remainders.join_master_into``): beyond the
+live state a save allocates on the params' device at most one bucket's int32 bits,
+``param_remainders.copy_transient_bytes()`` = 4 · 2²⁴ B = 64 MiB, never an fp32 copy of all
+masters; the host holds the masters' fp32 (4 B per master element of the rank), what the
+writer would have staged there from the device. The bytes written are those of the master
+itself. A load reads every LoGRA state tensor into fresh host buffers, copied into the live
+state (weight and remainder split on the host) one tensor at a time.
+
 Format (keys, which rank writes what): docs/optimizer.md#checkpoints.
 """
 
@@ -20,13 +31,30 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from loggra_megatron.optim.param_remainders import COPY_BUCKET_NUMEL, join_master_into
+
 FORMAT_VERSION = 1
+
+
+def checkpoint_master(inner, main, is_loading: bool) -> torch.Tensor:
+    """The flat fp32 master of ``main`` (a param of ``inner``, a LoGRA inner optimizer) as
+    the ``fp32_param`` entry holds it: the master itself, or, kept as a remainder, a host
+    copy rebuilt bucket by bucket (a save) or only its shape and dtype on the ``meta``
+    device (a load: :func:`flat_sharded` allocates the host buffer)."""
+    remainder = inner.param_remainders.get(main)
+    if remainder is None:
+        return inner.master_of(main).view(-1)
+    if is_loading:
+        return torch.empty(main.numel(), dtype=torch.float32, device="meta")
+    host = torch.empty(main.numel(), dtype=torch.float32, device="cpu")
+    return join_master_into(main.detach(), remainder, host, COPY_BUCKET_NUMEL)
 
 
 def flat_sharded(key, data, global_numel, offset, main_replica, fresh):
     """A flat ``ShardedTensor``: ``data`` (1-D) at ``offset`` of a ``global_numel`` tensor;
-    a fresh buffer of its shape to load into with ``fresh``."""
-    data = torch.empty_like(data) if fresh else data
+    with ``fresh``, a new host buffer of its shape and dtype to load into."""
+    if fresh:
+        data = torch.empty(data.shape, dtype=data.dtype, device="cpu")
     return ShardedTensor(
         key=key,
         data=data,
@@ -117,14 +145,10 @@ class LoGRACheckpointMixin(MegatronOptimizer):
             replica = self._main_replica(layout)
             dp_replica = replica if layout is None else True
             numel = model_param.numel()
-            if is_loading and main in inner.param_remainders:  # an fp32 buffer to load into
-                master = torch.empty(main.shape, device=main.device)
-            else:
-                master = inner.master_of(main)
             entry = {
                 "fp32_param": flat_sharded(
                     f"{prefix}.{key}.fp32_param",
-                    master.view(-1),
+                    checkpoint_master(inner, main, is_loading),
                     numel,
                     start,
                     dp_replica,

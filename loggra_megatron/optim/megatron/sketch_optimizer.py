@@ -38,7 +38,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm
-from loggra_megatron.optim.megatron.checkpoint import flat_sharded
+from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
@@ -292,7 +292,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         param_state = {}
         for main, (_, site, lo, _) in self.rows_of.items():
             key = f"optimizer.loggra_sketch.tp{tp}.{site.name}"
-            master = self.optimizer.master_of(main).float().view(-1)
+            master = checkpoint_master(self.optimizer, main, is_loading)
             entry = {
                 "fp32_param": flat_sharded(
                     f"{key}.fp32_param",
