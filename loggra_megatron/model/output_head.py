@@ -37,9 +37,13 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from loggra_megatron.model.vocab_parallel import vocab_parallel_sum, vocab_shard_start
+from loggra_megatron.model.packing import PACKED
+from loggra_megatron.model.vocab_parallel import (
+    shard_targets,
+    vocab_parallel_max,
+    vocab_parallel_sum,
+)
 
 LOG_PROB_CHUNK = "log_prob_chunk_size"
 """Attribute of a ``GPTModel`` built by :func:`~loggra_megatron.model.build.build_gpt_model`:
@@ -49,23 +53,12 @@ DEFAULT_CHUNK = 256
 
 def _chunk_logsumexp(z: torch.Tensor, tp_group) -> torch.Tensor:
     """``lse [c]`` (fp32) of ``z [c, V/TP]`` over the whole vocabulary, with one fp32 copy and
-    its in-place exponentials alive at once."""
+    its in-place exponentials alive at once (``vocab_parallel_logsumexp`` without a graph)."""
     zf = z.float()
-    m = zf.max(dim=-1).values
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    m = vocab_parallel_max(zf, tp_group)
     total = zf.sub_(m.unsqueeze(-1)).exp_().sum(dim=-1)
     del zf
     return m + vocab_parallel_sum(total, tp_group).log()
-
-
-def _local_targets(
-    targets: torch.Tensor, width: int, tp_group
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index into this shard, whether the target is in it)`` of ``targets [c]``."""
-    local = targets - vocab_shard_start(width, tp_group)
-    mine = (local >= 0) & (local < width)
-    return local.clamp(0, width - 1), mine
 
 
 class ChunkedTokenLogProbs(torch.autograd.Function):
@@ -80,7 +73,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             z = hidden[lo:hi] @ weight.t()  # [c, V/TP]
-            local, mine = _local_targets(targets[lo:hi], z.shape[-1], tp_group)
+            local, mine = shard_targets(targets[lo:hi], z.shape[-1], tp_group)
             picked[lo:hi] = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() * mine
             lse[lo:hi] = _chunk_logsumexp(z, tp_group)
             del z
@@ -102,7 +95,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             g = grad[lo:hi].unsqueeze(-1)
             # ∂z = g·(onehot − p), built in place on the fp32 probabilities
             dz = (x @ weight.t()).float().sub_(lse[lo:hi].unsqueeze(-1)).exp_().mul_(-g)
-            local, mine = _local_targets(targets[lo:hi], dz.shape[-1], ctx.tp_group)
+            local, mine = shard_targets(targets[lo:hi], dz.shape[-1], ctx.tp_group)
             dz.scatter_add_(-1, local.unsqueeze(-1), g * mine.unsqueeze(-1))
             dz = dz.to(hidden.dtype)
             if grad_hidden is not None:
@@ -248,10 +241,14 @@ class LastHidden:
         """The hidden states in the output weight's dtype, as the output layer gets them."""
         return self.hidden.to(self.weight.dtype)
 
+    def _in_batch_layout(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [1, T, ...]`` of a packed micro-batch in its ``[b, s, ...]`` layout;
+        others as they are."""
+        packed = self.batch.get(PACKED)
+        return values if packed is None else packed.unpack(values)
+
     def targets(self) -> torch.Tensor:
         """The scored tokens in the hidden states' layout: ``[b, s]`` or ``[1, T]``."""
-        from loggra_megatron.model.packing import PACKED
-
         packed = self.batch.get(PACKED)
         tokens = self.batch["tokens"]
         if packed is None:
@@ -263,8 +260,6 @@ class LastHidden:
     def log_probs(self) -> torch.Tensor:
         """``[b, s]`` fp32 log-probs of the targets, differentiable when the hidden states
         are; computed once (chunked, :class:`ChunkedTokenLogProbs`)."""
-        from loggra_megatron.model.packing import PACKED
-
         if self._log_probs is None:
             out = chunked_token_log_probs(
                 self.fed,
@@ -274,8 +269,7 @@ class LastHidden:
                 self.tp_group,
                 self.into_main_grad,
             )
-            packed = self.batch.get(PACKED)
-            self._log_probs = out if packed is None else packed.unpack(out.unsqueeze(-1))[..., 0]
+            self._log_probs = self._in_batch_layout(out)
         return self._log_probs
 
     def per_token(self, fn) -> torch.Tensor:
@@ -283,8 +277,6 @@ class LastHidden:
         tokens, under activation checkpointing (each chunk's logits are recomputed in the
         backward), e.g. an entropy bonus's ``lse(z) − Σ_v p_v z_v``."""
         from torch.utils.checkpoint import checkpoint
-
-        from loggra_megatron.model.packing import PACKED
 
         def chunk_values(x):
             return fn((x @ self.weight.t()).float(), self.tp_group)
@@ -294,14 +286,8 @@ class LastHidden:
             checkpoint(chunk_values, flat[lo : lo + self.chunk], use_reentrant=False)
             for lo in range(0, flat.shape[0], self.chunk)
         ]
-        out = torch.cat(parts).view(self.hidden.shape[:-1])
-        packed = self.batch.get(PACKED)
-        return out if packed is None else packed.unpack(out.unsqueeze(-1))[..., 0]
+        return self._in_batch_layout(torch.cat(parts).view(self.hidden.shape[:-1]))
 
     def logits(self) -> torch.Tensor:
         """``[b, s, V/TP]`` this rank's logits, materialized (the ``full`` KL estimator)."""
-        from loggra_megatron.model.packing import PACKED
-
-        z = self.fed @ self.weight.t()
-        packed = self.batch.get(PACKED)
-        return z if packed is None else packed.unpack(z)
+        return self._in_batch_layout(self.fed @ self.weight.t())

@@ -53,11 +53,28 @@ def vocab_shard_start(shard_width: int, tp_group=None) -> int:
     return dist.get_rank(tp_group) * shard_width if _split(tp_group) else 0
 
 
-def _shifted_exp(z: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M [...], e^{z − M} [..., V/TP])`` with ``M`` the (detached) global max."""
-    m = z.detach().max(dim=-1).values  # a shift: every result below is independent of it
+def vocab_parallel_max(z: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """``M [...]``: the (detached) max of ``z [..., V/TP]`` over the whole vocabulary, a shift
+    every log-softmax result below is independent of."""
+    m = z.detach().max(dim=-1).values
     if _split(tp_group):
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    return m
+
+
+def shard_targets(
+    targets: torch.Tensor, shard_width: int, tp_group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index into this rank's shard, clamped; whether the target is in the shard)`` of
+    vocabulary ids ``targets [...]``."""
+    local = targets - vocab_shard_start(shard_width, tp_group)
+    mine = (local >= 0) & (local < shard_width)
+    return local.clamp(0, shard_width - 1), mine
+
+
+def _shifted_exp(z: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M [...], e^{z − M} [..., V/TP])`` with ``M`` the (detached) global max."""
+    m = vocab_parallel_max(z, tp_group)
     return m, (z - m.unsqueeze(-1)).exp()
 
 
@@ -72,9 +89,8 @@ def vocab_parallel_log_probs(
 ) -> torch.Tensor:
     """``log π(targets)`` from vocab-parallel ``logits [..., V/TP]`` and ``targets [...]``."""
     z = logits.float()
-    local = targets - vocab_shard_start(z.shape[-1], tp_group)
-    mine = (local >= 0) & (local < z.shape[-1])
-    target_logit = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    local, mine = shard_targets(targets, z.shape[-1], tp_group)
+    target_logit = z.gather(-1, local.unsqueeze(-1)).squeeze(-1)
     target_logit = vocab_parallel_sum(target_logit * mine, tp_group)
     return target_logit - vocab_parallel_logsumexp(z, tp_group)
 
