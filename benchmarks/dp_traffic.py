@@ -13,7 +13,9 @@ all-reduced tensor (``n``: the group's size). A step is Megatron's schedule over
 ``optimizer.step()`` (the norm all-reduce, the update, the param all-gather). Dense Adam and
 the gradient sketch reduce-scatter every gradient and all-gather every bf16 weight; the
 backward sketch reduce-scatters ``S`` (``Σ m·r`` fp32) instead of its targets' gradients
-(``m·n``) and all-gathers their bf16 rows (docs/optimizer.md#the-backward-sketch).
+(``m·n``) and all-gathers their bf16 rows (docs/optimizer.md#the-backward-sketch); with
+``--loggra-sketch-reduce microbatch`` it reduce-scatters each layer's ``S`` in every
+micro-batch's backward (``--micro-batches`` times the bytes).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-KINDS = ("dense", "gradient", "backward")
+KINDS = ("dense", "gradient", "backward", "backward/microbatch")
+"""``backward/microbatch``: the backward sketch with ``--loggra-sketch-reduce microbatch``."""
 
 
 def parse_args():
@@ -103,9 +106,11 @@ def build(args, kind: str):
         ffn_hidden_size=args.ffn,
     )
     optim = OptimConfig(optimizer="adam" if kind == "dense" else "loggra", lr=1e-4)
+    backward = kind.startswith("backward")
     loggra = LoGRAConfig(
-        loggra_sketch="backward" if kind == "backward" else "gradient",
+        loggra_sketch="backward" if backward else "gradient",
         loggra_rank=args.rank or args.hidden // 8,
+        **({"loggra_sketch_reduce": kind.partition("/")[2]} if "/" in kind else {}),
     )
     prepare_model(model, optim, loggra)  # backward: targets frozen before DDP
     ddp = wrap_ddp(model, grad_reduce_in_fp32=not args.grad_reduce_in_bf16)

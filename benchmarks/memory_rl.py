@@ -137,6 +137,7 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
             loggra_rank=args.hidden // 8,
             loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
             loggra_param_remainders=remainders,
+            loggra_sketch_reduce=args.loggra_sketch_reduce,
         )
         prepare_model(model, optim, loggra)
     policy = wrap_ddp(model, grad_reduce_in_fp32=not bf16_grads)
@@ -303,6 +304,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="ablation: let Megatron copy bf16 grads to fp32 for LoGRA too",
     )
+    ap.add_argument(
+        "--loggra-sketch-reduce",
+        choices=["step", "microbatch"],
+        default="step",
+        help="the backward sketch's DP reduce-scatter of S (as pretrain_rl.py's flag)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
         "--fp8",
@@ -339,6 +346,7 @@ def main() -> None:
         f"{f'FP8 {args.fp8}, ' if args.fp8 else ''}"
         f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}"
         f"{'reference offloaded, ' if args.reference_offload else ''}"
+        f"{'S reduce-scattered per micro-batch, ' if args.loggra_sketch_reduce != 'step' else ''}"
         f"log-prob chunks of {args.log_prob_chunk_size}, {args.device}"
     )
     columns = [

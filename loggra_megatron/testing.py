@@ -269,6 +269,7 @@ def tiny_gpt_model(
     share_embeddings: bool = False,
     bf16: bool = False,
     ffn_hidden_size: int | None = None,
+    kv_channels: int | None = None,
     **config_overrides: Any,
 ):
     """A tiny Llama-style Megatron-Core ``GPTModel`` for this rank's pipeline stage, built by
@@ -290,6 +291,7 @@ def tiny_gpt_model(
         ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
         num_attention_heads=heads,
         num_query_groups=query_groups,
+        kv_channels=kv_channels,
         vocab_size=vocab,
         make_vocab_size_divisible_by=1,
         max_position_embeddings=seq,

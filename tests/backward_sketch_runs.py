@@ -35,7 +35,9 @@ def model(bf16=False, **overrides):
         kw["use_te"] = True
     if bf16:
         kw.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    m = tiny_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, **kw)
+    shape = dict(hidden_size=kw.pop("hidden_size", HIDDEN), heads=kw.pop("heads", HEADS))
+    shape["kv_channels"] = kw.pop("kv_channels", None)
+    m = tiny_gpt_model(num_layers=2, vocab=VOCAB, seq=SEQ, **shape, **kw)
     if bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -114,10 +116,11 @@ def _backward(ddp, tokens, packed=False):
     run_schedule(ddp, step, micro_batches, forward_only=False)
 
 
-def sketch_vs_dense(rank, recompute=False, **overrides):
+def sketch_vs_dense(rank, recompute=False, reduce="step", **overrides):
     """Max relative error of each target's reduced ``S`` (this rank's rows) against
     ``G Aᵀ`` in float64, ``G`` the dense gradient of the same weights and batch
-    (``sequence_packing``: THD micro-batches of rows of :data:`LENGTHS`)."""
+    (``sequence_packing``: THD micro-batches of rows of :data:`LENGTHS`; ``reduce``:
+    ``--loggra-sketch-reduce``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -126,7 +129,7 @@ def sketch_vs_dense(rank, recompute=False, **overrides):
         extra.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    optim, loggra = settings()
+    optim, loggra = settings(loggra_sketch_reduce=reduce)
     dense = model(**extra)
     ddp_dense = wrap_ddp(dense, use_distributed_optimizer=False)
     packed = bool(overrides.get("sequence_packing"))
@@ -165,6 +168,8 @@ def sketch_vs_dense(rank, recompute=False, **overrides):
         "grad_buffer_bytes": grad_buffer_bytes,
         "dense_grad_buffer_bytes": dense_bytes,
         "target_numel": sum(s.weight.numel() for s in sites),
+        "target_rows": sum(s.rows for s in sites),
+        "sketch_buffer_numel": sites.buffer.numel(),
     }
 
 

@@ -24,12 +24,32 @@ def _check_exact(results):
         assert 0.95 * 4 * r["target_numel"] <= saved <= 4 * r["target_numel"]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(recompute=True, hidden_size=27, heads=3, kv_channels=10)],
+    ids=["even", "odd_rows_recompute"],
+)
+def test_sketch_reduced_per_microbatch_equals_dense_gradient_times_projection_dp2(extra):
+    """``--loggra-sketch-reduce microbatch``: each layer's rows are reduce-scattered in its
+    backward hook (2 micro-batches per rank; hidden 27 gives odd row counts (proj, fc2), so the padded
+    split and full recompute are covered), and a rank holds its own rows of ``S`` only."""
+    results = run_distributed(runs.sketch_vs_dense, 2, reduce="microbatch", **extra)
+    _check_exact(results)
+    for r in results:
+        rows_per_rank = r["target_rows"] / 2
+        assert rows_per_rank * runs.RANK <= r["sketch_buffer_numel"]
+        assert r["sketch_buffer_numel"] <= (rows_per_rank + 4) * runs.RANK  # 4 targets padded
+
+
 def test_sketch_equals_dense_gradient_times_projection_tp1_accumulated():
     _check_exact(run_distributed(runs.sketch_vs_dense, 1))  # 4 rows in 4 micro-batches
 
 
 def test_sketch_equals_dense_gradient_times_projection_dp2():
-    _check_exact(run_distributed(runs.sketch_vs_dense, 2))
+    results = run_distributed(runs.sketch_vs_dense, 2)
+    _check_exact(results)
+    for r in results:  # --loggra-sketch-reduce step: every rank sums all rows
+        assert r["sketch_buffer_numel"] == r["target_rows"] * runs.RANK
 
 
 def test_sketch_equals_dense_gradient_times_projection_tp2_sequence_parallel():
@@ -80,6 +100,12 @@ def test_dp2_update_equals_dp1(single_rank):
     for r in (*results, single_rank):
         assert r["sketch_state_bytes"] == 4 * r["rows"] > 0
     assert torch.equal(results[0]["signs"], results[1]["signs"])
+
+
+def test_dp2_update_reduced_per_microbatch_equals_dp1(single_rank):
+    results = run_distributed(runs.train, 2, loggra_sketch_reduce="microbatch")
+    assert _max_rel(results[0]["params"], single_rank["params"]) < 1e-5
+    assert results[0]["norms"] == pytest.approx(single_rank["norms"], rel=1e-5)
 
 
 def test_tp2_sequence_parallel_update_equals_tp1(single_rank):

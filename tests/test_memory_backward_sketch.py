@@ -123,6 +123,30 @@ def test_sketch_buffer_is_sum_m_times_r_fp32_on_every_rank(dp):
         assert estimate_rl_step_memory(SHAPE, other).sketch_buffer == 0
 
 
+@pytest.mark.parametrize("dp", [2, 3, 8])
+def test_sketch_reduced_per_microbatch_holds_own_rows_and_pays_in_the_hook(dp):
+    """``--loggra-sketch-reduce microbatch``: the buffer is this rank's ``[Σ⌈m/D⌉, r]``; the
+    hook adds a padded copy and the received rows; the step receives nothing."""
+    targets, _ = _split(stage_parameters(SHAPE, _step(dp)))
+    step, micro = _step(dp), _step(dp, loggra_sketch_reduce="microbatch")
+    at_step, per_micro = (estimate_rl_step_memory(SHAPE, s) for s in (step, micro))
+    own = 4 * 16 * sum(ceil_div(p.shape[0], dp) for p in targets)
+    assert per_micro.sketch_buffer == own and at_step.sketch_buffer == dp * own
+    hook = max(
+        4 * 16 * (p.shape[0] + (k * dp if k * dp != p.shape[0] else 0) + k)
+        for p in targets
+        for k in [ceil_div(p.shape[0], dp)]
+    )
+    largest_product = 4 * 16 * max(p.shape[0] for p in targets)
+    assert per_micro.sketch_projections - at_step.sketch_projections == hook - largest_product
+    assert hook > largest_product
+    assert per_micro.sketch_step <= at_step.sketch_step
+    # one DP rank, or no distributed optimizer: nothing to reduce-scatter, the same terms
+    for same in (_step(1), _step(dp, distributed_optimizer=False)):
+        other = dataclasses.replace(same, loggra_sketch_reduce="microbatch")
+        assert estimate_rl_step_memory(SHAPE, other) == estimate_rl_step_memory(SHAPE, same)
+
+
 def test_rank_is_clamped_to_the_narrowest_target_width():
     assert bs.sketch_rank(SHAPE, _step(loggra_rank=10_000)) == 320  # qkv/fc1: h
     assert bs.sketch_rank(SHAPE, _step(loggra_rank=10_000, loggra_targets=("linear_fc2",))) == 1000
@@ -323,7 +347,7 @@ def test_the_benchmark_is_the_estimator():
 
 
 # ---------------------------------------------------------------------- real runs
-def _measure(rank, bf16=False, remainders=False):
+def _measure(rank, bf16=False, remainders=False, reduce="step"):
     """A tiny GPT with the backward sketch after one step: its buffer, state, masters and
     grad buffer in bytes (tests/backward_sketch_runs.py builds it)."""
     import torch
@@ -332,7 +356,8 @@ def _measure(rank, bf16=False, remainders=False):
     from loggra_megatron.testing import train_step
     from tests.backward_sketch_runs import TOKENS, build_sketched, local_batch, settings
 
-    optim, loggra = settings(**({"loggra_param_remainders": True} if remainders else {}))
+    kw = {"loggra_param_remainders": True} if remainders else {}
+    optim, loggra = settings(loggra_sketch_reduce=reduce, **kw)
     ddp, opt = build_sketched(optim, loggra, bf16=bf16)
     batch, micro = local_batch(TOKENS)
     _, (ok, _, _) = train_step(ddp, opt, batch, num_microbatches=micro)
@@ -361,7 +386,7 @@ def _measure(rank, bf16=False, remainders=False):
     }
 
 
-def _estimate(dp, bf16, remainders):
+def _estimate(dp, bf16, remainders, reduce="step"):
     from tests.backward_sketch_runs import HEADS, HIDDEN, RANK, VOCAB
 
     shape = TransformerShape(
@@ -378,6 +403,7 @@ def _estimate(dp, bf16, remainders):
         loggra_rank=RANK,
         precision="bf16" if bf16 else "fp32",
         loggra_param_remainders=remainders,
+        loggra_sketch_reduce=reduce,
     )
     params = stage_parameters(shape, step)
     targets, dense = _split(params)
@@ -385,14 +411,22 @@ def _estimate(dp, bf16, remainders):
 
 
 @pytest.mark.parametrize(
-    "dp,bf16,remainders", [(1, False, False), (1, True, False), (2, False, False), (2, True, True)]
+    "dp,bf16,remainders,reduce",
+    [
+        (1, False, False, "step"),
+        (1, True, False, "step"),
+        (2, False, False, "step"),
+        (2, True, True, "step"),
+        (2, True, True, "microbatch"),
+    ],
 )
-def test_estimate_matches_a_real_megatron_run(dp, bf16, remainders):
-    got = run_distributed(_measure, dp, bf16=bf16, remainders=remainders)
-    est, targets, dense = _estimate(dp, bf16, remainders)
+def test_estimate_matches_a_real_megatron_run(dp, bf16, remainders, reduce):
+    got = run_distributed(_measure, dp, bf16=bf16, remainders=remainders, reduce=reduce)
+    est, targets, dense = _estimate(dp, bf16, remainders, reduce)
     row_state = bs.row_state_bytes(targets, dp, "adam")
     for r in got:
-        assert r["buffer"] == est.sketch_buffer  # [DP, Σ⌈m/DP⌉, r] fp32, every rank
+        # [DP, Σ⌈m/DP⌉, r] fp32 on every rank; [1, …] reduced per micro-batch
+        assert r["buffer"] == est.sketch_buffer
         assert r["rank"] == 8
         assert not r["targets_in_grad_buffers"]
     # RowAdam's exp_avg_sq: 4 bytes per owned row; the ranks' rows partition every weight

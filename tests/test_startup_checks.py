@@ -33,6 +33,7 @@ CHOICES = {
     "loggra_targets": "linear_qkv",
     "loggra_sketch_matrix": "gaussian",
     "loggra_row_optimizer": "sgd",
+    "loggra_sketch_reduce": "microbatch",
     "kl_estimator": "k3",
     "kl_ref_estimator": "k1",
     "recompute_method": "uniform",

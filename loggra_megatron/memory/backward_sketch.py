@@ -11,7 +11,10 @@ grad copy. What they hold instead (``D`` the DP size under the distributed optim
 * masters of the owned rows only, ``k·n`` elements at :func:`~.model.bytes_per_master`;
 * RowAdam's ``exp_avg_sq``, 4 bytes per owned row (0 with ``--loggra-row-optimizer sgd``);
 * the flat fp32 sketch buffer ``[D, Σ k, r]`` on every rank (not sharded: every rank sums all
-  rows in its backward, one reduce-scatter gives it its own);
+  rows in its backward, one reduce-scatter gives it its own), or only this rank's ``[Σ k, r]``
+  with ``--loggra-sketch-reduce microbatch`` (each layer's rows are reduce-scattered in its
+  backward hook: the hook's transient is the ``[m, r]`` product, its padded copy and the
+  ``[k, r]`` received);
 * in the backward, ``P = X·Bᵀ`` (``[tokens, r]``, activation dtype) per target of every layer
   whose activations are held, and no saved input of the frozen ``linear_fc2``
   (:func:`frozen_input_bytes_per_layer`);
@@ -44,6 +47,7 @@ __all__ = [
     "applies",
     "buffer_bytes",
     "frozen_input_bytes_per_layer",
+    "hook_bytes",
     "master_bytes",
     "projection_bytes_per_layer",
     "row_state_bytes",
@@ -94,16 +98,33 @@ def row_state_bytes(targets, dp: int, row_optimizer: str) -> int:
     return ROW_STATE_BYTES[row_optimizer] * sum(ceil_div(s.shape[0], dp) for s in targets)
 
 
-def buffer_bytes(targets, segments: int, rank: int) -> int:
-    """The fp32 sketch buffer ``[segments, Σ ⌈m/segments⌉, r]`` (≈ ``4·Σm·r``), on every
-    rank."""
-    return 4 * segments * sum(ceil_div(s.shape[0], segments) for s in targets) * rank
+def buffer_bytes(targets, segments: int, rank: int, held: int | None = None) -> int:
+    """The fp32 sketch buffer ``[held, Σ ⌈m/segments⌉, r]`` on every rank: all ``segments``
+    (≈ ``4·Σm·r``; the default) or, reduced in the backward, this rank's one."""
+    held = segments if held is None else held
+    return 4 * held * sum(ceil_div(s.shape[0], segments) for s in targets) * rank
 
 
-def step_bytes(targets, segments: int, rank: int, weight_bytes: int, tp: int) -> int:
+def hook_bytes(targets, segments: int, rank: int, reduced_in_backward: bool) -> int:
+    """One backward hook's fp32 transient at its largest: the ``[m, r]`` product, and when it
+    is reduce-scattered there its zero-padded ``[segments·k, r]`` copy (odd splits) and the
+    ``[k, r]`` received."""
+    most = 0
+    for s in targets:
+        m = s.shape[0]
+        k = ceil_div(m, segments)
+        extra = (k * segments if k * segments != m else 0) + k if reduced_in_backward else 0
+        most = max(most, 4 * (m + extra) * rank)
+    return most
+
+
+def step_bytes(
+    targets, segments: int, rank: int, weight_bytes: int, tp: int, reduced_in_backward=False
+) -> int:
     """The backward sketch's optimizer step, one phase after the other, at its largest:
 
-    * the reduce-scatter's receive buffer, one fp32 segment ``[Σ k, r]`` (``segments > 1``);
+    * the reduce-scatter's receive buffer, one fp32 segment ``[Σ k, r]`` (``segments > 1``
+      and not ``reduced_in_backward``);
     * RowAdam's update of one weight: the fp32 target and reconstruction ``D·A`` (``[k, n]``
       each), the signs ``B`` drawn for the full width ``[r, n_full]`` in the weight dtype and
       their fp32 copy ``[r, n]`` (16-bit weights), the fp32 direction and clipped sketch
@@ -115,7 +136,8 @@ def step_bytes(targets, segments: int, rank: int, weight_bytes: int, tp: int) ->
     if not targets:
         return 0
     chunks = [(ceil_div(s.shape[0], segments), s.shape[1], s) for s in targets]
-    receive = 4 * sum(k for k, _, _ in chunks) * rank if segments > 1 else 0
+    reduce_at_step = segments > 1 and not reduced_in_backward
+    receive = 4 * sum(k for k, _, _ in chunks) * rank if reduce_at_step else 0
     update, gather = 0, 0
     for k, n, spec in chunks:
         full = n * tp if target_of(spec) in ROW_PARALLEL else n
@@ -199,15 +221,15 @@ def sketch_terms(
     targets = tuple(s for s in params if s.kind == "linear" and target_of(s) in names)
     r, w = sketch_rank(model, plan), param_dtype_bytes(plan)
     layers, _ = layers_held(model, plan, stage)
-    product = max(4 * s.shape[0] * r for s in targets)
+    in_backward = dp > 1 and plan.loggra_sketch_reduce == "microbatch"
     per_layer = projection_bytes_per_layer(plan, r, w)
     return SketchTerms(
         targets=targets,
         dp=dp,
         rank=r,
         row_state=row_state_bytes(targets, dp, plan.loggra_row_optimizer),
-        buffer=buffer_bytes(targets, dp, r),
-        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size),
-        projections=layers * per_layer + product,
+        buffer=buffer_bytes(targets, dp, r, held=1 if in_backward else dp),
+        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward),
+        projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward),
         activation_saving=layers * frozen_input_bytes_per_layer(model, plan),
     )

@@ -33,6 +33,9 @@ import torch
 SKETCH_MATRICES = ("rademacher", "gaussian")
 """``--loggra-sketch-matrix`` choices."""
 
+SKETCH_REDUCTIONS = ("step", "microbatch")
+"""``--loggra-sketch-reduce`` choices: when ``S`` is summed over data parallelism."""
+
 
 def projection_seed(seed: int, draw: int, name: str) -> int:
     """A 63-bit seed for ``(base seed, draw index, weight name)``: the same on every rank."""

@@ -14,7 +14,7 @@ from loggra_megatron.config import (
     reject,
     valid_seed,
 )
-from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES
+from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES, SKETCH_REDUCTIONS
 from loggra_megatron.optim.projection import PROJECTIONS
 from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, SKETCH_TARGETS
 from loggra_megatron.optim.row_adam import ROW_OPTIMIZERS
@@ -134,6 +134,16 @@ class LoGRAConfig:
     as published)."""
     loggra_sketch_matrix: str = backward_setting("rademacher")
     """The backward sketch's projection entries: rademacher (±1/√r) | gaussian (N(0, 1/r))."""
+    loggra_sketch_reduce: str = applies(
+        "step",
+        "to --optimizer loggra --loggra-sketch backward with the distributed optimizer",
+        lambda s: _backward(s) and s["use_distributed_optimizer"],
+    )
+    """When the backward sketch's ``S`` is reduce-scattered over data-parallel ranks: step
+    (once per update, as published; every rank holds the sketch of all rows, ``4·Σm·r``
+    bytes) | microbatch (each layer's rows as its backward finishes, every micro-batch: a
+    rank holds only its own rows, ``1/DP`` of that, for ``num_microbatches`` times the DP
+    bytes; docs/optimizer.md#the-backward-sketch)."""
     loggra_row_optimizer: str = backward_setting("adam")
     """The backward sketch's update: adam (RowAdam, one second moment per output row) | sgd
     (the reconstructed sketch itself)."""
@@ -182,6 +192,11 @@ class LoGRAConfig:
                     "loggra_sketch_matrix",
                     one_of(*SKETCH_MATRICES),
                     f"one of {', '.join(SKETCH_MATRICES)}",
+                ),
+                (
+                    "loggra_sketch_reduce",
+                    one_of(*SKETCH_REDUCTIONS),
+                    f"one of {', '.join(SKETCH_REDUCTIONS)}",
                 ),
                 (
                     "loggra_row_optimizer",

@@ -85,6 +85,7 @@ class StepPlan:
     loggra_sketch: str
     loggra_targets: tuple[str, ...]
     loggra_row_optimizer: str
+    loggra_sketch_reduce: str
     loggra_fp32_grad_copy: bool
     loggra_param_remainders: bool
 
@@ -142,6 +143,7 @@ class StepPlan:
             loggra_sketch=lg.loggra_sketch,
             loggra_targets=lg.targets(),
             loggra_row_optimizer=lg.loggra_row_optimizer,
+            loggra_sketch_reduce=lg.loggra_sketch_reduce,
             loggra_fp32_grad_copy=lg.loggra_fp32_grad_copy,
             loggra_param_remainders=lg.loggra_param_remainders,
         )

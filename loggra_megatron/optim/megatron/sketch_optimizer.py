@@ -21,8 +21,9 @@ skip (a non-finite sketch makes the norm non-finite), and one ``sharded_state_di
 A step of this leaf:
 
 1. ``prepare_grads``: reduce-scatter the flat sketch buffer over DP (each rank receives the
-   summed ``S`` of its own rows, scaled as Megatron's DDP scales gradients), then all-reduce
-   the rows of row-parallel targets over TP (their ``S`` was summed from column blocks).
+   summed ``S`` of its own rows, scaled as Megatron's DDP scales gradients; with
+   ``--loggra-sketch-reduce microbatch`` the backward hooks did it), then all-reduce the rows
+   of row-parallel targets over TP (their ``S`` was summed from column blocks).
 2. ``step_with_ready_grads``: RowAdam updates the fp32 masters of its rows (or the bf16
    rows + int16 remainders), the rows are copied into the bf16 weights and all-gathered over
    DP, and the projection's draw index advances.
@@ -140,18 +141,18 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         if self._reduced:
             return False
         for chunk_sites in self.sites:
-            buffer = chunk_sites.buffer
-            if chunk_sites.segments > 1:
+            buffer = chunk_sites.buffer  # reduced_in_backward: the hooks summed it over DP
+            if chunk_sites.segments > 1 and not chunk_sites.reduced_in_backward:
                 own = torch.empty_like(buffer[0])
                 dist.reduce_scatter_tensor(
                     own, buffer.view(-1, buffer.shape[-1]), group=self.dp_group
                 )
                 buffer[self.segment].copy_(own)
                 del own
-            elif self.dp_size > 1:
+            elif chunk_sites.segments == 1 and self.dp_size > 1:
                 dist.all_reduce(buffer, group=self.dp_group)
             if self.grad_scale != 1.0:
-                buffer[self.segment].mul_(self.grad_scale)
+                chunk_sites.segment_view(self.segment).mul_(self.grad_scale)
             if dist.get_world_size(self.tp_group) > 1:
                 for site in chunk_sites:
                     if not site.column_parallel:

@@ -25,10 +25,14 @@ for the full input width, identically on every rank):
   tokens to this rank's tokens of ``H``. Either way ``S`` is summed over TP once per step
   (``[m, r]``), by :class:`~loggra_megatron.optim.megatron.sketch_optimizer.BackwardSketchOptimizer`.
   Per micro-batch TP traffic is ``tokens·r`` per layer; per step ``m·r``: never ``m·n``.
-* DP: the buffer is ``[segments, rows per segment, r]``, segment ``d`` holding DP rank
-  ``d``'s rows of every weight (rows cut in ``ceil(m / DP)`` blocks), so one
-  ``reduce_scatter`` gives each rank the summed sketch of the rows it updates and keeps state
-  for (one segment, all-reduced, without the distributed optimizer).
+* DP: rows are cut in ``ceil(m / DP)`` blocks, segment ``d`` holding DP rank ``d``'s rows of
+  every weight. ``--loggra-sketch-reduce step`` (as published): the buffer is
+  ``[segments, rows per segment, r]`` on every rank and one ``reduce_scatter`` per update gives
+  each rank the summed sketch of the rows it updates and keeps state for (one segment,
+  all-reduced, without the distributed optimizer). ``microbatch``: the buffer is this rank's
+  segment ``[1, rows per segment, r]`` only; each layer's ``[m, r]`` product is
+  reduce-scattered by rows in its backward hook, every micro-batch (the ZeRO-2 trade:
+  ``1/DP`` of the buffer for ``num_microbatches`` times the DP bytes).
 * PP: each stage sketches its own layers. The projection of a layer is named by its global
   layer number, so PP=2 draws what PP=1 draws.
 
@@ -96,11 +100,21 @@ class SketchSites:
             ``--loggra-sketch-matrix``, ``--loggra-refresh-interval``).
         segments: DP segments of the buffer (the DP size under the distributed optimizer,
             else 1).
+        reduce: ``--loggra-sketch-reduce`` (``step`` or ``microbatch``; read with
+            ``segments > 1``).
     """
 
-    def __init__(self, model, targets, rank, seed, kind, refresh_interval, segments):
+    def __init__(self, model, targets, rank, seed, kind, refresh_interval, segments, reduce="step"):
         self.seed, self.kind, self.refresh_interval = seed, kind, refresh_interval
         self.segments = segments
+        self.reduced_in_backward = segments > 1 and reduce == "microbatch"
+        """Each layer's sketch is reduce-scattered over DP in its backward hook; the buffer
+        holds this rank's segment only."""
+        self.dp_group = (
+            parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if segments > 1
+            else None
+        )
         self.updates = 0
         """Updates committed; the draw index is ``updates // refresh_interval``."""
         self.sites = list(_find_sites(model, targets))
@@ -120,8 +134,10 @@ class SketchSites:
             site.chunk = math.ceil(site.rows / segments)
             site.offset, offset = offset, offset + site.chunk
         device = self.sites[0].weight.device
-        self.buffer = torch.zeros(segments, offset, self.rank, dtype=torch.float32, device=device)
-        """``[segments, rows per segment, r]`` fp32: every target's ``S``."""
+        held = 1 if self.reduced_in_backward else segments
+        self.buffer = torch.zeros(held, offset, self.rank, dtype=torch.float32, device=device)
+        """``[segments, rows per segment, r]`` fp32: every target's ``S`` (``[1, …]``: this
+        rank's segment, summed over DP, when :attr:`reduced_in_backward`)."""
         for site in self.sites:
             site.module.register_forward_hook(self._forward_hook(site))
 
@@ -145,16 +161,24 @@ class SketchSites:
         return full[:, site.col_offset : site.col_offset + site.cols]
 
     # ------------------------------------------------------------------ the buffer
+    def segment_view(self, segment: int) -> torch.Tensor:
+        """DP segment ``segment`` of the buffer, ``[rows per segment, r]`` (a view; with
+        :attr:`reduced_in_backward` the buffer holds this rank's segment only)."""
+        return self.buffer[0 if self.reduced_in_backward else segment]
+
     def rows_view(self, site: SketchSite, segment: int) -> torch.Tensor:
         """``S`` rows of ``site`` held in ``segment``: ``[hi − lo, r]`` (a view)."""
         lo, hi = site.owned_rows(segment)
-        return self.buffer[segment, site.offset : site.offset + hi - lo]
+        return self.segment_view(segment)[site.offset : site.offset + hi - lo]
 
     @torch.no_grad()
     def _accumulate(self, site: SketchSite, grad_out: torch.Tensor, p: torch.Tensor) -> None:
         h = grad_out.reshape(-1, site.rows)
         product = fp32_matmul(h.t(), p.reshape(-1, self.rank).to(h.dtype))  # [m, r]
         product.mul_(sketch_scale(self.rank))
+        if self.reduced_in_backward:
+            self._reduce_scatter_into(site, product)
+            return
         view = self.buffer[:, site.offset : site.offset + site.chunk]
         if site.chunk * self.segments == site.rows:
             view.add_(product.view(self.segments, site.chunk, self.rank))
@@ -162,6 +186,15 @@ class SketchSites:
         for d in range(self.segments):
             lo, hi = site.owned_rows(d)
             view[d, : hi - lo].add_(product[lo:hi])
+
+    def _reduce_scatter_into(self, site: SketchSite, product: torch.Tensor) -> None:
+        """Sum ``product`` (``[m, r]``) over DP and add this rank's rows to its segment."""
+        padded = site.chunk * self.segments
+        if padded != site.rows:
+            product = torch.cat([product, product.new_zeros(padded - site.rows, self.rank)])
+        own = product.new_empty(site.chunk, self.rank)
+        dist.reduce_scatter_tensor(own, product, group=self.dp_group)
+        self.buffer[0, site.offset : site.offset + site.chunk].add_(own)
 
     def _forward_hook(self, site: SketchSite):
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -294,6 +327,7 @@ def prepare_model(model, optim, loggra) -> None:
         loggra.loggra_sketch_matrix,
         loggra.loggra_refresh_interval,
         segments,
+        loggra.loggra_sketch_reduce,
     )
     for site in sites:
         site.weight.requires_grad_(False)
