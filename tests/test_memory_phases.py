@@ -282,6 +282,29 @@ def test_checkpoint_save_rebuilds_one_copy_bucket_at_a_time():
     assert estimate_rl_step_memory(small, splan).checkpoint_save == 4 * largest
 
 
+def test_dense_updates_convert_one_piece_at_a_time():
+    """LoGRA's AdamW converts a dense shard's bf16 gradient in pieces of the optimizer's own
+    size (``optim.distributed.DENSE_PIECE_NUMEL``, which the estimator's constant equals): at
+    the 27B example the [V/t, h] embedding shard's 0.6 GiB fp32 copy becomes 16 MiB with the
+    backward sketch; a gradient-sketched weight still converts its whole shard."""
+    from loggra_megatron.memory.params import DENSE_PIECE_NUMEL
+    from loggra_megatron.optim.distributed import DENSE_PIECE_NUMEL as OPTIMIZER_PIECE
+
+    assert DENSE_PIECE_NUMEL == OPTIMIZER_PIECE
+    model, par = _27b()
+    bf16 = dataclasses.replace(par, main_grads_dtype="bf16", optimizer="loggra")
+    params = stage_parameters(model, bf16, 0)
+    embedding = max(p.numel for p in params if p.kind == "embedding")
+    assert embedding > DENSE_PIECE_NUMEL
+    backward = dataclasses.replace(bf16, loggra_sketch="backward")
+    assert estimate_rl_step_memory(model, backward).main_grad_copies == 4 * DENSE_PIECE_NUMEL
+    sketched = max(p.numel for p in params if p.kind == "linear")
+    gradient = estimate_rl_step_memory(model, dataclasses.replace(bf16, loggra_sketch="gradient"))
+    assert gradient.main_grad_copies == 4 * max(sketched, DENSE_PIECE_NUMEL)
+    adam = estimate_rl_step_memory(model, dataclasses.replace(bf16, optimizer="adam"))
+    assert adam.main_grad_copies == 4 * sum(p.numel for p in params)  # Megatron's copies
+
+
 def test_reference_offload_keeps_two_units_in_its_forward():
     """--reference-offload: no resident reference (nor its FP8 cache); its log-prob forward
     holds two units, the largest twice: here the final norm + the [V/t, h] output layer."""

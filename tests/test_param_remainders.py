@@ -56,7 +56,7 @@ def _bf16_ddp(grad_reduce_in_fp32=True):
     return wrap_ddp(model, grad_reduce_in_fp32=grad_reduce_in_fp32)
 
 
-def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder"):
+def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder", min_dim=1):
     from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
 
     config = LoGRAOptimizerConfig(
@@ -66,7 +66,7 @@ def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder
         bf16=True,
         use_distributed_optimizer=True,
         clip_grad=clip_grad,
-        loggra_min_dim=1,
+        loggra_min_dim=min_dim,
         loggra_rank=4,
         loggra_oversample=2,
         loggra_update_interval=2,
@@ -297,3 +297,55 @@ def test_a_trial_at_eta_leaves_the_weights_a_commit_at_eta_does(remainders):
         for tried, committed in out["steps"]:
             for name, w in committed.items():
                 assert torch.equal(tried[name].view(torch.int16), w.view(torch.int16)), name
+
+
+def _dense_in_pieces(rank, piece, remainders):
+    """Three clipped steps on bf16 grads with every weight updated densely,
+    ``DENSE_PIECE_NUMEL = piece`` (None: the default): the masters, a KL trial's candidate
+    before each step, and the most gradient elements converted to fp32 at once."""
+    from loggra_megatron.optim import distributed
+
+    if piece is not None:
+        distributed.DENSE_PIECE_NUMEL = piece
+    converted = []
+    fp32 = distributed.ShardedLoGRAAdamW._fp32
+
+    def recorded(self, p, raw):
+        converted.append(raw.numel())
+        return fp32(self, p, raw)
+
+    distributed.ShardedLoGRAAdamW._fp32 = recorded
+    ddp = _bf16_ddp(grad_reduce_in_fp32=False)
+    opt = _optimizer(ddp, remainders, 0.05, min_dim=10_000)  # nothing sketched
+    out = {"steps": [], "candidates": []}
+    for step in range(3):
+        _set_grads(ddp, step)
+        candidates = []
+        opt.prepare_grads()
+        opt.optimizer.model_grad_scale = 0.5  # a clip coefficient, as the chain hands it
+        opt.optimizer.write_candidate(lambda p, t, kept=candidates: kept.append(t.clone()), 0.5)
+        out["candidates"].append(candidates)
+        out.setdefault("sq_norms", []).append(opt.optimizer.update_sq_norm())
+        assert opt.step()[0]
+        out["steps"].append(_masters(opt))
+    out["largest_converted"] = max(converted)
+    out["shard"] = max(p.numel() for g in opt.optimizer.param_groups for p in g["params"])
+    return out
+
+
+@pytest.mark.parametrize("remainders", [False, True])
+def test_dense_updates_in_pieces_are_bitwise_those_of_whole_shards(remainders):
+    """AdamW on a dense shard runs ``DENSE_PIECE_NUMEL`` elements at a time (the fp32
+    gradient, direction and rebuilt master of one piece), for the commit and the KL trial's
+    candidate alike, with the result of the whole shard at once, bit for bit."""
+    whole = run_distributed(_dense_in_pieces, 2, None, remainders)
+    pieces = run_distributed(_dense_in_pieces, 2, 7, remainders)
+    for a, b in zip(whole, pieces, strict=True):
+        assert a["largest_converted"] == a["shard"] > 7 >= b["largest_converted"]
+        for key in ("steps", "candidates"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert len(x) == len(y) > 0
+                for s, t in zip(x, y, strict=True):
+                    assert torch.equal(s.view(torch.int32), t.view(torch.int32)), key
+        for x, y in zip(a["sq_norms"], b["sq_norms"], strict=True):  # summed per piece
+            assert float(y) == pytest.approx(float(x), rel=1e-5) and float(x) > 0

@@ -209,7 +209,7 @@ def _stage_breakdown(
         kl_probe_activations=forward_activation_bytes(model, plan, probe_rows, seq),
         kl_probe_logits=_kl_probe_logits(model, plan, last),
         kl_weight_backup=master_param_bytes(dense, dp, 2) + sk.masters(2) if trial_backup else 0,
-        main_grad_copies=main_grad_copy_bytes(dense, plan, est, dp),
+        main_grad_copies=main_grad_copy_bytes(dense, plan, est, dp, sketch=not sk.targets),
         sketch_step=sk.step,
         # saving rebuilds each master from weight + remainder, one copy bucket at a time,
         # into its host copy (optim/megatron/checkpoint.py, optim/param_remainders.py)

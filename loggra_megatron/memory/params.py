@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 _LOGGRA_SKETCHED_SCALAR_BYTES = 2 * 8  # step, basis_seed (int64)
+DENSE_PIECE_NUMEL = 1 << 22
+"""Elements of a densely updated shard LoGRA's AdamW converts to fp32 and updates at once
+(``optim.distributed.DENSE_PIECE_NUMEL``, which tests/test_memory_phases.py checks this
+equals)."""
 SAVE_COPY_NUMEL = 1 << 24
 """Elements of a master a checkpoint save rebuilds at once from bf16 weight + int16 remainder
 (``optim.param_remainders.COPY_BUCKET_NUMEL``, which tests/test_memory_phases.py checks
@@ -215,14 +219,26 @@ def optimizer_state_bytes(
 
 
 def main_grad_copy_bytes(
-    params: list[ParamSpec], plan: StepPlan, est: EstimateConfig, dp: int = 1
+    params: list[ParamSpec], plan: StepPlan, est: EstimateConfig, dp: int = 1, sketch=True
 ) -> int:
-    """fp32 copies of 16-bit gradient shards alive during the optimizer step."""
+    """fp32 copies of 16-bit gradient shards alive during the optimizer step. LoGRA
+    converts one weight at a time (``optim/megatron/model_grads.py``): a sketched weight's
+    whole shard, a densely updated one :data:`DENSE_PIECE_NUMEL` elements at a time
+    (``sketch=False``: nothing is sketched, as in the backward sketch's dense leaves)."""
     if grad_dtype_bytes(plan) == 4:
         return 0  # Megatron's .float() of an fp32 grad is a view
     shards = [ceil_div(s.numel, dp) for s in params]
-    if OPTIMIZERS[plan.optimizer].grads_per_weight and not plan.loggra_fp32_grad_copy:
-        return 4 * max(shards, default=0)  # one weight at a time (optim/megatron/model_grads.py)
+    spec = OPTIMIZERS[plan.optimizer]
+    if spec.grads_per_weight and not plan.loggra_fp32_grad_copy:
+        return 4 * max(
+            (
+                shard
+                if sketch and spec.sketched and is_sketched(s, plan.loggra_min_dim)
+                else min(shard, DENSE_PIECE_NUMEL)
+                for s, shard in zip(params, shards, strict=True)
+            ),
+            default=0,
+        )
     if bf16_moments(plan, est):
         return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
     return 4 * sum(shards)

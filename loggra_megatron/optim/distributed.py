@@ -36,6 +36,10 @@ from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.optim.row_sketch import RowShardedSketch, all_reduce_fn
 from loggra_megatron.optim.weight_layout import WeightLayout
 
+DENSE_PIECE_NUMEL = 1 << 22
+"""Elements of a densely updated shard that one AdamW piece converts and updates at once
+(4 Mi: 16 MiB per fp32 transient)."""
+
 
 class ShardedLoGRAAdamW(LoGRAAdamW):
     """LoGRA-AdamW over 1-D shards of 2-D weights, with DP/TP collectives.
@@ -289,22 +293,44 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._finish(p, target, commit, write)
 
     def _update_dense(self, p, group, state, commit, scale, write):
-        """Dense AdamW on a param that is not sketched (as :meth:`_update_sketched`)."""
+        """Dense AdamW on a param that is not sketched (as :meth:`_update_sketched`), piece
+        by piece (:meth:`_dense_directions`); a commit updates the master in place (with
+        remainders: one piece's rebuilt master at a time), a candidate ``θ + Δθ`` is one whole
+        transient."""
         lr = group["lr"] * scale
-        _, _, direction, step_size = adam_moments(
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            self._grad(p),
-            self.num_steps + 1,
-            group,
-            inplace=commit,
-            lr=lr,
-        )
-        target = self._target(p, commit)
-        target.mul_(1 - lr * group["weight_decay"])
-        target.add_(direction, alpha=-step_size)
+        decay = 1 - lr * group["weight_decay"]
+        remainder = self.param_remainders.get(p)
+        weight = p.detach().view(-1)
+        target = None if commit else self._target(p, commit).view(-1)
+        for lo, hi, direction, step_size in self._dense_directions(p, group, state, commit, lr):
+            if target is not None:
+                piece = target[lo:hi]
+            elif remainder is not None:
+                piece = join_master(weight[lo:hi], remainder.view(-1)[lo:hi])
+            else:
+                piece = weight[lo:hi]
+            piece.mul_(decay).add_(direction, alpha=-step_size)
+            if target is None and remainder is not None:
+                store_master(weight[lo:hi], remainder.view(-1)[lo:hi], piece)
         state["step"] += int(commit)
-        self._finish(p, target, commit, write)
+        if not commit:
+            write(p, target.view_as(p))
+
+    def _dense_directions(self, p, group, state, commit: bool, lr=None):
+        """``(lo, hi, direction, step size)`` of AdamW on flat elements ``[lo, hi)`` of ``p``,
+        :data:`DENSE_PIECE_NUMEL` at a time: the fp32 gradient and direction of one piece
+        exist at once, not of the whole shard (a ``[V/t, h]`` embedding shard is the
+        largest). Elementwise, so bitwise the whole shard's; the moments are updated in
+        place when ``commit``."""
+        raw = self._raw_grad(p).view(-1)
+        m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        for lo in range(0, raw.numel(), DENSE_PIECE_NUMEL):
+            hi = lo + DENSE_PIECE_NUMEL
+            g = self._fp32(p, raw[lo:hi])
+            _, _, direction, step_size = adam_moments(
+                m[lo:hi], v[lo:hi], g, self.num_steps + 1, group, inplace=commit, lr=lr
+            )
+            yield lo, hi, direction, step_size
 
     @torch.no_grad()
     def project_gradients(self) -> bool:
@@ -343,11 +369,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
                 total += (step_size * group["scale"]) ** 2 * direction.square().sum()
         for p, group, state in self._held_with_state():
             if p not in self._index_of:
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], self._grad(p)
-                _, _, direction, step_size = adam_moments(
-                    m, v, g, self.num_steps + 1, group, inplace=False
-                )
-                total += step_size**2 * direction.square().sum()
+                for *_, direction, step_size in self._dense_directions(p, group, state, False):
+                    total += step_size**2 * direction.square().sum()
         return total
 
     def basis_refresh_due(self) -> bool:
