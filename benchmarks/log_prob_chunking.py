@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from loggra_megatron.model.config import log_prob_chunk_tokens
+
 
 def build(args):
     from loggra_megatron.testing import tiny_gpt_model
@@ -105,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rows", type=int, default=8, help="sequences (one per micro-batch)")
-    ap.add_argument("--log-prob-chunk-size", type=int, default=256)
+    ap.add_argument("--log-prob-chunk-size", type=int, help="default: pretrain_rl.py's default")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -145,7 +147,7 @@ def main() -> None:
     print(
         f"# log_prob_chunking: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
         f"{args.rows} rows x {args.seq} tokens (1 row per micro-batch), bf16, chunk "
-        f"{args.log_prob_chunk_size} tokens, {args.device}\n"
+        f"{log_prob_chunk_tokens(args.log_prob_chunk_size, args.vocab)} tokens, {args.device}\n"
     )
     print("| phase | unchunked (MiB) | chunked (MiB) | chunked / unchunked | tokens/s ratio |")
     print("|---|---:|---:|---:|---:|")

@@ -39,8 +39,9 @@ class MainGrads:
     """Records the fp32 main-param gradients the inner optimizer steps on. Megatron makes
     them when the step starts (``.float()`` copies of bf16 grad buffers; views of fp32
     ones), so with bf16 grads they are the optimizer phase's extra memory. LoGRA gets the
-    bf16 shards instead (``model_grads``) and converts one at a time: ``largest_converted``
-    is the largest such fp32 conversion, in bytes."""
+    bf16 shards instead (``model_grads``) and converts a sketched weight's shard, or a piece
+    of a dense one, at a time: ``largest_converted`` is the largest such fp32 conversion
+    its ``_fp32`` made, in bytes."""
 
     def __init__(self, optimizer):
         first = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # the dense leaf
@@ -52,15 +53,24 @@ class MainGrads:
         def capture_then_step(*args, **kwargs):
             groups = self.inner.param_groups
             self.grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-            shards = getattr(self.inner, "model_grads", {}).values()
-            self.largest_converted = 4 * max((g.numel() for g in shards), default=0)
             return inner_step(*args, **kwargs)
 
         self.inner.step = capture_then_step
+        convert = getattr(self.inner, "_fp32", None)
+        if convert is not None:  # LoGRA's AdamW
+
+            def recorded(p, piece):
+                out = convert(p, piece)
+                if piece.dtype != torch.float32:
+                    self.largest_converted = max(self.largest_converted, out.nbytes)
+                return out
+
+            self.inner._fp32 = recorded
         return self
 
     def __exit__(self, *exc):
-        del self.inner.step  # back to the class's method
+        del self.inner.step  # back to the class's methods
+        self.inner.__dict__.pop("_fp32", None)
 
 
 class AllocationPeak:
@@ -317,7 +327,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Transformer Engine FP8 (Hopper GPU with transformer_engine only)",
     )
     ap.add_argument("--timed-steps", type=int, default=2)
-    ap.add_argument("--log-prob-chunk-size", type=int, default=256, help="as pretrain_rl.py's flag")
+    ap.add_argument(
+        "--log-prob-chunk-size", type=int, help="as pretrain_rl.py's flag (default: its default)"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     ap.add_argument(
         "--reference-offload",
@@ -347,7 +359,7 @@ def main() -> None:
         f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}"
         f"{'reference offloaded, ' if args.reference_offload else ''}"
         f"{'S reduce-scattered per micro-batch, ' if args.loggra_sketch_reduce != 'step' else ''}"
-        f"log-prob chunks of {args.log_prob_chunk_size}, {args.device}"
+        f"log-prob chunks of {args.log_prob_chunk_size or 'the default size'}, {args.device}"
     )
     columns = [
         ("state", "optimizer state"),

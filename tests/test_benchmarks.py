@@ -196,3 +196,38 @@ def test_log_prob_chunking_measures_the_chunked_heads_smaller_transient():
         chunked = results[f"{phase}/chunked"]["transient_bytes"]
         assert whole >= 4 * args.seq * args.vocab  # at least the fp32 logits of the row
         assert chunked < whole / 2
+
+
+def _estimator_against_a_measured_step(rank):
+    import sys
+
+    from loggra_megatron.parallel import initialize_megatron
+
+    initialize_megatron(device="cpu")
+    sys.path.insert(0, os.path.dirname(BENCH))  # it imports memory_rl
+    spec = importlib.util.spec_from_file_location(
+        "estimator_accuracy", os.path.join(os.path.dirname(BENCH), "estimator_accuracy.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = "--layers 2 --hidden 128 --ffn 352 --heads 4 --vocab 512 --seq 32 --timed-steps 1"
+    args = bench.parse_args([*flags.split(), "--reference", "yes"])
+    settings = {"dense": ((True, False),), "backward": ((True, True),)}
+    return bench.compare(args, 1, settings)
+
+
+def test_estimator_accuracy_compares_each_phase_of_a_measured_step():
+    """``benchmarks/estimator_accuracy.py`` at a tiny shape: the estimator's static terms are
+    the persistent tensors measured (bytes, up to the JSON's float rounding), and each
+    phase's peak is within 10 % (docs/memory.md quotes the default shape's errors)."""
+    (rows,) = run_distributed(_estimator_against_a_measured_step, 1)
+    assert {(kind, phase) for kind, _, phase, _, _ in rows} == {
+        (k, p)
+        for k in ("dense", "backward")
+        for p in ("static", "rollout", "log_probs", "training")
+    }
+    for kind, _, phase, measured, estimated in rows:
+        if phase == "static":
+            assert estimated == pytest.approx(measured, rel=1e-6), kind
+        else:
+            assert estimated == pytest.approx(measured, rel=0.10), (kind, phase)

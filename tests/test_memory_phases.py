@@ -37,7 +37,7 @@ from loggra_megatron.memory.model import (
     rollout_rows,
     stage_parameters,
 )
-from loggra_megatron.model.config import ModelConfig
+from loggra_megatron.model.config import log_prob_chunk_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
@@ -175,8 +175,9 @@ def test_log_prob_passes_are_bounded_by_the_chunk_not_the_micro_batch():
         par, seq_length=s, recompute_granularity="full", reference_model=True
     )
     default = estimate_rl_step_memory(model, step)
-    c = ModelConfig.log_prob_chunk_size  # --log-prob-chunk-size's default
-    assert step.log_prob_chunk_size == c < s
+    assert step.log_prob_chunk_size is None  # --log-prob-chunk-size's default: 2^22 logits
+    c = log_prob_chunk_tokens(None, vocab)
+    assert c == 256 < s and c * vocab <= 1 << 22 < 2 * c * vocab
     assert default.log_prob_logits == 10 * c * vocab  # forward only
     # and its backward: the untied output weight's gradient goes into main_grad
     assert default.logits == 12 * c * vocab + 2 * vocab * 5120 + 4 * s

@@ -49,8 +49,8 @@ def test_the_numbers_of_a_step_by_hand():
     assert (p.rollout_batch_size, p.rows_per_update, p.num_microbatches) == (8, 2, 2)
     assert p.updates_per_rl_step == 4 and p.kl_trial_rows == 0
     assert p.reference_model and p.reference_offload
-    _, p = plan_of([*SMALL, *GRPO, "--log-prob-chunk-size", "256", "--loggra-rank", "16"])
-    assert not p.reference_model and p.log_prob_chunk_size == 256 and p.loggra_rank == 16
+    _, p = plan_of([*SMALL, *GRPO, "--log-prob-chunk-size", "128", "--loggra-rank", "16"])
+    assert not p.reference_model and p.log_prob_chunk_size == 128 and p.loggra_rank == 16
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.seq_length = 4
 

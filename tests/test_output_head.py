@@ -257,3 +257,31 @@ def test_ddp_main_grads_are_todays(tied):
         assert fused is not tied  # the tied weight's embedding gradient must reach .grad
         for name, grad in chunked.items():
             torch.testing.assert_close(grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_default_chunk_holds_at_most_2_to_the_22_logits_of_the_shard():
+    from loggra_megatron.model.config import log_prob_chunk_tokens
+
+    assert log_prob_chunk_tokens(64, 10**6) == 64  # a given --log-prob-chunk-size is kept
+    for vocab in (50, 16128, 16384, 16385, 32000, 129024, 152064, 10**7):
+        c = log_prob_chunk_tokens(None, vocab)
+        assert c in (16, 32, 64, 128, 256) and (c in (16, 256) or c * vocab <= 1 << 22)
+        assert c in (16, 256) or 2 * c * vocab > 1 << 22  # the largest that fits
+    assert log_prob_chunk_tokens(None, 10**7) == 16  # never below 16 tokens
+    assert log_prob_chunk_tokens(None, 16128) == 256  # the 27B example's shard at TP 8
+    assert log_prob_chunk_tokens(None, 32000) == 128
+
+
+def _built_chunk(rank):
+    from loggra_megatron.model.output_head import LOG_PROB_CHUNK
+
+    default = tiny_gpt_model(vocab=40000, use_cpu_initialization=True)
+    given = tiny_gpt_model(vocab=40000, use_cpu_initialization=True, log_prob_chunk_size=7)
+    return getattr(default, LOG_PROB_CHUNK), getattr(given, LOG_PROB_CHUNK)
+
+
+@pytest.mark.parametrize("tp,chunk", [(1, 64), (2, 128)])
+def test_build_gpt_model_sizes_the_default_chunk_by_this_ranks_vocabulary(tp, chunk):
+    """40000 entries: 2^22 / 40000 → 64 tokens at TP 1; 20000 per rank → 128 at TP 2."""
+    for default, given in run_distributed(_built_chunk, tp, tp=tp):
+        assert (default, given) == (chunk, 7)

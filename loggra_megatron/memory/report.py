@@ -20,6 +20,7 @@ from loggra_megatron.memory.model import (
 )
 from loggra_megatron.memory.runtime import communicators
 from loggra_megatron.memory.shape import grad_dtype_bytes
+from loggra_megatron.model.config import log_prob_chunk_tokens
 
 __all__ = ["report"]
 
@@ -95,6 +96,7 @@ def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list
     )
     prefill = prefill_tokens(step)
     comms = communicators(step, est.gpus_per_node)
+    chunk = log_prob_chunk_tokens(step.log_prob_chunk_size, model.padded_vocab_size(t) // t)
     reference = "off"
     if step.reference_model:
         offload = ", offloaded to the host" if step.reference_offload else ""
@@ -112,7 +114,7 @@ def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list
         f"({dense.num_parameters / 1e9:.3f} B params/GPU)",
         f"step      {step.precision}, {'fp32' if grad_dtype_bytes(step) == 4 else 'bf16'} grads, "
         f"micro-batch {step.micro_batch_size} x {step.seq_length} tokens, recompute "
-        f"{_recompute(step)}, log-probs in chunks of {step.log_prob_chunk_size} tokens, "
+        f"{_recompute(step)}, log-probs in chunks of {chunk} tokens, "
         f"reference model {reference}"
         + (
             f", KL trials on {step.kl_trial_rows} seqs (probe + held-out, {step.kl_estimator})"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from loggra_megatron.memory.shape import TransformerShape, ceil_div, param_dtype_bytes
+from loggra_megatron.model.config import log_prob_chunk_tokens
 from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 from loggra_megatron.train.step_plan import StepPlan
 
@@ -136,7 +137,8 @@ def log_prob_head_bytes(
     if not tokens:
         return 0
     t = plan.tensor_model_parallel_size
-    vocab, c = model.padded_vocab_size(t) // t, min(plan.log_prob_chunk_size, tokens)
+    vocab = model.padded_vocab_size(t) // t
+    c = min(log_prob_chunk_tokens(plan.log_prob_chunk_size, vocab), tokens)
     w = param_dtype_bytes(plan)
     upcast = 4 if w != 4 else 0  # .float() of fp32 logits is a view
     forward = (w + upcast + 4) * c * vocab

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from loggra_megatron.model.args import GPTModelArgs
-from loggra_megatron.model.output_head import DEFAULT_CHUNK, LOG_PROB_CHUNK
+from loggra_megatron.model.config import log_prob_chunk_tokens
+from loggra_megatron.model.output_head import LOG_PROB_CHUNK
 
 
 def fused_kernels(device_type: str, use_te: bool) -> dict[str, bool]:
@@ -130,7 +131,7 @@ def build_gpt_model(
     parallel_output: bool = True,
     vp_stage: int | None = None,
     sequence_packing: bool = False,
-    log_prob_chunk_size: int = DEFAULT_CHUNK,
+    log_prob_chunk_size: int | None = None,
     **config_overrides: Any,
 ):
     """Build the Megatron-Core ``GPTModel`` chunk of ``args`` for this pipeline stage.
@@ -147,7 +148,8 @@ def build_gpt_model(
             :mod:`loggra_megatron.model.packing`); needs ``use_te`` (Megatron-Core's local
             attention refuses ``packed_seq_params``).
         log_prob_chunk_size: tokens per chunk of its log-prob forwards
-            (:mod:`loggra_megatron.model.output_head`).
+            (:mod:`loggra_megatron.model.output_head`; None: ``log_prob_chunk_tokens``'s
+            default for this rank's vocabulary shard).
         config_overrides: forwarded to :func:`transformer_config_from_args`.
 
     The model lives on the host with ``use_cpu_initialization=True``, else on the current
@@ -194,7 +196,8 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     setattr(model, PACKS_SEQUENCES, sequence_packing)
-    setattr(model, LOG_PROB_CHUNK, log_prob_chunk_size)
+    local_vocab = args.padded_vocab_size(tp) // tp
+    setattr(model, LOG_PROB_CHUNK, log_prob_chunk_tokens(log_prob_chunk_size, local_vocab))
     if not config.use_cpu_initialization and torch.cuda.is_available():
         # As Megatron-LM's get_model: what Megatron-Core does not place itself (the local
         # spec's torch.nn.RMSNorm, buffers) is created on the host; move all of it.

@@ -29,6 +29,24 @@ def _full_recompute(s: dict) -> bool:
     return s["recompute_granularity"] == "full"
 
 
+MAX_LOG_PROB_CHUNK = 256
+"""The default ``--log-prob-chunk-size`` where the vocabulary shard is small."""
+CHUNK_LOGITS_NUMEL = 1 << 22
+"""Logits of one chunk by default (``[tokens, V/TP]``): 16 MiB in fp32."""
+
+
+def log_prob_chunk_tokens(setting: int | None, local_vocab: int) -> int:
+    """Tokens per log-prob chunk: ``setting`` (``--log-prob-chunk-size``) when given, else
+    the largest power of two up to :data:`MAX_LOG_PROB_CHUNK` (at least 16) whose chunk
+    holds at most :data:`CHUNK_LOGITS_NUMEL` logits of ``local_vocab`` (``V/TP``) entries."""
+    if setting is not None:
+        return setting
+    tokens = MAX_LOG_PROB_CHUNK
+    while tokens > 16 and tokens * local_vocab > CHUNK_LOGITS_NUMEL:
+        tokens //= 2
+    return tokens
+
+
 @dataclass
 class ModelConfig:
     """The architecture of a model made from scratch, its precision and layer implementation."""
@@ -81,11 +99,14 @@ class ModelConfig:
     """Feed each training and log-prob micro-batch as one packed row, no padding between its
     rows (THD, Megatron's ``PackedSeqParams``; docs/benchmarks.md): Transformer Engine's
     attention only, bf16."""
-    log_prob_chunk_size: int = 256
+    log_prob_chunk_size: int | None = None
     """Tokens per chunk of every log-prob forward (training loss, old/reference log-probs,
     KL probe): the output layer and the vocab-parallel log-softmax run per chunk and are
     recomputed in the backward, so no ``[tokens, V/TP]`` logits of a whole micro-batch exist
-    (docs/memory.md#chunked-log-probs). Larger: fewer, bigger GEMMs; smaller: less memory."""
+    (docs/memory.md#chunked-log-probs). Default: the largest power of two up to 256 whose
+    chunk holds at most 2^22 logits of this rank's vocabulary shard (16 MiB in fp32; 256 up
+    to 16384 entries per rank, 128 at a 32k vocabulary on one rank). Larger: fewer, bigger
+    GEMMs; smaller: less memory."""
 
     @property
     def ffn_size(self) -> int:

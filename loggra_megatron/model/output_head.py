@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loggra_megatron.model.config import MAX_LOG_PROB_CHUNK
 from loggra_megatron.model.packing import PACKED
 from loggra_megatron.model.vocab_parallel import (
     shard_targets,
@@ -48,7 +49,8 @@ from loggra_megatron.model.vocab_parallel import (
 LOG_PROB_CHUNK = "log_prob_chunk_size"
 """Attribute of a ``GPTModel`` built by :func:`~loggra_megatron.model.build.build_gpt_model`:
 the tokens per chunk of its log-prob forwards (``--log-prob-chunk-size``)."""
-DEFAULT_CHUNK = 256
+DEFAULT_CHUNK = MAX_LOG_PROB_CHUNK
+"""Tokens per chunk of a model built elsewhere (no :data:`LOG_PROB_CHUNK` attribute)."""
 
 
 def _chunk_logsumexp(z: torch.Tensor, tp_group) -> torch.Tensor:

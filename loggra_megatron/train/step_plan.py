@@ -55,7 +55,7 @@ class StepPlan:
     """Optimizer steps per RL step: mini-batches per rollout × PPO epochs."""
     forward_micro_batch_size: int
     """Sequences per forward-only micro-batch (reference and old log-probs, KL trials)."""
-    log_prob_chunk_size: int
+    log_prob_chunk_size: int | None
     """Tokens per chunk of the output layer and its log-softmax."""
     reference_model: bool
     """A frozen reference model is built (``--kl-coef > 0``)."""
