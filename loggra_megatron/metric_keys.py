@@ -276,6 +276,13 @@ METRICS: dict[str, Metric] = _declare(
         PER_RANK,
     ),
     Metric(
+        "rollout/host_syncs_per_token",
+        "reads of device values on the host per decode step of the static engine's rollout "
+        '(counted; the prompt lengths are known on the host and "every row done" is read '
+        "once every 16 steps; not logged by the dynamic engine)",
+        PER_RANK,
+    ),
+    Metric(
         "throughput/rollout_tokens_per_s",
         "generated tokens per second of generation, of all DP ranks (they generate side by side)",
         SUMMED_OVER_RANKS,

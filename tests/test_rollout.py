@@ -70,6 +70,7 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
             model, PROMPTS, temperature=1.0, seed=7, step=4, **gen
         ),
         "top_p_tiny": generate_rollout(model, PROMPTS, temperature=1.0, top_p=1e-6, seed=7, **gen),
+        "long": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, max_new_tokens=25),
     }
     out["recomputed"] = compute_log_probs(model, out["sampled"].tokens, micro_batch_size=2)
     out["recomputed_greedy"] = compute_log_probs(model, out["greedy"].tokens)
@@ -203,6 +204,22 @@ def test_tensor_prompts_and_zero_new_tokens(tp1):
     assert no_new.tokens.shape == (len(PROMPTS), max(len(p) for p in PROMPTS))
     assert no_new.tokens[:, :3].tolist() == [[5, 9, 17], [3, 4, 5], [60, 2, PAD], [11, 12, 13]]
     assert not no_new.response_mask.any() and (no_new.response_lengths == 0).all()
+
+
+def test_the_decode_loop_reads_the_device_once_every_16_steps(layout):
+    """Prompt lengths are known on the host, and "every row is done" is read once every
+    ``STOP_CHECK_INTERVAL`` steps (before: twice a token); plus one read to cut the result."""
+    from loggra_megatron.rollout.generate import STOP_CHECK_INTERVAL
+    from loggra_megatron.rollout.protocol import rollout_stats
+
+    results, _ = layout
+    for r in results:
+        long = r["long"]
+        steps = max(len(p) for p in PROMPTS) + 25 - min(len(p) for p in PROMPTS)
+        assert long.decode_steps == steps and STOP_CHECK_INTERVAL == 16
+        assert long.host_syncs == -(-steps // STOP_CHECK_INTERVAL) + 1
+        stats = rollout_stats(long, 1.0, 0)
+        assert stats["rollout/host_syncs_per_token"] == long.host_syncs / steps < 0.15
 
 
 def test_temperature_sampling_is_reproducible_per_seed_and_step(tp1):

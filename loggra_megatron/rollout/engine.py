@@ -65,6 +65,8 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
         response_lengths=torch.cat([p.response_lengths for p in parts]),
         truncated=torch.cat([p.truncated for p in parts]),
+        decode_steps=sum(p.decode_steps for p in parts),
+        host_syncs=sum(p.host_syncs for p in parts),
     )
 
 

@@ -51,6 +51,9 @@ class Rollout:
     ``token_mask [B, L]`` bool: ``tokens[:, t]`` is a prompt or generated token (not padding).
     ``prompt_lengths``, ``response_lengths [B]`` int64 (a stop token counts as generated).
     ``truncated [B]`` bool: stopped by ``max_new_tokens`` rather than by a stop token.
+    ``decode_steps``: forwards of the decode loop (prefill included); ``host_syncs``: its reads
+    of device values on the host (the static engine counts them; 0 for an engine that does
+    not).
     """
 
     tokens: torch.Tensor
@@ -60,6 +63,8 @@ class Rollout:
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
     truncated: torch.Tensor
+    decode_steps: int = 0
+    host_syncs: int = 0
 
 
 def sampling_generator(
@@ -123,7 +128,7 @@ def _pack_prompts(
         raise ValueError("prompt lengths must be in [1, P]")
     tokens = tokens[:, : int(lengths.max())]
     tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths.unsqueeze(1), pad_id)
-    return tokens.to(device), lengths.to(device)
+    return tokens.to(device), lengths  # the lengths on the host: the decode loop reads them
 
 
 def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, hidden_dtype):
@@ -249,9 +254,8 @@ def generate_rollout(
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
     real_rows = buf.shape[0]
-    state = _DecodeState.start(
-        *_fill_rows(buf, lengths, row_multiple), real_rows, max_new_tokens, pad_id
-    )
+    buf, lengths = _fill_rows(buf, lengths, row_multiple)
+    state = _DecodeState.start(buf, lengths, real_rows, max_new_tokens, pad_id)
     stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
     tp_group = ps.get_tensor_model_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -282,7 +286,7 @@ def _fill_rows(buf, lengths, row_multiple: int) -> tuple[torch.Tensor, torch.Ten
     extra = -buf.shape[0] % row_multiple
     if not extra:
         return buf, lengths
-    longest = int(lengths.argmax())
+    longest = int(lengths.argmax())  # host lengths: no sync
     buf = torch.cat([buf, buf[longest].expand(extra, -1)])
     return buf, torch.cat([lengths, lengths[longest].expand(extra)])
 
@@ -292,24 +296,32 @@ class _DecodeState:
     """What the decode loop reads and writes, per row (``B``) and position (``L``)."""
 
     buf: torch.Tensor  # [B, L] prompts, then samples, then pad_id
-    lengths: torch.Tensor  # [B] prompt lengths
+    lengths: torch.Tensor  # [B] prompt lengths (device)
+    shortest: int  # prompt lengths, known on the host
+    longest: int
     max_new_tokens: int
     log_probs: torch.Tensor  # [B, L - 1] of the targets tokens[:, t + 1]
     response_mask: torch.Tensor  # [B, L - 1]
     gen_len: torch.Tensor  # [B] generated tokens
     done: torch.Tensor  # [B] finished (fill rows are from the start)
     stopped: torch.Tensor  # [B] by a stop token
+    steps: int = 0  # decode-loop forwards
+    host_syncs: int = 0  # reads of device values on the host
 
     @classmethod
     def start(cls, buf, lengths, real_rows: int, max_new_tokens: int, pad_id: int):
+        """``lengths``: ``[B]`` prompt lengths on the host."""
         batch, device = buf.shape[0], buf.device
-        total = int(lengths.max()) + max_new_tokens
+        shortest, longest = int(lengths.min()), int(lengths.max())
+        total = longest + max_new_tokens
         buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         done[real_rows:] = True
         return cls(
             buf=buf,
-            lengths=lengths,
+            lengths=lengths.to(device),
+            shortest=shortest,
+            longest=longest,
             max_new_tokens=max_new_tokens,
             log_probs=torch.zeros(batch, total - 1, dtype=torch.float32, device=device),
             response_mask=torch.zeros(batch, total - 1, dtype=torch.bool, device=device),
@@ -336,6 +348,7 @@ class _DecodeState:
         lengths, gen_len = self.lengths[:n], self.gen_len[:n]
         seq_len = lengths + gen_len
         width = int(seq_len.max())
+        self.host_syncs += 1
         positions = torch.arange(width, device=self.buf.device)
         return Rollout(
             tokens=self.buf[:n, :width].contiguous(),
@@ -345,12 +358,21 @@ class _DecodeState:
             prompt_lengths=lengths,
             response_lengths=gen_len,
             truncated=~self.stopped[:n],
+            decode_steps=self.steps,
+            host_syncs=self.host_syncs,
         )
+
+
+STOP_CHECK_INTERVAL = 16
+"""Decode steps between two reads of "every row is done" on the host: the loop's only host
+sync (prompt lengths are known on the host), so at most ``STOP_CHECK_INTERVAL − 1`` steps
+run after the last row finished; they change nothing (finished rows are not written)."""
 
 
 def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> None:
     """Prefill, then one token per step until every row is done (on all ranks together:
-    the last stage broadcasts the ids over PP)."""
+    the last stage broadcasts the ids over PP). Reads the device on the host once every
+    :data:`STOP_CHECK_INTERVAL` steps."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
@@ -362,10 +384,15 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
     pp = pp_group.size()
     last = pp_group.rank() == pp - 1
     pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
-    buf, lengths = state.buf, state.lengths
+    buf = state.buf
     batch, total = buf.shape
-    start, t = 0, int(lengths.min())
-    while t < total and state.max_new_tokens > 0 and not bool(state.done.all()):
+    start, t = 0, state.shortest
+    while t < total and state.max_new_tokens > 0:
+        if state.steps % STOP_CHECK_INTERVAL == 0:
+            state.host_syncs += 1
+            if bool(state.done.all()):
+                break
+        state.steps += 1
         lo = start if context is not None else 0
         logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
         next_ids, lp = torch.empty(batch, dtype=torch.long, device=buf.device), None
@@ -374,7 +401,7 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
         if pp > 1:
             dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
         state.record(t, next_ids, lp, stop_ids)
-        if context is not None and bool((lengths <= t).all()):
+        if context is not None and t >= state.longest:
             context.enable_decode_mode()  # every prompt is fully in the cache
         start, t = t, t + 1
 

@@ -94,13 +94,17 @@ class RolloutRequest:
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:
     """The statistics ``generate`` returns, which the trainer logs: ``time/rollout_s``,
-    ``memory/kv_cache_bytes`` (this rank) and ``throughput/rollout_tokens_per_s``."""
+    ``memory/kv_cache_bytes`` (this rank), ``throughput/rollout_tokens_per_s`` and, from an
+    engine that counts them (``Rollout.decode_steps``), ``rollout/host_syncs_per_token``."""
     tokens = float(rollout.response_lengths.sum())
-    return {
+    stats = {
         "time/rollout_s": seconds,
         "memory/kv_cache_bytes": float(kv_cache_bytes),
         "throughput/rollout_tokens_per_s": tokens / max(seconds, 1e-9),
     }
+    if rollout.decode_steps:
+        stats["rollout/host_syncs_per_token"] = rollout.host_syncs / rollout.decode_steps
+    return stats
 
 
 class RolloutEngine:
