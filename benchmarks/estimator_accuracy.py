@@ -9,7 +9,8 @@ sketches; fp32 or bf16 grads; fp32 masters or remainders) is measured there (per
 tensors plus each phase's allocator peak on CPU) and estimated by ``tools/estimate_memory.py
 --json`` with the flags of the same step: the model, ``--micro-batch-size 1``,
 ``--log-prob-micro-batch-size 1``, the static engine, ``--loggra-rank hidden/8``, the
-reference on (``--kl-coef``) and offloaded as asked. Compared per phase is the peak of the
+reference on (``--kl-coef``) and offloaded as asked, and ``--adam-implementation single``
+(Megatron's dense Adam is ``torch.optim.AdamW`` on CPU, without TE or apex). Compared per phase is the peak of the
 phase: persistent + its transient measured, static + its transient estimated, where
 
 * the step's phases are ``rollout``, ``log_probs`` (the reference's) and ``training``
@@ -56,6 +57,7 @@ def estimator_flags(args, kind: str, bf16_grads: bool, remainders: bool, dp: int
         *("--global-batch-size", rows, "--prompts-per-step", rows // 2, "--num-generations", 2),
         *("--rollout-engine", "static", "--world-size", dp, "--gpu-memory-gb", 80),
         *("--runtime-overhead-gb", 0, "--expandable-segments", "--no-nccl-nvls", "--json"),
+        *("--adam-implementation", "single"),
     ]
     if args.log_prob_chunk_size:
         flags += ["--log-prob-chunk-size", args.log_prob_chunk_size]

@@ -144,11 +144,11 @@ def test_recompute_methods_follow_megatron(method):
 
 def test_chunked_log_prob_head_by_hand():
     """The output head at a small shape, by hand: V/t = 256/2 = 128, h = 64, chunks of
-    c = min(--log-prob-chunk-size, tokens); bf16 forward 10·c·V_t, training 12·c·V_t + 6·V_t·h
-    + 4·tokens; an fp32 model no upcast and no casts back (8·c·V_t, 8·c·V_t + 4·V_t·h)."""
+    c = min(--log-prob-chunk-size, tokens); bf16 forward 6·c·V_t, training 12·c·V_t + 6·V_t·h
+    + 4·tokens; an fp32 model no upcast and no casts back (4·c·V_t, 8·c·V_t + 4·V_t·h)."""
     model = TransformerShape(**SMALL)  # vocab 200, padded to 256 at TP 2
     p = plan(tensor_model_parallel_size=2, log_prob_chunk_size=32)
-    assert log_prob_head_bytes(model, p, 96) == 10 * 32 * 128 == 40960
+    assert log_prob_head_bytes(model, p, 96) == 6 * 32 * 128 == 24576
     assert log_prob_head_bytes(model, p, 96, training=True) == (
         12 * 32 * 128 + 6 * 128 * 64 + 4 * 96
     )
@@ -158,10 +158,10 @@ def test_chunked_log_prob_head_by_hand():
     assert log_prob_head_bytes(untied, p, 96, training=True) == (
         12 * 32 * 128 + 2 * 128 * 64 + 4 * 96
     )
-    assert log_prob_head_bytes(model, p, 20) == 10 * 20 * 128  # one short chunk
+    assert log_prob_head_bytes(model, p, 20) == 6 * 20 * 128  # one short chunk
     assert log_prob_head_bytes(model, p, 0) == 0
     fp32 = dataclasses.replace(p, precision="fp32")
-    assert log_prob_head_bytes(model, fp32, 96) == 8 * 32 * 128
+    assert log_prob_head_bytes(model, fp32, 96) == 4 * 32 * 128
     assert log_prob_head_bytes(model, fp32, 96, training=True) == (
         8 * 32 * 128 + 4 * 128 * 64 + 4 * 96
     )
@@ -178,7 +178,7 @@ def test_log_prob_passes_are_bounded_by_the_chunk_not_the_micro_batch():
     assert step.log_prob_chunk_size is None  # --log-prob-chunk-size's default: 2^22 logits
     c = log_prob_chunk_tokens(None, vocab)
     assert c == 256 < s and c * vocab <= 1 << 22 < 2 * c * vocab
-    assert default.log_prob_logits == 10 * c * vocab  # forward only
+    assert default.log_prob_logits == 6 * c * vocab  # forward only
     # and its backward: the untied output weight's gradient goes into main_grad
     assert default.logits == 12 * c * vocab + 2 * vocab * 5120 + 4 * s
     for lp in (2, 4, 8):
@@ -189,7 +189,7 @@ def test_log_prob_passes_are_bounded_by_the_chunk_not_the_micro_batch():
         assert b.logits == default.logits  # the training micro-batch is unchanged
     # a chunk of the whole micro-batch is the unchunked pass: it scales with the rows
     whole = dataclasses.replace(step, forward_micro_batch_size=8, log_prob_chunk_size=8 * s)
-    assert estimate_rl_step_memory(model, whole).log_prob_logits == 10 * 8 * s * vocab
+    assert estimate_rl_step_memory(model, whole).log_prob_logits == 6 * 8 * s * vocab
     no_ref = dataclasses.replace(step, reference_model=False, forward_micro_batch_size=8)
     b = estimate_rl_step_memory(model, no_ref)
     assert b.log_prob_logits == b.log_prob_activations == b.reference_model == 0
@@ -223,6 +223,32 @@ def test_fp8_caches_prefill_and_kl_probe_terms():
     per_row = s * model.padded_vocab_size(8) // 8
     assert full.kl_probe_logits == full_kl_logits_bytes(model, probe, 8, rows)
     assert full.kl_probe_logits == 4 * 8 * per_row + 16 * rows * per_row
+
+
+def test_adam_temporaries_by_implementation():
+    """--adam-implementation: FusedAdam none; torch's foreach AdamW one fp32 denominator per
+    element of the shard; its single-tensor loop (CPU) the largest shard's square root and
+    denominator; none for LoGRA (its own update) or the precision-aware FusedAdam."""
+    from loggra_megatron.config import ConfigError
+
+    model = TransformerShape(**SMALL)
+    step = plan(data_parallel_size=2, optimizer="adam", seq_length=8, max_new_tokens=4)
+    shards = [-(-s.numel // 2) for s in stage_parameters(model, step, 0)]
+    got = {
+        impl: estimate_rl_step_memory(model, step, EstimateConfig(adam_implementation=impl))
+        for impl in ("fused", "foreach", "single")
+    }
+    assert got["fused"].adam_temporaries == 0
+    assert got["foreach"].adam_temporaries == 4 * sum(shards)
+    assert got["single"].adam_temporaries == 8 * max(shards)
+    assert got["foreach"].phases()["optimizer step"] == 4 * sum(shards)
+    loggra = dataclasses.replace(step, optimizer="loggra")
+    foreach = EstimateConfig(adam_implementation="foreach")
+    assert estimate_rl_step_memory(model, loggra, foreach).adam_temporaries == 0
+    aware = EstimateConfig(adam_implementation="foreach", exp_avg_sq_dtype="bf16")
+    assert estimate_rl_step_memory(model, step, aware).adam_temporaries == 0
+    with pytest.raises(ConfigError, match="adam.implementation"):
+        EstimateConfig(adam_implementation="apex")
 
 
 def test_loggra_fp32_grad_copy_and_no_distributed_optimizer():

@@ -34,10 +34,10 @@
 # reference's weights are on the host (--reference-offload; otherwise its bf16 weights and
 # FP8 cache stay on every GPU). Transient phases (one at a time): rollout 20.38 (the peak:
 # KV cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64
-# prompts in one 65536-token forward), KL control 7.91 (probe in micro-batches of 4 sequences, its
-# log-probs in chunks of 256 tokens: 1.63, plus the 6.29 backup of the weights a trial
-# overwrites), the dynamic engine's old-log-prob recompute 1.63 and the reference
-# log-probs 1.93 (4 sequences per forward, --log-prob-micro-batch-size; the reference's two
+# prompts in one 65536-token forward), KL control 7.90 (probe in micro-batches of 4 sequences, its
+# log-probs in chunks of 256 tokens: 1.61, plus the 6.29 backup of the weights a trial
+# overwrites), the dynamic engine's old-log-prob recompute 1.61 and the reference
+# log-probs 1.92 (4 sequences per forward, --log-prob-micro-batch-size; the reference's two
 # streamed layers 0.31), training 1.79, the optimizer step's sketch update 0.22.
 # Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
 # tokens at once) and LoGRA 60.16 ("yes (18.94 free)"): it still fits, with less room.

@@ -16,6 +16,10 @@ from loggra_megatron.memory.capacity import H100_80GB_CAPACITY_GIB, RUNTIME_OVER
 MOMENT_DTYPES = ("fp32", "bf16")
 
 
+ADAM_IMPLEMENTATIONS = ("fused", "foreach", "single")
+"""``--adam-implementation`` choices."""
+
+
 @dataclass
 class EstimateConfig:
     """The machine, the architecture's source and the output (flags ``pretrain_rl.py`` does
@@ -59,6 +63,12 @@ class EstimateConfig:
     masters as remainders too; read for the optimizers the registry marks precision_aware)."""
     exp_avg_sq_dtype: str = "fp32"
     """Dense Adam's second moment: fp32 | bf16 (as --exp-avg-dtype)."""
+    adam_implementation: str = "fused"
+    """Dense Adam's kernel, which Megatron picks by what is installed: fused (Transformer
+    Engine's or apex's FusedAdam: no temporaries) | foreach (torch.optim.AdamW on a GPU
+    without them: one fp32 temporary per element of the shard, its square-root term) |
+    single (torch's per-tensor loop, the CPU's: two fp32 temporaries of the largest
+    shard). LoGRA's own update is counted as it runs."""
     fit: bool = False
     """Instead of one run: search the layouts (TP within a node, PP), recompute, micro-batch
     sizes, bf16 grads and LoGRA's remainders that fit, with the largest KV budget each
@@ -88,6 +98,11 @@ class EstimateConfig:
                 ("runtime_overhead_gb", lambda v: v >= 0, ">= 0"),
                 ("exp_avg_dtype", one_of(*MOMENT_DTYPES), f"one of {', '.join(MOMENT_DTYPES)}"),
                 ("exp_avg_sq_dtype", one_of(*MOMENT_DTYPES), f"one of {', '.join(MOMENT_DTYPES)}"),
+                (
+                    "adam_implementation",
+                    one_of(*ADAM_IMPLEMENTATIONS),
+                    f"one of {', '.join(ADAM_IMPLEMENTATIONS)}",
+                ),
             ],
         )
         if self.hf_config is not None and not os.path.exists(self.hf_config):

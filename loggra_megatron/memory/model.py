@@ -22,6 +22,7 @@ from loggra_megatron.memory.backward_sketch import sketch_terms
 from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.params import (
     ParamSpec,
+    adam_temporary_bytes,
     bytes_per_master,
     grad_bytes,
     is_sketched,
@@ -210,6 +211,7 @@ def _stage_breakdown(
         kl_probe_logits=_kl_probe_logits(model, plan, last),
         kl_weight_backup=master_param_bytes(dense, dp, 2) + sk.masters(2) if trial_backup else 0,
         main_grad_copies=main_grad_copy_bytes(dense, plan, est, dp, sketch=not sk.targets),
+        adam_temporaries=adam_temporary_bytes(dense, plan, est, dp),
         sketch_step=sk.step,
         # saving rebuilds each master from weight + remainder, one copy bucket at a time,
         # into its host copy (optim/megatron/checkpoint.py, optim/param_remainders.py)

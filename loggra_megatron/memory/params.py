@@ -31,6 +31,7 @@ __all__ = [
     "save_copy_numel",
     "grad_bytes",
     "is_sketched",
+    "adam_temporary_bytes",
     "main_grad_copy_bytes",
     "master_param_bytes",
     "num_parameters",
@@ -242,6 +243,23 @@ def main_grad_copy_bytes(
     if bf16_moments(plan, est):
         return 0  # precision-aware optimizer: TE's FusedAdam reads the bf16 grads
     return 4 * sum(shards)
+
+
+def adam_temporary_bytes(
+    params: list[ParamSpec], plan: StepPlan, est: EstimateConfig, dp: int = 1
+) -> int:
+    """Temporaries of dense Adam's step by ``--adam-implementation``: none fused; with
+    torch's AdamW the ``√v̂ + ε`` denominators (``torch.optim.adamw``): every shard's at once
+    (``foreach``, ``4·Σ shards``) or the largest shard's, with the square root it is divided
+    from (``single``, ``8·max shard``). LoGRA's optimizers run their own update (none)."""
+    if OPTIMIZERS[plan.optimizer].grads_per_weight or bf16_moments(plan, est):
+        return 0  # LoGRA's own update; TE's FusedAdam (precision-aware)
+    shards = [ceil_div(s.numel, dp) for s in params]
+    if est.adam_implementation == "foreach":
+        return 4 * sum(shards)
+    if est.adam_implementation == "single":
+        return 8 * max(shards, default=0)
+    return 0
 
 
 def reference_units(model: TransformerShape, params: list[ParamSpec]) -> list[tuple[int, int]]:

@@ -52,6 +52,7 @@ class MemoryBreakdown:
     sketch_buffer: int = 0
     sketch_projections: int = 0
     sketch_step: int = 0
+    adam_temporaries: int = 0
     checkpoint_save: int = 0
 
     STATIC = (
@@ -72,7 +73,7 @@ class MemoryBreakdown:
     LOG_PROBS = ("log_prob_activations", "log_prob_logits", "reference_streamed")
     TRAINING = ("activations", "sketch_projections", "logits")
     KL_CONTROL = ("kl_probe_activations", "kl_probe_logits", "kl_weight_backup")
-    OPTIMIZER_STEP = ("main_grad_copies", "sketch_step")
+    OPTIMIZER_STEP = ("main_grad_copies", "adam_temporaries", "sketch_step")
     CHECKPOINT_SAVE = ("checkpoint_save",)
     TRANSIENT = (
         *ROLLOUT,

@@ -52,6 +52,7 @@ LABELS = {
     "kl_probe_logits": "kl control: probe logits",
     "kl_weight_backup": "kl control: weight backup",
     "main_grad_copies": "optimizer: fp32 grad copies",
+    "adam_temporaries": "optimizer: Adam temporaries",
     "sketch_step": "optimizer: sketch step",
     "checkpoint_save": "checkpoint: fp32 of a bucket",
 }

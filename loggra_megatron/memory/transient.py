@@ -124,8 +124,9 @@ def log_prob_head_bytes(
     padded vocabulary over TP, ``h`` the hidden size and ``w`` the weights' bytes (2 for
     bf16; an fp32 model's logits need no upcast and no cast back):
 
-    * forward, per chunk: its logits ``w·c·V_t``, their fp32 upcast ``4·c·V_t`` and the
-      fp32 ``exp`` of the log-softmax ``4·c·V_t`` (bf16: ``10·c·V_t``);
+    * forward, per chunk: its logits ``w·c·V_t`` and their fp32 upcast ``4·c·V_t``, in which
+      the log-sum-exp's ``exp`` runs in place (bf16: ``6·c·V_t``; fp32: ``4·c·V_t``, the
+      upcast being the logits themselves);
     * training (``training=True``), one chunk's backward at a time: its recomputed logits,
       their fp32 upcast, the fp32 softmax/gradient and its cast to ``w`` (bf16:
       ``12·c·V_t``), plus the output weight's gradient: added chunk by chunk into DDP's
@@ -141,7 +142,7 @@ def log_prob_head_bytes(
     c = min(log_prob_chunk_tokens(plan.log_prob_chunk_size, vocab), tokens)
     w = param_dtype_bytes(plan)
     upcast = 4 if w != 4 else 0  # .float() of fp32 logits is a view
-    forward = (w + upcast + 4) * c * vocab
+    forward = (w + upcast) * c * vocab
     if not training:
         return forward
     backward = (w + upcast + 4 + (w if w != 4 else 0)) * c * vocab
