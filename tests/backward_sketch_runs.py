@@ -179,7 +179,8 @@ def train(rank, steps=3, save=None, load=None, bf16=False, **kw):
     from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
     from loggra_megatron.optim import state_bytes
 
-    overrides = {k: kw.pop(k) for k in list(kw) if k in ("sequence_parallel",)}
+    shape = ("sequence_parallel", "hidden_size", "heads", "kv_channels")
+    overrides = {k: kw.pop(k) for k in list(kw) if k in shape}
     optim, loggra = settings(**kw)
     ddp, opt = build_sketched(optim, loggra, bf16=bf16, **overrides)
     if load is not None:

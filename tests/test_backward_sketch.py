@@ -108,6 +108,16 @@ def test_dp2_update_reduced_per_microbatch_equals_dp1(single_rank):
     assert results[0]["norms"] == pytest.approx(single_rank["norms"], rel=1e-5)
 
 
+def test_dp2_update_equals_dp1_with_rows_dp_does_not_divide():
+    """Hidden 27: proj and fc2 have 27 rows, so the ranks own 14 and 13 and the weights are
+    all-gathered through a padded buffer (the others in place)."""
+    odd = dict(hidden_size=27, heads=3, kv_channels=10)
+    (one,) = run_distributed(runs.train, 1, **odd)
+    results = run_distributed(runs.train, 2, **odd)
+    assert _max_rel(results[0]["params"], one["params"]) < 1e-5
+    assert results[0]["rows"] + results[1]["rows"] == one["rows"]
+
+
 def test_tp2_sequence_parallel_update_equals_tp1(single_rank):
     results = run_distributed(runs.train, 2, tp=2, sequence_parallel=True)
     assert _max_rel(results[0]["params"], single_rank["params"]) < 1e-5

@@ -129,8 +129,9 @@ def step_bytes(
       each), the signs ``B`` drawn for the full width ``[r, n_full]`` in the weight dtype and
       their fp32 copy ``[r, n]`` (16-bit weights), the fp32 direction and clipped sketch
       (``[k, r]`` each) and the new second moments (``[k]``);
-    * the all-gather of one weight's rows over DP: ``[segments·k, n]`` and this rank's
-      padded ``[k, n]`` in the weight dtype (``segments > 1``).
+    * the all-gather of one weight's rows over DP (``segments > 1``): in place when
+      ``segments`` divides ``m``, else ``[segments·k, n]`` and this rank's padded ``[k, n]``
+      in the weight dtype.
 
     ``k = ⌈m/segments⌉``."""
     if not targets:
@@ -143,7 +144,7 @@ def step_bytes(
         full = n * tp if target_of(spec) in ROW_PARALLEL else n
         signs = weight_bytes * rank * full + (4 * rank * n if weight_bytes != 4 else 0)
         update = max(update, 8 * k * n + signs + 8 * k * rank + 4 * k)
-        if segments > 1:
+        if segments > 1 and k * segments != spec.shape[0]:
             gather = max(gather, weight_bytes * (segments + 1) * k * n)
     return max(receive, update, gather)
 

@@ -229,14 +229,19 @@ class BackwardSketchOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """All-gather every target's rows over DP (each rank updated its own)."""
+        """All-gather every target's rows over DP (each rank updated its own): in place when
+        the DP ranks own equal blocks (the input a view of the output at this rank's offset,
+        as Megatron's param all-gather), else through a padded ``[DP·k, n]`` buffer."""
         if self.sites[0].segments == 1:
             return
         for chunk_sites in self.sites:
             for site in chunk_sites:
                 weight = site.weight.detach()
-                out = weight.new_empty((chunk_sites.segments * site.chunk, site.cols))
                 lo, hi = site.owned_rows(self.segment)
+                if chunk_sites.segments * site.chunk == site.rows:
+                    dist.all_gather_into_tensor(weight, weight[lo:hi], group=self.dp_group)
+                    continue
+                out = weight.new_empty((chunk_sites.segments * site.chunk, site.cols))
                 mine = weight.new_zeros((site.chunk, site.cols))
                 mine[: hi - lo].copy_(weight[lo:hi])
                 dist.all_gather_into_tensor(out, mine, group=self.dp_group)
