@@ -129,7 +129,6 @@ def compare(args, dp: int, settings: dict) -> list[tuple[str, str, str, int, flo
 
 
 def report(args, dp: int, rows) -> str:
-    gib = GIB
     lines = [
         f"# estimator_accuracy: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
         f"{args.rollout_rows} x {args.seq} tokens, DP={dp}, reference "
@@ -139,13 +138,11 @@ def report(args, dp: int, rows) -> str:
         "| optimizer | setting | phase | measured | estimated | estimated / measured |",
         "|---|---|---|---:|---:|---:|",
     ]
-    worst = 0.0
     for kind, name, phase, got, est in rows:
-        ratio = est / got
-        worst = max(worst, abs(ratio - 1)) if phase != "static" else worst
         lines.append(
-            f"| {kind} | {name} | {phase} | {got / gib:.4f} | {est / gib:.4f} | {ratio:.3f} |"
+            f"| {kind} | {name} | {phase} | {got / GIB:.4f} | {est / GIB:.4f} | {est / got:.3f} |"
         )
+    worst = max(abs(est / got - 1) for _, _, phase, got, est in rows if phase != "static")
     lines.append(f"\nlargest error at a phase's peak: {100 * worst:.1f} % (goal: within 5 %)")
     return "\n".join(lines)
 

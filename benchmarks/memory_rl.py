@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from loggra_megatron.optim.backward_sketch import SKETCH_REDUCTIONS
+
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
@@ -316,7 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--loggra-sketch-reduce",
-        choices=["step", "microbatch"],
+        choices=SKETCH_REDUCTIONS,
         default="step",
         help="the backward sketch's DP reduce-scatter of S (as pretrain_rl.py's flag)",
     )

@@ -98,10 +98,10 @@ def row_state_bytes(targets, dp: int, row_optimizer: str) -> int:
     return ROW_STATE_BYTES[row_optimizer] * sum(ceil_div(s.shape[0], dp) for s in targets)
 
 
-def buffer_bytes(targets, segments: int, rank: int, held: int | None = None) -> int:
-    """The fp32 sketch buffer ``[held, Σ ⌈m/segments⌉, r]`` on every rank: all ``segments``
-    (≈ ``4·Σm·r``; the default) or, reduced in the backward, this rank's one."""
-    held = segments if held is None else held
+def buffer_bytes(targets, segments: int, rank: int, reduced_in_backward: bool = False) -> int:
+    """The fp32 sketch buffer ``[segments, Σ ⌈m/segments⌉, r]`` on every rank (≈
+    ``4·Σm·r``), or, ``reduced_in_backward``, this rank's one segment."""
+    held = 1 if reduced_in_backward else segments
     return 4 * held * sum(ceil_div(s.shape[0], segments) for s in targets) * rank
 
 
@@ -111,10 +111,11 @@ def hook_bytes(targets, segments: int, rank: int, reduced_in_backward: bool) -> 
     ``[k, r]`` received."""
     most = 0
     for s in targets:
-        m = s.shape[0]
-        k = ceil_div(m, segments)
-        extra = (k * segments if k * segments != m else 0) + k if reduced_in_backward else 0
-        most = max(most, 4 * (m + extra) * rank)
+        m, k = s.shape[0], ceil_div(s.shape[0], segments)
+        rows = m
+        if reduced_in_backward:
+            rows += k + (k * segments if k * segments != m else 0)
+        most = max(most, 4 * rows * rank)
     return most
 
 
@@ -229,7 +230,7 @@ def sketch_terms(
         dp=dp,
         rank=r,
         row_state=row_state_bytes(targets, dp, plan.loggra_row_optimizer),
-        buffer=buffer_bytes(targets, dp, r, held=1 if in_backward else dp),
+        buffer=buffer_bytes(targets, dp, r, in_backward),
         step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward),
         projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward),
         activation_saving=layers * frozen_input_bytes_per_layer(model, plan),

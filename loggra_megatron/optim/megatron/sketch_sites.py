@@ -112,7 +112,7 @@ class SketchSites:
         holds this rank's segment only."""
         self.dp_group = (
             parallel_state.get_data_parallel_group(with_context_parallel=True)
-            if segments > 1
+            if self.reduced_in_backward
             else None
         )
         self.updates = 0
