@@ -13,6 +13,7 @@ import sys
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.checkpointing.run_lock import claim_run_directories
 from loggra_megatron.config import ConfigError
+from loggra_megatron.memory.kv_budget import kv_budget
 from loggra_megatron.train.preflight import preflight
 from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
 
@@ -38,7 +39,7 @@ def main(argv=None) -> None:
     except ConfigError as e:
         _fail(str(e), 2)
     try:
-        RLTrainer(cfg, host).setup().train()
+        RLTrainer(cfg, host, size_kv_budget=kv_budget).setup().train()
     except TrainingStopped as e:  # raised on every rank alike; checkpoints untouched
         _fail(str(e), 1)
     for lock in locks:

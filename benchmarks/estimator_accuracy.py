@@ -54,10 +54,11 @@ def estimator_flags(args, kind: str, bf16_grads: bool, remainders: bool, dp: int
         *("--seq-length", args.seq, "--max-new-tokens", args.new_tokens),
         *("--untie-embeddings-and-output-weights", "--bf16", "--transformer-impl", "local"),
         *("--micro-batch-size", 1, "--log-prob-micro-batch-size", 1),
-        *("--global-batch-size", rows, "--prompts-per-step", rows // 2, "--num-generations", 2),
+        *("--global-batch-size", rows, "--num-generations", args.num_generations),
+        *("--prompts-per-step", rows // args.num_generations),
         *("--rollout-engine", "static", "--world-size", dp, "--gpu-memory-gb", 80),
         *("--runtime-overhead-gb", 0, "--expandable-segments", "--no-nccl-nvls", "--json"),
-        *("--adam-implementation", "single"),
+        *("--adam-implementation", "single", "--device", "cpu"),
     ]
     if args.log_prob_chunk_size:
         flags += ["--log-prob-chunk-size", args.log_prob_chunk_size]

@@ -235,7 +235,10 @@ def _measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders
     policy, reference, optimizer = build(kind, args, bf16_grads, with_reference, remainders)
     gen = torch.Generator().manual_seed(1)
     rows, prompt = args.rollout_rows, args.seq - args.new_tokens
-    tokens = torch.randint(0, args.vocab, (rows, args.seq + 1), generator=gen).to(args.device)
+    tokens = torch.randint(0, args.vocab, (rows, args.seq + 1), generator=gen)
+    g = args.num_generations  # GRPO groups: their rows share a prompt (and its prefill)
+    tokens[:, :prompt] = tokens[::g, :prompt].repeat_interleave(g, dim=0)
+    tokens = tokens.to(args.device)
     prompts = tokens[:, :prompt]
     step = lambda **kw: one_rl_step(policy, reference, optimizer, prompts, tokens, **kw)  # noqa: E731
     step()  # allocate the optimizer state
@@ -306,6 +309,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sequences sampled at once (the KV cache) and trained on",
     )
     ap.add_argument(
+        "--num-generations",
+        type=int,
+        default=2,
+        help="rollout rows that share a prompt (a GRPO group; it divides --rollout-rows)",
+    )
+    ap.add_argument(
         "--reference",
         choices=["both", "yes", "no"],
         default="both",
@@ -344,6 +353,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.new_tokens = args.new_tokens or args.seq // 2
     if not 0 < args.new_tokens < args.seq:
         ap.error(f"--new-tokens: must be in [1, --seq {args.seq})")
+    if args.num_generations < 1 or args.rollout_rows % args.num_generations:
+        ap.error(f"--num-generations: must divide --rollout-rows ({args.rollout_rows})")
     return args
 
 

@@ -32,7 +32,7 @@ from loggra_megatron.config import (
 )
 from loggra_megatron.optim.registry import OPTIMIZERS
 from loggra_megatron.rollout.protocol import EngineTarget
-from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
+from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, select_engine
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
@@ -332,16 +332,28 @@ def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
 
 def _rollout_engine_problems(cfg, here: bool):
     """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over); not
-    ``here``: by the settings alone (:meth:`~loggra_megatron.rollout.protocol.RolloutEngine.refusal`)."""
+    ``here``: by the settings alone (:meth:`~loggra_megatron.rollout.protocol.RolloutEngine.refusal`).
+    ``--tis-cap`` with the engine the run takes, where it does not sample its own log-probs."""
     name = cfg.rollout.rollout_engine
-    if name == AUTO:
-        return
-    engine = ROLLOUT_ENGINES[name]
     target = EngineTarget.of_settings(cfg.model, cuda=_on_gpu(cfg, here))
-    reason = engine.unavailable(target) if here else engine.refusal(target)
-    if reason is not None:
-        others = " or ".join([*(n for n in ROLLOUT_ENGINES if n != name), AUTO])
-        yield (
-            f"--rollout-engine: the {name} engine cannot run here ({reason}; "
-            f"docs/rollouts.md); use {others}"
-        )
+    if name != AUTO:
+        engine = ROLLOUT_ENGINES[name]
+        reason = engine.unavailable(target) if here else engine.refusal(target)
+        if reason is not None:
+            others = " or ".join([*(n for n in ROLLOUT_ENGINES if n != name), AUTO])
+            yield (
+                f"--rollout-engine: the {name} engine cannot run here ({reason}; "
+                f"docs/rollouts.md); use {others}"
+            )
+            return
+    if cfg.loss.tis_cap is not None:
+        try:
+            engine, _ = select_engine(name, target, planning=not here)
+        except RuntimeError:
+            return  # no engine at all: the run says so where it starts one
+        if engine.recomputes_log_probs:
+            yield (
+                f"--tis-cap: the {engine.name} engine does not sample its own log-probs (the "
+                "rollout's are the trainer's recompute), so there is no mismatch to correct; "
+                "use --rollout-engine static, or drop --tis-cap"
+            )

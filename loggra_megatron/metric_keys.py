@@ -21,13 +21,13 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MEAN, SUM, MAX, MIN = "mean", "sum", "max", "min"
+MEAN, SUM, MAX, MIN, FIRST = "mean", "sum", "max", "min", "first"
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """How a key's values combine at each stage (``mean`` | ``sum``, over ranks also ``max``
-    | ``min``; None: not this stage)."""
+    """How a key's values combine at each stage (``mean`` | ``sum``, over updates also
+    ``first``, over ranks also ``max`` | ``min``; None: not this stage)."""
 
     micro_batches: str | None = None
     """Over the micro-batches of a mini-batch (metrics of the loss terms)."""
@@ -54,6 +54,9 @@ PER_UPDATE = Reduction(updates=MEAN, ranks=MEAN)
 """Measured once per optimizer update (the same on every rank)."""
 TOTAL_PER_UPDATE = Reduction(updates=SUM, ranks=MEAN)
 """A count or a time per optimizer update, added up over the step's updates."""
+FIRST_UPDATE_TOKEN_MEAN = Reduction(micro_batches=MEAN, updates=FIRST, ranks=MEAN)
+"""A token mean over each micro-batch of the step's first update, where the policy is still
+the one that generated the rollout."""
 PER_RANK = Reduction(ranks=MEAN)
 """One value per rank and step."""
 SUMMED_OVER_RANKS = Reduction(ranks=SUM)
@@ -139,6 +142,20 @@ METRICS: dict[str, Metric] = _declare(
         "clip/fraction", "share of tokens whose PPO ratio was clipped (zero gradient)", TOKEN_MEAN
     ),
     Metric("ratio/mean", "token mean of the ratio π_θ / π_old", TOKEN_MEAN),
+    Metric(
+        "rollout/logprob_mismatch",
+        "token mean of |log π_rollout − log π_θ| over the response tokens of the step's first "
+        "optimizer update, where θ is still the rollout's policy: how far the rollout "
+        "engine's log-probs are from the trainer's forward on the same weights (logged where "
+        "the engine samples its own log-probs: the static engine)",
+        FIRST_UPDATE_TOKEN_MEAN,
+    ),
+    Metric(
+        "tis/weight_mean",
+        "token mean of the truncated importance weight min(π_old / π_rollout, --tis-cap) that "
+        "multiplies each token's policy loss (with --tis-cap)",
+        TOKEN_MEAN,
+    ),
     Metric(
         "kl/old_new",
         "token-mean k3 estimate of KL(π_old ‖ π_θ), the sampling policy to the policy being "
@@ -283,6 +300,26 @@ METRICS: dict[str, Metric] = _declare(
         PER_RANK,
     ),
     Metric(
+        "rollout/prefill_tokens",
+        "prompt tokens the static engine's prefill ran, once per distinct prompt (a GRPO "
+        "group's rows share their prompt's), summed over chunks; not logged by the dynamic "
+        "engine",
+        SUMMED_OVER_RANKS,
+    ),
+    Metric(
+        "rollout/prompt_tokens",
+        "prompt tokens of the rollout's rows (the sum over rows), beside "
+        "`rollout/prefill_tokens`; logged with it",
+        SUMMED_OVER_RANKS,
+    ),
+    Metric(
+        "rollout/evicted_requests",
+        "requests the dynamic engine evicted from its KV cache and prefilled again (0: the "
+        "requests in flight are as many as the KV blocks hold at full length); not logged by "
+        "the static engine, which never evicts",
+        SUMMED_OVER_RANKS,
+    ),
+    Metric(
         "throughput/rollout_tokens_per_s",
         "generated tokens per second of generation, of all DP ranks (they generate side by side)",
         SUMMED_OVER_RANKS,
@@ -361,12 +398,22 @@ def combine_micro_batches(outs: Iterable[dict]) -> dict[str, float]:
     }
 
 
+def add_update(sums: dict[str, float], metrics: dict[str, float]) -> None:
+    """Add one optimizer update's ``metrics`` to ``sums`` (a ``first`` key keeps the value of
+    the first update that reported it)."""
+    for key, value in metrics.items():
+        if declared(key, "updates") == FIRST:
+            sums.setdefault(key, value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+
+
 def combine_updates(sums: dict[str, float], num_updates: int) -> dict[str, float]:
-    """The RL step's value of each key from ``sums`` over its ``num_updates`` updates
-    (``mean``: the sum divided by ``num_updates``; an update that did not report the key,
-    e.g. a skipped one, counts as 0)."""
+    """The RL step's value of each key from ``sums`` (:func:`add_update`) over its
+    ``num_updates`` updates (``mean``: the sum divided by ``num_updates``; an update that did
+    not report the key, e.g. a skipped one, counts as 0)."""
     return {
-        key: total if declared(key, "updates") == SUM else total / num_updates
+        key: total if declared(key, "updates") in (SUM, FIRST) else total / num_updates
         for key, total in sums.items()
     }
 

@@ -1,6 +1,7 @@
 """Plans of RL steps for the memory tests: ``pretrain_rl.py``'s default settings with
-``--bf16`` (the estimator's GPU: ``StepPlan.of(cfg, cuda=True)``) and the static engine, the
-fields a test sets replaced (:func:`plan`), or a plan from a command line (:func:`plan_of`)."""
+``--bf16`` (the estimator's GPU: ``StepPlan.of(cfg, cuda=True)``) and the static engine (its
+sampled old log-probs), the fields a test sets replaced (:func:`plan`), or a plan from a
+command line (:func:`plan_of`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.step_plan import StepPlan
 
 BASE = dataclasses.replace(
-    StepPlan.of(RunConfig(model=ModelConfig(bf16=True)), cuda=True), rollout_engine="static"
+    StepPlan.of(RunConfig(model=ModelConfig(bf16=True)), cuda=True),
+    rollout_engine="static",
+    old_log_probs="rollout",  # the static engine's: sampled while decoding
 )
 
 

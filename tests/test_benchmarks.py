@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -231,3 +232,35 @@ def test_estimator_accuracy_compares_each_phase_of_a_measured_step():
             assert estimated == pytest.approx(measured, rel=1e-6), kind
         else:
             assert estimated == pytest.approx(measured, rel=0.10), (kind, phase)
+
+
+def test_rollout_prefill_benchmark_shares_the_prefill(tmp_path):
+    """``benchmarks/rollout_prefill.py`` at a tiny shape: both arms sample the same tokens,
+    and one prefill per prompt runs 1/G of the prefill tokens (docs/results.md quotes its
+    times)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "prefill.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rollout_prefill.py")]
+    cmd += [
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "256",
+        "--prompts",
+        "2",
+        "--num-generations",
+        "4",
+    ]
+    cmd += ["--prompt-tokens", "32", "--new-tokens", "3", "--repeats", "1", "--json", str(out)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True, cwd=ROOT)
+    result = json.loads(out.read_text())
+    assert result["tokens_equal"]
+    assert result["every row"]["prefill_tokens"] == 8 * 32
+    assert result["shared"]["prefill_tokens"] == 2 * 32
+    assert result["decode_ops_per_forward"] > 0

@@ -144,26 +144,31 @@ def test_recompute_methods_follow_megatron(method):
 
 def test_chunked_log_prob_head_by_hand():
     """The output head at a small shape, by hand: V/t = 256/2 = 128, h = 64, chunks of
-    c = min(--log-prob-chunk-size, tokens); bf16 forward 6·c·V_t, training 12·c·V_t + 6·V_t·h
-    + 4·tokens; an fp32 model no upcast and no casts back (4·c·V_t, 8·c·V_t + 4·V_t·h)."""
+    c = min(--log-prob-chunk-size, tokens); bf16 forward 6·c·V_t, training 6·c·V_t + 6·V_t·h
+    (the fp32 accumulator and a chunk's gradient) + 2·tokens·h (the input's gradient) +
+    4·tokens; an fp32 model no upcast and no casts back (4·c·V_t, 4·c·V_t + 8·V_t·h + ...)."""
     model = TransformerShape(**SMALL)  # vocab 200, padded to 256 at TP 2
     p = plan(tensor_model_parallel_size=2, log_prob_chunk_size=32)
     assert log_prob_head_bytes(model, p, 96) == 6 * 32 * 128 == 24576
     assert log_prob_head_bytes(model, p, 96, training=True) == (
-        12 * 32 * 128 + 6 * 128 * 64 + 4 * 96
+        6 * 32 * 128 + 6 * 128 * 64 + 2 * 96 * 64 + 4 * 96
+    )
+    # one chunk: the chunk's gradient is the weight's, no accumulator
+    assert log_prob_head_bytes(model, p, 32, training=True) == (
+        6 * 32 * 128 + 2 * 128 * 64 + 2 * 32 * 64 + 4 * 32
     )
     # untied (or on a later stage than the embeddings): the weight's gradient goes into
-    # DDP's main_grad chunk by chunk, with a bf16 placeholder for DDP's hook
+    # DDP's main_grad chunk by chunk, then a bf16 placeholder for DDP's hook
     untied = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
     assert log_prob_head_bytes(untied, p, 96, training=True) == (
-        12 * 32 * 128 + 2 * 128 * 64 + 4 * 96
+        6 * 32 * 128 + 2 * 128 * 64 + 2 * 96 * 64 + 4 * 96
     )
     assert log_prob_head_bytes(model, p, 20) == 6 * 20 * 128  # one short chunk
     assert log_prob_head_bytes(model, p, 0) == 0
     fp32 = dataclasses.replace(p, precision="fp32")
     assert log_prob_head_bytes(model, fp32, 96) == 4 * 32 * 128
     assert log_prob_head_bytes(model, fp32, 96, training=True) == (
-        8 * 32 * 128 + 4 * 128 * 64 + 4 * 96
+        4 * 32 * 128 + 8 * 128 * 64 + 4 * 96 * 64 + 4 * 96
     )
 
 
@@ -180,7 +185,7 @@ def test_log_prob_passes_are_bounded_by_the_chunk_not_the_micro_batch():
     assert c == 256 < s and c * vocab <= 1 << 22 < 2 * c * vocab
     assert default.log_prob_logits == 6 * c * vocab  # forward only
     # and its backward: the untied output weight's gradient goes into main_grad
-    assert default.logits == 12 * c * vocab + 2 * vocab * 5120 + 4 * s
+    assert default.logits == 6 * c * vocab + 2 * vocab * 5120 + 2 * s * 5120 + 4 * s
     for lp in (2, 4, 8):
         b = estimate_rl_step_memory(model, dataclasses.replace(step, forward_micro_batch_size=lp))
         assert b.log_prob_logits == default.log_prob_logits  # one chunk at a time
@@ -209,8 +214,9 @@ def test_fp8_caches_prefill_and_kl_probe_terms():
     b = estimate_rl_step_memory(model, step)
     linear = sum(p.numel for p in stage_parameters(model, par) if p.kind == "linear")
     assert b.fp8_weight_cache == 2 * linear and b.reference_fp8_weight_cache == linear
+    prompts = 64 // step.num_generations  # one prefill per GRPO group
     assert b.prefill_activations == forward_activation_bytes(
-        model, par, 64, s - n, sequence_parallel=False
+        model, par, prompts, s - n, sequence_parallel=False
     )
     probe = dataclasses.replace(step, kl_trial_rows=8, kl_estimator="k3")
     k = estimate_rl_step_memory(model, probe)

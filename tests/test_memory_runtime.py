@@ -78,10 +78,10 @@ class LiveBytes(TorchDispatchMode):
 def test_output_head_bytes_bound_the_real_chunked_code():
     """What the model charges for the output head bounds what ``model/output_head.py``
     allocates, chunk after chunk, at any micro-batch: a forward-only pass keeps one chunk's
-    bf16 logits and their fp32 copy (6·c·V_t: its ``exp`` is in place; the model counts
-    10·c·V_t), the training backward one chunk's and the output weight's fp32 gradient and
-    its cast (6·c·V_t + 6·V_t·h and the input's gradient; the model counts 12·c·V_t + 6·V_t·h
-    + 4·n). The unchunked logits alone (6·n·V_t) would exceed the model's bound."""
+    bf16 logits and their fp32 copy (6·c·V_t: its ``exp`` is in place), the training backward
+    one chunk's, the output weight's fp32 gradient and a chunk's (6·c·V_t + 6·V_t·h) and the
+    input's gradient (2·n·h): the model's count to the byte, but for the saved log-sum-exp
+    (4·n, below the tracked size). The unchunked logits alone (6·n·V_t) would exceed it."""
     from loggra_megatron.model.output_head import chunked_token_log_probs
 
     n, v, h, c = 96, 1024, 32, 32  # three chunks of 32 tokens
@@ -99,8 +99,8 @@ def test_output_head_bytes_bound_the_real_chunked_code():
     with LiveBytes(1024, hidden, weight) as mode:
         chunked_token_log_probs(hidden, weight, targets, c).sum().backward()
     model = log_prob_head_bytes(shape, step, n, training=True)
-    assert mode.peak == 6 * c * v + 6 * v * h + 2 * n * h  # + the input's gradient
-    assert mode.peak <= model == 12 * c * v + 6 * v * h + 4 * n < 6 * n * v + 6 * v * h
+    assert mode.peak == 6 * c * v + 6 * v * h + 2 * n * h
+    assert mode.peak + 4 * n == model < 6 * n * v + 6 * v * h
 
 
 def test_full_kl_bytes_are_measured_on_the_kl_code():
@@ -144,13 +144,18 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
         par, seq_length=s, max_new_tokens=new, rollout_batch_size=64, inference_max_tokens=m
     )
     dynamic = dataclasses.replace(static, rollout_engine="dynamic")
-    assert prefill_tokens(static) == 32 * 1024 and rollout_rows(static) == 32
-    assert prefill_tokens(dynamic) == 64 * 1024 and rollout_rows(dynamic) == 64
+    assert rollout_rows(static) == 32  # one prefill per GRPO group of the chunk's rows
+    assert prefill_tokens(static) == 32 // static.num_generations * 1024
+    assert prefill_tokens(dataclasses.replace(static, num_generations=3)) == 12 * 1024
+    # the dynamic engine prefills every prompt at once but decodes as many requests as its
+    # blocks hold at full length (524288 / 16384 = 32: none evicted)
+    assert prefill_tokens(dynamic) == 64 * 1024 and rollout_rows(dynamic) == 32
     b = estimate_rl_step_memory(model, dynamic)
     assert b.prefill_activations == forward_activation_bytes(
         model, par, 1, 65536, sequence_parallel=False
     )
-    before = estimate_rl_step_memory(model, static).prefill_activations
+    every_row = dataclasses.replace(static, num_generations=1)  # a prefill of each row
+    before = estimate_rl_step_memory(model, every_row).prefill_activations
     assert 2.1 * GiB < b.prefill_activations - before < 2.2 * GiB  # the issue's ~+2.2 GiB
     for tp, budget, prompt in ((8, 30000, 1024), (3, 30000, 1024), (1, 4097, 100), (8, None, 7)):
         step = plan(
@@ -170,7 +175,8 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
 def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
     """The recompute after generation is a phase of its own, sized like the reference
     forward (--log-prob-micro-batch-size rows, not --inference-max-tokens // width); the
-    static engine samples the log-probs while decoding and has none."""
+    static engine samples the log-probs while decoding and has none, nor has a step of one
+    update (π_old is the training forward's own)."""
     model, par = _27b(sequence_parallel=True)
     s = 16384
     dyn = dataclasses.replace(
@@ -179,6 +185,7 @@ def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
         rollout_batch_size=64,
         inference_max_tokens=32 * s,
         rollout_engine="dynamic",
+        old_log_probs="recompute",  # several updates per RL step
         forward_micro_batch_size=4,
         reference_model=True,
     )
@@ -197,7 +204,8 @@ def test_dynamic_engine_recomputes_old_log_probs_in_log_prob_micro_batches():
     one = estimate_rl_step_memory(model, dataclasses.replace(dyn, forward_micro_batch_size=1))
     assert one.old_log_prob_activations == forward_activation_bytes(model, par, 1, s)
     for step in (
-        dataclasses.replace(dyn, rollout_engine="static"),
+        dataclasses.replace(dyn, rollout_engine="static", old_log_probs="rollout"),
+        dataclasses.replace(dyn, old_log_probs="training"),  # one update: on-policy
         dataclasses.replace(dyn, rollout_batch_size=0),
     ):
         assert estimate_rl_step_memory(model, step).phases()["old log-probs"] == 0

@@ -55,6 +55,25 @@ def test_the_numbers_of_a_step_by_hand():
         p.seq_length = 4
 
 
+def test_where_pi_old_comes_from():
+    """The static engine samples π_old (free); the dynamic engine's is the training forward's
+    own when one update per RL step makes it on-policy, else a forward after the rollout;
+    --tis-cap needs the trainer's π_old beside the engine's, from the same two sources."""
+    one_update = ["--prompts-per-step", "2", "--num-generations", "4", "--global-batch-size"]
+    cases = {
+        ("static", "8", False): "rollout",
+        ("static", "8", True): "training",
+        ("static", "4", True): "recompute",
+        ("dynamic", "8", False): "training",
+        ("dynamic", "4", False): "recompute",
+    }
+    for (engine, batch, tis), source in cases.items():
+        argv = [*SMALL, *one_update, batch, "--rollout-engine", engine]
+        _, p = plan_of(argv + (["--tis-cap", "2"] if tis else []))
+        assert p.old_log_probs == source, (engine, batch, tis)
+        assert (p.updates_per_rl_step == 1) == (batch == "8")
+
+
 def test_the_estimator_models_the_plan_of_its_flags(cli):
     argv = [*SMALL, *GRPO, *KL, "--vocab-size", "1000", "--world-size", "2"]
     _, cfg, est = cli.parse(argv)

@@ -11,6 +11,7 @@ import torch
 from loggra_megatron import metrics as M
 from loggra_megatron.metric_keys import (
     METRICS,
+    add_update,
     combine_micro_batches,
     combine_updates,
     with_table,
@@ -256,6 +257,14 @@ def test_reductions_follow_the_declarations():
         "optimizer/skipped_steps": 1.0,
         "time/kl_control_s": 0.75,
     }
+    sums = {}
+    for update in (
+        {"loss/total": 1.0, "rollout/logprob_mismatch": 0.02},
+        {"loss/total": 3.0, "rollout/logprob_mismatch": 0.5},
+    ):
+        add_update(sums, update)
+    # the mismatch is the first update's: later updates measure a policy already moved
+    assert combine_updates(sums, 2) == {"loss/total": 2.0, "rollout/logprob_mismatch": 0.02}
     with pytest.raises(KeyError, match="not declared"):
         combine_micro_batches([{"my/metric": 1.0}])
     with pytest.raises(KeyError, match="over updates"):

@@ -102,6 +102,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
         ({"rollout-engine": "dynamic", "device": "cpu"}, 1, "--rollout-engine"),
         ({"rollout-engine": "paged"}, 1, "--rollout-engine"),
         ({"inference-max-tokens": 0}, 1, "--inference-max-tokens"),
+        ({"tis-cap": 0.5}, 1, "--tis-cap"),
         ({"log-prob-micro-batch-size": 0}, 1, "--log-prob-micro-batch-size"),
         ({"loggra-param-remainders": True}, 1, "--loggra-param-remainders"),  # needs --bf16
         (
@@ -152,6 +153,8 @@ FP8 = {"bf16": True, "fp8-format": "hybrid", "transformer-impl": "transformer_en
     [
         ({**FP8, "fp8-recipe": "mxfp8"}, "--fp8-recipe", "Blackwell"),
         ({"rollout-engine": "dynamic"}, "--rollout-engine", "fp16/bf16"),
+        ({"rollout-engine": "dynamic", "bf16": True, "tis-cap": 2}, "--tis-cap", "own log-probs"),
+        ({"bf16": True, "tis-cap": 2}, "--tis-cap", "the dynamic engine"),  # auto takes it
         (
             {**FP8, "fp8-recipe": "blockwise", "rollout-engine": "dynamic"},
             "--rollout-engine",
@@ -298,6 +301,31 @@ def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(tokenizer
     ):
         assert b["memory/kv_cache_bytes"] * 4 == whole["memory/kv_cache_bytes"]
         assert b["throughput/rollout_tokens_per_s"] > 0 and b["time/rollout_s"] > 0
+
+
+def test_truncated_importance_sampling_and_on_policy_old_log_probs(tokenizer, tmp_path):
+    """Greedy rollouts, fp32: the static engine's log-probs are within 1e-3 of the trainer's
+    (``rollout/logprob_mismatch``), so ``--tis-cap 2`` weights every token by about 1 and
+    trains as without it, with π_old recomputed (2 updates per RL step) or, with one update
+    per step (global batch = rollout batch), the training forward's own: ratio 1."""
+    common = {"temperature": 0}
+    runs = {
+        "base": {},
+        "tis": {"tis-cap": 2},  # 16 rollouts, global batch 8: π_old recomputed
+        "on_policy": {"tis-cap": 2, "global-batch-size": 16},  # π_old: the forward's own
+    }
+    for name, flags in runs.items():
+        argv = tiny_argv(tokenizer, **common, **flags, **{"output-dir": tmp_path / name})
+        torchrun(argv, nproc=1)
+    base, tis, on_policy = (read_metrics(tmp_path / name) for name in runs)
+    for row in base:
+        assert 0 <= row["rollout/logprob_mismatch"] < 1e-3 and "tis/weight_mean" not in row
+    for row in tis + on_policy:
+        assert row["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert 0 <= row["rollout/logprob_mismatch"] < 1e-3
+    _same_numbers(tmp_path / "base", tmp_path / "tis", ("reward/mean",))
+    _same_numbers(tmp_path / "base", tmp_path / "tis", ("loss/total", "grad/norm"), rel=1e-3)
+    assert all(r["ratio/mean"] == 1.0 and r["clip/fraction"] == 0.0 for r in on_policy)
 
 
 @pytest.mark.parametrize(

@@ -131,6 +131,53 @@ def test_policy_loss_token_mean_and_metrics():
     assert metrics["kl/old_new"].item() == pytest.approx(k3, abs=1e-6)
 
 
+def test_on_policy_old_is_the_forward_itself():
+    """Without ``old`` in the batch (one update per RL step), π_old is this forward's own
+    log-probs, detached: ratio 1, nothing clipped, and the gradient is −A·∇log π / n."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv, mask = torch.tensor([2.0]), torch.ones(1, 3, dtype=torch.bool)
+    x = LossInputs({"adv": adv, "mask": mask}, logp, Aggregation())
+    loss, metrics = ClippedSurrogate(0.2, 0.28)(x)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0)
+    assert metrics["ratio/mean"] == 1 and metrics["clip/fraction"] == 0
+    assert metrics["kl/old_new"] == 0 and "rollout/logprob_mismatch" not in metrics
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), -2.0 / 3))
+
+
+def test_truncated_importance_sampling_hand_computed():
+    """``--tis-cap C``: each token's loss × min(π_old/π_rollout, C), detached; π_old the
+    trainer's (here: the forward's own), π_rollout the engine's. Padding never leaks."""
+    new = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
+    rollout = torch.tensor([[-1.5, -1.0, -0.5, float("nan")]])  # π_old/π_rollout: e^0.5, e^-1, 1
+    mask = torch.tensor([[True, True, True, False]])
+    adv = torch.tensor([1.0])
+    batch = {"adv": adv, "mask": mask, "rollout": rollout}
+    loss, metrics = ClippedSurrogate(0.2, 0.28, tis_cap=1.5)(LossInputs(batch, new, Aggregation()))
+    loss.backward()
+    w = [1.5, math.exp(-1.0), 1.0]  # e^0.5 = 1.65 is capped at 1.5
+    assert loss.item() == pytest.approx(-sum(w) / 3)
+    torch.testing.assert_close(new.grad, -torch.tensor([[*w, 0.0]]) / 3)
+    assert metrics["tis/weight_mean"].item() == pytest.approx(sum(w) / 3)
+    assert metrics["rollout/logprob_mismatch"].item() == pytest.approx((0.5 + 1.0 + 0) / 3)
+    # without the cap the weights are 1, the mismatch is still measured
+    plain, metrics = ClippedSurrogate(0.2, 0.28)(LossInputs(batch, new, Aggregation()))
+    assert plain.item() == pytest.approx(-1.0) and "tis/weight_mean" not in metrics
+    with pytest.raises(ValueError, match="tis-cap"):
+        ClippedSurrogate(0.2, 0.28, tis_cap=2.0)(
+            LossInputs({"adv": adv, "mask": mask}, new, Aggregation())
+        )
+
+
+def test_tis_cap_setting_is_checked():
+    from loggra_megatron.config import ConfigError
+    from loggra_megatron.rl.policy_loss import PolicyLossConfig
+
+    assert PolicyLossConfig(tis_cap=2.0).tis_cap == 2.0
+    with pytest.raises(ConfigError, match="--tis-cap=0.5: must be >= 1"):
+        PolicyLossConfig(tis_cap=0.5)
+
+
 # ---------------------------------------------------------------------------- aggregation
 
 # values with padding (NaN in padded slots must not leak):

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 VOCAB, MAX_SEQ, NEW, PAD = 64, 32, 6, 0
 PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14]]
+GROUPS = [p for p in PROMPTS[:2] for _ in range(3)]  # two GRPO groups of 3 rows
 
 
 def _load_pp_stage(model, full_state: dict) -> None:
@@ -72,6 +73,15 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         "top_p_tiny": generate_rollout(model, PROMPTS, temperature=1.0, top_p=1e-6, seed=7, **gen),
         "long": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, max_new_tokens=25),
     }
+    for how in ("greedy", "sampled"):
+        kw = dict(temperature=0.0) if how == "greedy" else dict(temperature=1.0, seed=7, step=3)
+        out[f"groups_{how}"] = generate_rollout(model, GROUPS, **kw, **gen)
+        out[f"groups_{how}_nocache"] = generate_rollout(
+            model, GROUPS, use_kv_cache=False, **kw, **gen
+        )
+        out[f"groups_{how}_unshared"] = generate_rollout(
+            model, GROUPS, share_prefill=False, **kw, **gen
+        )
     out["recomputed"] = compute_log_probs(model, out["sampled"].tokens, micro_batch_size=2)
     out["recomputed_greedy"] = compute_log_probs(model, out["greedy"].tokens)
     g = out["greedy"]
@@ -220,6 +230,29 @@ def test_the_decode_loop_reads_the_device_once_every_16_steps(layout):
         assert long.host_syncs == -(-steps // STOP_CHECK_INTERVAL) + 1
         stats = rollout_stats(long, 1.0, 0)
         assert stats["rollout/host_syncs_per_token"] == long.host_syncs / steps < 0.15
+
+
+def test_one_prefill_per_prompt(layout):
+    """A GRPO group's rows share one prefill (the KV cache of its first row copied to the
+    others): greedy and seeded tokens equal the uncached decode's, which shares nothing, and
+    the group's greedy rows equal the prompt's own greedy decode; counted in
+    ``rollout/prefill_tokens`` against ``rollout/prompt_tokens``."""
+    from loggra_megatron.rollout.protocol import rollout_stats
+
+    results, _ = layout
+    for r in results:
+        for how in ("greedy", "sampled"):
+            shared = r[f"groups_{how}"]
+            _assert_same(shared, r[f"groups_{how}_nocache"], atol=1e-5)
+            _assert_same(shared, r[f"groups_{how}_unshared"], atol=1e-5)
+            assert shared.prefill_tokens == 2 * len(PROMPTS[0])  # 2 prompts, not 6 rows
+            assert r[f"groups_{how}_unshared"].prefill_tokens == 6 * len(PROMPTS[0])
+        greedy = _responses(r["greedy"])
+        assert _responses(r["groups_greedy"]) == [greedy[0]] * 3 + [greedy[1]] * 3
+        assert r["greedy"].prefill_tokens == len(PROMPTS) * 2  # distinct prompts: no sharing
+        stats = rollout_stats(r["groups_sampled"], 1.0, 0)
+        assert stats["rollout/prefill_tokens"] == 6
+        assert stats["rollout/prompt_tokens"] == 3 * (len(PROMPTS[0]) + len(PROMPTS[1])) == 24
 
 
 def test_temperature_sampling_is_reproducible_per_seed_and_step(tp1):

@@ -157,6 +157,7 @@ def _load_pp_stage(model, full_state: dict) -> None:
 
 def _worker(rank: int, full_state: dict | None = None) -> dict:
     import gpu_standins
+    from megatron.core import parallel_state
 
     import loggra_megatron.rollout.dynamic as dynamic
     import loggra_megatron.rollout.mcore_engine as mcore_engine
@@ -224,7 +225,10 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     dyn("top_p_tiny", top_p=1e-6, **sample)
     dyn("no_new", max_new_tokens=0)
     dyn("log_prob_rows3", temperature=0.0, log_prob_micro_batch_size=3)
+    dyn("no_log_probs", temperature=0.0, log_probs=False)  # π_old: the training forward's
     out["training"] = model.training
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out["request_multiple"] = tp if mcore_engine.has_inference_config() else 1
     greedy = out["greedy"]
     recomputed = compute(model, greedy.tokens, micro_batch_size=1)
     if recomputed is not None:  # the last pipeline stage
@@ -279,10 +283,15 @@ def test_bounded_kv_cache_gives_the_same_tokens(layout):
     for r in layout:
         for m in (1, 12, 16):
             _assert_same(r[f"bounded{m}"], r["static"])
-        # KV blocks of 4 tokens: unbounded, then max(m, P + N = 11) tokens
+        # KV blocks of 4 tokens: unbounded, then max(m, P + N = 11) tokens, in which one
+        # request fits at full length (3 blocks): one request in flight at a time, no
+        # eviction (before: all 4 admitted, evicted and prefilled again); on megatron-core
+        # 0.17+ at TP = 2 two requests, the blocks raised to hold them
         runs = [r["runs"][k] for k in ("greedy", "bounded1", "bounded12", "bounded16")]
-        assert [run["blocks"] for run in runs] == [11, 3, 3, 4]
-        assert runs[0]["evicted"] == 0 and runs[1]["evicted"] > 0  # the cache really was short
+        want = [11, 3, 3, 4] if r["request_multiple"] == 1 else [11, 6, 6, 6]
+        assert [run["blocks"] for run in runs] == want
+        assert all(run["evicted"] == 0 for run in runs)
+        assert r["bounded1"].evicted_requests == 0 == r["greedy"].evicted_requests
 
 
 def test_chunked_prefill_of_a_long_prompt(layout):
@@ -345,6 +354,15 @@ def test_log_prob_recompute_runs_in_log_prob_micro_batches(layout):
         _assert_same(r["log_prob_rows3"], r["greedy"], atol=1e-2)
 
 
+def test_no_recompute_where_pi_old_is_the_training_forward(layout):
+    """``log_probs=False`` (one optimizer update per RL step: π_old is the training forward's
+    own) runs no log-prob forward: the same tokens, log-probs left 0."""
+    for r in layout:
+        assert r["runs"]["no_log_probs"]["log_prob_rows"] == []
+        assert torch.equal(r["no_log_probs"].tokens, r["greedy"].tokens)
+        assert not r["no_log_probs"].log_probs.any()
+
+
 def test_model_state_restored_and_trainable_after(layout):
     for r in layout:
         assert r["training"]
@@ -392,9 +410,14 @@ def test_step_sampler_masks_padded_vocab_and_maps_stop_ids():
 def test_plan_bounds_kv_blocks():
     lengths = [3, 5, 2, 4]
     assert _plan(lengths, 6, None, 4) == (11, 4, 14)
-    assert _plan(lengths, 6, 1, 4) == (3, 3, 3)  # one longest sequence: 11 tokens
-    assert _plan(lengths, 6, 16, 4) == (4, 4, 14)
+    # one longest sequence, 11 tokens = 3 blocks: one request in flight, never evicted
+    assert _plan(lengths, 6, 1, 4) == (3, 1, 1)
+    assert _plan(lengths, 6, 16, 4) == (4, 1, 14)  # 4 blocks still hold one at full length
+    assert _plan(lengths, 6, 24, 4) == (6, 2, 14)
     assert _plan(lengths, 6, 10**6, 256) == (4, 4, 14)  # never more than needed
+    # a multiple of TP (megatron-core 0.17+ asserts it): the blocks raised to hold them
+    assert _plan(lengths, 6, 16, 4, request_multiple=2) == (6, 2, 14)
+    assert _plan(lengths, 6, 24, 4, request_multiple=2) == (6, 2, 14)
 
 
 def test_restore_forwards_undoes_only_new_wrappers():

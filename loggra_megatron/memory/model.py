@@ -63,7 +63,6 @@ from loggra_megatron.memory.transient import (
     rollout_rows,
 )
 from loggra_megatron.optim.registry import OPTIMIZERS
-from loggra_megatron.rollout.registry import ROLLOUT_ENGINES
 from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
@@ -99,7 +98,8 @@ __all__ = [
 
 
 def _rollout_terms(model, plan: StepPlan, est, last: bool, kv_bytes: int) -> dict[str, int]:
-    """The rollout phase, and the dynamic engine's log-prob recompute after it."""
+    """The rollout phase, and the policy's log-prob recompute after it (π_old from a forward:
+    ``StepPlan.old_log_probs``)."""
     rows, seq, t = rollout_rows(plan), plan.seq_length, plan.tensor_model_parallel_size
     kv = rollout_kv_cache_bytes(model, plan, kv_bytes)
     # prompts of at most s − N tokens, SP off (generation switches it off); the dynamic
@@ -107,9 +107,9 @@ def _rollout_terms(model, plan: StepPlan, est, last: bool, kv_bytes: int) -> dic
     prefill = forward_activation_bytes(
         model, plan, 1, prefill_tokens(plan), sequence_parallel=False
     )
-    # the dynamic engine recomputes the policy's log-probs as the reference forward runs:
-    # micro-batches of --log-prob-micro-batch-size sequences; the static one samples them
-    recompute = rows and ROLLOUT_ENGINES[plan.rollout_engine].recomputes_log_probs
+    # π_old recomputed (the dynamic engine, or --tis-cap, over several updates): micro-
+    # batches of --log-prob-micro-batch-size sequences; else sampled or the training forward's
+    recompute = rows and plan.old_log_probs == "recompute"
     lp_rows = plan.forward_micro_batch_size if recompute else 0
     return {
         "kv_cache": kv,

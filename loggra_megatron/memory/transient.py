@@ -28,6 +28,7 @@ __all__ = [
     "full_kl_logits_bytes",
     "kv_cache_bytes",
     "layers_held",
+    "local_spec_bytes_per_layer",
     "log_prob_head_bytes",
     "prefill_tokens",
     "rollout_kv_cache_bytes",
@@ -60,6 +61,46 @@ def activation_bytes_per_layer(
     return ceil_div(replicated, _t_sp(plan)) + ceil_div(split, t)
 
 
+def local_spec_bytes_per_layer(
+    model: TransformerShape, plan: StepPlan, micro_batch_size: int, seq_length: int
+) -> int:
+    """What one layer of Megatron-Core's local spec saves beyond :func:`activation_bytes_per_layer`
+    (0 with Transformer Engine's spec), measured on the layer (``tests/test_memory_runtime``):
+
+    * each ``torch.nn.RMSNorm`` keeps fp32 copies of its input and normalised input and its
+      bf16 output, ``10·sb·h``, and its fp32 ``1/rms``, ``4·sb``, where Transformer Engine's
+      fused norm keeps the bf16 input and output: ``(6·sb·h + 4·sb)/t'`` per norm (the two
+      of the layer, and QK-norm's over ``(a + g)·d``);
+    * the unfused RoPE keeps the rotated ``q`` and ``k``, ``2·sb·(a + g)·d/t``, and its
+      ``cos``/``sin`` tables, ``4·2·s·d``; with GQA off CUDA, SDPA gets the keys and values
+      expanded to ``a/t`` heads (``model/sdpa_attention.py``), which then replace the QKV
+      output and the rotated keys: ``2·sb·2·(a − g)·d/t`` instead of ``2·sb·(a + g)·d/t``;
+    * without Megatron's CUDA bias-SwiGLU fusion, SiLU and the product keep ``silu(gate)``
+      and the product's other factor besides the fused form's two tensors, ``2·2·sb·f/t``."""
+    if plan.transformer_impl != "local":
+        return 0
+    sb, t = seq_length * micro_batch_size, plan.tensor_model_parallel_size
+    a, g, d, f = (
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.ffn_hidden_size,
+    )
+    norms = ceil_div(2 * _local_norm_bytes(sb, model.hidden_size), _t_sp(plan))
+    expanded = a > g and not plan.cuda  # SDPA's grouped keys/values only on CUDA flash
+    split = 2 * sb * (2 * (a - g) if expanded else a + g) * d
+    if model.qk_layernorm:
+        split += _local_norm_bytes(sb * (a + g), d)
+    if model.swiglu and not plan.cuda:
+        split += 2 * 2 * sb * f
+    return norms + ceil_div(split, t) + 4 * 2 * seq_length * d
+
+
+def _local_norm_bytes(rows: int, width: int) -> int:
+    """A ``torch.nn.RMSNorm`` over ``rows × width`` bf16 values beyond Transformer Engine's."""
+    return 6 * rows * width + 4 * rows
+
+
 def _layer_input(model: TransformerShape, plan: StepPlan, tokens: int) -> int:
     return ceil_div(2 * tokens * model.hidden_size, _t_sp(plan))
 
@@ -86,15 +127,19 @@ def activation_bytes(model: TransformerShape, plan: StepPlan, stage: int = 0) ->
     ``⌈L_stage/n⌉`` checkpoints per micro-batch in flight, plus one checkpoint's ``n`` layers
     re-materialised during its backward. ``block`` with ``n`` layers: the first ``n`` layers
     keep their inputs, the other ``L_stage − n`` their full activations, plus one recomputed
-    layer. Selective recompute equals none (flash attention stores nothing quadratic).
+    layer. Selective recompute equals none (flash attention stores nothing quadratic). The
+    local spec's layers and final norm keep more (:func:`local_spec_bytes_per_layer`).
     """
-    sb = plan.micro_batch_size * plan.seq_length
-    per_layer = activation_bytes_per_layer(model, plan, plan.micro_batch_size, plan.seq_length)
-    layer_input = _layer_input(model, plan, sb)
+    b, s = plan.micro_batch_size, plan.seq_length
+    per_layer = activation_bytes_per_layer(model, plan, b, s)
+    per_layer += local_spec_bytes_per_layer(model, plan, b, s)
+    layer_input = _layer_input(model, plan, b * s)
     layers, inputs = layers_held(model, plan, stage)
     total = layers * per_layer + inputs * layer_input
     if stage == plan.pipeline_model_parallel_size - 1:  # final-norm and output-layer input
         total += 2 * layer_input
+        if plan.transformer_impl == "local":
+            total += ceil_div(_local_norm_bytes(b * s, model.hidden_size), _t_sp(plan))
     return total
 
 
@@ -127,14 +172,16 @@ def log_prob_head_bytes(
     * forward, per chunk: its logits ``w·c·V_t`` and their fp32 upcast ``4·c·V_t``, in which
       the log-sum-exp's ``exp`` runs in place (bf16: ``6·c·V_t``; fp32: ``4·c·V_t``, the
       upcast being the logits themselves);
-    * training (``training=True``), one chunk's backward at a time: its recomputed logits,
-      their fp32 upcast, the fp32 softmax/gradient and its cast to ``w`` (bf16:
-      ``12·c·V_t``), plus the output weight's gradient: added chunk by chunk into DDP's
-      ``main_grad`` with a ``w·V_t·h`` placeholder for DDP's hook (an untied output layer,
-      or one on a later pipeline stage than the embeddings), else accumulated over the
-      chunks in fp32, ``4·V_t·h``, and cast once to the weight's dtype, ``w·V_t·h``
-      (16-bit only); the larger of forward and backward, plus the fp32 log-sum-exp the
-      forward saves for the backward, ``4·tokens``."""
+    * training (``training=True``), one chunk's backward at a time: its recomputed logits
+      and their fp32 upcast, in which the softmax and ``∂z`` are built in place, then ``∂z``
+      cast to ``w`` (bf16: ``6·c·V_t`` at either moment; fp32: ``4·c·V_t``), plus the
+      gradient of the hidden states ``w·tokens·h`` and the output weight's: added chunk by
+      chunk into DDP's ``main_grad`` (an untied output layer, or one on a later pipeline
+      stage than the embeddings), a chunk's ``w·V_t·h`` and then DDP's placeholder of the
+      same size, else accumulated over the chunks in fp32 next to the chunk's, ``(4 +
+      w)·V_t·h`` (one chunk: its own ``w·V_t·h``); plus the fp32 log-sum-exp the forward saves
+      for the backward, ``4·tokens`` (measured on ``model/output_head.py``:
+      ``tests/test_memory_runtime``)."""
     if not tokens:
         return 0
     t = plan.tensor_model_parallel_size
@@ -145,12 +192,12 @@ def log_prob_head_bytes(
     forward = (w + upcast) * c * vocab
     if not training:
         return forward
-    backward = (w + upcast + 4 + (w if w != 4 else 0)) * c * vocab
     into_main_grad = model.untie_embeddings_and_output_weights or (
         plan.pipeline_model_parallel_size > 1
     )
-    weight_grad = (w if into_main_grad else 4 + (w if w != 4 else 0)) * vocab * model.hidden_size
-    return max(forward, backward + weight_grad) + 4 * tokens
+    accumulated = not into_main_grad and tokens > c
+    weight_grad = (4 + w if accumulated else w) * vocab * model.hidden_size
+    return forward + weight_grad + w * tokens * model.hidden_size + 4 * tokens
 
 
 def full_kl_logits_bytes(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.metric_keys import combine_micro_batches, combine_updates
+from loggra_megatron.metric_keys import add_update, combine_micro_batches, combine_updates
 from loggra_megatron.model.batching import PaddingStats, micro_batches, needed_lengths
 from loggra_megatron.model.forward import gpt_forward, last_hidden, run_schedule
 from loggra_megatron.model.output_head import LastHidden
@@ -156,10 +156,7 @@ class Actor:
                 keep = self.optimizer_step.reference_collector(len(mini["tokens"]))
                 outs = self.train_on(mini, loss_fn if keep is None else keep.wrap(loss_fn))
                 step_metrics = self.optimizer_step(mini, keep.result() if keep else None)
-                for key, value in combine_micro_batches(outs).items():
-                    sums[key] = sums.get(key, 0.0) + value
-                for key, value in step_metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
+                add_update(sums, {**combine_micro_batches(outs), **step_metrics})
                 n += 1
         metrics = combine_updates(sums, n)
         metrics["throughput/padded_token_fraction"] = self.padding.fraction

@@ -53,8 +53,12 @@ class Experience:
     """``[B, L]`` prompt + response token ids, right-padded."""
     response_mask: torch.Tensor
     """``[B, L - 1]`` which targets are response tokens."""
-    old_log_probs: torch.Tensor
-    """``[B, L - 1]`` log-probs of the sampling policy."""
+    old_log_probs: torch.Tensor | None
+    """``[B, L - 1]`` π_old of the PPO ratio (None: the training forward's own, detached; the
+    sources: ``rollout.protocol.OLD_LOG_PROB_SOURCES``)."""
+    rollout_log_probs: torch.Tensor | None
+    """``[B, L - 1]`` the log-probs the rollout engine sampled with (None: an engine that does
+    not sample its own); with ``--tis-cap`` the weights' denominator."""
     advantages: torch.Tensor
     """``[B]`` group-relative advantages."""
     ref_log_probs: torch.Tensor | None
@@ -69,9 +73,12 @@ class Experience:
         batch = {
             "tokens": self.tokens.to(device),
             "mask": self.response_mask.to(device),
-            "old": self.old_log_probs.to(device),
             "adv": self.advantages.to(device),
         }
+        if self.old_log_probs is not None:
+            batch["old"] = self.old_log_probs.to(device)
+        if self.rollout_log_probs is not None:
+            batch["rollout"] = self.rollout_log_probs.to(device)
         if self.ref_log_probs is not None:
             batch["ref"] = self.ref_log_probs.to(device)
         return batch
@@ -92,6 +99,8 @@ class ExperienceMaker:
         seed: int,
         log_prob_micro_batch_size: int,
         length_grouping: bool = True,
+        tis: bool = False,
+        on_policy: bool = False,
     ):
         from megatron.core.utils import get_model_config
 
@@ -110,6 +119,12 @@ class ExperienceMaker:
             rollout.rollout_engine, EngineTarget.of_model(policy)
         )
         """The ``--rollout-engine`` (``auto`` chosen here) and a note on the choice."""
+        self.kv_budget = rollout.inference_max_tokens
+        """The KV cache's bound in tokens: ``--inference-max-tokens``, or where it is unset
+        the trainer's sizing from the memory model on a GPU (``memory.kv_budget``)."""
+        self.old_log_probs = self.engine.old_log_probs(tis, on_policy)
+        """Where π_old comes from (``rollout.protocol.OLD_LOG_PROB_SOURCES``): ``--tis-cap``
+        (``tis``) or not, one optimizer update per RL step (``on_policy``) or several."""
         self.row_multiple = fp8_alignment(get_model_config(policy))
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
@@ -120,9 +135,7 @@ class ExperienceMaker:
     ) -> Experience:
         """Experience of RL step ``step + 1`` from this rank's ``examples``; the rollout
         (generation, rewards) and the reference log-probs run in ``memory_phase("rollout")``
-        and ``memory_phase("log_probs")``."""
-        from loggra_megatron.rollout import compute_log_probs
-
+        and ``memory_phase("log_probs")``, as does π_old's recompute (``old_log_probs``)."""
         n = self.grpo.num_generations
         group = [e for e in examples for _ in range(n)]
         with memory_phase("rollout"):
@@ -132,23 +145,24 @@ class ExperienceMaker:
         advantages = group_advantages(
             rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
         )
+        sampled = None if self.engine.recomputes_log_probs else rollout.log_probs
+        old = None  # "training": the training forward's own
+        if self.old_log_probs == "rollout" or (self.old_log_probs, sampled) == ("recompute", None):
+            old = rollout.log_probs  # sampled, or the engine's own recompute
+        elif self.old_log_probs == "recompute":  # the trainer's, beside the engine's
+            with memory_phase("log_probs"):
+                old = self.log_probs(self.policy, rollout)
         ref, padding = None, {}
         if self.reference is not None:
             stats = PaddingStats()
             with memory_phase("log_probs"):
-                ref = compute_log_probs(
-                    self.reference,
-                    rollout.tokens,
-                    micro_batch_size=self.log_prob_micro_batch_size,
-                    lengths=needed_lengths(rollout.response_mask),
-                    group=self.length_grouping,
-                    padding=stats,
-                )
+                ref = self.log_probs(self.reference, rollout, stats)
             padding["throughput/padded_token_fraction/reference"] = stats.fraction
         return Experience(
             tokens=rollout.tokens,
             response_mask=rollout.response_mask,
-            old_log_probs=rollout.log_probs,
+            old_log_probs=old,
+            rollout_log_probs=sampled,
             advantages=advantages,
             ref_log_probs=ref,
             num_tokens=rollout.token_mask.sum(),
@@ -160,6 +174,20 @@ class ExperienceMaker:
                 **generated,
                 **padding,
             },
+        )
+
+    def log_probs(self, model, rollout, padding: PaddingStats | None = None):
+        """``model``'s log-probs ``[B, L − 1]`` of the rollout's tokens (None off the last
+        pipeline stage), in forwards of ``--log-prob-micro-batch-size`` rows."""
+        from loggra_megatron.rollout import compute_log_probs
+
+        return compute_log_probs(
+            model,
+            rollout.tokens,
+            micro_batch_size=self.log_prob_micro_batch_size,
+            lengths=needed_lengths(rollout.response_mask),
+            group=self.length_grouping,
+            padding=padding,
         )
 
     def generate(self, examples: list[dict], step: int, temperature: float):
@@ -175,10 +203,11 @@ class ExperienceMaker:
             vocab_size=tok.vocab_size,
             seed=self.seed,
             step=step,
-            max_tokens=r.inference_max_tokens,
+            max_tokens=self.kv_budget,
             log_prob_micro_batch_size=self.log_prob_micro_batch_size,
             length_grouping=self.length_grouping,
             row_multiple=self.row_multiple,
+            log_probs=self.old_log_probs != "training",
         )
         self.engine.sync_weights(self.policy)
         prompts = [self.renderer.ids(e["prompt"]) for e in examples]

@@ -20,6 +20,7 @@ its class here, its setting in :class:`PolicyLossConfig`, one line in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,14 @@ class PolicyLossConfig:
     """token_mean (DAPO) | seq_mean_token_sum_norm (Dr.GRPO) | seq_mean_token_mean (GRPO)."""
     kl_ref_estimator: str = applies("k3", "with --kl-coef > 0", lambda s: s["kl_coef"] > 0)
     """k1 | k2 | k3."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): each response token's policy loss is weighted by
+    ``min(π_old / π_rollout, C)``, π_old the trainer's log-probs at the rollout's weights and
+    π_rollout the rollout engine's, so that the engine's numerics do not bias the gradient;
+    ``C`` this cap (2 in the paper; ≥ 1). None: off. Needs an engine that samples its own
+    log-probs (``--rollout-engine static``); the trainer's π_old then comes from the training
+    forward (one PPO epoch, one mini-batch) or a forward after the rollout."""
 
     def __post_init__(self):
         check_fields(
@@ -63,6 +72,7 @@ class PolicyLossConfig:
                 ("clip_high", at_least(0), ">= 0"),
                 ("loss_aggregation", one_of(*AGGREGATIONS), f"one of {', '.join(AGGREGATIONS)}"),
                 ("kl_ref_estimator", one_of("k1", "k2", "k3"), "one of k1, k2, k3"),
+                ("tis_cap", at_least(1), ">= 1 (2 is typical; omit it to disable)"),
             ],
         )
 
@@ -91,9 +101,10 @@ class LossInputs:
     """One micro-batch as the terms read it (position ``t`` scores ``tokens[:, t + 1]``)."""
 
     batch: dict[str, torch.Tensor]
-    """``tokens [b, s + 1]``, ``mask [b, s]`` (response targets), ``old [b, s]`` (sampling
-    log-probs), ``adv [b]`` (advantages), ``ref [b, s]`` (reference log-probs, when there is
-    a reference model)."""
+    """``tokens [b, s + 1]``, ``mask [b, s]`` (response targets), ``adv [b]`` (advantages),
+    and where they exist: ``old [b, s]`` (π_old of the PPO ratio; absent: this forward's own
+    log-probs, the one update of an on-policy step), ``rollout [b, s]`` (the log-probs the
+    rollout engine sampled with), ``ref [b, s]`` (reference log-probs)."""
     log_probs: torch.Tensor
     """``[b, s]`` log π_θ of the targets (differentiable)."""
     aggregate: Aggregation
@@ -116,26 +127,41 @@ class LossTerm(Protocol):
 
 
 class ClippedSurrogate:
-    """The PPO-clip surrogate with clip-higher (``rl/losses.py``). Metrics: ``loss/policy``,
-    ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3 KL(π_old ‖ π_θ))."""
+    """The PPO-clip surrogate with clip-higher (``rl/losses.py``), each token's loss weighted
+    by the truncated importance weight ``w = min(exp(log π_old − log π_rollout), C)`` (detached)
+    with ``--tis-cap C``. π_old is the batch's ``old``, or this forward's own log-probs
+    (detached: ratio 1) where the batch has none. Metrics: ``loss/policy``,
+    ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3 KL(π_old ‖ π_θ)), and with the
+    rollout engine's log-probs ``rollout/logprob_mismatch`` (and ``tis/weight_mean``)."""
 
-    def __init__(self, clip_low: float, clip_high: float):
-        self.clip_low, self.clip_high = clip_low, clip_high
+    def __init__(self, clip_low: float, clip_high: float, tis_cap: float | None = None):
+        self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
 
     def __call__(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        b, m = x.batch, x.mask.bool()
+        b, m, new = x.batch, x.mask.bool(), x.log_probs.detach()
+        old = b["old"].detach() if "old" in b else new
         per_token, clipped, ratio = ppo_clip_per_token(
-            x.log_probs, b["old"], b["adv"], m, self.clip_low, self.clip_high
+            x.log_probs, old, b["adv"], m, self.clip_low, self.clip_high
         )
+        metrics = {}
+        sampled = b.get("rollout")
+        if sampled is not None:
+            metrics["rollout/logprob_mismatch"] = masked_mean((sampled - new).abs(), m)
+        if self.tis_cap is not None:
+            if sampled is None:
+                raise ValueError("--tis-cap needs the rollout engine's log-probs ('rollout')")
+            log_w = (old - sampled).clamp(max=math.log(self.tis_cap))
+            weight = torch.where(m, log_w.exp(), 1.0)  # [b, s]
+            per_token = per_token * weight
+            metrics["tis/weight_mean"] = masked_mean(weight, m)
         loss = x.aggregate(per_token, m)
-        old_new = sampled_kl(
-            torch.where(m, b["old"].detach(), 0.0), torch.where(m, x.log_probs.detach(), 0.0), "k3"
-        )
+        old_new = sampled_kl(torch.where(m, old, 0.0), torch.where(m, new, 0.0), "k3")
         return loss, {
             "loss/policy": loss.detach(),
             "clip/fraction": masked_mean(clipped.float(), m),
             "ratio/mean": masked_mean(ratio, m),
             "kl/old_new": masked_mean(old_new, m),
+            **metrics,
         }
 
 
@@ -213,7 +239,7 @@ class PPOClipLoss(PolicyLoss):
         self, settings: PolicyLossConfig, kl_coef: AdaptiveKLCoefficient
     ) -> list[LossTerm]:
         return [
-            ClippedSurrogate(settings.clip_low, settings.clip_high),
+            ClippedSurrogate(settings.clip_low, settings.clip_high, settings.tis_cap),
             KLToReference(settings.kl_ref_estimator, kl_coef),
         ]
 

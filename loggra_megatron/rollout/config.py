@@ -25,7 +25,9 @@ class RolloutConfig:
     inference_max_tokens: int | None = None
     """Bound on the rollout KV cache, in tokens: the static engine generates in chunks of
     rows with rows × (longest prompt + --max-new-tokens) ≤ this; the dynamic engine sizes its
-    paged buffer to it (default: the whole rollout batch at once)."""
+    paged buffer to it. Default: on a GPU, sized at start-up by the memory model for the GPU's
+    memory (the whole rollout batch where it fits, else as many rows as fit; printed:
+    memory/kv_budget.py); on CPU the whole rollout batch at once."""
 
     def __post_init__(self):
         engines = engine_choices()

@@ -143,14 +143,28 @@ class StepSampler:
         return ids
 
 
-def _plan(lengths: list[int], max_new_tokens: int, max_tokens: int | None, block_size: int):
-    """``(kv_blocks, max_requests, tokens_per_step)`` before Megatron's 64-token rounding."""
+def _plan(
+    lengths: list[int],
+    max_new_tokens: int,
+    max_tokens: int | None,
+    block_size: int,
+    request_multiple: int = 1,
+):
+    """``(kv_blocks, max_requests, tokens_per_step)`` before Megatron's 64-token rounding.
+
+    Requests in flight are as many as the blocks hold at full length (``⌈(P + N)/block⌉``
+    blocks each), so that none is ever evicted and re-prefilled; a multiple of
+    ``request_multiple`` (TP on megatron-core 0.17+, which asserts it), the blocks raised to
+    hold that many where the budget holds fewer."""
     max_seq = max(lengths) + max_new_tokens
     need_all = sum(math.ceil((p + max_new_tokens) / block_size) for p in lengths)
-    blocks = need_all
+    blocks, requests = need_all, len(lengths)
     if max_tokens is not None:
         blocks = min(need_all, math.ceil(max(max_tokens, max_seq) / block_size))
-    requests = min(len(lengths), blocks)
+        per_request = math.ceil(max_seq / block_size)
+        requests = min(requests, blocks // per_request)
+        requests = max(request_multiple, requests // request_multiple * request_multiple)
+        blocks = max(blocks, min(requests, len(lengths)) * per_request)
     step_tokens = sum(lengths) if max_tokens is None else min(max_tokens, sum(lengths))
     return blocks, requests, max(step_tokens, requests)
 
@@ -222,7 +236,12 @@ def _generate(
     from megatron.core.utils import get_model_config
 
     lens = lengths.tolist()
-    blocks, max_requests, step_tokens = _plan(lens, max_new_tokens, max_tokens, block_size)
+    multiple = (
+        ps.get_tensor_model_parallel_world_size() if mcore_engine.has_inference_config() else 1
+    )
+    blocks, max_requests, step_tokens = _plan(
+        lens, max_new_tokens, max_tokens, block_size, multiple
+    )
     plan = mcore_engine.EnginePlan(
         blocks=blocks,
         max_requests=max_requests,
@@ -255,12 +274,13 @@ def _generate(
             for i, p in enumerate(lens):
                 engine.add_request(i, prompts[i, :p].tolist(), params)
             generated = mcore_engine.run_engine(engine, len(lens))
+            evicted = int(engine.evicted_request_count)
         finally:
             mcore_engine.release_engine(engine)  # the KV cache is freed now
             del engine
     for rid, tok in sampler.substituted.items():  # the stop id that was really sampled
         generated[rid][-1] = tok
-    return [generated[i] for i in range(len(lens))]
+    return [generated[i] for i in range(len(lens))], evicted
 
 
 def _policy_log_probs(
@@ -308,6 +328,7 @@ def generate_rollout_dynamic(
     block_size_tokens: int = DEFAULT_BLOCK_SIZE,
     log_prob_micro_batch_size: int = 1,
     length_grouping: bool = True,
+    log_probs: bool = True,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
     engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
@@ -319,8 +340,9 @@ def generate_rollout_dynamic(
     ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at once).
     ``log_prob_micro_batch_size``: rows per forward of the log-prob recompute after
     generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
-    ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``).
-    Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
+    ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``);
+    ``log_probs=False`` skips the recompute (the rollout's ``log_probs`` stay 0: π_old comes
+    from the training forward). Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
     model is in eval mode during the call and restored after; every rank of the model
     replica must call it alike.
     """
@@ -332,11 +354,13 @@ def generate_rollout_dynamic(
     if min(sizes) < 1:
         raise ValueError("max_tokens, block_size_tokens, log_prob_micro_batch_size: positive")
     device = next(model.parameters()).device
-    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id)
+    buf = buf.to(device)
     stop_ids = _stop_list(eos_id)
     responses: list[list[int]] = [[] for _ in range(buf.shape[0])]
+    evicted = 0
     if max_new_tokens > 0:
-        responses = _generate(
+        responses, evicted = _generate(
             model,
             buf,
             lengths,
@@ -352,7 +376,9 @@ def generate_rollout_dynamic(
         )
     cut = [truncate_at_stop(r, stop_ids) for r in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
-    rollout.log_probs = _policy_log_probs(
-        model, rollout, log_prob_micro_batch_size, length_grouping
-    )
+    rollout.evicted_requests = evicted
+    if log_probs:
+        rollout.log_probs = _policy_log_probs(
+            model, rollout, log_prob_micro_batch_size, length_grouping
+        )
     return rollout

@@ -67,6 +67,7 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         truncated=torch.cat([p.truncated for p in parts]),
         decode_steps=sum(p.decode_steps for p in parts),
         host_syncs=sum(p.host_syncs for p in parts),
+        prefill_tokens=sum(p.prefill_tokens for p in parts),
     )
 
 

@@ -52,8 +52,10 @@ class Rollout:
     ``prompt_lengths``, ``response_lengths [B]`` int64 (a stop token counts as generated).
     ``truncated [B]`` bool: stopped by ``max_new_tokens`` rather than by a stop token.
     ``decode_steps``: forwards of the decode loop (prefill included); ``host_syncs``: its reads
-    of device values on the host (the static engine counts them; 0 for an engine that does
-    not).
+    of device values on the host; ``prefill_tokens``: prompt tokens its prefill ran, once per
+    distinct prompt (the static engine counts them; 0 for an engine that does not).
+    ``evicted_requests``: requests the engine evicted from its KV cache and prefilled again
+    (the dynamic engine; None for an engine that never evicts).
     """
 
     tokens: torch.Tensor
@@ -65,6 +67,8 @@ class Rollout:
     truncated: torch.Tensor
     decode_steps: int = 0
     host_syncs: int = 0
+    prefill_tokens: int = 0
+    evicted_requests: int | None = None
 
 
 def sampling_generator(
@@ -109,10 +113,9 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> No
         raise NotImplementedError("generate_rollout() does not support context parallelism")
 
 
-def _pack_prompts(
-    prompts, prompt_lengths, pad_id: int, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``[B, P]`` int64 prompts (``pad_id`` after each) and ``[B]`` lengths."""
+def _pack_prompts(prompts, prompt_lengths, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``[B, P]`` int64 prompts (``pad_id`` after each) and ``[B]`` lengths, on
+    the host."""
     if isinstance(prompts, torch.Tensor):
         tokens = prompts.to(device="cpu", dtype=torch.long)
         full = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
@@ -128,7 +131,7 @@ def _pack_prompts(
         raise ValueError("prompt lengths must be in [1, P]")
     tokens = tokens[:, : int(lengths.max())]
     tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths.unsqueeze(1), pad_id)
-    return tokens.to(device), lengths  # the lengths on the host: the decode loop reads them
+    return tokens, lengths  # on the host: the decode loop reads the lengths, the prefill rows
 
 
 def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, hidden_dtype):
@@ -234,6 +237,7 @@ def generate_rollout(
     vocab_size: int | None = None,
     row_multiple: int = 1,
     chunk: int = 0,
+    share_prefill: bool = True,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt (``docs/rollouts.md``).
 
@@ -245,17 +249,22 @@ def generate_rollout(
     ``use_kv_cache=False`` recomputes the whole prefix every step (a reference for tests).
     ``row_multiple``: the batch is padded with finished rows (copies of the longest prompt)
     to a multiple of this, e.g. 16 for FP8 GEMMs; they are not returned. ``chunk``: index of
-    this batch in a chunked rollout (its own sampling stream).
+    this batch in a chunked rollout (its own sampling stream). ``share_prefill``: rows with
+    the same prompt share one prefill (``docs/rollouts.md``); False prefills every row (a
+    reference for tests and benchmarks).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
     _check_sampling(max_new_tokens, temperature, top_p)
     device = next(model.parameters()).device
-    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id, device)
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id)
     real_rows = buf.shape[0]
     buf, lengths = _fill_rows(buf, lengths, row_multiple)
-    state = _DecodeState.start(buf, lengths, real_rows, max_new_tokens, pad_id)
+    shared = _shared_prefill(buf, lengths) if use_kv_cache and share_prefill else None
+    state = _DecodeState.start(buf.to(device), lengths, real_rows, max_new_tokens, pad_id)
+    if shared is not None:
+        state.prefill = (shared[0].to(device), shared[1].to(device))
     stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
     tp_group = ps.get_tensor_model_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -291,6 +300,28 @@ def _fill_rows(buf, lengths, row_multiple: int) -> tuple[torch.Tensor, torch.Ten
     return buf, torch.cat([lengths, lengths[longest].expand(extra)])
 
 
+def _shared_prefill(buf, lengths) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows [U], index [B])`` where rows share the prefill's tokens (the shortest prompt's
+    length; a GRPO group's rows share the whole prompt): the first row of each distinct prefix
+    and, per row, its prefix's position in ``rows``; None if every prefix differs. On the host,
+    before the tokens go to the device."""
+    first: dict[tuple[int, ...], int] = {}
+    prefixes = buf[:, : int(lengths.min())].tolist()
+    index = [first.setdefault(tuple(p), len(first)) for p in prefixes]
+    if len(first) == len(index):
+        return None
+    rows = [index.index(u) for u in range(len(first))]
+    return torch.tensor(rows), torch.tensor(index)
+
+
+def _share_prefilled_cache(context, index: torch.Tensor, length: int) -> None:
+    """Each row's first ``length`` cache positions from the prefilled row ``index[row]``
+    (Megatron's static KV cache, ``[max_seq, max_batch, groups, d]`` per layer)."""
+    for key, value in context.key_value_memory_dict.values():
+        for cache in (key, value):
+            cache[:length, : len(index)] = cache[:length].index_select(1, index)
+
+
 @dataclass
 class _DecodeState:
     """What the decode loop reads and writes, per row (``B``) and position (``L``)."""
@@ -307,6 +338,8 @@ class _DecodeState:
     stopped: torch.Tensor  # [B] by a stop token
     steps: int = 0  # decode-loop forwards
     host_syncs: int = 0  # reads of device values on the host
+    prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, index): _shared_prefill
+    prefill_tokens: int = 0  # tokens the prefill ran
 
     @classmethod
     def start(cls, buf, lengths, real_rows: int, max_new_tokens: int, pad_id: int):
@@ -360,6 +393,7 @@ class _DecodeState:
             truncated=~self.stopped[:n],
             decode_steps=self.steps,
             host_syncs=self.host_syncs,
+            prefill_tokens=self.prefill_tokens,
         )
 
 
@@ -394,7 +428,15 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
                 break
         state.steps += 1
         lo = start if context is not None else 0
-        logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
+        if state.steps == 1 and state.prefill is not None:  # one prefill per distinct prompt
+            rows, index = state.prefill
+            logits = _stage_forward(model, buf[rows, :t], 0, context, pp_group, hidden_dtype)
+            _share_prefilled_cache(context, index, t)
+            logits = logits.index_select(0, index) if last else None
+            state.prefill_tokens += len(rows) * t
+        else:
+            logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
+            state.prefill_tokens += batch * t if state.steps == 1 else 0
         next_ids, lp = torch.empty(batch, dtype=torch.long, device=buf.device), None
         if last:
             next_ids, lp = sample(logits, next_ids)

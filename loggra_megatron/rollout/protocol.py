@@ -73,6 +73,9 @@ class RolloutRequest:
     """Rows per forward of a log-prob recompute after generation."""
     length_grouping: bool = True
     """Rows of similar length share a micro-batch of the recompute (``--length-grouping``)."""
+    log_probs: bool = True
+    """The rollout's log-probs are wanted; False: an engine that recomputes them skips the
+    forward (π_old comes from the training forward: ``StepPlan.old_log_probs``)."""
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
 
@@ -95,7 +98,9 @@ class RolloutRequest:
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:
     """The statistics ``generate`` returns, which the trainer logs: ``time/rollout_s``,
     ``memory/kv_cache_bytes`` (this rank), ``throughput/rollout_tokens_per_s`` and, from an
-    engine that counts them (``Rollout.decode_steps``), ``rollout/host_syncs_per_token``."""
+    engine that counts them (``Rollout.decode_steps``), ``rollout/host_syncs_per_token``,
+    ``rollout/prefill_tokens`` and ``rollout/prompt_tokens``, and from an engine that may
+    evict requests ``rollout/evicted_requests``."""
     tokens = float(rollout.response_lengths.sum())
     stats = {
         "time/rollout_s": seconds,
@@ -104,7 +109,21 @@ def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, flo
     }
     if rollout.decode_steps:
         stats["rollout/host_syncs_per_token"] = rollout.host_syncs / rollout.decode_steps
+        stats["rollout/prefill_tokens"] = float(rollout.prefill_tokens)
+        stats["rollout/prompt_tokens"] = float(rollout.prompt_lengths.sum())
+    if rollout.evicted_requests is not None:
+        stats["rollout/evicted_requests"] = float(rollout.evicted_requests)
     return stats
+
+
+OLD_LOG_PROB_SOURCES = {
+    "rollout": "the log-probs the rollout engine sampled with (the static engine's, free)",
+    "training": "the training forward's own, detached: one optimizer update per RL step is "
+    "on-policy, so π_old is the policy being trained (no forward of its own)",
+    "recompute": "a forward of the policy after the rollout (an engine that does not sample "
+    "its own, or --tis-cap, which needs the trainer's beside the engine's)",
+}
+"""The sources of π_old (:meth:`RolloutEngine.old_log_probs`)."""
 
 
 class RolloutEngine:
@@ -123,8 +142,17 @@ class RolloutEngine:
     """``--rollout-engine auto`` takes the engine of highest priority that can run (None:
     never chosen by ``auto``)."""
     recomputes_log_probs: bool = False
-    """The old log-probs come from a forward after generation, in micro-batches of
-    ``--log-prob-micro-batch-size`` rows (else they are sampled while decoding)."""
+    """The engine does not sample its own log-probs: the rollout's come from a forward after
+    generation, in micro-batches of ``--log-prob-micro-batch-size`` rows, unless the request
+    does not want them (else they are sampled while decoding, for free)."""
+
+    def old_log_probs(self, tis: bool, on_policy: bool) -> str:
+        """Where the PPO ratio's π_old comes from with this engine (a key of
+        :data:`OLD_LOG_PROB_SOURCES`), with ``--tis-cap`` or not (``tis``) and one optimizer
+        update per RL step or several (``on_policy``)."""
+        if not (self.recomputes_log_probs or tis):
+            return "rollout"
+        return "training" if on_policy else "recompute"
 
     def refusal(self, target: EngineTarget) -> str | None:
         """Why a run with these settings cannot use this engine (None: it can). Decided by

@@ -64,8 +64,11 @@ class StaticEngine(RolloutEngine):
         return min(step.rollout_batch_size, rows)
 
     def prefill_tokens(self, step, tensor_parallel: int) -> int:
-        """A chunk of rows over their prompts."""
-        return self.decode_rows(step) * step.prompt_tokens
+        """A chunk's distinct prompts (one prefill per GRPO group, ``generate.py``): ``rows/G``
+        where chunks hold whole groups (``G`` divides the rows), else at most one more."""
+        rows, group = self.decode_rows(step), step.num_generations
+        prompts = rows // group if rows % group == 0 else min(rows, (rows - 1) // group + 2)
+        return prompts * step.prompt_tokens
 
 
 class DynamicEngine(RolloutEngine):
@@ -103,6 +106,7 @@ class DynamicEngine(RolloutEngine):
             prompts,
             log_prob_micro_batch_size=r.log_prob_micro_batch_size,
             length_grouping=r.length_grouping,
+            log_probs=r.log_probs,
             **r.sampling(),
         )
         tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens, r.max_tokens)
@@ -115,9 +119,14 @@ class DynamicEngine(RolloutEngine):
         return full if budget is None else budget
 
     def decode_rows(self, step) -> int:
-        """The requests in flight: at most one per KV block."""
-        blocks = _ceil_div(self.kv_cache_tokens(step), self.block_tokens)
-        return min(step.rollout_batch_size, blocks)
+        """The requests in flight: as many as the KV blocks hold at full length
+        (``rollout.dynamic._plan``: none is evicted), all of them without a bound."""
+        full, budget = _whole_batch_or_budget(step)
+        if budget is None:
+            return step.rollout_batch_size
+        blocks = _ceil_div(budget, self.block_tokens)
+        per_request = _ceil_div(step.seq_length, self.block_tokens)
+        return max(1, min(step.rollout_batch_size, blocks // per_request))
 
     def prefill_tokens(self, step, tensor_parallel: int) -> int:
         """Every waiting prompt admitted in one flat step of ``min(M, B·prompt)`` tokens (at

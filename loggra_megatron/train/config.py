@@ -9,10 +9,11 @@ from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
 
 
 def _recomputes(settings: dict) -> bool:
-    """The run's engine may recompute the old log-probs after generation (``auto`` may
-    take such an engine on a GPU)."""
+    """The run may recompute the old log-probs after generation: an engine that does not
+    sample them (``auto`` may take one on a GPU), or ``--tis-cap``."""
     name = settings["rollout_engine"]
-    return name == AUTO or ROLLOUT_ENGINES[name].recomputes_log_probs
+    engine = name == AUTO or ROLLOUT_ENGINES[name].recomputes_log_probs
+    return engine or settings["tis_cap"] is not None
 
 
 @dataclass
@@ -25,12 +26,12 @@ class TrainingConfig:
     """Sequences per micro-batch."""
     log_prob_micro_batch_size: int | None = applies(
         None,
-        "with a reference model (--kl-coef > 0), --kl-target or a rollout engine that "
-        "recomputes the old log-probs (--rollout-engine auto or dynamic)",
+        "with a reference model (--kl-coef > 0), --kl-target, --tis-cap or a rollout engine "
+        "that recomputes the old log-probs (--rollout-engine auto or dynamic)",
         lambda s: s["kl_coef"] > 0 or s["kl_target"] is not None or _recomputes(s),
     )
     """Sequences per micro-batch of the forward-only passes (reference log-probs, KL probes,
-    the dynamic engine's old-log-prob recompute; default: --micro-batch-size)."""
+    the old-log-prob recompute; default: --micro-batch-size)."""
     length_grouping: bool = True
     """Rows of similar length share a micro-batch, each cut to its longest row, in the
     training and log-prob forwards (within a mini-batch: the loss is the same, to float

@@ -113,8 +113,8 @@ def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
     if not cuda:
         return None
     differs = []
-    name = "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in env else "PYTORCH_CUDA_ALLOC_CONF"
-    if not _expandable_segments(env.get(name, "")):
+    name = _alloc_conf_name(env)
+    if not expandable_segments(env):
         differs.append(f"{name}={env[name]!r}" if name in env else f"{name} unset")
     nvls = env.get("NCCL_NVLS_ENABLE")
     if nvls != "0":
@@ -130,9 +130,15 @@ def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
     )
 
 
-def _expandable_segments(conf: str) -> bool:
-    """The allocator configuration ``conf`` (``option:value`` pairs, comma-separated, spaces
-    ignored) turns expandable segments on: its last ``expandable_segments`` is ``True``."""
+def _alloc_conf_name(env: Mapping[str, str]) -> str:
+    return "PYTORCH_ALLOC_CONF" if "PYTORCH_ALLOC_CONF" in env else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def expandable_segments(env: Mapping[str, str]) -> bool:
+    """The allocator configuration of ``env`` (``PYTORCH_ALLOC_CONF`` where set, else
+    ``PYTORCH_CUDA_ALLOC_CONF``: ``option:value`` pairs, comma-separated, spaces ignored)
+    turns expandable segments on: its last ``expandable_segments`` is ``True``."""
+    conf = env.get(_alloc_conf_name(env), "")
     pairs = (pair.partition(":") for pair in conf.replace(" ", "").split(","))
     values = [value for option, _, value in pairs if option == "expandable_segments"]
     return values[-1:] == ["True"]

@@ -16,7 +16,12 @@ plan is what one RL step then is on each GPU, every number derived in one place
   rows of a predicted-KL trial forward: the probe's ``⌈fraction · G⌉`` rows, and as many
   held-out rows after them when ``kl/realized`` is measured (``KLControlConfig.probe_split``);
 * the rollout engine ``--rollout-engine`` selects for the run's device, judged by the
-  settings (``auto``'s rule, ``rollout.registry.select_engine``);
+  settings (``auto``'s rule, ``rollout.registry.select_engine``), and where the PPO ratio's
+  π_old comes from (``RolloutEngine.old_log_probs``): the engine's sampling log-probs, the
+  training forward itself when one PPO epoch over one mini-batch makes the step on-policy, or
+  a forward after the rollout;
+* the layer spec (``--transformer-impl``; ``auto`` as Transformer Engine on CUDA) and
+  whether the step runs on CUDA (Megatron's kernel fusions, SDPA's flash kernel);
 * precision, recompute and the optimizer's memory-relevant settings, LoGRA's rank resolved
   (``--loggra-rank``, default hidden / 8).
 """
@@ -46,6 +51,8 @@ class StepPlan:
     """Response tokens; prompts are at most ``seq_length − max_new_tokens``."""
     rollout_batch_size: int
     """Sequences generated per replica and RL step."""
+    num_generations: int
+    """Rows that share a prompt (a GRPO group), side by side in the rollout batch."""
     rows_per_update: int
     """Sequences of one optimizer step on a replica (the actor's mini-batch)."""
     micro_batch_size: int
@@ -67,10 +74,19 @@ class StepPlan:
     kl_estimator: str
     rollout_engine: str
     """The entry of ``rollout.registry.ROLLOUT_ENGINES`` that generates (``auto`` resolved)."""
+    old_log_probs: str
+    """Where the PPO ratio's π_old comes from (``rollout.protocol.OLD_LOG_PROB_SOURCES``)."""
     inference_max_tokens: int | None
     """Bound on the rollout's KV cache in tokens (None: the whole rollout batch)."""
     precision: str
     """``fp32``, ``bf16`` or ``fp8`` (bf16 weights, FP8 GEMMs through Transformer Engine)."""
+    transformer_impl: str
+    """``transformer_engine`` (Transformer Engine's layer spec) or ``local`` (Megatron-Core's
+    local spec); ``--transformer-impl auto`` is planned as Transformer Engine on CUDA (as in
+    NGC's container) and local elsewhere."""
+    cuda: bool
+    """The step runs on CUDA: Megatron's kernel fusions are on (bias-SwiGLU, bias-dropout-add,
+    ``model.build.fused_kernels``) and SDPA's flash kernel takes grouped keys and values."""
     main_grads_dtype: str
     """``fp32`` or ``bf16`` (``--grad-reduce-in-bf16``) grad buffers, for 16-bit weights."""
     recompute_granularity: str
@@ -109,8 +125,13 @@ class StepPlan:
         if kl.enabled:
             probe, held_out = kl.probe_split(rows)
             trial_rows = held_out.stop if kl.kl_realized_interval else probe.stop
-        target = EngineTarget.of_settings(m, cuda=cfg.parallel.uses_cuda(cuda_visible=cuda))
+        on_cuda = cfg.parallel.uses_cuda(cuda_visible=cuda)
+        target = EngineTarget.of_settings(m, cuda=on_cuda)
+        te = m.transformer_impl == "transformer_engine" or (
+            m.transformer_impl == "auto" and on_cuda
+        )
         engine, _ = select_engine(cfg.rollout.rollout_engine, target, planning=True)
+        updates = g.rollout_batch_size // t.global_batch_size * g.ppo_epochs
         return cls(
             tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
@@ -119,10 +140,11 @@ class StepPlan:
             seq_length=m.seq_length,
             max_new_tokens=cfg.rollout.max_new_tokens,
             rollout_batch_size=g.rollout_batch_size // dp,
+            num_generations=g.num_generations,
             rows_per_update=rows,
             micro_batch_size=t.micro_batch_size,
             num_microbatches=rows // t.micro_batch_size,
-            updates_per_rl_step=g.rollout_batch_size // t.global_batch_size * g.ppo_epochs,
+            updates_per_rl_step=updates,
             forward_micro_batch_size=t.forward_micro_batch_size,
             log_prob_chunk_size=m.log_prob_chunk_size,
             reference_model=g.kl_coef > 0,
@@ -130,8 +152,11 @@ class StepPlan:
             kl_trial_rows=trial_rows,
             kl_estimator=kl.kl_estimator,
             rollout_engine=engine.name,
+            old_log_probs=engine.old_log_probs(cfg.loss.tis_cap is not None, updates == 1),
             inference_max_tokens=cfg.rollout.inference_max_tokens,
             precision="fp8" if m.fp8_format else "bf16" if m.bf16 else "fp32",
+            transformer_impl="transformer_engine" if te else "local",
+            cuda=on_cuda,
             main_grads_dtype="bf16" if opt.grad_reduce_in_bf16 else "fp32",
             recompute_granularity=m.recompute_granularity or "none",
             recompute_method=m.recompute_method or "uniform",

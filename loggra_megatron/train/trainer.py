@@ -14,11 +14,14 @@ the loop, the stop agreement (SIGTERM on any rank) and the checkpoint: the commo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +40,20 @@ from loggra_megatron.train.steps import OptimizerStep, SkipCounter, TrainingStop
 __all__ = ["RLTrainer", "TrainingStopped"]
 
 
+KVBudgetFn = Callable[[Any, StepPlan, int, Mapping[str, str]], tuple[int | None, str]]
+"""``(model_args, plan, usable bytes per GPU, environment) -> (KV budget in tokens or None,
+the line to print)``: how a run sizes its rollout's KV cache where ``--inference-max-tokens``
+is unset (``memory.kv_budget.kv_budget``, a layer above the trainer)."""
+
+
 class RLTrainer:
     """Builds the components of a run (:meth:`setup`) and runs the RL loop (:meth:`train`)."""
 
-    def __init__(self, cfg: RunConfig, host: Preflight):
+    def __init__(self, cfg: RunConfig, host: Preflight, size_kv_budget: KVBudgetFn | None = None):
         self.cfg, self.host = cfg, host
+        self.size_kv_budget = size_kv_budget
+        """Sizes the rollout's KV budget on CUDA where ``--inference-max-tokens`` is unset
+        (``memory.kv_budget.kv_budget``; None: not sized)."""
         self.step = 0
         """RL steps done (the checkpoint iteration)."""
         self._sigterm = False
@@ -68,6 +80,7 @@ class RLTrainer:
         self._tokenizer_fingerprint = fingerprint(host.tokenizer)
         stepper = self._build_models()
         self._build_rl(stepper)
+        self._size_kv_budget()
         self._load()
         for model in (self.policy, self.reference):  # before any inference-mode forward
             if model is not None:
@@ -103,6 +116,21 @@ class RLTrainer:
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
         self.energy_watch = EnergyWatch(cfg.loggra.loggra_energy_warn_threshold)
         return stepper
+
+    def _size_kv_budget(self) -> None:
+        """On CUDA with ``--inference-max-tokens`` unset: the rollout's KV budget from the
+        memory model and the memory of the fullest GPU (one budget for every rank: the ranks
+        of a replica must generate alike; ``memory/kv_budget.py``), printed."""
+        unset = self.cfg.rollout.inference_max_tokens is None
+        if self.device.type != "cuda" or not unset or self.size_kv_budget is None:
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        usable = torch.tensor(free + torch.cuda.memory_reserved(self.device), device=self.device)
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+        tokens, note = self.size_kv_budget(self.model_args, self.plan, int(usable), os.environ)
+        self.experience.kv_budget = tokens
+        self.plan = dataclasses.replace(self.plan, inference_max_tokens=tokens)
+        self._log(f" rollouts: {note}")
 
     def _build_rl(self, stepper) -> None:
         """The actor, the experience maker, the evaluator and the warm-up."""
@@ -143,6 +171,8 @@ class RLTrainer:
             t.seed,
             t.forward_micro_batch_size,
             t.length_grouping,
+            tis=cfg.loss.tis_cap is not None,
+            on_policy=self.plan.updates_per_rl_step == 1,
         )
         note = self.experience.engine_note
         self._log(
