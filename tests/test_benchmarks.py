@@ -264,3 +264,22 @@ def test_rollout_prefill_benchmark_shares_the_prefill(tmp_path):
     assert result["every row"]["prefill_tokens"] == 8 * 32
     assert result["shared"]["prefill_tokens"] == 2 * 32
     assert result["decode_ops_per_forward"] > 0
+
+
+def test_decode_step_benchmark_measures_the_kv_cache(tmp_path):
+    """``benchmarks/decode_step.py`` at a tiny shape: a row per batch size, a positive time
+    and floor, and the KV cache's bytes measured on the engine's buffers equal to the
+    formula (h200_check.sh's ``decode`` section runs it on a GPU)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "decode_step.py")]
+    cmd += shlex.split("--layers 1 --hidden 64 --heads 4 --groups 2 --vocab 128 --ffn 128")
+    cmd += shlex.split("--prompt-tokens 8 --new-tokens 4 --batches 2 4 --repeats 1 --json")
+    subprocess.run([*cmd, str(out)], check=True, timeout=600, capture_output=True, cwd=ROOT)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and r["steps"] == 4
+        assert r["kv_bytes_measured"] == r["kv_bytes_formula"] > 0

@@ -387,14 +387,17 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
         est = ["--world-size", "1", "--vocab-size", "512", "--rollout-engine", engine]
         res = _estimate(cli, capsys, [*est, *shape, *impl, *step])
         assert 5 < res["loggra"]["total"] < 139  # a ~1B model: fits one H200
-    # what runs anywhere first, then the dynamic engine, then FP8
+    # the flagship (FP8 + the dynamic engine) where it can run, then what runs anywhere,
+    # then the dynamic engine, then FP8
     calls = (
+        r"^    rl rl_fp8 dynamic",
+        r"^section decode",
         r"^rl rl_static static",
         r"^section memory_bf16",
         r"^section kl_control",
         r"^    rl rl_dynamic dynamic",
         r"^    section memory_fp8",
-        r"^    rl rl_fp8",
+        r"^    \[ -n \"\$FLAGSHIP_RAN\" \] \|\| rl rl_fp8 static",
         r"^    rl rl_packed static --transformer-impl transformer_engine --sequence-packing",
     )
     order = [re.search(call, text, re.M).start() for call in calls]
@@ -408,6 +411,15 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
     monkeypatch.setattr(sys, "argv", [path, *flags])
     args = bench.parse_args()
     assert args.skipping_only and (args.hidden, args.seq, args.device) == (2048, 1024, "cuda")
+    decode = re.search(r"decode_step\.py (--device .*?)\"\$\{DECODE_EXTRA", text, re.S)[1]
+    spec = importlib.util.spec_from_file_location(
+        "decode_step", os.path.join(ROOT, "benchmarks", "decode_step.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = shlex.split(decode.replace("\\\n", " ").replace('"$RL_DEVICE"', "cuda"))
+    args = bench.parse_args(flags)
+    assert (args.hidden, args.layers, args.batches, args.device) == (2048, 20, [8, 64], "cuda")
     # the header says how to run it through the device tool and by hand
     assert 'carry=[".whl"]' in text and "fetch-wheels" in text and "By hand" in text
 
@@ -436,6 +448,7 @@ def _rehearse(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
 RUNNABLE = (  # wherever torch and megatron-core run, in this order
     "environment",
     "tokenizer",
+    "decode",
     "estimate_rl_static",
     "rl_static",
     "memory_bf16",
@@ -484,6 +497,8 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
         RL_EXTRA=rl,
         MEM_EXTRA=mem,
         KL_EXTRA=kl + " --repeats 1",
+        DECODE_EXTRA="--layers 1 --hidden 64 --heads 4 --groups 2 --vocab 128 --ffn 128 "
+        "--prompt-tokens 8 --new-tokens 4 --repeats 1",
     )
     assert proc.returncode == 0, proc.stderr
     sections = re.findall(r"^## (\w+)", text, re.M)
@@ -503,6 +518,8 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
         best = rf"\| yes \| {mode} \| \S+ \(.*\) \| \S+ \(.*\) \| \S+ \| \S+ % \|"
         assert re.search(best, text), mode
     assert "| kl/realized every step |" in text and "predicted vs realized over" in text
+    decode = text.split("## decode", 1)[1].split("## ", 1)[0]
+    assert "| batch | ms / step | floor ms |" in decode and re.search(r"^\| 64 \| ", decode, re.M)
     assert text.rstrip().splitlines()[-1].startswith("# done in")
 
 

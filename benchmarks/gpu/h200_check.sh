@@ -2,6 +2,10 @@
 # GPU check on one H200 (or H100), self-contained, < 8 minutes (BUDGET_S, default 450 s).
 # What runs on any CUDA machine with torch and megatron-core runs first; what needs more is
 # recorded as "not available: <reason>" (not a failure) where it cannot run:
+#   0. decode: ms per decode step of the static engine on that policy's shape at batch 8 and
+#      64 against the HBM floor (weights + KV read per step at 4800 GB/s), tokens/s, host
+#      syncs per step and the KV cache's bytes measured on the engine's buffers
+#      (benchmarks/decode_step.py).
 #   1. rl_static: pretrain_rl.py for a few RL steps on a ~1B Llama-style policy made from
 #      scratch (TP=1, 20 layers, hidden 2048, a sentencepiece tokenizer trained here), bf16,
 #      full recompute, the static engine (Transformer Engine's layers when importable, else
@@ -14,7 +18,9 @@
 #   3. rl_dynamic: the same run with Megatron-Core's dynamic engine (needs flash-attn).
 #   4. memory_fp8, rl_fp8: the sweep and the RL run with FP8 (--fp8-format hybrid
 #      --fp8-recipe tensorwise; needs Transformer Engine and compute capability >= 8.9; the
-#      RL run takes the dynamic engine when it is available, as the 27B example does).
+#      RL run takes the dynamic engine when it is available, as the 27B example does, and
+#      then runs first of all, before section 1: the flagship is never left to a spent
+#      budget).
 #   5. rl_packed: the run of section 1 with --sequence-packing (Transformer Engine's THD
 #      attention; needs Transformer Engine): tokens/s and peak memory against rl_static's.
 # Every number goes to ONE file, ${RESULTS:-${OUT:-.}/h200_check.txt}; each section runs
@@ -53,11 +59,12 @@ BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-3}
 # For a rehearsal on CPU (tests/test_gpu_scripts.py): RL_DEVICE=cpu, and flags appended to
 # the pretrain_rl/estimate calls (RL_EXTRA), the memory_rl calls (MEM_EXTRA) and the
-# bench_kl_control call (KL_EXTRA).
+# bench_kl_control call (KL_EXTRA) and the decode_step call (DECODE_EXTRA).
 RL_DEVICE=${RL_DEVICE:-cuda}
 read -ra RL_EXTRA <<<"${RL_EXTRA:-}"
 read -ra MEM_EXTRA <<<"${MEM_EXTRA:-}"
 read -ra KL_EXTRA <<<"${KL_EXTRA:-}"
+read -ra DECODE_EXTRA <<<"${DECODE_EXTRA:-}"
 WORK=${WORK:-$(mktemp -d /tmp/h200_check.XXXXXX)}
 mkdir -p "$WORK/logs" "$(dirname "$RESULTS")"
 : >"$RESULTS"
@@ -225,6 +232,19 @@ for row in rows:
 PY
 }
 
+# the flagship first where it can run (Transformer Engine and flash-attn: the 27B example's
+# FP8 GEMMs and dynamic engine), so that the budget is never spent before it
+FLAGSHIP_RAN=""
+if [ -z "$FP8_WHY" ] && [ -z "$DYNAMIC_WHY" ]; then
+    rl rl_fp8 dynamic "${FP8[@]}"
+    FLAGSHIP_RAN=1
+fi
+# 0: decode steps of the policy's shape (bf16, the local spec's layers), then before anything else
+section decode 60 "$PY" benchmarks/decode_step.py --device "$RL_DEVICE" --bf16 --layers 20 \
+    --hidden 2048 --ffn 5632 --heads 16 --groups 4 --vocab 32000 --prompt-tokens 768 \
+    --new-tokens 64 --batches 8 64 --repeats 3 "${DECODE_EXTRA[@]}"
+grep -E '^(decode|\|)' "$WORK/logs/decode.log" >>"$RESULTS" 2>/dev/null
+
 # 1-2: what runs wherever torch and megatron-core do
 rl rl_static static "${IMPL[@]}"
 SHAPE=(--device cuda --layers 16 --hidden 2048 --ffn 5632 --heads 16 --vocab 32000 --seq 2048
@@ -250,7 +270,7 @@ fi
 if [ -z "$FP8_WHY" ]; then
     section memory_fp8 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}" --fp8 hybrid
     grep -E '^(#|\||$)' "$WORK/logs/memory_fp8.log" >>"$RESULTS" 2>/dev/null
-    rl rl_fp8 "$([ -z "$DYNAMIC_WHY" ] && echo dynamic || echo static)" "${FP8[@]}"
+    [ -n "$FLAGSHIP_RAN" ] || rl rl_fp8 static "${FP8[@]}"  # without flash-attn: static
 else
     not_available memory_fp8 "$FP8_WHY"
     not_available rl_fp8 "$FP8_WHY"
