@@ -393,6 +393,21 @@ def test_pack_rollout_layout():
     assert r.log_probs.shape == (2, 5) and not r.log_probs.any()
 
 
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that read tensor values on the host (a device sync on a GPU)."""
+
+    READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select")
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.READS or func._schema.name.startswith("aten::index"):
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_step_sampler_masks_padded_vocab_and_maps_stop_ids():
     logits = torch.zeros(3, 10)
     logits[:, 8:] = 100.0  # padded rows (vocab 8) dominate
@@ -401,7 +416,11 @@ def test_step_sampler_masks_padded_vocab_and_maps_stop_ids():
     ids = sampler(logits, torch.tensor([10, 11, 12]), skip_id=-1)
     assert ids.tolist() == [3, 6, 6] and sampler.substituted == {11: 5}
     ids = sampler(logits, torch.tensor([10, 11, 12]), skip_id=11)  # 11 in chunked prefill
-    assert ids.tolist() == [3, 5, 6]
+    assert ids.tolist() == [3, 5, 6] and sampler.substituted == {11: 5}
+    # no step reads the device on the host (no .item(), bool() or boolean indexing)
+    with _HostReads() as reads:
+        sampler.substitute(torch.tensor([5, 6, 5]), torch.tensor([20, 21, 22]))
+    assert reads.ops == [] and sampler.substituted == {11: 5, 20: 5, 22: 5}
     gen = torch.Generator().manual_seed(0)
     hot = StepSampler(temperature=1.0, top_p=1.0, vocab_size=8, generator=gen, stop_ids=[])
     assert (hot(logits.repeat(200, 1), torch.arange(600)) < 8).all()

@@ -111,7 +111,9 @@ class StepSampler:
     ``__call__(logits [n, V], request_ids [n], skip_id)`` returns ``[n]`` ids: padded vocab
     rows never drawn, TP-consistent, and any stop id other than the first replaced by the
     first (recorded in ``substituted[request_id]``), except for request ``skip_id`` (the one
-    in chunked prefill, whose token is discarded).
+    in chunked prefill, whose token is discarded). No step reads the device on the host: the
+    substitutions are kept on the device and read once, by :attr:`substituted`, after
+    generation.
     """
 
     def __init__(self, *, temperature, top_p, vocab_size, generator, stop_ids, tp_group=None):
@@ -119,7 +121,8 @@ class StepSampler:
         self.generator, self.tp_group = generator, tp_group
         self.termination_id = stop_ids[0] if stop_ids else -1
         self.other_stops = torch.tensor(stop_ids[1:], dtype=torch.long)
-        self.substituted: dict[int, int] = {}
+        self._hits: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Per step with other stop ids: ``(request ids, sampled ids, substituted)``."""
 
     def __call__(self, logits: torch.Tensor, request_ids: torch.Tensor, skip_id: int = -1):
         allowed = logits if self.vocab_size is None else logits[:, : self.vocab_size]
@@ -132,15 +135,19 @@ class StepSampler:
     def substitute(self, ids: torch.Tensor, request_ids: torch.Tensor, skip_id: int = -1):
         if self.other_stops.numel() == 0:
             return ids
-        hit = torch.isin(ids, self.other_stops.to(ids.device))
-        hit &= request_ids.to(ids.device) != skip_id
-        if bool(hit.any()):
-            for rid, tok in zip(
-                request_ids[hit.to(request_ids.device)].tolist(), ids[hit].tolist(), strict=True
-            ):
-                self.substituted[int(rid)] = int(tok)
-            ids = torch.where(hit, torch.full_like(ids, self.termination_id), ids)
-        return ids
+        request_ids = request_ids.to(ids.device)
+        hit = torch.isin(ids, self.other_stops.to(ids.device)) & (request_ids != skip_id)
+        self._hits.append((request_ids, ids, hit))
+        return torch.where(hit, torch.full_like(ids, self.termination_id), ids)
+
+    @property
+    def substituted(self) -> dict[int, int]:
+        """``{request id: the stop id it really sampled}`` where the first was returned
+        instead (one read of the device, after generation)."""
+        if not self._hits:
+            return {}
+        rids, ids, hit = (torch.cat(t) for t in zip(*self._hits, strict=True))
+        return dict(zip(rids[hit].tolist(), ids[hit].tolist(), strict=True))
 
 
 def _plan(
