@@ -38,7 +38,7 @@ from loggra_megatron.memory.runtime import (
     NVLS_BYTES_PER_LOCAL_RANK,
     communicators,
 )
-from loggra_megatron.rollout.registry import DynamicEngine
+from loggra_megatron.rollout.dynamic import DynamicEngine
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -134,7 +134,7 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
     rounded as Megatron's DynamicInferenceContext rounds."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    from loggra_megatron.rollout.dynamic import DEFAULT_BLOCK_SIZE
+    from loggra_megatron.rollout.dynamic_generate import DEFAULT_BLOCK_SIZE
 
     assert DynamicEngine.block_tokens == DEFAULT_BLOCK_SIZE
     assert DynamicEngine.token_rounder == DynamicInferenceContext.TOKEN_ROUNDER

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 ENGINE_MODULE = '''
 """The static engine, counted, with a double-buffered KV cache (one engine module)."""
 
-from loggra_megatron.rollout.registry import StaticEngine
+from loggra_megatron.rollout.static import StaticEngine
 
 
 class CountingEngine(StaticEngine):

@@ -153,7 +153,7 @@ def why(what: str, device: str) -> str:
     if device != "cuda" or not torch.cuda.is_available():
         return f"no CUDA device (RL_DEVICE={device})"
     if what == "dynamic":
-        from loggra_megatron.rollout.dynamic import dynamic_engine_unavailable
+        from loggra_megatron.rollout.dynamic_generate import dynamic_engine_unavailable
 
         return dynamic_engine_unavailable() or ""
     try:

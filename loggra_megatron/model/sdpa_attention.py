@@ -41,7 +41,7 @@ log-sum-exp per row: nothing quadratic in the sequence length.
 Refused with the reason (the local module refuses the first two too): packed sequences
 (``packed_seq_params``, THD: the Transformer Engine spec runs them), ``attention_bias``,
 context parallelism and softmax types other than ``vanilla`` (no attention sink in SDPA).
-Megatron's dynamic inference engine (``rollout/dynamic.py``) never calls core attention: it
+Megatron's dynamic inference engine (``rollout/dynamic_generate.py``) never calls core attention: it
 runs its own flash kernels on the paged KV cache.
 """
 

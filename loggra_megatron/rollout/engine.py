@@ -7,7 +7,7 @@ Static engine (CPU and GPU): :func:`generate_chunked` runs
 ``N = --max-new-tokens``), so the KV cache never holds more than ``max(M, P + N)`` tokens
 (:func:`kv_cache_bytes`); each chunk samples from its own generator and, under FP8, is padded
 with finished rows to Transformer Engine's GEMM multiple. Dynamic engine (GPU):
-:mod:`loggra_megatron.rollout.dynamic`, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
+:mod:`loggra_megatron.rollout.dynamic_generate`, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
 cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
 ``docs/rollouts.md#the-static-engine``.
 """

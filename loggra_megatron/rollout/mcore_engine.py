@@ -57,7 +57,7 @@ def missing_attention_kernels() -> str | None:
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What the engine is sized for (``rollout.dynamic`` derives it from the prompts)."""
+    """What the engine is sized for (``rollout.dynamic_generate`` derives it from the prompts)."""
 
     blocks: int
     """KV blocks of ``block_size`` tokens (the dummy block not counted)."""
@@ -84,7 +84,7 @@ class _NoTokenizer:
 @functools.lru_cache(maxsize=1)
 def _controller_class():
     """Megatron's ``TextGenerationController`` whose sampling is ``self.step_sampler``
-    (a :class:`~loggra_megatron.rollout.dynamic.StepSampler`)."""
+    (a :class:`~loggra_megatron.rollout.dynamic_generate.StepSampler`)."""
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )

@@ -116,6 +116,19 @@ def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, flo
     return stats
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def whole_batch_or_budget(step) -> tuple[int, int | None]:
+    """``(B·s, max(M, s))`` of a ``StepPlan``: the rollout's tokens and the KV budget (None:
+    no bound)."""
+    full = step.rollout_batch_size * step.seq_length
+    if step.inference_max_tokens is None or not full:
+        return full, None
+    return full, max(step.inference_max_tokens, step.seq_length)
+
+
 OLD_LOG_PROB_SOURCES = {
     "rollout": "the log-probs the rollout engine sampled with (the static engine's, free)",
     "training": "the training forward's own, detached: one optimizer update per RL step is "

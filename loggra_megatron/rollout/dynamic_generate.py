@@ -1,0 +1,391 @@
+"""Rollouts with a bounded KV cache: Megatron-Core's dynamic inference engine on the policy.
+
+:func:`generate_rollout_dynamic` returns the same :class:`~loggra_megatron.rollout.generate.Rollout`
+as :func:`~loggra_megatron.rollout.generate.generate_rollout`, but drives Megatron-Core's
+``DynamicInferenceEngine`` (paged KV cache, continuous batching, chunked prefill) on the
+*training model object itself* (no weight copy, no sync), as Megatron-LM's RL does. CUDA
+and flash-attn only: :func:`dynamic_engine_unavailable` says why not. The engine is built
+through :mod:`loggra_megatron.rollout.mcore_engine` (the one place that knows the installed
+megatron-core's inference API). The engine flow, the KV-buffer arithmetic
+(:func:`kv_cache_tokens`), sampling (:class:`StepSampler`: padded vocab rows never drawn,
+several stop ids, TP-consistent draws), the log-prob recompute, TP/PP behaviour and the
+model state kept around generation (eval mode, RoPE cache, FP8 casts): ``docs/rollouts.md``
+("The dynamic engine").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from loggra_megatron.model.batching import needed_lengths
+from loggra_megatron.rollout import mcore_engine
+from loggra_megatron.rollout.generate import (
+    Rollout,
+    _check_sampling,
+    _generation_mode,
+    _pack_prompts,
+    compute_log_probs,
+    sample_tokens,
+    sampling_generator,
+)
+from loggra_megatron.rollout.protocol import EngineTarget
+
+__all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
+
+DEFAULT_BLOCK_SIZE = 256
+
+
+def refusal(target: EngineTarget) -> str | None:
+    """What the dynamic engine cannot run, from the settings alone (``None``: nothing): it
+    needs CUDA, fp16/bf16 weights (flash-attn's paged kernels take nothing else), and no
+    blockwise FP8 (whose weight workspace, first built under inference mode, keeps only the
+    row-wise data training then needs)."""
+    if not target.cuda:
+        return "the dynamic engine needs CUDA (flash-attn paged attention)"
+    if not target.half:
+        return "flash-attn takes fp16/bf16 only: the dynamic engine needs --bf16"
+    if target.fp8_recipe == "blockwise":
+        return (
+            "blockwise FP8 cannot run under the dynamic engine: its weight workspace, "
+            "first built under inference mode, keeps only the row-wise data training "
+            "needs; use --fp8-recipe tensorwise"
+        )
+    return None
+
+
+def dynamic_engine_unavailable(model=None) -> str | None:
+    """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
+    can): :func:`refusal`, then flash-attn's kernels and einops."""
+    return refusal(EngineTarget.of_model(model)) or mcore_engine.missing_attention_kernels()
+
+
+def _stop_list(eos_id: int | Sequence[int] | None) -> list[int]:
+    """Stop ids in order, without repeats."""
+    ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def truncate_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to and including the first stop id, and whether there was one."""
+    stops = set(stop_ids)
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            return list(tokens[: i + 1]), True
+    return list(tokens), False
+
+
+def pack_rollout(prompts: torch.Tensor, lengths: torch.Tensor, responses, stopped, pad_id: int):
+    """A :class:`Rollout` (zero log-probs) from right-padded ``prompts [B, P]``, their
+    ``lengths [B]`` and each row's generated tokens, in ``generate_rollout``'s layout."""
+    device = prompts.device
+    gen = torch.tensor([len(r) for r in responses], dtype=torch.long, device=device)
+    lengths = lengths.to(device=device, dtype=torch.long)
+    seq_len = lengths + gen
+    width = max(int(seq_len.max()), prompts.shape[1])
+    tokens = torch.full((len(responses), width), pad_id, dtype=torch.long, device=device)
+    tokens[:, : prompts.shape[1]] = prompts
+    for i, resp in enumerate(responses):
+        p = int(lengths[i])
+        tokens[i, p : p + len(resp)] = torch.as_tensor(list(resp), dtype=torch.long)
+    positions = torch.arange(width, device=device)
+    target = positions[: width - 1].unsqueeze(0) + 1  # response_mask[:, t] is about tokens[:, t+1]
+    return Rollout(
+        tokens=tokens,
+        log_probs=torch.zeros(len(responses), width - 1, dtype=torch.float32, device=device),
+        response_mask=(target >= lengths.unsqueeze(1)) & (target < seq_len.unsqueeze(1)),
+        token_mask=positions.unsqueeze(0) < seq_len.unsqueeze(1),
+        prompt_lengths=lengths,
+        response_lengths=gen,
+        truncated=~torch.tensor(list(stopped), dtype=torch.bool, device=device),
+    )
+
+
+class StepSampler:
+    """Samples the active requests' next tokens (see the module docstring).
+
+    ``__call__(logits [n, V], request_ids [n], skip_id)`` returns ``[n]`` ids: padded vocab
+    rows never drawn, TP-consistent, and any stop id other than the first replaced by the
+    first (recorded in ``substituted[request_id]``), except for request ``skip_id`` (the one
+    in chunked prefill, whose token is discarded). No step reads the device on the host: the
+    substitutions are kept on the device and read once, by :attr:`substituted`, after
+    generation.
+    """
+
+    def __init__(self, *, temperature, top_p, vocab_size, generator, stop_ids, tp_group=None):
+        self.temperature, self.top_p, self.vocab_size = temperature, top_p, vocab_size
+        self.generator, self.tp_group = generator, tp_group
+        self.termination_id = stop_ids[0] if stop_ids else -1
+        self.other_stops = torch.tensor(stop_ids[1:], dtype=torch.long)
+        self._hits: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Per step with other stop ids: ``(request ids, sampled ids, substituted)``."""
+
+    def __call__(self, logits: torch.Tensor, request_ids: torch.Tensor, skip_id: int = -1):
+        allowed = logits if self.vocab_size is None else logits[:, : self.vocab_size]
+        ids = sample_tokens(allowed, self.temperature, self.top_p, self.generator)
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            src = dist.get_process_group_ranks(self.tp_group)[0]
+            dist.broadcast(ids, src=src, group=self.tp_group)
+        return self.substitute(ids, request_ids, skip_id)
+
+    def substitute(self, ids: torch.Tensor, request_ids: torch.Tensor, skip_id: int = -1):
+        if self.other_stops.numel() == 0:
+            return ids
+        request_ids = request_ids.to(ids.device)
+        hit = torch.isin(ids, self.other_stops.to(ids.device)) & (request_ids != skip_id)
+        self._hits.append((request_ids, ids, hit))
+        return torch.where(hit, torch.full_like(ids, self.termination_id), ids)
+
+    @property
+    def substituted(self) -> dict[int, int]:
+        """``{request id: the stop id it really sampled}`` where the first was returned
+        instead (one read of the device, after generation)."""
+        if not self._hits:
+            return {}
+        rids, ids, hit = (torch.cat(t) for t in zip(*self._hits, strict=True))
+        return dict(zip(rids[hit].tolist(), ids[hit].tolist(), strict=True))
+
+
+def _plan(
+    lengths: list[int],
+    max_new_tokens: int,
+    max_tokens: int | None,
+    block_size: int,
+    request_multiple: int = 1,
+):
+    """``(kv_blocks, max_requests, tokens_per_step)`` before Megatron's 64-token rounding.
+
+    Requests in flight are as many as the blocks hold at full length (``⌈(P + N)/block⌉``
+    blocks each), so that none is ever evicted and re-prefilled; a multiple of
+    ``request_multiple`` (TP on megatron-core 0.17+, which asserts it), the blocks raised to
+    hold that many where the budget holds fewer."""
+    max_seq = max(lengths) + max_new_tokens
+    need_all = sum(math.ceil((p + max_new_tokens) / block_size) for p in lengths)
+    blocks, requests = need_all, len(lengths)
+    if max_tokens is not None:
+        blocks = min(need_all, math.ceil(max(max_tokens, max_seq) / block_size))
+        per_request = math.ceil(max_seq / block_size)
+        requests = min(requests, blocks // per_request)
+        requests = max(request_multiple, requests // request_multiple * request_multiple)
+        blocks = max(blocks, min(requests, len(lengths)) * per_request)
+    step_tokens = sum(lengths) if max_tokens is None else min(max_tokens, sum(lengths))
+    return blocks, requests, max(step_tokens, requests)
+
+
+def kv_cache_tokens(
+    lengths: list[int],
+    max_new_tokens: int,
+    max_tokens: int | None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> int:
+    """Tokens of the paged KV buffer the engine gets for prompts of ``lengths``."""
+    return _plan(lengths, max_new_tokens, max_tokens, block_size)[0] * block_size
+
+
+def _clear_rotary_cache(inner) -> None:
+    forward = getattr(getattr(inner, "rotary_pos_emb", None), "forward", None)
+    if hasattr(forward, "cache_clear"):
+        forward.cache_clear()
+
+
+def restore_forwards(modules, wrapped, before: set[int]) -> None:
+    """Undo ``prepare_model_for_fp8_inference`` on ``modules`` it wrapped since ``before``
+    (ids of those already wrapped): drop the instance ``forward`` and the set entry."""
+    for module in modules:
+        if module in wrapped and id(module) not in before:
+            module.__dict__.pop("forward", None)
+            wrapped.discard(module)
+
+
+@contextlib.contextmanager
+def _inference_state(model) -> Iterator[None]:
+    """RoPE cache and FP8 state around generation (``docs/rollouts.md``)."""
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    inner = unwrap_model(model)
+    fp8 = bool(get_model_config(model).fp8) and hasattr(inner, "set_is_first_microbatch")
+    wrapped = mcore_engine.fp8_inference_wrapped_modules()
+    before = set() if wrapped is None else {id(m) for m in inner.modules() if m in wrapped}
+    _clear_rotary_cache(inner)
+    if fp8:
+        inner.set_is_first_microbatch()  # recast the FP8 weights: they changed since
+    try:
+        yield
+    finally:
+        if wrapped is not None:
+            restore_forwards(inner.modules(), wrapped, before)
+        _clear_rotary_cache(inner)
+        if fp8:
+            inner.set_is_first_microbatch()  # drop casts made under inference_mode
+
+
+def _generate(
+    model,
+    prompts,
+    lengths,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    stop_ids,
+    vocab_size,
+    seed,
+    step,
+    max_tokens,
+    block_size,
+) -> list[list[int]]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.utils import get_model_config
+
+    lens = lengths.tolist()
+    multiple = (
+        ps.get_tensor_model_parallel_world_size() if mcore_engine.has_inference_config() else 1
+    )
+    blocks, max_requests, step_tokens = _plan(
+        lens, max_new_tokens, max_tokens, block_size, multiple
+    )
+    plan = mcore_engine.EnginePlan(
+        blocks=blocks,
+        max_requests=max_requests,
+        step_tokens=step_tokens,
+        max_seq=max(lens) + max_new_tokens,
+        block_size=block_size,
+    )
+    generator = None
+    if temperature > 0:
+        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), prompts.device)
+    sampler = StepSampler(
+        temperature=temperature,
+        top_p=top_p,
+        vocab_size=vocab_size,
+        generator=generator,
+        stop_ids=stop_ids,
+        tp_group=ps.get_tensor_model_parallel_group(),
+    )
+    greedy = temperature == 0
+    params = SamplingParams(
+        temperature=1.0 if greedy else float(temperature),
+        top_k=1 if greedy else 0,
+        top_p=0.0 if greedy or top_p >= 1.0 else float(top_p),
+        num_tokens_to_generate=max_new_tokens,
+        termination_id=sampler.termination_id,
+    )
+    with _generation_mode(model), _inference_state(model):
+        engine = mcore_engine.build_engine(model, get_model_config(model), plan, sampler, seed)
+        try:
+            for i, p in enumerate(lens):
+                engine.add_request(i, prompts[i, :p].tolist(), params)
+            generated = mcore_engine.run_engine(engine, len(lens))
+            evicted = int(engine.evicted_request_count)
+        finally:
+            mcore_engine.release_engine(engine)  # the KV cache is freed now
+            del engine
+    for rid, tok in sampler.substituted.items():  # the stop id that was really sampled
+        generated[rid][-1] = tok
+    return [generated[i] for i in range(len(lens))], evicted
+
+
+def _policy_log_probs(
+    model, rollout: Rollout, micro_batch_size: int, length_grouping: bool = True
+) -> torch.Tensor:
+    """Untempered log-probs of the rollout's response tokens on every rank (0 elsewhere), in
+    forwards of ``micro_batch_size`` rows (``--log-prob-micro-batch-size``), rows of similar
+    length together (``length_grouping``)."""
+    from megatron.core import parallel_state as ps
+
+    width = rollout.tokens.shape[1]
+    log_probs = rollout.log_probs
+    if width < 2 or not bool(rollout.response_mask.any()):
+        return log_probs
+    out = compute_log_probs(
+        model,
+        rollout.tokens,
+        micro_batch_size=micro_batch_size,
+        lengths=needed_lengths(rollout.response_mask),
+        group=length_grouping,
+    )
+    if out is not None:
+        log_probs = torch.where(rollout.response_mask, out.float(), 0.0)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast(log_probs, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
+    return log_probs.contiguous()
+
+
+@torch.no_grad()
+def generate_rollout_dynamic(
+    model,
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | Sequence[int] | None = None,
+    pad_id: int = 0,
+    seed: int = 0,
+    step: int = 0,
+    vocab_size: int | None = None,
+    max_tokens: int | None = None,
+    prompt_lengths: torch.Tensor | None = None,
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE,
+    log_prob_micro_batch_size: int = 1,
+    length_grouping: bool = True,
+    log_probs: bool = True,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
+    engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
+
+    Arguments as :func:`~loggra_megatron.rollout.generate.generate_rollout` (``prompts`` a
+    list of token-id lists or a right-padded ``[B, P]`` tensor with ``prompt_lengths``;
+    ``eos_id`` one or several stop ids; ``vocab_size``: ids from it on are never sampled).
+    ``max_tokens``: KV-cache capacity in tokens (rounded up to whole blocks of
+    ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at once).
+    ``log_prob_micro_batch_size``: rows per forward of the log-prob recompute after
+    generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
+    ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``);
+    ``log_probs=False`` skips the recompute (the rollout's ``log_probs`` stay 0: π_old comes
+    from the training forward). Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
+    model is in eval mode during the call and restored after; every rank of the model
+    replica must call it alike.
+    """
+    _check_sampling(max_new_tokens, temperature, top_p)
+    reason = dynamic_engine_unavailable(model)
+    if reason is not None:
+        raise RuntimeError(reason)
+    sizes = (block_size_tokens, log_prob_micro_batch_size, 1 if max_tokens is None else max_tokens)
+    if min(sizes) < 1:
+        raise ValueError("max_tokens, block_size_tokens, log_prob_micro_batch_size: positive")
+    device = next(model.parameters()).device
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id)
+    buf = buf.to(device)
+    stop_ids = _stop_list(eos_id)
+    responses: list[list[int]] = [[] for _ in range(buf.shape[0])]
+    evicted = 0
+    if max_new_tokens > 0:
+        responses, evicted = _generate(
+            model,
+            buf,
+            lengths,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_ids=stop_ids,
+            vocab_size=vocab_size,
+            seed=seed,
+            step=step,
+            max_tokens=max_tokens,
+            block_size=block_size_tokens,
+        )
+    cut = [truncate_at_stop(r, stop_ids) for r in responses]
+    rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
+    rollout.evicted_requests = evicted
+    if log_probs:
+        rollout.log_probs = _policy_log_probs(
+            model, rollout, log_prob_micro_batch_size, length_grouping
+        )
+    return rollout
