@@ -333,6 +333,31 @@ def _check_flash_dtype(*tensors: torch.Tensor) -> None:
         raise RuntimeError(FLASH_DTYPE_ERROR)
 
 
+def _check_flash_inputs(q, k, v, block_table, **int32) -> None:
+    """What flash-attn 2.x's ``flash_api.cpp`` checks before its kernels (``mha_varlen_fwd``,
+    ``mha_fwd_kvcache``), with its messages: fp16/bf16 and one dtype for ``q, k, v``, their
+    last dimension contiguous, a head dimension of at most 256, the int32 index tensors
+    (``int32``: name → tensor), and a paged cache's ``block_table`` int32 with a contiguous
+    last dimension and blocks of a multiple of 256 tokens."""
+    _check_flash_dtype(q, k, v)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError("query and key must have the same dtype")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise RuntimeError("Input tensor must have contiguous last dimension")
+    if q.shape[-1] > 256:
+        raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
+    for name, t in int32.items():
+        if t.dtype != torch.int32:
+            raise RuntimeError(f"{name} must have dtype int32")
+    if block_table is not None:
+        if block_table.dtype != torch.int32:
+            raise RuntimeError("block_table must have dtype torch.int32")
+        if block_table.stride(-1) != 1:
+            raise RuntimeError("block_table must have contiguous last dimension")
+        if k.shape[1] % 256:
+            raise RuntimeError("Paged KV cache block size must be divisible by 256")
+
+
 def _attend(q, k, v, scale):
     """Causal attention of ``q [sq, hq, d]`` over ``k, v [sk, hk, d]`` (the last query sees
     every key: bottom-right causal alignment, as flash-attn); GQA by head repetition."""
@@ -367,7 +392,7 @@ def varlen_attention(
     return_attn_probs=False,
 ):
     """``flash_attn_varlen_func`` with a paged KV cache (prefill / mixed steps)."""
-    _check_flash_dtype(q, k, v)
+    _check_flash_inputs(q, k, v, block_table, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     assert causal and tuple(window_size) == (-1, -1) and not return_attn_probs
     out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
     for i in range(len(cu_seqlens_q) - 1):
@@ -391,7 +416,7 @@ def kvcache_attention(
     window_size=(-1, -1),
 ):
     """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, 1, h, d]``)."""
-    _check_flash_dtype(q, k_cache, v_cache)
+    _check_flash_inputs(q, k_cache, v_cache, block_table, seqlens_k=cache_seqlens)
     assert causal and tuple(window_size) == (-1, -1)
     out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
     for i in range(min(q.shape[0], len(cache_seqlens))):

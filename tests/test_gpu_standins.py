@@ -202,8 +202,9 @@ def test_flash_attn_standin_takes_fp16_and_bf16_only():
     import gpu_standins
 
     q = torch.randn(3, 2, 8)
-    cache = torch.randn(2, 4, 2, 8)
-    kwargs = dict(cache_seqlens=torch.tensor([3]), block_table=torch.tensor([[0, 1]]))
+    cache = torch.randn(2, 256, 2, 8)  # flash-attn's pages: a multiple of 256 tokens
+    lengths, table = torch.tensor([3], dtype=torch.int32), torch.tensor([[0, 1]]).int()
+    kwargs = dict(cache_seqlens=lengths, block_table=table)
     with pytest.raises(RuntimeError, match=gpu_standins.FLASH_DTYPE_ERROR):
         gpu_standins.kvcache_attention(q[None, :1], cache, cache, **kwargs)
     out = gpu_standins.kvcache_attention(

@@ -14,7 +14,7 @@ On CPU (megatron-core 0.16.1, ``loggra_megatron.cpu``'s CPU mode) the engine doe
 
 The ``*_documented_failure`` tests pin that chain. The other engine tests run the *real*
 engine, scheduler and driver on CPU, a bf16 model, with ``tests/gpu_standins.py``'s
-flash-attn stand-in (plain-PyTorch paged attention, flash-attn's fp16/bf16 rule), the
+flash-attn stand-in (plain-PyTorch paged attention with flash-attn's input checks), the
 Generator redirect, the Triton KV append off and a no-op ``_is_cuda``, against the static
 engine on the same weights (TP=1, TP=2, PP=2). The ``gpu`` test runs the real kernels.
 """
@@ -45,7 +45,7 @@ from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, tiny_g
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-VOCAB, MAX_SEQ, NEW, PAD, BLOCK = 64, 32, 6, 0, 4
+VOCAB, MAX_SEQ, NEW, PAD, BLOCK = 64, 32, 6, 0, 256  # flash-attn pages: multiples of 256
 PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7], [60, 2], [11, 12, 13, 14]]
 # torch's CPU build / a CUDA build on a machine without a driver
 GEN_ERRORS = {
@@ -283,12 +283,12 @@ def test_bounded_kv_cache_gives_the_same_tokens(layout):
     for r in layout:
         for m in (1, 12, 16):
             _assert_same(r[f"bounded{m}"], r["static"])
-        # KV blocks of 4 tokens: unbounded, then max(m, P + N = 11) tokens, in which one
-        # request fits at full length (3 blocks): one request in flight at a time, no
-        # eviction (before: all 4 admitted, evicted and prefilled again); on megatron-core
-        # 0.17+ at TP = 2 two requests, the blocks raised to hold them
+        # KV blocks of 256 tokens (flash-attn's paged kernels take no smaller): one per
+        # request unbounded, then one block for max(m, P + N = 11) tokens, which holds one
+        # request at full length: one request in flight at a time, none evicted; on
+        # megatron-core 0.17+ at TP = 2 two requests, the blocks raised to hold them
         runs = [r["runs"][k] for k in ("greedy", "bounded1", "bounded12", "bounded16")]
-        want = [11, 3, 3, 4] if r["request_multiple"] == 1 else [11, 6, 6, 6]
+        want = [4, 1, 1, 1] if r["request_multiple"] == 1 else [4, 2, 2, 2]
         assert [run["blocks"] for run in runs] == want
         assert all(run["evicted"] == 0 for run in runs)
         assert r["bounded1"].evicted_requests == 0 == r["greedy"].evicted_requests
@@ -406,6 +406,41 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         if func._schema.name in self.READS or func._schema.name.startswith("aten::index"):
             self.ops.append(func._schema.name)
         return func(*args, **(kwargs or {}))
+
+
+def test_flash_attn_standins_check_what_flash_attn_checks():
+    """The stand-ins refuse what flash-attn 2.x's kernels refuse (``flash_api.cpp``), so a
+    call the GPU would reject fails on CPU first: int32 index tensors, the block table,
+    pages of a multiple of 256 tokens, contiguous last dimensions, head dim ≤ 256."""
+    import gpu_standins as g
+
+    q = torch.zeros(3, 2, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 256, 2, 16, dtype=torch.bfloat16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    g.varlen_attention(q, cache, cache, cu, cu, 3, 3, block_table=table)  # accepted
+    cases = {
+        "cu_seqlens_q must have dtype int32": dict(cu_seqlens_q=cu.long()),
+        "block_table must have dtype torch.int32": dict(block_table=table.long()),
+        "Paged KV cache block size must be divisible by 256": dict(k=cache[:, :128]),
+        "Input tensor must have contiguous last dimension": dict(q=q.transpose(1, 2)),
+    }
+    for message, change in cases.items():
+        args = dict(q=q, k=cache, v=cache, cu_seqlens_q=cu, cu_seqlens_k=cu, block_table=table)
+        args.update(change)
+        if "k" in change:
+            args["v"] = change["k"]
+        with pytest.raises(RuntimeError, match=message):
+            g.varlen_attention(max_seqlen_q=3, max_seqlen_k=3, **args)
+    decode = q[:1].unsqueeze(1)  # [n, 1, h, d]
+    lengths = torch.tensor([3], dtype=torch.int32)
+    g.kvcache_attention(decode, cache, cache, lengths, block_table=table)  # accepted
+    with pytest.raises(RuntimeError, match="seqlens_k must have dtype int32"):
+        g.kvcache_attention(decode, cache, cache, lengths.long(), block_table=table)
+    wide = torch.zeros(1, 1, 2, 264, dtype=torch.bfloat16)
+    wide_cache = torch.zeros(2, 256, 2, 264, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head dimension at most 256"):
+        g.kvcache_attention(wide, wide_cache, wide_cache, lengths, block_table=table)
 
 
 def test_step_sampler_masks_padded_vocab_and_maps_stop_ids():
