@@ -112,16 +112,41 @@ class _FP8Module:
         self.is_first_microbatch = False
 
 
+    @contextlib.contextmanager
+    def _fp8_weight(self, first: bool):
+        """TE's FP8 weight cache: a linear given ``is_first_microbatch`` casts its weight at
+        the first micro-batch and computes the later ones with that cast, until Megatron's
+        ``set_is_first_microbatch`` asks for a new one. Modelled by computing the forward
+        with the weight's value at the last first micro-batch, so that a forward after an
+        optimizer step without ``set_is_first_microbatch`` (a rollout sampling the old
+        weights) computes what TE would: the old weights."""
+        if not self.config.fp8:
+            yield
+            return
+        cached = self.__dict__.get("fp8_weight_cache")
+        if first or cached is None:
+            cached = self.__dict__["fp8_weight_cache"] = self.weight.detach().clone()
+        current, self.weight.data = self.weight.data, cached
+        try:
+            yield
+        finally:
+            self.weight.data = current
+
+
 class FP8ColumnParallelLinear(_FP8Module, tensor_parallel.ColumnParallelLinear):
     def forward(self, input_, *args, **kwargs):
+        first = self.is_first_microbatch
         self._fp8_prologue(input_)  # the local SP shard: TE checks before its all-gather
-        return super().forward(input_, *args, **kwargs)
+        with self._fp8_weight(first):
+            return super().forward(input_, *args, **kwargs)
 
 
 class FP8RowParallelLinear(_FP8Module, tensor_parallel.RowParallelLinear):
     def forward(self, input_, *args, **kwargs):
+        first = self.is_first_microbatch
         self._fp8_prologue(input_)
-        return super().forward(input_, *args, **kwargs)
+        with self._fp8_weight(first):
+            return super().forward(input_, *args, **kwargs)
 
 
 class FusedNormColumnParallelLinear(FP8ColumnParallelLinear):

@@ -132,6 +132,59 @@ def test_sp_fp8_pads_the_local_shard_to_te_shape_rule_at_tp4():
         assert tp == 4 and record["fp8_forwards"] > 0
 
 
+def _rollouts_after_a_weight_change(rank):
+    """Greedy rollouts of an FP8 stand-in model after its weights changed (as an optimizer
+    step changes them): as the code runs, with ``set_is_first_microbatch`` turned into a
+    no-op, and from a fresh model with the new weights."""
+    import gpu_standins
+    from megatron.core.utils import unwrap_model
+
+    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.testing import tiny_bf16_gpt_model
+
+    gpu_standins.install_transformer_engine()
+    shape = dict(num_layers=1, hidden_size=64, heads=4, vocab=64, seq=32, use_te=True)
+    shape.update(fp8="hybrid", fp8_recipe="tensorwise", init_method_std=0.3)
+    prompts = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    gen = dict(max_new_tokens=4, temperature=0.0)
+
+    def model_with(state=None):
+        torch.manual_seed(0)
+        model = tiny_bf16_gpt_model(**shape)
+        if state is not None:
+            model.load_state_dict(state)
+        return model
+
+    model = model_with()
+    generate_rollout(model, prompts, **gen)  # casts (and caches) the FP8 weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # an optimizer step
+    state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+    after = generate_rollout(model, prompts, **gen)
+    fresh = generate_rollout(model_with(state), prompts, **gen)
+    inner = unwrap_model(model)
+    with torch.no_grad():  # another step, then a rollout that forgets to ask for a recast
+        for p in model.parameters():
+            p.sub_(0.25)
+    inner.set_is_first_microbatch = lambda: None  # the call forgotten
+    stale = generate_rollout(model, prompts, **gen)
+    state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+    fresh_2 = generate_rollout(model_with(state), prompts, **gen)
+    return after, fresh, stale, fresh_2
+
+
+def test_fp8_weight_cache_standin_catches_a_rollout_of_stale_weights():
+    """TE computes later micro-batches with the FP8 cast of the first: a rollout after an
+    optimizer step samples the new weights only because it asks for a recast
+    (``set_is_first_microbatch``). The stand-in models the cache, so the rollout equals a
+    fresh model's with the new weights, and without the call it would not."""
+    after, fresh, stale, fresh_2 = run_distributed(_rollouts_after_a_weight_change, 1)[0]
+    assert torch.equal(after.tokens, fresh.tokens)
+    torch.testing.assert_close(after.log_probs, fresh.log_probs)
+    assert not torch.allclose(stale.log_probs, fresh_2.log_probs)  # the old weights' numbers
+
+
 # ---------------------------------------------------------------- the stand-ins themselves
 
 
