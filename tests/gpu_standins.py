@@ -111,7 +111,6 @@ class _FP8Module:
             RECORD["recompute_meta_copies"] += 1
         self.is_first_microbatch = False
 
-
     @contextlib.contextmanager
     def _fp8_weight(self, first: bool):
         """TE's FP8 weight cache: a linear given ``is_first_microbatch`` casts its weight at
