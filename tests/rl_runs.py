@@ -46,6 +46,45 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
     return argv
 
 
+def tiny_policy(argv: list[str]):
+    """``(cfg, host, policy, examples)`` of a one-process run of ``argv`` on CPU: its
+    settings, preflight, the policy as the trainer builds it and one RL step's prompts (call
+    it inside a ``run_distributed`` worker)."""
+    import torch
+
+    from loggra_megatron.arguments import parse_args
+    from loggra_megatron.train import build
+    from loggra_megatron.train.preflight import preflight
+
+    cfg = parse_args(argv, world_size=1)
+    host = preflight(cfg)
+    args = build.model_args(cfg, host.tokenizer)
+    policy = build.gpt_model(cfg, args, torch.device("cpu"), trainable=True)
+    examples = next(host.dataset.batches(cfg.grpo.prompts_per_step, dp_rank=0, dp_size=1))
+    return cfg, host, policy, examples
+
+
+def experience_maker(cfg, host, policy, **kwargs):
+    """The ``ExperienceMaker`` of ``cfg``'s sections on ``policy`` (no reference), as the
+    trainer wires it; ``kwargs``: its keyword settings (``tis``, ``on_policy``)."""
+    from loggra_megatron.rl.experience import ExperienceMaker
+
+    t = cfg.training
+    return ExperienceMaker(
+        policy,
+        None,
+        host.tokenizer,
+        host.renderer,
+        host.scoring,
+        cfg.rollout,
+        cfg.grpo,
+        t.seed,
+        t.forward_micro_batch_size,
+        t.length_grouping,
+        **kwargs,
+    )
+
+
 def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
     """``torchrun --nproc-per-node nproc script argv`` (a path under the repository); the
     finished process."""

@@ -13,34 +13,15 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 
 def _experiences(rank, tokenizer):
-    from rl_runs import tiny_argv
+    from rl_runs import experience_maker, tiny_argv, tiny_policy
 
-    from loggra_megatron.arguments import parse_args
-    from loggra_megatron.rl.experience import ExperienceMaker
     from loggra_megatron.rollout import compute_log_probs
-    from loggra_megatron.train import build
-    from loggra_megatron.train.preflight import preflight
 
-    cfg = parse_args(tiny_argv(tokenizer, temperature=0, **{"rollout-engine": "static"}))
-    host = preflight(cfg)
-    args = build.model_args(cfg, host.tokenizer)
-    policy = build.gpt_model(cfg, args, torch.device("cpu"), trainable=True)
-    examples = next(host.dataset.batches(cfg.grpo.prompts_per_step, dp_rank=0, dp_size=1))
-    t, out = cfg.training, {}
+    argv = tiny_argv(tokenizer, temperature=0, **{"rollout-engine": "static"})
+    cfg, host, policy, examples = tiny_policy(argv)
+    out = {}
     for tis, on_policy in ((False, False), (True, False), (True, True)):
-        maker = ExperienceMaker(
-            policy,
-            None,
-            host.tokenizer,
-            host.renderer,
-            host.scoring,
-            cfg.rollout,
-            cfg.grpo,
-            t.seed,
-            t.forward_micro_batch_size,
-            tis=tis,
-            on_policy=on_policy,
-        )
+        maker = experience_maker(cfg, host, policy, tis=tis, on_policy=on_policy)
         exp = maker.make(examples, step=0)
         out[(tis, on_policy)] = {
             "source": maker.old_log_probs,

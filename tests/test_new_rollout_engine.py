@@ -61,37 +61,17 @@ def engine_dir(tmp_path, monkeypatch):
 
 def _experience(rank, engine_dir, tokenizer):
     """One RL step's experience with ``--rollout-engine auto`` and ``static``."""
-    from rl_runs import tiny_argv
-
-    from loggra_megatron.arguments import parse_args
-    from loggra_megatron.rl.experience import ExperienceMaker
-    from loggra_megatron.train import build
-    from loggra_megatron.train.preflight import preflight
+    from rl_runs import experience_maker, tiny_argv, tiny_policy
 
     sys.path.insert(0, engine_dir)
     import counting_engine
 
     ROLLOUT_ENGINES["counting"] = counting_engine.CountingEngine()  # the registry line
-    cfg = parse_args(tiny_argv(tokenizer, bf16=True), world_size=1)
-    host = preflight(cfg)
-    args = build.model_args(cfg, host.tokenizer)
-    policy = build.gpt_model(cfg, args, torch.device("cpu"), trainable=True)
-    examples = next(host.dataset.batches(cfg.grpo.prompts_per_step, dp_rank=0, dp_size=1))
+    cfg, host, policy, examples = tiny_policy(tiny_argv(tokenizer, bf16=True))
     out = {}
     for name in ("auto", "static"):
         cfg.rollout.rollout_engine = name
-        t = cfg.training
-        maker = ExperienceMaker(
-            policy,
-            None,
-            host.tokenizer,
-            host.renderer,
-            host.scoring,
-            cfg.rollout,
-            cfg.grpo,
-            t.seed,
-            t.forward_micro_batch_size,
-        )
+        maker = experience_maker(cfg, host, policy)
         exp = maker.make(examples, step=0)
         out[name] = {
             "engine": maker.engine.name,

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.model import max_rollout_batch_size
 from loggra_megatron.memory.shape import GiB, TransformerShape
-from loggra_megatron.train.preflight import expandable_segments
+from loggra_megatron.train.preflight import expandable_segments, nccl_nvls
 from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = ["kv_budget"]
@@ -43,7 +43,7 @@ def kv_budget(
         world_size=plan.world_size,
         gpu_memory_gb=usable_bytes / GiB,
         expandable_segments=expandable_segments(env),
-        nccl_nvls=env.get("NCCL_NVLS_ENABLE") != "0",
+        nccl_nvls=nccl_nvls(env),
         adam_implementation="fused" if fused_adam else "foreach",
     )
     rows = max_rollout_batch_size(shape, plan, est, usable_bytes)

@@ -116,8 +116,8 @@ def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
     name = _alloc_conf_name(env)
     if not expandable_segments(env):
         differs.append(f"{name}={env[name]!r}" if name in env else f"{name} unset")
-    nvls = env.get("NCCL_NVLS_ENABLE")
-    if nvls != "0":
+    if nccl_nvls(env):
+        nvls = env.get("NCCL_NVLS_ENABLE")
         differs.append("NCCL_NVLS_ENABLE unset" if nvls is None else f"NCCL_NVLS_ENABLE={nvls!r}")
     if not differs:
         return None
@@ -128,6 +128,11 @@ def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
         "KV cache's segment pinned, NCCL's NVLS buffers): export them, or estimate this "
         "environment (tools/estimate_memory.py without --expandable-segments or --no-nccl-nvls)"
     )
+
+
+def nccl_nvls(env: Mapping[str, str]) -> bool:
+    """NCCL may allocate NVLS buffers: ``NCCL_NVLS_ENABLE`` is not ``0`` in ``env``."""
+    return env.get("NCCL_NVLS_ENABLE") != "0"
 
 
 def _alloc_conf_name(env: Mapping[str, str]) -> str:
