@@ -8,11 +8,16 @@ A decode step reads every weight of the model once and the KV cache of every row
 position, so its time is bounded below by ``(weight bytes + KV bytes read) / bandwidth``
 (``--bandwidth-gbs``: an H200's HBM3e 4800 GB/s by default; 3350 for an H100 SXM). For each
 batch size the static engine (``rollout/generate.py``) generates ``--new-tokens`` tokens after
-prompts of ``--prompt-tokens``; the decode steps are timed after the prefill (one device sync
-before, one after), and printed are: ms per decode step, the floor, their ratio, generated
-tokens/s, the forwards and host syncs of the loop, and the KV cache's bytes *measured* on the
-engine's buffers (Megatron's ``StaticInferenceContext``) beside the formula
-(``rollout.engine.kv_cache_bytes``).
+prompts of ``--prompt-tokens``, twice: with its decode steps in CUDA graphs (on CPU the graph
+stand-in, the same static buffers run eagerly) and eagerly (``cuda_graphs=False``), from the
+same prompts and seed. The decode steps are timed after the prefill (one device sync before,
+one after) less the steps that captured a graph (each width's first: warm-up and capture,
+timed apart as "capture ms"). Printed: ms per decode step in both arms and their ratio, the
+floor and the ratio to it, generated tokens/s, the forwards and host syncs of the loop, the KV
+cache's bytes *measured* on the decoder's buffers beside the formula
+(``rollout.engine.kv_cache_bytes``), whether both arms sampled the same tokens, and the aten
+ops per decode-loop forward of a profiled rollout: all of them, and those a GPU still launches
+from the host when the step is a graph (outside the replays, plus one per replay).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import statistics
 import time
 
 import torch
+
+from loggra_megatron.rollout import generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,20 +52,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class _Recorder:
-    """Wraps the decode loop's stage forward and Megatron's static context: the time after
-    the prefill, and the context (its KV buffers)."""
+    """Wraps the static engine's decoder (``rollout/decoder.py``): the time after the prefill
+    (at its first decode step, after a device sync), the time spent capturing step graphs
+    (each width's first step: warm-up and capture), and the decoders made (their KV
+    buffers)."""
 
     def __init__(self, device: torch.device):
-        from megatron.core.inference.contexts import static_context
-
-        from loggra_megatron.rollout import generate
-
-        self.device, self.generate, self.static_context = device, generate, static_context
-        self.forward, self.context_class = (
-            generate._stage_forward,
-            static_context.StaticInferenceContext,
-        )
-        self.after_prefill, self.contexts = None, []
+        self.device, self.decoder_class = device, generate.StaticDecoder
+        self.after_prefill, self.capture_s, self.captures, self.decoders = None, 0.0, 0, []
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -67,49 +68,86 @@ class _Recorder:
     def __enter__(self):
         recorder = self
 
-        def forward(*a, **kw):
-            out = recorder.forward(*a, **kw)
-            if recorder.after_prefill is None:
-                recorder._sync()
-                recorder.after_prefill = time.perf_counter()
-            return out
-
-        class Context(self.context_class):
+        class Decoder(self.decoder_class):
             def __init__(self, *a, **kw):
                 super().__init__(*a, **kw)
-                recorder.contexts.append(self)
+                recorder.decoders.append(self)
 
-        self.generate._stage_forward = forward
-        self.static_context.StaticInferenceContext = Context
+            def decode(self, *a, **kw):
+                if recorder.after_prefill is None:
+                    recorder._sync()
+                    recorder.after_prefill = time.perf_counter()
+                before = self.graphs.captures if self.graphs else 0
+                t0 = time.perf_counter()
+                out = super().decode(*a, **kw)
+                if self.graphs and self.graphs.captures > before:
+                    recorder._sync()
+                    recorder.capture_s += time.perf_counter() - t0
+                    recorder.captures += 1
+                return out
+
+        generate.StaticDecoder = Decoder
         return self
 
     def __exit__(self, *exc):
-        self.generate._stage_forward = self.forward
-        self.static_context.StaticInferenceContext = self.context_class
+        generate.StaticDecoder = self.decoder_class
 
     def kv_bytes(self) -> int:
-        """Bytes of the KV buffers the last rollout's context allocated."""
-        memory = self.contexts[-1].key_value_memory_dict
-        return sum(t.untyped_storage().nbytes() for kv in memory.values() for t in kv)
+        """Bytes of the KV buffers the last rollout's decoder allocated."""
+        return self.decoders[-1].kv_bytes()
 
 
-def _one(model, prompts, args, device) -> dict:
+def _one(model, prompts, args, device, cuda_graphs: bool) -> dict:
     from loggra_megatron.rollout import generate_rollout
 
     with _Recorder(device) as rec:
         rollout = generate_rollout(
-            model, prompts, max_new_tokens=args.new_tokens, temperature=1.0, seed=1
+            model,
+            prompts,
+            max_new_tokens=args.new_tokens,
+            temperature=1.0,
+            seed=1,
+            cuda_graphs=cuda_graphs,
         )
         rec._sync()
         end = time.perf_counter()
     steps = rollout.decode_steps - 1  # after the prefill
+    replayed = max(steps - rec.captures, 1)
     return {
-        "ms_per_step": 1e3 * (end - rec.after_prefill) / max(steps, 1),
+        "ms_per_step": 1e3 * (end - rec.after_prefill - rec.capture_s) / replayed,
+        "capture_ms": 1e3 * rec.capture_s,
         "steps": rollout.decode_steps,
         "host_syncs_per_step": rollout.host_syncs / rollout.decode_steps,
         "generated": int(rollout.response_lengths.sum()),
         "kv_bytes": rec.kv_bytes(),
+        "tokens": rollout.tokens,
     }
+
+
+def _ops_per_step(model, prompts, args) -> tuple[float, float]:
+    """aten ops per decode-loop forward in a profiled rollout: all of them (as eager steps
+    dispatch them), and those a GPU still dispatches from the host when the step is a graph
+    (the ops outside the step-graph replays; a replay counts one)."""
+    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout.step_graph import GRAPH_RANGE
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rollout = generate_rollout(model, prompts, max_new_tokens=args.new_tokens, seed=1)
+    events = prof.events()
+    inside = set()
+    for e in events:
+        if e.name == GRAPH_RANGE:
+            inside.update(id(c) for c in _descendants(e))
+    ops = [e for e in events if e.name.startswith("aten::")]
+    replays = sum(1 for e in events if e.name == GRAPH_RANGE)
+    host = sum(1 for e in ops if id(e) not in inside) + replays
+    return len(ops) / rollout.decode_steps, host / rollout.decode_steps
+
+
+def _descendants(event):
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
 
 
 def measure(args, device: torch.device) -> list[dict]:
@@ -134,23 +172,34 @@ def measure(args, device: torch.device) -> list[dict]:
     for batch in args.batches:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, args.vocab, (batch, args.prompt_tokens), generator=gen)
-        _one(model, prompts.to(device), args, device)  # warm-up
-        runs = [_one(model, prompts.to(device), args, device) for _ in range(args.repeats)]
-        ms = statistics.median(r["ms_per_step"] for r in runs)
+        prompts = prompts.to(device)
+        arms = {}
+        for graphs in (True, False):  # step graphs (the stand-in on CPU), then eager
+            _one(model, prompts, args, device, graphs)  # warm-up
+            arms[graphs] = [_one(model, prompts, args, device, graphs) for _ in range(args.repeats)]
+        ms = statistics.median(r["ms_per_step"] for r in arms[True])
+        eager_ms = statistics.median(r["ms_per_step"] for r in arms[False])
         mean_len = args.prompt_tokens + args.new_tokens / 2  # KV read per step, on average
         floor_bytes = weight_bytes + batch * mean_len * per_token_kv
         floor_ms = 1e3 * floor_bytes / (args.bandwidth_gbs * 1e9)
+        first = arms[True][0]
+        ops, host_ops = _ops_per_step(model, prompts, args)
         rows.append(
             {
                 "batch": batch,
                 "ms_per_step": ms,
+                "eager_ms_per_step": eager_ms,
+                "capture_ms": statistics.median(r["capture_ms"] for r in arms[True]),
                 "floor_ms": floor_ms,
                 "over_floor": ms / floor_ms,
                 "tokens_per_s": batch / (ms / 1e3),
-                "steps": runs[0]["steps"],
-                "host_syncs_per_step": runs[0]["host_syncs_per_step"],
-                "kv_bytes_measured": runs[0]["kv_bytes"],
+                "steps": first["steps"],
+                "host_syncs_per_step": first["host_syncs_per_step"],
+                "kv_bytes_measured": first["kv_bytes"],
                 "kv_bytes_formula": kv_cache_bytes(model, batch, seq),
+                "same_tokens": torch.equal(first["tokens"], arms[False][0]["tokens"]),
+                "ops_per_step": ops,
+                "host_ops_per_step": host_ops,
             }
         )
     return rows
@@ -168,16 +217,19 @@ def main() -> None:
     )
     rows = measure(args, initialize_megatron(device=args.device))
     print(
-        "\n| batch | ms / step | floor ms | × floor | tokens/s | forwards | host syncs / step "
-        "| KV bytes measured | KV bytes formula |"
+        "\n| batch | ms / step | eager ms / step | eager / graphs | capture ms | floor ms "
+        "| × floor | tokens/s | forwards | host syncs / step | KV bytes measured "
+        "| KV bytes formula | same tokens | aten ops / step | host-launched with graphs |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         print(
-            f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['floor_ms']:.4f} | "
-            f"{r['over_floor']:.1f} | {r['tokens_per_s']:.0f} | {r['steps']} | "
-            f"{r['host_syncs_per_step']:.3f} | {r['kv_bytes_measured']} | "
-            f"{r['kv_bytes_formula']} |"
+            f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['eager_ms_per_step']:.3f} | "
+            f"{r['eager_ms_per_step'] / r['ms_per_step']:.2f} | {r['capture_ms']:.1f} | "
+            f"{r['floor_ms']:.4f} | {r['over_floor']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r['steps']} | {r['host_syncs_per_step']:.3f} | {r['kv_bytes_measured']} | "
+            f"{r['kv_bytes_formula']} | {r['same_tokens']} | {r['ops_per_step']:.0f} | "
+            f"{r['host_ops_per_step']:.0f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

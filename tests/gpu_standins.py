@@ -13,6 +13,8 @@ stand-ins for Transformer Engine and flash-attn".
   :class:`ThdDotProductAttention`: TE's contract for packed sequences (THD).
 * flash-attn's paged kernels (:func:`varlen_attention`, :func:`kvcache_attention`) with its
   fp16/bf16 rule, and the CPU redirects Megatron-Core's dynamic engine needs.
+* :func:`install_step_graphs`: the static engine's CUDA-graph capture as its own CPU stand-in
+  (``rollout/step_graph.py``: static inputs, one output, host reads refused at capture).
 
 ``python tests/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
 ``pretrain_rl.py --device cuda`` on the simulated CUDA device of ``tests/device_audit.py``
@@ -79,16 +81,55 @@ def te_checkpoint(
     return tensor_parallel.checkpoint(phased, distribute_saved_activations, *args, **kwargs)
 
 
+class CurrentScalingQuantizer:
+    """The fields of TE's ``Float8CurrentScalingQuantizer`` that its linears' quantizer rule
+    sets (``with_amax_reduction``, ``amax_reduction_group``)."""
+
+    def __init__(self):
+        self.with_amax_reduction, self.amax_reduction_group = False, None
+
+
 class _FP8Module:
     """What the FP8 linears share (see the module docstring)."""
 
     is_first_microbatch = True
+    parallel_mode: str  # TE's "column" | "row"
+
+    def _make_quantizers(self, tensorwise: bool) -> None:
+        """TE's ``set_meta_tensor`` at the first FP8 forward: under current scaling the
+        forward quantizers, the input's with an amax all-reduce over TP where the module is
+        column-parallel with sequence parallelism on *then* (TE 2.9-2.12,
+        ``Linear._customize_quantizers_float8_current_scaling``); never revisited."""
+        forward = [CurrentScalingQuantizer() if tensorwise else object() for _ in range(3)]
+        if tensorwise and self.sequence_parallel and self.parallel_mode == "column":
+            forward[0].with_amax_reduction = True
+            forward[0].amax_reduction_group = self.tp_group
+        self.quantizers = {"scaling_fwd": forward, "scaling_bwd": []}
+
+    def _quantize_input(self, inp: torch.Tensor, tensorwise: bool) -> None:
+        """TE's current scaling: the input's amax, all-reduced over TP where the quantizer
+        says so. Counted: the reductions, those run without sequence parallelism (each TP
+        rank holds the whole input: wasted), and forwards with sequence parallelism that the
+        rule would reduce but whose quantizer does not (ranks scale their shards apart)."""
+        if not tensorwise:
+            return
+        quantizer = self.quantizers["scaling_fwd"][0]
+        if quantizer.with_amax_reduction:
+            amax = inp.detach().abs().amax().float()
+            torch.distributed.all_reduce(
+                amax, op=torch.distributed.ReduceOp.MAX, group=quantizer.amax_reduction_group
+            )
+            RECORD["amax_allreduces"] += 1
+            RECORD["amax_allreduces_without_sp"] += int(not self.sequence_parallel)
+        elif self.sequence_parallel and self.parallel_mode == "column":
+            RECORD["sp_forwards_without_amax_reduction"] += 1
 
     def _fp8_prologue(self, inp: torch.Tensor) -> None:
         if not self.config.fp8:
             return
         assert_dim_for_fp8_exec(inp, self.weight)
         RECORD["fp8_forwards"] += 1
+        tensorwise = str(self.config.fp8_recipe).endswith("tensorwise")
         meta = self.__dict__.get("fp8_meta")
         if meta is None:  # TE: init_fp8_meta_tensors at the first FP8 forward
             device = self.weight.device
@@ -98,8 +139,10 @@ class _FP8Module:
                 "stash": collections.deque(),
             }
             self.__dict__["fp8_meta"] = meta
+            self._make_quantizers(tensorwise)
             RECORD["fp8_meta_created"] += 1
             RECORD["fp8_meta_created_in_inference_mode"] += int(torch.is_inference_mode_enabled())
+        self._quantize_input(inp, tensorwise)
         delayed = str(self.config.fp8_recipe).endswith("delayed")
         phase = getattr(_phase, "name", None)
         if delayed and phase == "checkpoint_forward":  # copy_fp8_meta_tensors_for_recompute
@@ -133,6 +176,8 @@ class _FP8Module:
 
 
 class FP8ColumnParallelLinear(_FP8Module, tensor_parallel.ColumnParallelLinear):
+    parallel_mode = "column"
+
     def forward(self, input_, *args, **kwargs):
         first = self.is_first_microbatch
         self._fp8_prologue(input_)  # the local SP shard: TE checks before its all-gather
@@ -141,6 +186,8 @@ class FP8ColumnParallelLinear(_FP8Module, tensor_parallel.ColumnParallelLinear):
 
 
 class FP8RowParallelLinear(_FP8Module, tensor_parallel.RowParallelLinear):
+    parallel_mode = "row"
+
     def forward(self, input_, *args, **kwargs):
         first = self.is_first_microbatch
         self._fp8_prologue(input_)
@@ -487,6 +534,20 @@ def install_flash_attn() -> None:
 # ---------------------------------------------------------------- launcher
 
 
+def install_step_graphs() -> None:
+    """The simulated device's tensors live on the host, where ``torch.cuda.CUDAGraph`` cannot
+    capture: its decode steps take ``StepGraphs``' own stand-in, which holds them to what a
+    capture enforces."""
+    from loggra_megatron.rollout import step_graph
+
+    init = step_graph.StepGraphs.__init__
+
+    def standin(self, device, capture):
+        init(self, torch.device("cpu"), False)
+
+    step_graph.StepGraphs.__init__ = standin
+
+
 def main(report_dir: str, argv: list[str]) -> int:
     """``pretrain_rl.py argv --device cuda`` on the simulated device with every stand-in."""
     import device_audit
@@ -496,6 +557,7 @@ def main(report_dir: str, argv: list[str]) -> int:
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # Hopper
     install_transformer_engine()
     install_flash_attn()
+    install_step_graphs()
     code = device_audit.run_pretrain_rl(audit, argv)
     report = {"exit": code, "violations": audit.violations, "record": dict(RECORD)}
     device_audit.write_report(report_dir, report)

@@ -436,12 +436,14 @@ def test_h200_check_fetches_the_dockerfile_megatron_core(tmp_path):
     assert "3.12" in args and args[args.index("-d") + 1] == ".whl"
 
 
-def _rehearse(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
+def _rehearse(tmp_path, *args, **env) -> tuple[subprocess.CompletedProcess, str]:
     results = tmp_path / "out" / "h200_check.txt"
     env = {**os.environ, "RESULTS": str(results), "WORK": str(tmp_path / "work"), **env}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
     env["PYTHON"] = sys.executable
-    proc = subprocess.run(["bash", H200], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", H200, *args], env=env, capture_output=True, text=True, timeout=600
+    )
     return proc, results.read_text()
 
 
@@ -460,11 +462,42 @@ NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_packed")  # on a CPU machi
 def test_h200_check_skips_sections_past_its_budget(tmp_path):
     proc, text = _rehearse(tmp_path, BUDGET_S="0", RL_DEVICE="cpu")
     assert proc.returncode == 0, proc.stderr
-    for name in RUNNABLE:
-        assert f"## {name}: SKIPPED (the 0 s budget is spent)" in text
+    assert "## environment: SKIPPED (the 0 s budget is spent)" in text
+    for name in RUNNABLE[1:]:  # no share of the budget is left for them
+        assert f"## {name}: SKIPPED (not within the 0 s budget: raise BUDGET_S)" in text
     for name in NOT_HERE:  # not available is said whatever the budget
         assert f"## {name}: not available: no CUDA device (RL_DEVICE=cpu)" in text
     assert "# done in" in text
+
+
+@pytest.mark.parametrize("budget", [450, 1000])
+@pytest.mark.parametrize("everything", [False, True])
+def test_h200_check_section_limits_add_up_to_the_budget(tmp_path, budget, everything):
+    """The limits share the budget (environment included) among the sections that run, the
+    flagship first: on a machine with Transformer Engine and flash-attn (``everything``) the
+    default 450 s budget runs the flagship FP8 + dynamic-engine run, the decode steps and the
+    static run, and skips the rest with the reason; 1000 s runs all of it."""
+    assume = {"ASSUME_AVAILABLE": "1"} if everything else {}
+    proc, text = _rehearse(tmp_path, "plan", BUDGET_S=str(budget), RL_DEVICE="cpu", **assume)
+    assert proc.returncode == 0, proc.stderr
+    line = re.search(r"^# section limits \(s\) of the (\d+) s budget: (.*)$", text, re.M)
+    assert int(line[1]) == budget
+    limits = {k: int(v) for k, v in (cell.split("=") for cell in line[2].split())}
+    assert budget - len(limits) <= sum(limits.values()) <= budget  # whole seconds, rounded down
+    names = list(limits)
+    if not everything:  # a GPU without TE or flash-attn, or this CPU: the runnable sections
+        assert names == list(RUNNABLE) and min(limits.values()) > 0
+        return
+    assert names[:4] == ["environment", "tokenizer", "estimate_rl_fp8", "rl_fp8"]  # flagship
+    assert set(NOT_HERE) <= set(names)
+    ran = {k for k, v in limits.items() if v > 0}
+    if budget == 450:
+        assert ran == {"environment", "tokenizer", "estimate_rl_fp8", "rl_fp8", "decode"} | {
+            "estimate_rl_static",
+            "rl_static",
+        }
+    else:
+        assert ran == set(names)
 
 
 def test_h200_check_skips_the_sections_named_in_skip(tmp_path):
@@ -519,7 +552,9 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
         assert re.search(best, text), mode
     assert "| kl/realized every step |" in text and "predicted vs realized over" in text
     decode = text.split("## decode", 1)[1].split("## ", 1)[0]
-    assert "| batch | ms / step | floor ms |" in decode and re.search(r"^\| 64 \| ", decode, re.M)
+    assert "| batch | ms / step | eager ms / step |" in decode and re.search(
+        r"^\| 64 \| ", decode, re.M
+    )
     assert text.rstrip().splitlines()[-1].startswith("# done in")
 
 

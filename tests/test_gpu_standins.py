@@ -64,7 +64,8 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
     device: the dynamic engine is chosen and runs, every FP8 GEMM meets TE's shape rule, the
     FP8 state is made outside inference mode (issue 21, item 1: the first recompute backward
     raised "Inplace update to inference tensor outside InferenceMode"), every tensor is on
-    the device, and the step is trained and controlled."""
+    the device, and the step is trained and controlled. Under current scaling TE's amax
+    all-reduce over TP runs in the training forwards and never while generating."""
     out = tmp_path / "out"
     argv = tiny_argv(tokenizer, **EXAMPLE_27B, **{"fp8-recipe": recipe, "output-dir": out})
     reports, proc = _run(tmp_path, argv)
@@ -74,6 +75,11 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
         assert record["fp8_forwards"] > 0 and record["fp8_meta_created"] == 16  # 2 models
         assert record["fp8_meta_created_in_inference_mode"] == 0
         assert (record.get("recompute_meta_copies", 0) > 0) == (recipe == "delayed")
+        # TE's amax all-reduce over TP: in the training forwards (sequence parallel), never
+        # in generation, and kept for training though the first FP8 forward is a rollout's
+        assert (record.get("amax_allreduces", 0) > 0) == (recipe == "tensorwise")
+        assert record.get("amax_allreduces_without_sp", 0) == 0
+        assert record.get("sp_forwards_without_amax_reduction", 0) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["kl/predicted"] > 0 and 0 < m["kl/step_scale"] <= 1 for m in lines)

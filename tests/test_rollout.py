@@ -53,6 +53,47 @@ def _naive_greedy(model, prompt: list[int]) -> list[int]:
     return seq[len(prompt) :]
 
 
+def _megatron_kv_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """One sequence through Megatron-Core's own KV cache (``StaticInferenceContext``), as the
+    static engine decoded before ``rollout/decoder.py``: greedy tokens and their log-probs."""
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    context = StaticInferenceContext(1, len(prompt) + NEW)
+    seq, log_probs, ids = list(prompt), [], torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(NEW):
+            positions = torch.arange(len(seq) - ids.shape[1], len(seq)).unsqueeze(0)
+            logits = model(
+                ids, positions, None, inference_context=context, runtime_gather_output=True
+            )
+            logits = logits[0, -1].float()
+            context.increment_sequence_len_offset(ids.shape[1])
+            context.enable_decode_mode()
+            seq.append(int(logits.argmax()))
+            log_probs.append(float(logits.log_softmax(-1)[seq[-1]]))
+            ids = torch.tensor([[seq[-1]]])
+    return seq[len(prompt) :], log_probs
+
+
+def _narrow_widths(model) -> tuple:
+    """The long greedy rollout with decode widths from 4: ``(rollout, widths captured)``."""
+    from loggra_megatron.rollout import decoder, generate
+
+    made, saved = [], (decoder.MIN_WIDTH, generate.StaticDecoder)
+
+    class Recording(decoder.StaticDecoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    decoder.MIN_WIDTH, generate.StaticDecoder = 4, Recording
+    try:
+        rollout = generate_rollout(model, PROMPTS, temperature=0.0, max_new_tokens=25)
+    finally:
+        decoder.MIN_WIDTH, generate.StaticDecoder = saved
+    return rollout, sorted(made[0].graphs._steps)
+
+
 def _worker(rank: int, full_state: dict | None = None) -> dict:
     model = tiny_gpt_model(
         2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True, init_method_std=0.3
@@ -72,6 +113,10 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         ),
         "top_p_tiny": generate_rollout(model, PROMPTS, temperature=1.0, top_p=1e-6, seed=7, **gen),
         "long": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, max_new_tokens=25),
+        "long_greedy": generate_rollout(model, PROMPTS, temperature=0.0, max_new_tokens=25),
+        "sampled_eager": generate_rollout(
+            model, PROMPTS, temperature=1.0, seed=7, step=3, cuda_graphs=False, **gen
+        ),
     }
     for how in ("greedy", "sampled"):
         kw = dict(temperature=0.0) if how == "greedy" else dict(temperature=1.0, seed=7, step=3)
@@ -90,6 +135,8 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     if torch.distributed.get_world_size() == 1:
         model.eval()
         out["naive"] = [_naive_greedy(model, p) for p in PROMPTS]
+        out["megatron_kv"] = [_megatron_kv_greedy(model, p) for p in PROMPTS]
+        out["narrow_widths"] = _narrow_widths(model)
         padded = torch.full((len(PROMPTS), 7), 99)  # a [B, P] tensor with junk past each prompt
         for i, p in enumerate(PROMPTS):
             padded[i, : len(p)] = torch.tensor(p)
@@ -152,6 +199,36 @@ def test_kv_cache_equals_naive_per_sequence_greedy(tp1):
     r = tp1[0]
     assert _responses(r["greedy"]) == r["naive"]
     assert r["greedy"].response_lengths.tolist() == [NEW] * len(PROMPTS)
+
+
+def test_decoder_equals_megatrons_own_kv_cache(tp1):
+    """The static engine's decoder (``rollout/decoder.py``: Megatron's layers around attention
+    over a static cache) samples the greedy tokens Megatron-Core's ``StaticInferenceContext``
+    does, one sequence at a time, with the same log-probs to round-off."""
+    r = tp1[0]
+    greedy = r["greedy"]
+    assert _responses(greedy) == [tokens for tokens, _ in r["megatron_kv"]]
+    for i, (_, log_probs) in enumerate(r["megatron_kv"]):
+        ours = greedy.log_probs[i][greedy.response_mask[i]]
+        torch.testing.assert_close(ours, torch.tensor(log_probs), atol=1e-5, rtol=0)
+
+
+def test_decode_steps_through_the_graph_standin_equal_eager_ones(layout):
+    """On CPU the decode step runs through the CUDA-graph stand-in (static inputs refilled,
+    one output tensor rewritten, host reads refused at "capture"): the same tokens and
+    log-probs, to the bit, as the eager steps."""
+    results, _ = layout
+    for r in results:
+        _assert_same(r["sampled"], r["sampled_eager"])
+
+
+def test_decode_widths_grow_with_the_position(tp1):
+    """With the narrowest width at 4, a 30-position rollout (decode steps from position 2)
+    captures widths 4, 8, 16 and 30 (the capacity), and decodes what one width over the whole
+    cache does."""
+    narrow, widths = tp1[0]["narrow_widths"]
+    assert widths == [4, 8, 16, 30]
+    _assert_same(narrow, tp1[0]["long_greedy"], atol=1e-5)
 
 
 def test_all_model_parallel_ranks_return_the_same_rollout(tp2, pp2):

@@ -93,6 +93,10 @@ section() {
         note "## $name: SKIPPED (SKIP)"
         return 1
     fi
+    if ((limit <= 0)); then
+        note "## $name: SKIPPED (not within the ${BUDGET_S} s budget: raise BUDGET_S)"
+        return 1
+    fi
     left=$((BUDGET_S - SECONDS))
     if ((left < 30)); then
         note "## $name: SKIPPED (the ${BUDGET_S} s budget is spent)"
@@ -112,7 +116,9 @@ section() {
 }
 
 note "# h200_check $(date -u +%FT%TZ) budget ${BUDGET_S} s, ${STEPS} RL steps per run"
-section environment 60 "$PY" - <<'PY'
+ENV_LIMIT=60
+[ "${1:-}" = plan ] && SKIP="${SKIP:-} environment"  # plan: print the limits, run nothing
+section environment "$ENV_LIMIT" "$PY" - <<'PY'
 import importlib.util
 import subprocess
 import torch
@@ -175,6 +181,9 @@ PY
 DYNAMIC_WHY=$(why_not dynamic)
 FP8_WHY=$(why_not fp8)
 TE_WHY=$(why_not te)
+if [ "${1:-}" = plan ] && [ -n "${ASSUME_AVAILABLE:-}" ]; then  # as in docker/Dockerfile's image
+    DYNAMIC_WHY="" FP8_WHY="" TE_WHY=""
+fi
 if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     IMPL=(--transformer-impl transformer_engine)
 else
@@ -183,7 +192,51 @@ fi
 FP8=(--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise)
 not_available() { note "## $1: not available: $2"; }
 
-section tokenizer 90 "$PY" tools/train_tokenizer.py --builtin-tasks "${TOK_TASKS:-20000}" --seed 0 \
+# Section limits: BUDGET_S less the environment section's limit is shared among the sections
+# that will run here (not SKIPped, not "not available"), in order of importance (the
+# flagship FP8 + dynamic-engine run first where it can run): a section joins while the
+# weights so far fit (a weight is roughly the seconds it took on the H200 of docs/results.md
+# section 4; an RL run's includes its estimate), the rest are SKIPPED with the reason, and
+# the joined ones share the whole remainder in proportion. So the limits add up to the
+# budget whatever the machine can run; on a machine with Transformer Engine and flash-attn
+# BUDGET_S=1000 runs every section. `bash h200_check.sh plan` prints the plan and stops
+# (ASSUME_AVAILABLE=1: as on such a machine).
+declare -A WEIGHT=([tokenizer]=20 [decode]=40 [rl]=150 [memory]=90 [kl_control]=90)
+PLAN=(tokenizer:tokenizer)
+[ -z "$FP8_WHY" ] && [ -z "$DYNAMIC_WHY" ] && PLAN+=(rl_fp8:rl)
+PLAN+=(decode:decode rl_static:rl memory_bf16:memory kl_control:kl_control)
+[ -z "$DYNAMIC_WHY" ] && PLAN+=(rl_dynamic:rl)
+[ -z "$FP8_WHY" ] && PLAN+=(memory_fp8:memory)
+[ -z "$FP8_WHY" ] && [ -n "$DYNAMIC_WHY" ] && PLAN+=(rl_fp8:rl)
+[ -z "$TE_WHY" ] && PLAN+=(rl_packed:rl)
+declare -A LIMIT=()
+REST=$((BUDGET_S - ENV_LIMIT)) USED=0 JOINED=()
+for entry in "${PLAN[@]}"; do
+    name=${entry%%:*} weight=${WEIGHT[${entry#*:}]}
+    LIMIT[$name]=0 LIMIT[estimate_$name]=0  # 0: not within the budget (section() says so)
+    [[ " ${SKIP:-} " == *" $name "* ]] && continue
+    ((USED + weight <= REST)) && USED=$((USED + weight)) && JOINED+=("$entry")
+done
+for entry in "${JOINED[@]}"; do
+    name=${entry%%:*}
+    LIMIT[$name]=$((REST * WEIGHT[${entry#*:}] / USED))
+    if [ "${entry#*:}" = rl ]; then  # a tenth of an RL run's share is its estimate's
+        LIMIT[estimate_$name]=$((LIMIT[$name] / 10))
+        LIMIT[$name]=$((LIMIT[$name] - LIMIT[estimate_$name]))
+    fi
+done
+limits() {
+    local e n
+    for e in "${PLAN[@]}"; do
+        n=${e%%:*}
+        [ "${e#*:}" = rl ] && printf 'estimate_%s=%s ' "$n" "${LIMIT[estimate_$n]}"
+        printf '%s=%s ' "$n" "${LIMIT[$n]}"
+    done
+}
+note "# section limits (s) of the ${BUDGET_S} s budget: environment=${ENV_LIMIT} $(limits)"
+[ "${1:-}" = plan ] && exit 0
+
+section tokenizer "${LIMIT[tokenizer]}" "$PY" tools/train_tokenizer.py --builtin-tasks "${TOK_TASKS:-20000}" --seed 0 \
     --vocab-size 512 --output-prefix "$WORK/tokenizer"
 VOCAB=$("$PY" -c "import sentencepiece as s, sys; print(s.SentencePieceProcessor(model_file=sys.argv[1]).vocab_size())" "$WORK/tokenizer.model" 2>/dev/null || echo 512)
 
@@ -202,12 +255,12 @@ rl() {
     local name=$1 engine=$2 run="$WORK/$1"
     shift 2
     rm -rf "$run"
-    section "estimate_${name}" 60 "$PY" tools/estimate_memory.py --world-size 1 \
+    section "estimate_${name}" "${LIMIT[estimate_${name}]}" "$PY" tools/estimate_memory.py --world-size 1 \
         --vocab-size "$VOCAB" --runtime-overhead-gb 0 --gpu-memory-gb 139 \
         --expandable-segments --no-nccl-nvls --rollout-engine "$engine" \
         "${SHAPE_RL[@]}" "$@" "${STEP_RL[@]}" "${RL_EXTRA[@]}"
     grep -v -i -E 'warn|^  return ' "$WORK/logs/estimate_${name}.log" >>"$RESULTS" 2>/dev/null
-    section "$name" 170 "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_rl.py \
+    section "$name" "${LIMIT[$name]}" "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_rl.py \
         --device "$RL_DEVICE" \
         --tokenizer-model "$WORK/tokenizer.model" --task arithmetic --num-tasks 2000 \
         "${SHAPE_RL[@]}" "$@" "${STEP_RL[@]}" "${RL_EXTRA[@]}" \
@@ -240,7 +293,7 @@ if [ -z "$FP8_WHY" ] && [ -z "$DYNAMIC_WHY" ]; then
     FLAGSHIP_RAN=1
 fi
 # 0: decode steps of the policy's shape (bf16, the local spec's layers), then before anything else
-section decode 60 "$PY" benchmarks/decode_step.py --device "$RL_DEVICE" --bf16 --layers 20 \
+section decode "${LIMIT[decode]}" "$PY" benchmarks/decode_step.py --device "$RL_DEVICE" --bf16 --layers 20 \
     --hidden 2048 --ffn 5632 --heads 16 --groups 4 --vocab 32000 --prompt-tokens 768 \
     --new-tokens 64 --batches 8 64 --repeats 3 "${DECODE_EXTRA[@]}"
 grep -E '^(decode|\|)' "$WORK/logs/decode.log" >>"$RESULTS" 2>/dev/null
@@ -250,12 +303,12 @@ rl rl_static static "${IMPL[@]}"
 SHAPE=(--device cuda --layers 16 --hidden 2048 --ffn 5632 --heads 16 --vocab 32000 --seq 2048
        --new-tokens 64 --rollout-rows 8 --reference yes --timed-steps 1)
 SHAPE+=("${MEM_EXTRA[@]}")
-section memory_bf16 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}"
+section memory_bf16 "${LIMIT[memory_bf16]}" "$PY" benchmarks/memory_rl.py "${SHAPE[@]}"
 grep -E '^(#|\||$)' "$WORK/logs/memory_bf16.log" >>"$RESULTS" 2>/dev/null
 # 2b: predicted-KL control per update at LLM width: probing every update against probe
 # skipping (interleaved repeats), then predicted vs realized KL at an RL-scale lr (the
 # benchmark's 3e-3 moves this model by ~0.75 nats per update, far outside the quadratic model)
-section kl_control 150 "$PY" -m torch.distributed.run --nproc-per-node 1 \
+section kl_control "${LIMIT[kl_control]}" "$PY" -m torch.distributed.run --nproc-per-node 1 \
     benchmarks/bench_kl_control.py --device "$RL_DEVICE" --layers 8 --hidden 2048 --heads 16 \
     --vocab 32000 --seq 1024 --batch 16 --lr 1e-4 --steps 10 --run-steps 20 --repeats 3 \
     --skipping-only \
@@ -268,7 +321,7 @@ else
     not_available rl_dynamic "$DYNAMIC_WHY"
 fi
 if [ -z "$FP8_WHY" ]; then
-    section memory_fp8 150 "$PY" benchmarks/memory_rl.py "${SHAPE[@]}" --fp8 hybrid
+    section memory_fp8 "${LIMIT[memory_fp8]}" "$PY" benchmarks/memory_rl.py "${SHAPE[@]}" --fp8 hybrid
     grep -E '^(#|\||$)' "$WORK/logs/memory_fp8.log" >>"$RESULTS" 2>/dev/null
     [ -n "$FLAGSHIP_RAN" ] || rl rl_fp8 static "${FP8[@]}"  # without flash-attn: static
 else

@@ -208,6 +208,7 @@ class ExperienceMaker:
             length_grouping=self.length_grouping,
             row_multiple=self.row_multiple,
             log_probs=self.old_log_probs != "training",
+            cuda_graphs=r.rollout_cuda_graphs,
         )
         self.engine.sync_weights(self.policy)
         prompts = [self.renderer.ids(e["prompt"]) for e in examples]

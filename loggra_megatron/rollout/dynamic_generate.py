@@ -27,12 +27,12 @@ from loggra_megatron.rollout import mcore_engine
 from loggra_megatron.rollout.generate import (
     Rollout,
     _check_sampling,
-    _generation_mode,
     _pack_prompts,
     compute_log_probs,
     sample_tokens,
     sampling_generator,
 )
+from loggra_megatron.rollout.generation_mode import generation_mode
 from loggra_megatron.rollout.protocol import EngineTarget
 
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
@@ -275,7 +275,7 @@ def _generate(
         num_tokens_to_generate=max_new_tokens,
         termination_id=sampler.termination_id,
     )
-    with _generation_mode(model), _inference_state(model):
+    with generation_mode(model), _inference_state(model):
         engine = mcore_engine.build_engine(model, get_model_config(model), plan, sampler, seed)
         try:
             for i, p in enumerate(lens):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +30,8 @@ from loggra_megatron.model.batching import (
 )
 from loggra_megatron.model.forward import forward_map, unpadded_length
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
+from loggra_megatron.rollout.decoder import StaticDecoder, stage_hidden_dtype
+from loggra_megatron.rollout.generation_mode import generation_mode
 
 __all__ = [
     "Rollout",
@@ -134,12 +136,15 @@ def _pack_prompts(prompts, prompt_lengths, pad_id: int) -> tuple[torch.Tensor, t
     return tokens, lengths  # on the host: the decode loop reads the lengths, the prefill rows
 
 
-def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, hidden_dtype):
-    """Forward ``tokens [B, s]`` (positions ``offset ..``) through this pipeline stage.
+def _stage_forward(model, decoder, tokens: torch.Tensor, offset: int, pp_group, hidden_dtype):
+    """Forward ``tokens [b, s]`` (positions ``offset ..``) through this pipeline stage.
 
-    Receives ``[s, B, H]`` hidden states from the previous stage and sends this stage's output
-    to the next one. Returns the (TP-gathered) logits of the last position ``[B, V]`` on the
-    last stage, ``None`` elsewhere. Advances ``context.sequence_len_offset`` by ``s``.
+    Receives ``[s, b, H]`` hidden states from the previous stage and sends this stage's output
+    to the next one. With a :class:`~loggra_megatron.rollout.decoder.StaticDecoder`, one token
+    per row of the whole batch is a decode step (a step graph), more is a prefill; without
+    one, Megatron's whole forward of the prefix (``offset`` 0; the uncached reference).
+    Returns the (TP-gathered) logits of the last position ``[b, V]`` on the last stage,
+    ``None`` elsewhere.
     """
     from megatron.core.inference.communication_utils import (
         recv_from_prev_pipeline_rank_,
@@ -150,19 +155,28 @@ def _stage_forward(model, tokens: torch.Tensor, offset: int, context, pp_group, 
     batch, seq = tokens.shape
     first = pp_group.rank() == 0
     last = pp_group.rank() == pp_group.size() - 1
-    positions = torch.arange(offset, offset + seq, device=tokens.device).expand(batch, seq)
+    decode = decoder is not None and seq == 1 and batch == decoder.batch
     recv = None
     if not first:
-        hidden = get_model_config(model).hidden_size
-        recv = torch.empty((seq, batch, hidden), dtype=hidden_dtype, device=tokens.device)
+        recv = decoder.hidden_in if decode else None
+        if recv is None:
+            hidden = get_model_config(model).hidden_size
+            recv = torch.empty((seq, batch, hidden), dtype=hidden_dtype, device=tokens.device)
         recv_from_prev_pipeline_rank_(recv, pp_group)
-    get_attr_wrapped_model(model, "set_input_tensor")(recv)
-    out = model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
+    ids = tokens if first else None
+    if decode:
+        out = decoder.decode(ids, offset)
+    else:
+        get_attr_wrapped_model(model, "set_input_tensor")(recv)
+        if decoder is not None:
+            out = decoder.forward(ids, offset, seq)
+        else:
+            positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+            out = model(tokens, positions, None, runtime_gather_output=True)
+            out = out[:, -1, :].float() if last else out
     if not last:
         send_to_next_pipeline_rank(out.to(hidden_dtype).contiguous(), pp_group)
-    if context is not None:
-        context.increment_sequence_len_offset(seq)
-    return out[:, -1, :].float() if last else None
+    return out if last else None
 
 
 def _next_tokens(logits, next_ids, *, temperature, top_p, generator, vocab_size):
@@ -183,43 +197,6 @@ def _next_tokens(logits, next_ids, *, temperature, top_p, generator, vocab_size)
     return next_ids, vocab_parallel_log_probs(local, next_ids, tp_group)
 
 
-_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
-
-
-@contextlib.contextmanager
-def _generation_mode(model) -> Iterator[None]:
-    """Eval mode and sequence parallelism off for the block; restores both exactly.
-
-    Like Megatron's ``set_model_to_sequence_parallel`` (which the static controller uses), but
-    it restores each module's own previous flag instead of setting them all back to True.
-    Under FP8 the first forward recasts Transformer Engine's cached FP8 weights
-    (``MegatronModule.set_is_first_microbatch``, as Megatron's schedule does for the first
-    micro-batch): without it the rollout would sample from the weights of before the last
-    optimizer step.
-    """
-    from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
-
-    config = get_model_config(model)
-    saved = [(model, "training", model.training)]
-    if config.sequence_parallel:
-        modules = unwrap_model(model).modules()
-        saved += [(m, a, getattr(m, a)) for m in modules for a in _SP_ATTRS if hasattr(m, a)]
-        saved.append((config, "sequence_parallel", True))
-    model.eval()
-    inner = unwrap_model(model)
-    if hasattr(inner, "set_is_first_microbatch"):
-        inner.set_is_first_microbatch()
-    try:
-        for owner, attr, _ in saved[1:]:
-            setattr(owner, attr, False)
-        yield
-    finally:
-        for owner, attr, value in reversed(saved[1:]):
-            setattr(owner, attr, value)
-        model.train(saved[0][2])
-        get_attr_wrapped_model(model, "set_input_tensor")(None)  # drop the last recv buffer
-
-
 @torch.no_grad()
 def generate_rollout(
     model,
@@ -238,6 +215,7 @@ def generate_rollout(
     row_multiple: int = 1,
     chunk: int = 0,
     share_prefill: bool = True,
+    cuda_graphs: bool = True,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each prompt (``docs/rollouts.md``).
 
@@ -251,10 +229,10 @@ def generate_rollout(
     to a multiple of this, e.g. 16 for FP8 GEMMs; they are not returned. ``chunk``: index of
     this batch in a chunked rollout (its own sampling stream). ``share_prefill``: rows with
     the same prompt share one prefill (``docs/rollouts.md``); False prefills every row (a
-    reference for tests and benchmarks).
+    reference for tests and benchmarks). ``cuda_graphs``: decode steps captured in CUDA
+    graphs on a GPU (``rollout/decoder.py``; False: eager).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
     _check_sampling(max_new_tokens, temperature, top_p)
     device = next(model.parameters()).device
@@ -280,9 +258,9 @@ def generate_rollout(
         vocab_size=vocab_size,
     )
     batch, total = state.buf.shape
-    context = StaticInferenceContext(batch, total) if use_kv_cache else None
-    with _generation_mode(model):
-        _decode(model, state, sample, stop_ids, context, pp_group)
+    decoder = StaticDecoder(model, batch, total, cuda_graphs=cuda_graphs) if use_kv_cache else None
+    with generation_mode(model), decoder.attached() if decoder else contextlib.nullcontext():
+        _decode(model, state, sample, stop_ids, decoder, pp_group)
     if pp_group.size() > 1:
         src = dist.get_process_group_ranks(pp_group)[-1]
         dist.broadcast(state.log_probs, src=src, group=pp_group)
@@ -312,14 +290,6 @@ def _shared_prefill(buf, lengths) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     rows = [index.index(u) for u in range(len(first))]
     return torch.tensor(rows), torch.tensor(index)
-
-
-def _share_prefilled_cache(context, index: torch.Tensor, length: int) -> None:
-    """Each row's first ``length`` cache positions from the prefilled row ``index[row]``
-    (Megatron's static KV cache, ``[max_seq, max_batch, groups, d]`` per layer)."""
-    for key, value in context.key_value_memory_dict.values():
-        for cache in (key, value):
-            cache[:length, : len(index)] = cache[:length].index_select(1, index)
 
 
 @dataclass
@@ -403,18 +373,13 @@ sync (prompt lengths are known on the host), so at most ``STOP_CHECK_INTERVAL âˆ
 run after the last row finished; they change nothing (finished rows are not written)."""
 
 
-def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> None:
+def _decode(model, state: _DecodeState, sample, stop_ids, decoder, pp_group) -> None:
     """Prefill, then one token per step until every row is done (on all ranks together:
     the last stage broadcasts the ids over PP). Reads the device on the host once every
     :data:`STOP_CHECK_INTERVAL` steps."""
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(model)
-    hidden_dtype = (
-        torch.float32
-        if config.fp32_residual_connection
-        else (config.pipeline_dtype or config.params_dtype)
-    )
+    dtype = stage_hidden_dtype(get_model_config(model))
     pp = pp_group.size()
     last = pp_group.rank() == pp - 1
     pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
@@ -427,15 +392,16 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
             if bool(state.done.all()):
                 break
         state.steps += 1
-        lo = start if context is not None else 0
+        lo = start if decoder is not None else 0
+        forward = partial(_stage_forward, model, decoder, pp_group=pp_group, hidden_dtype=dtype)
         if state.steps == 1 and state.prefill is not None:  # one prefill per distinct prompt
             rows, index = state.prefill
-            logits = _stage_forward(model, buf[rows, :t], 0, context, pp_group, hidden_dtype)
-            _share_prefilled_cache(context, index, t)
+            logits = forward(buf[rows, :t], 0)
+            decoder.share_prefix(index, t)
             logits = logits.index_select(0, index) if last else None
             state.prefill_tokens += len(rows) * t
         else:
-            logits = _stage_forward(model, buf[:, lo:t], lo, context, pp_group, hidden_dtype)
+            logits = forward(buf[:, lo:t], lo)
             state.prefill_tokens += batch * t if state.steps == 1 else 0
         next_ids, lp = torch.empty(batch, dtype=torch.long, device=buf.device), None
         if last:
@@ -443,8 +409,6 @@ def _decode(model, state: _DecodeState, sample, stop_ids, context, pp_group) -> 
         if pp > 1:
             dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
         state.record(t, next_ids, lp, stop_ids)
-        if context is not None and t >= state.longest:
-            context.enable_decode_mode()  # every prompt is fully in the cache
         start, t = t, t + 1
 
 

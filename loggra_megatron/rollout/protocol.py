@@ -78,6 +78,8 @@ class RolloutRequest:
     forward (π_old comes from the training forward: ``StepPlan.old_log_probs``)."""
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
+    cuda_graphs: bool = True
+    """The static engine's decode steps are CUDA graphs on a GPU (``--rollout-cuda-graphs``)."""
 
     def sampling(self) -> dict:
         """The keyword arguments every engine's generation takes alike (sampling, stop and

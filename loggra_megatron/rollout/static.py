@@ -33,7 +33,11 @@ class StaticEngine(RolloutEngine):
         r = request
         t0 = time.perf_counter()
         rollout, kv_bytes = generate_chunked(
-            policy, prompts, row_multiple=r.row_multiple, **r.sampling()
+            policy,
+            prompts,
+            row_multiple=r.row_multiple,
+            cuda_graphs=r.cuda_graphs,
+            **r.sampling(),
         )
         return rollout, rollout_stats(rollout, time.perf_counter() - t0, kv_bytes)
 
