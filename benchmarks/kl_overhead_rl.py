@@ -22,58 +22,14 @@ import subprocess
 import sys
 import tempfile
 
+from tiny_example import example_flags, with_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-EXAMPLE = [
-    "--task",
-    "arithmetic",
-    "--num-tasks",
-    "20000",
-    "--task-digits",
-    "1",
-    "--task-operators",
-    "+-",
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--bf16",
-    "--sft-iters",
-    "200",
-    "--sft-lr",
-    "3e-3",
-    "--prompts-per-step",
-    "16",
-    "--num-generations",
-    "8",
-    "--max-new-tokens",
-    "16",
-    "--global-batch-size",
-    "64",
-    "--micro-batch-size",
-    "32",
-    "--lr",
-    "1e-4",
-    "--lr-warmup-iters",
-    "5",
-    "--optimizer",
-    "loggra",
-    "--loggra-rank",
-    "16",
-    "--loggra-min-dim",
-    "32",
-    "--loggra-update-interval",
-    "50",
-    "--kl-coef",
-    "0.01",
-    "--kl-ref-estimator",
-    "k3",
-]
+EXAMPLE = with_flags(
+    example_flags(), kl_target=None, train_iters=None, save_interval=None, tokenizer_model=None
+)
 """``examples/tiny_cpu/run.sh``'s flags, less ``--kl-target``, ``--train-iters`` and saving."""
 
 
@@ -195,7 +151,7 @@ def summarize_controlled(runs: dict[str, list[list]], name: str) -> dict:
 
 def summarize(args, runs: dict[str, list[list]]) -> dict:
     """Per arm the median s/step of each phase (the noise shows in the rollout, whose work
-    is the same in every arm); per controlled arm :func:`summarize_controlled`."""
+    is the same in every arm); per controlled arm ``summarize_controlled``."""
     phases = {
         k: {
             key: statistics.median(r[key] for rows in v for r in rows)

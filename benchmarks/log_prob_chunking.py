@@ -44,7 +44,7 @@ def build(args):
 
 
 def log_probs(out, chunked: bool) -> torch.Tensor:
-    """``[b, s]`` log-probs of a micro-batch's :class:`LastHidden`, chunked or unchunked."""
+    """``[b, s]`` log-probs of a micro-batch's ``LastHidden``, chunked or unchunked."""
     from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
     if chunked:

@@ -24,45 +24,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import subprocess
 import sys
+
+from tiny_example import example_flags, with_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("qkv", "proj", "fc1", "fc2")
 CONFIGS = ("4", "8", "16", "32", "64", "identity", "adam")
 LOGGRA_FLAGS = ("--loggra-rank", "--loggra-min-dim", "--loggra-update-interval")
 STEPS = 60
-
-
-def example_flags() -> list[str]:
-    """The torchrun flags of examples/tiny_cpu/run.sh, without ``--save`` and ``"$@"``."""
-    with open(os.path.join(ROOT, "examples", "tiny_cpu", "run.sh"), encoding="utf-8") as f:
-        text = f.read()
-    block = text[text.index("torchrun") : text.index('"$@"')]
-    words = shlex.split(block.replace("\\\n", " "), posix=True)
-    words = words[words.index("pretrain_rl.py") + 1 :]
-    i = words.index("--save")
-    return words[:i] + words[i + 2 :]
-
-
-def with_flags(flags: list[str], **values) -> list[str]:
-    """``flags`` with ``--name value`` set (None: dropped), by Python name."""
-    out, skip = [], False
-    names = {f"--{k.replace('_', '-')}": v for k, v in values.items()}
-    for j, word in enumerate(flags):
-        if skip:
-            skip = False
-            continue
-        if word in names:
-            skip = j + 1 < len(flags) and not flags[j + 1].startswith("--")
-            continue
-        out.append(word)
-    for name, value in names.items():
-        if value is not None:
-            out += [name, str(value)]
-    return out
 
 
 def rl_flags(flags: list[str]) -> list[str]:

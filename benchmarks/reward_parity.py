@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 
+from tiny_example import example_flags, with_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16", "--loggra-min-dim", "32"]
 BACKWARD = ["--optimizer", "loggra", "--loggra-sketch", "backward", "--loggra-rank", "16"]
@@ -55,41 +57,14 @@ CONFIGS = {
         "{kl_target}",
     ],
 }
-COMMON = [
-    "--task",
-    "arithmetic",
-    "--num-tasks",
-    "20000",
-    "--task-digits",
-    "1",
-    "--task-operators",
-    "+-",
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--bf16",
-    "--prompts-per-step",
-    "16",
-    "--num-generations",
-    "8",
-    "--max-new-tokens",
-    "16",
-    "--global-batch-size",
-    "64",
-    "--micro-batch-size",
-    "32",
-    "--lr",
-    "1e-4",
-    "--lr-warmup-iters",
-    "5",
-    "--kl-coef",
-    "0.01",
-]
+COMMON = with_flags(
+    example_flags(),
+    **dict.fromkeys(["tokenizer_model", "sft_iters", "sft_lr", "train_iters", "save_interval"]),
+    **dict.fromkeys(["optimizer", "loggra_rank", "loggra_min_dim", "loggra_update_interval"]),
+    **dict.fromkeys(["kl_target", "kl_ref_estimator"]),
+)
+"""``examples/tiny_cpu/run.sh``'s flags less the optimizer's, the KL settings (each arm sets
+its own; the reference's estimator is the default k3), the warm-up, the steps and saving."""
 
 
 def run_dir(out: str, name: str, seed: int) -> str:

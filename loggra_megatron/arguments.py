@@ -1,17 +1,17 @@
 """The command line of ``pretrain_rl.py``: Megatron-LM-style flags generated from the
 settings dataclass each component owns (the sections of
-:class:`~loggra_megatron.train.run_config.RunConfig`).
+``RunConfig``).
 
 Each section checks its own fields; a field that applies only under a condition on other
 settings declares it, and one given while its condition fails is refused
-(:func:`~loggra_megatron.config.settings_that_do_not_apply`); :func:`validate` keeps only
+(``settings_that_do_not_apply``); ``validate`` keeps only
 the rules that span sections. ``--config FILE.yaml`` supplies defaults whose keys are the flag names, and flags
 given on the command line override them. Everything runs before any process group, file or
 device is touched: an invalid setting exits with status 2 and a message naming the flag.
 
 The memory estimator (``tools/estimate_memory.py``) reads the same command line
-(:func:`build_parser` and :func:`read_sections` with its own section added) and the same
-cross-section rules, less the ones about this machine (:func:`validate_settings`).
+(``build_parser`` and ``read_sections`` with its own section added) and the same
+cross-section rules, less the ones about this machine (``validate_settings``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     """Parse and validate; exits with status 2 and a message naming the flag on bad input.
 
     As Megatron-LM's ``--use-checkpoint-args``, the architecture of the model in ``--load``
-    is adopted for the model flags that were not given (:func:`plan_start`); the decision
+    is adopted for the model flags that were not given (``plan_start``); the decision
     how the run starts is kept in ``cfg.start``."""
     parser = build_parser()
     sections, explicit = read_sections(parser, argv)
@@ -139,14 +139,14 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 def validate(cfg: RunConfig) -> str | None:
     """The first cross-section inconsistency of ``cfg`` as ``--flag: message``, or None (each
     section checked its own fields when it was built), on this machine: the rules of
-    :func:`validate_settings`, and those about this process's machine (a CUDA device
+    ``validate_settings``, and those about this process's machine (a CUDA device
     visible, Transformer Engine installed, the GPU's compute capability, the rollout
     engine's kernels)."""
     return next(_cross_section_problems(cfg, here=True), None)
 
 
 def validate_settings(cfg: RunConfig) -> str | None:
-    """:func:`validate` by the settings alone, for a GPU that has what they ask for (CUDA
+    """``validate`` by the settings alone, for a GPU that has what they ask for (CUDA
     unless ``--device cpu``, Transformer Engine, the engines' kernels; the compute capability
     unknown): what ``pretrain_rl.py`` would refuse on any such machine. The memory estimator
     runs these."""
@@ -155,7 +155,7 @@ def validate_settings(cfg: RunConfig) -> str | None:
 
 def _cross_section_problems(cfg: RunConfig, here: bool):
     """Yields ``--flag: message`` lazily, in order, so a check may rely on the ones before.
-    ``here``: also the rules about this machine (:func:`_this_machine_problems`, the compute
+    ``here``: also the rules about this machine (``_this_machine_problems``, the compute
     capability, the engine's kernels)."""
     m, p, lg, opt = cfg.model, cfg.parallel, cfg.loggra, cfg.optimizer
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -332,7 +332,7 @@ def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
 
 def _rollout_engine_problems(cfg, here: bool):
     """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over); not
-    ``here``: by the settings alone (:meth:`~loggra_megatron.rollout.protocol.RolloutEngine.refusal`).
+    ``here``: by the settings alone (``refusal``).
     ``--tis-cap`` with the engine the run takes, where it does not sample its own log-probs."""
     name = cfg.rollout.rollout_engine
     target = EngineTarget.of_settings(cfg.model, cuda=_on_gpu(cfg, here))

@@ -1,16 +1,16 @@
 """Settings dataclasses: their checks, and the command line generated from them.
 
 Each component owns one settings dataclass (a docstring per field). It validates its own
-fields in ``__post_init__`` with :func:`check_fields` (every ``float`` finite and within
-float32's range, then the given rules) and raises :class:`ConfigError`, whose message names
+fields in ``__post_init__`` with ``check_fields`` (every ``float`` finite and within
+float32's range, then the given rules) and raises ``ConfigError``, whose message names
 the flag (``--field-name``), the value and the fix; ``pretrain_rl.py`` turns it into exit
 status 2 before any process group or file is touched. A field that does something only
-under a condition on other settings declares it (:func:`applies`: ``--kl-ref-target``
-applies with ``--kl-coef`` > 0); :func:`settings_that_do_not_apply` refuses such a field
+under a condition on other settings declares it (``applies``: ``--kl-ref-target``
+applies with ``--kl-coef`` > 0); ``settings_that_do_not_apply`` refuses such a field
 given with a value of its own while its condition fails, for every declared field alike.
-:func:`add_flags` turns the fields into Megatron-LM-style flags (help text from the field
+``add_flags`` turns the fields into Megatron-LM-style flags (help text from the field
 docstrings, ``--x`` / ``--no-x`` for booleans), and
-:func:`read_config_file` reads a YAML file of flag defaults with the same types.
+``read_config_file`` reads a YAML file of flag defaults with the same types.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 class ConfigError(ValueError):
     """An invalid or inconsistent setting; the message starts with the flag. ``field``,
-    ``value`` and ``why`` are set when one field is at fault (:func:`reject`)."""
+    ``value`` and ``why`` are set when one field is at fault (``reject``)."""
 
     field: str | None = None
     value: Any = None
@@ -97,13 +97,13 @@ class AppliesWhen:
 
 def applies(default: Any, when: str, holds: Callable[[dict], bool]) -> Any:
     """A settings field with ``default`` that applies only when ``holds`` (see
-    :class:`AppliesWhen`)."""
+    ``AppliesWhen``)."""
     return dataclasses.field(default=default, metadata={"applies": AppliesWhen(when, holds)})
 
 
 def settings_that_do_not_apply(sections: Iterable[type], settings: dict, given: set[str]):
     """``--flag=value: ...`` for every field of ``sections`` that was ``given`` with a value
-    other than its default while the condition it declares (:func:`applies`) fails."""
+    other than its default while the condition it declares (``applies``) fails."""
     for cls in sections:
         for f in dataclasses.fields(cls):
             rule = f.metadata.get("applies")

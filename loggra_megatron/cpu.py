@@ -1,17 +1,17 @@
 """Opt-in CPU mode that lets the *real* Megatron-Core run on CPU with the gloo backend.
 
 Megatron-Core's model, DDP, distributed optimizer, 1F1B schedule and dist-checkpointing are
-device-agnostic except for a handful of CUDA assumptions. :func:`enable_cpu_megatron`
-redirects exactly those, and nothing else: a :class:`torch.overrides.TorchFunctionMode`
+device-agnostic except for a handful of CUDA assumptions. ``enable_cpu_megatron``
+redirects exactly those, and nothing else: a ``torch.overrides.TorchFunctionMode``
 (``_CudaToCpuMode``) maps CUDA devices in torch calls (backward passes included) to CPU and
 reports CPU tensor types under their CUDA names; CPU stand-ins replace ``torch.cuda``'s
 device, stream, event, NVTX, device-property and RNG functions (restored by
-:func:`disable_cpu_megatron`; the "CUDA" RNG is the CPU default generator); and
+``disable_cpu_megatron``; the "CUDA" RNG is the CPU default generator); and
 ``_MEGATRON_PATCHES`` fixes Megatron's CUDA RNG state calls. Tensors really live on CPU:
 ``tensor.device``, ``is_cuda`` etc. are *not* faked.
 
-The mode lives on a per-thread stack: call :func:`enable_cpu_megatron` (idempotent) in each
-process -- spawned workers start clean, see :func:`cpu_megatron` -- and in any extra Python
+The mode lives on a per-thread stack: call ``enable_cpu_megatron`` (idempotent) in each
+process -- spawned workers start clean, see ``cpu_megatron`` -- and in any extra Python
 thread that runs Megatron code. It refuses to start when CUDA is available unless
 ``force=True``.
 
@@ -287,7 +287,7 @@ def enable_cpu_megatron(force: bool = False) -> None:
 
 
 def disable_cpu_megatron() -> None:
-    """Undo :func:`enable_cpu_megatron` (call it on the thread that enabled the mode)."""
+    """Undo ``enable_cpu_megatron`` (call it on the thread that enabled the mode)."""
     global _enabled
     with _lock:
         if getattr(_tls, "mode", None) is not None:
@@ -301,7 +301,7 @@ def disable_cpu_megatron() -> None:
 
 
 def is_cpu_megatron_enabled() -> bool:
-    """True once :func:`enable_cpu_megatron` has run in this process (and not been undone)."""
+    """True once ``enable_cpu_megatron`` has run in this process (and not been undone)."""
     return _enabled
 
 

@@ -1,15 +1,15 @@
-"""The keys of ``metrics.jsonl``, each declared once (:data:`METRICS`): what it means, and how
+"""The keys of ``metrics.jsonl``, each declared once (``METRICS``): what it means, and how
 the values measured on each micro-batch, optimizer update and rank become the one number an
-RL step reports (:class:`Reduction`).
+RL step reports (``Reduction``).
 
 A value passes through up to three reductions, in this order: over the micro-batches of a
-mini-batch (:func:`combine_micro_batches`: ``sum`` for a term's share of the loss, ``mean``
-for token means), over the optimizer updates of the RL step (:func:`combine_updates`) and over
-the ranks (:func:`~loggra_megatron.train.reporting.reduce_metrics`). It skips those its
+mini-batch (``combine_micro_batches``: ``sum`` for a term's share of the loss, ``mean``
+for token means), over the optimizer updates of the RL step (``combine_updates``) and over
+the ranks (``reduce_metrics``). It skips those its
 declaration leaves out (``None``); a key that reaches a reduction it does not declare is
 refused.
 
-``docs/metrics.md``'s table is generated from :data:`METRICS` (``python -m
+``docs/metrics.md``'s table is generated from ``METRICS`` (``python -m
 loggra_megatron.metric_keys docs/metrics.md``; ``tests/test_metrics.py`` fails when it
 drifts). The reductions in full: docs/metrics.md#keys; adding a metric:
 docs/architecture.md#recipes.
@@ -373,7 +373,7 @@ METRICS: dict[str, Metric] = _declare(
 
 
 def declared(key: str, stage: str) -> str:
-    """How ``key`` combines at ``stage`` (a :class:`Reduction` field); raises ``KeyError``
+    """How ``key`` combines at ``stage`` (a ``Reduction`` field); raises ``KeyError``
     for a key that is not declared, or not declared to pass through ``stage``."""
     metric = METRICS.get(key)
     how = getattr(metric.reduction, stage) if metric is not None else None
@@ -409,7 +409,7 @@ def add_update(sums: dict[str, float], metrics: dict[str, float]) -> None:
 
 
 def combine_updates(sums: dict[str, float], num_updates: int) -> dict[str, float]:
-    """The RL step's value of each key from ``sums`` (:func:`add_update`) over its
+    """The RL step's value of each key from ``sums`` (``add_update``) over its
     ``num_updates`` updates (``mean``: the sum divided by ``num_updates``; an update that did
     not report the key, e.g. a skipped one, counts as 0)."""
     return {

@@ -4,10 +4,10 @@
 others get a no-op logger (no file, no W&B run, no output). Each ``log(step, metrics)``
 appends one JSON object to ``output_dir/metrics.jsonl`` (``step`` first, then the keys
 sorted; a non-finite value as ``null``; fsync-ed per line), gives the values as they are to
-W&B and TensorBoard, and prints one Megatron-like progress line. :func:`resolve_wandb_mode`
+W&B and TensorBoard, and prints one Megatron-like progress line. ``resolve_wandb_mode``
 picks the W&B mode without probing the network; ``truncate_after(k)`` at a resume makes the
 file of a resumed run equal that of an uninterrupted one. Keys, their meaning and how they
-are reduced over ranks and updates: :mod:`loggra_megatron.metric_keys`.
+are reduced over ranks and updates: ``metric_keys``.
 
 The file format, the progress line, the W&B mode rules and resume: docs/metrics.md
 """

@@ -1,14 +1,14 @@
 """Tiny multi-process test harness for running real Megatron-Core on CPU (gloo).
 
-* :func:`run_distributed` runs ``fn(rank, *args, **kwargs)`` in ``world_size`` worker
+* ``run_distributed`` runs ``fn(rank, *args, **kwargs)`` in ``world_size`` worker
   processes (forked from a forkserver that imported torch and Megatron once), each with
-  :func:`~loggra_megatron.cpu.enable_cpu_megatron`, a gloo process group, Megatron's
+  ``enable_cpu_megatron``, a gloo process group, Megatron's
   model-parallel groups (``tp``, ``pp``; DP is the rest) and Megatron's RNG seeded; it returns
   the per-rank results in rank order and raises with every failing rank's traceback or on a
   hang. ``fn`` must be importable by name (module level in an importable module).
-* :func:`tiny_gpt_model` builds a small Llama-style Megatron-Core ``GPTModel`` for this rank's
-  pipeline stage; :func:`wrap_ddp` wraps it in Megatron's ``DistributedDataParallel``.
-* :func:`train_step` runs one step over microbatches with Megatron's
+* ``tiny_gpt_model`` builds a small Llama-style Megatron-Core ``GPTModel`` for this rank's
+  pipeline stage; ``wrap_ddp`` wraps it in Megatron's ``DistributedDataParallel``.
+* ``train_step`` runs one step over microbatches with Megatron's
   ``get_forward_backward_func`` (1F1B when PP > 1) plus an optimizer step.
 
 Details (costs, what travels back, the model's architecture): docs/cpu.md#the-test-harness
@@ -150,7 +150,7 @@ def _collect(procs, status_q, timeout: float) -> tuple[set[int], dict[int, str]]
 
 
 PORT_ATTEMPTS = 3
-"""Launches tried when the rendezvous port was taken between :func:`free_port` and the
+"""Launches tried when the rendezvous port was taken between ``free_port`` and the
 bind (another process on the machine, e.g. a second test session): nothing ran yet."""
 
 
@@ -190,7 +190,7 @@ def run_distributed(
 
 
 def _launch(fn, world_size, args, tp, pp, seed, timeout, start_method, kwargs) -> list[Any]:
-    """One launch of :func:`run_distributed`'s ranks on a fresh port."""
+    """One launch of ``run_distributed``'s ranks on a fresh port."""
     ctx = _mp_context(start_method)
     status_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="loggra_dist_") as out_dir:
@@ -246,7 +246,7 @@ def _launch(fn, world_size, args, tp, pp, seed, timeout, start_method, kwargs) -
 
 
 def tiny_bf16_gpt_model(**shape: Any):
-    """:func:`tiny_gpt_model` entirely in bf16 (norms included, CPU-initialized), wrapped in
+    """``tiny_gpt_model`` entirely in bf16 (norms included, CPU-initialized), wrapped in
     Megatron's ``Float16Module``: what the distributed optimizer keeps fp32 masters of."""
     model = tiny_gpt_model(
         **shape,
@@ -273,7 +273,7 @@ def tiny_gpt_model(
     **config_overrides: Any,
 ):
     """A tiny Llama-style Megatron-Core ``GPTModel`` for this rank's pipeline stage, built by
-    :func:`loggra_megatron.model.build_gpt_model` (local spec, RMSNorm, SwiGLU with FFN
+    ``loggra_megatron.model.build_gpt_model`` (local spec, RMSNorm, SwiGLU with FFN
     ``2·hidden`` by default, RoPE, no dropout, unpadded vocabulary).
 
     ``bf16=True`` makes bf16 parameters wrapped in Megatron's ``Float16Module`` (pair it with

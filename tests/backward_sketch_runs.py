@@ -72,7 +72,7 @@ def local_batch(tokens):
 
 
 LENGTHS = torch.tensor([16, 9, 12, 5])
-"""Fed positions of each row of :data:`TOKENS` in the packed runs."""
+"""Fed positions of each row of ``TOKENS`` in the packed runs."""
 
 
 def _packed_step(data_iterator, model):
@@ -119,7 +119,7 @@ def _backward(ddp, tokens, packed=False):
 def sketch_vs_dense(rank, recompute=False, reduce="step", **overrides):
     """Max relative error of each target's reduced ``S`` (this rank's rows) against
     ``G Aᵀ`` in float64, ``G`` the dense gradient of the same weights and batch
-    (``sequence_packing``: THD micro-batches of rows of :data:`LENGTHS`; ``reduce``:
+    (``sequence_packing``: THD micro-batches of rows of ``LENGTHS``; ``reduce``:
     ``--loggra-sketch-reduce``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -1,8 +1,8 @@
 """A CUDA device simulated on CPU, to find tensors that a GPU run would hold on the wrong
 device (the GPU path never runs in CI).
 
-:class:`DeviceAudit` is a ``TorchFunctionMode`` pushed *above* the CPU mode of
-:mod:`loggra_megatron.cpu`, so it sees every torch call with its original arguments, and tags
+``DeviceAudit`` is a ``TorchFunctionMode`` pushed *above* the CPU mode of
+``cpu``, so it sees every torch call with its original arguments, and tags
 each tensor ``device`` (made with a CUDA ``device=``, ``.cuda()``/``.to(cuda)``, or computed
 from a ``device`` tensor) or ``host`` (a factory without a device, ``.cpu()``, or computed
 from host tensors only); autograd's gradients carry no tag and are never flagged.
@@ -225,7 +225,7 @@ def audit_model(audit: DeviceAudit, model, what: str) -> None:
 
 
 def run_pretrain_rl(audit: DeviceAudit, argv: list[str]) -> int:
-    """``pretrain_rl.py argv --device cuda`` on the simulated device (:func:`install` done),
+    """``pretrain_rl.py argv --device cuda`` on the simulated device (``install`` done),
     the built models audited; returns the exit code."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import pretrain_rl

@@ -3,17 +3,17 @@ a GPU-only failure has a CPU test that fails first (neither library has a CPU bu
 each enforces, as the TE 2.9-2.12 and flash-attn sources behave: docs/rollouts.md, "CPU
 stand-ins for Transformer Engine and flash-attn".
 
-* :class:`FP8ColumnParallelLinear` / :class:`FP8RowParallelLinear`: TE's FP8 GEMM shape rule
+* ``FP8ColumnParallelLinear`` / ``FP8RowParallelLinear``: TE's FP8 GEMM shape rule
   (``assert_dim_for_fp8_exec``) on the input the module really receives (the local SP
   shard); FP8 meta made lazily at the first FP8 forward (``init_fp8_meta_tensors``: inference
   tensors under ``torch.inference_mode``); under delayed scaling, the in-place copy of the
   stashed meta in the recompute (``get_old_fp8_meta_tensors_for_recompute``); TE's
   ``is_first_microbatch``.
-* :func:`te_checkpoint`, :class:`SequenceParallelNorm`, :func:`prepare_model_for_fp8_inference`;
-  :class:`ThdDotProductAttention`: TE's contract for packed sequences (THD).
-* flash-attn's paged kernels (:func:`varlen_attention`, :func:`kvcache_attention`) with its
+* ``te_checkpoint``, ``SequenceParallelNorm``, ``prepare_model_for_fp8_inference``;
+  ``ThdDotProductAttention``: TE's contract for packed sequences (THD).
+* flash-attn's paged kernels (``varlen_attention``, ``kvcache_attention``) with its
   fp16/bf16 rule, and the CPU redirects Megatron-Core's dynamic engine needs.
-* :func:`install_step_graphs`: the static engine's CUDA-graph capture as its own CPU stand-in
+* ``install_step_graphs``: the static engine's CUDA-graph capture as its own CPU stand-in
   (``rollout/step_graph.py``: static inputs, one output, host reads refused at capture).
 
 ``python tests/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
@@ -358,8 +358,8 @@ def te_layer_spec(qk_layernorm: bool = False, **kwargs):
 
 
 def te_fused_norm_layer_spec(qk_layernorm: bool = False, **kwargs):
-    """:func:`te_layer_spec` with the norms fused into ``linear_qkv`` and ``linear_fc1``
-    (:class:`FusedNormColumnParallelLinear`), as Megatron's real TE spec has them."""
+    """``te_layer_spec`` with the norms fused into ``linear_qkv`` and ``linear_fc1``
+    (``FusedNormColumnParallelLinear``), as Megatron's real TE spec has them."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     spec = te_layer_spec(qk_layernorm=qk_layernorm, **kwargs)
@@ -373,7 +373,7 @@ def install_transformer_engine(fused_norm: bool = False) -> None:
     """Make ``--transformer-impl transformer_engine`` build the stand-in layers. Megatron-Core
     is imported first, so its own TE detection stays False (nothing of TE is ever called).
     ``fused_norm``: the norms fused into ``linear_qkv`` / ``linear_fc1`` (TE's
-    ``LayerNormLinear``, :func:`te_fused_norm_layer_spec`)."""
+    ``LayerNormLinear``, ``te_fused_norm_layer_spec``)."""
     import megatron.core.fp8_utils as fp8_utils
     import megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper as w
     import megatron.core.models.gpt.gpt_layer_specs as specs

@@ -1,7 +1,7 @@
 """Plans of RL steps for the memory tests: ``pretrain_rl.py``'s default settings with
 ``--bf16`` (the estimator's GPU: ``StepPlan.of(cfg, cuda=True)``) and the static engine (its
-sampled old log-probs), the fields a test sets replaced (:func:`plan`), or a plan from a
-command line (:func:`plan_of`)."""
+sampled old log-probs), the fields a test sets replaced (``plan``), or a plan from a
+command line (``plan_of``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BASE = dataclasses.replace(
 
 
 def plan(**fields) -> StepPlan:
-    """:data:`BASE` with ``fields`` replaced."""
+    """``BASE`` with ``fields`` replaced."""
     return dataclasses.replace(BASE, **fields)
 
 

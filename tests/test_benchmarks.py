@@ -21,6 +21,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "memory_rl.py")
+sys.path.insert(0, os.path.dirname(BENCH))  # the benchmarks import tiny_example as scripts do
 GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")
 
 

@@ -36,8 +36,8 @@ TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manua
 class AllocationTracker(TorchDispatchMode):
     """Every fp32/int32 storage created by an op while active (not a view or an in-place
     result of its inputs): its bytes and the op counts at which it was created and found
-    freed. Storages passed to :meth:`exclude` and ops run through :meth:`paused` are left
-    out of :meth:`peak_bytes`."""
+    freed. Storages passed to ``exclude`` and ops run through ``paused`` are left
+    out of ``peak_bytes``."""
 
     def __init__(self):
         super().__init__()
@@ -163,7 +163,7 @@ def _remainders(opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _measured_save(rank, root: str, sketch: str):
     """Save the same state twice: the reference (``fp32_param`` = the int64 reference
-    master) and the code's, the latter measured by :class:`AllocationTracker`."""
+    master) and the code's, the latter measured by ``AllocationTracker``."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync,
     )

@@ -1,6 +1,6 @@
 """The real Megatron-Core (GPTModel, DDP, DistributedOptimizer, 1F1B) on CPU/gloo, 2 ranks.
 
-Each distributed test runs 2 workers via :func:`loggra_megatron.testing.run_distributed`;
+Each distributed test runs 2 workers via ``loggra_megatron.testing.run_distributed``;
 the worker functions below must stay at module level (they are pickled by reference).
 """
 

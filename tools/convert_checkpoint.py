@@ -13,7 +13,7 @@ Megatron -> HF (``config.json`` + ``model.safetensors`` or sharded files with an
         --load /ckpt/qwen2.5-7b-mcore --save /models/qwen2.5-7b-rl
 
 Conversion runs on CPU with the gloo backend (Megatron-Core's CUDA assumptions are redirected
-by :func:`loggra_megatron.cpu.enable_cpu_megatron`; no GPU is touched, even if present). For a
+by ``loggra_megatron.cpu.enable_cpu_megatron``; no GPU is touched, even if present). For a
 model that does not fit one process, shard it: run under ``torchrun --nproc-per-node TP*PP``
 with ``--tensor-model-parallel-size TP --pipeline-model-parallel-size PP``; every rank then
 holds and converts only its shard. The dist checkpoint itself is parallelism-agnostic: it

@@ -7,7 +7,7 @@ change no memory, e.g. ``--tokenizer-model`` or ``--lr``, are read and ignored) 
 ``--vocab-size``), ``--world-size``, ``--gpu-memory-gb``, the launch environment
 (``--expandable-segments``, ``--no-nccl-nvls``), dense Adam's moment dtypes, and ``--fit``
 (with ``--num-nodes``: the configurations that fit, each with the flags that launch it,
-:mod:`loggra_megatron.memory.fit`)::
+``memory.fit``)::
 
     python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
         --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \
@@ -15,11 +15,11 @@ change no memory, e.g. ``--tokenizer-model`` or ``--lr``, are read and ignored) 
         --max-new-tokens 15360 --prompts-per-step 8 --num-generations 8 --kl-coef 0.001 ...
 
 The run modelled is the one ``pretrain_rl.py`` would start on GPUs with these flags
-(:func:`loggra_megatron.memory.run_step.modelled_step`); what it would refuse on such a GPU
+(``loggra_megatron.memory.run_step.modelled_step``); what it would refuse on such a GPU
 exits with status 2 naming the flag. LoGRA's column is the run's sketch: ``--loggra-sketch
 backward`` (LoGRA as published: no grad buffer for the ``--loggra-targets``, masters and
 ``--loggra-row-optimizer`` state of a rank's own rows, the fp32 sketch buffer S;
-:mod:`loggra_megatron.memory.backward_sketch`) or the gradient sketch (the default), with
+``memory.backward_sketch``) or the gradient sketch (the default), with
 ``--fit`` too. Sizes are GiB (2^30 B); ``--gpu-memory-gb 79.1`` is what
 PyTorch can allocate of an 80 GB A100/H100. The model and every assumption: docs/memory.md.
 """
@@ -77,7 +77,7 @@ def parse(
 def settings(
     parser: argparse.ArgumentParser, argv: list[str] | None, validate: bool = True
 ) -> tuple[RunConfig, EstimateConfig, set[str]]:
-    """:func:`parse` with ``parser``, raising :class:`ConfigError` for a setting
+    """``parse`` with ``parser``, raising ``ConfigError`` for a setting
     ``pretrain_rl.py`` refuses (a section's own checks call ``parser.error``); also the
     fields given. ``validate``: also the rules across sections (``--fit`` reads its base
     command without them: the layout it would check is not chosen yet)."""
@@ -103,7 +103,7 @@ def _raise(message: str):
 
 def fit(argv: list[str], cfg: RunConfig, est: EstimateConfig, given: set[str]) -> int:
     """``--fit``: every candidate's command line (``argv`` and the flags it adds) read and
-    checked as :func:`parse` reads the estimator's own, then modelled; the refusals are
+    checked as ``parse`` reads the estimator's own, then modelled; the refusals are
     results, not errors. ``cfg``, ``est``, ``given``: ``argv`` read (not validated)."""
     quiet = build_parser()
     quiet.error = _raise  # a candidate pretrain_rl.py refuses: its message, no exit

@@ -12,7 +12,7 @@ On your own text files (each line is one training sentence)::
         --vocab-size 32000 --model-type unigram --byte-fallback --output-prefix /data/tok/sp
 
 Digits are always split into single pieces; ``\\n`` and ``####`` are atomic pieces; see
-:func:`loggra_megatron.data.tokenizer.train_tokenizer` for the other settings. Writes
+``loggra_megatron.data.tokenizer.train_tokenizer`` for the other settings. Writes
 ``PREFIX.model`` and ``PREFIX.vocab``.
 """
 

@@ -1,6 +1,6 @@
-"""Trainer checkpoints: on-disk layout and resume selection (:mod:`.layout`, no process
-group needed), integrity checks (:mod:`.integrity`) and Megatron ``dist_checkpointing``
-save/load of model + optimizer (:mod:`.dist_ckpt`)."""
+"""Trainer checkpoints: on-disk layout and resume selection (``.layout``, no process
+group needed), integrity checks (``.integrity``) and Megatron ``dist_checkpointing``
+save/load of model + optimizer (``.dist_ckpt``)."""
 
 from loggra_megatron.checkpointing.layout import (
     CheckpointError,

@@ -1,11 +1,11 @@
 """Megatron ``dist_checkpointing`` save/load of model + optimizer: atomic, verified, finite.
 
-:func:`save_checkpoint` (collective) gathers the weights other DP ranks updated, refuses a
+``save_checkpoint`` (collective) gathers the weights other DP ranks updated, refuses a
 non-finite tensor on all ranks before anything is written
-(:class:`~loggra_megatron.checkpointing.integrity.CheckpointError`), writes ``iter_N.tmp``
+(``CheckpointError``), writes ``iter_N.tmp``
 (``torch_dist``) with a manifest of sizes and CRC-32s written last, renames it into place
-and then replaces the tracker (layout: :mod:`loggra_megatron.checkpointing.layout`), so
-every crash point leaves a complete checkpoint. :func:`load_checkpoint` (collective)
+and then replaces the tracker (layout: ``checkpointing.layout``), so
+every crash point leaves a complete checkpoint. ``load_checkpoint`` (collective)
 verifies the files against the manifest (falling back to an older complete checkpoint),
 checks that the optimizer state fits this run, loads every tensor into fresh buffers,
 checks them finite, and only then copies them into the live model and optimizer: a refused
@@ -206,7 +206,7 @@ def write_checkpoint_dir(
     """Write ``state`` (``dist_checkpointing``, every rank) into a new directory ``tmp``,
     then rank 0's ``files`` and, last, the manifest of every file's size and CRC-32
     (computed in parallel over the ranks). Collective. An I/O error on any rank (a full
-    disk) removes ``tmp`` and raises :class:`CheckpointError` on every rank, in one line
+    disk) removes ``tmp`` and raises ``CheckpointError`` on every rank, in one line
     ending with ``keeps`` (what is still there)."""
     try:
         _on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
@@ -247,11 +247,11 @@ def load_checkpoint(
     verify: bool = True,
 ) -> dict:
     """Load a checkpoint (a root directory, resolved by ``select_checkpoint`` with
-    ``iteration``, or a :class:`CheckpointRef`) and return its ``common`` state.
+    ``iteration``, or a ``CheckpointRef``) and return its ``common`` state.
     ``optimizer=None`` loads the weights only; ``extra_models`` as in
-    :func:`save_checkpoint`. ``verify``: the files are checked against the manifest's
+    ``save_checkpoint``. ``verify``: the files are checked against the manifest's
     CRC-32 first, falling back to an older checkpoint if they fail
-    (:func:`~loggra_megatron.checkpointing.integrity.verified_checkpoint`; call it yourself to
+    (``verified_checkpoint``; call it yourself to
     learn which one); ``verify=False`` skips that (sizes were checked at selection)."""
     ref = checkpoint
     if not isinstance(checkpoint, CheckpointRef):

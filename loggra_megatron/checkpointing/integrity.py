@@ -5,7 +5,7 @@
   2 GB/s per rank) and rank 0 writes them to the manifest, last. A load verifies the same
   way, over the ranks of the loading job, before any tensor is read: a flipped bit in a
   weight (1e37 is finite) is caught, not trained on, and the load falls back to the newest
-  older complete checkpoint (:func:`verified_checkpoint`) unless one was asked for by
+  older complete checkpoint (``verified_checkpoint``) unless one was asked for by
   number.
 * **Finite values.** Every floating-point tensor about to be saved is checked, and so is
   every tensor just loaded (before it is copied into the live model or optimizer). A
@@ -81,8 +81,8 @@ def _checksum_problems(path: str, manifest: dict) -> list[str]:
 
 def verified_checkpoint(ref: CheckpointRef) -> CheckpointRef:
     """``ref`` if its files match the manifest's sizes and CRC-32 (collective), else the
-    newest older complete checkpoint that does (:func:`older_checkpoint`, with a warning in
-    its ``warnings``). Raises :class:`CheckpointError` on every rank when there is none, or
+    newest older complete checkpoint that does (``older_checkpoint``, with a warning in
+    its ``warnings``). Raises ``CheckpointError`` on every rank when there is none, or
     when ``ref`` was asked for by number. A converted model written before manifests existed
     has none and is returned as it is."""
     while True:
@@ -122,7 +122,7 @@ def nonfinite_tensors(state) -> list[str]:
     checked: torch AdamW's per-param ``step`` in Megatron's ``dp_reshardable`` buckets is a
     placeholder on a DP-resharded load (the step is restored from the param groups). The
     buckets' padding, uninitialised memory, is zeroed before this check
-    (:func:`loggra_megatron.optim.megatron.optimizer_state.zero_padding`)."""
+    (``loggra_megatron.optim.megatron.optimizer_state.zero_padding``)."""
     bad = []
     for key, t in _tensors(state):
         if key.endswith(".step"):
@@ -133,7 +133,7 @@ def nonfinite_tensors(state) -> list[str]:
 
 
 def require_finite(state, what: str) -> None:
-    """Raise :class:`CheckpointError` on every rank if any rank's ``state`` has a
+    """Raise ``CheckpointError`` on every rank if any rank's ``state`` has a
     non-finite tensor (collective)."""
     bad = sorted({key for part in gather_objects(nonfinite_tensors(state)) for key in part})
     if bad:

@@ -4,7 +4,7 @@ A checkpoint root (``--save DIR``) has Megatron-LM's layout: the tracker
 ``latest_checkpointed_iteration.txt``, one ``torch_dist`` directory ``iter_NNNNNNN`` per
 saved iteration with its ``run_config.json`` and a ``manifest.json`` written last (every
 file's size and CRC-32), and ``loggra_model_args.json`` (the architecture). A directory is
-*complete* when its manifest is valid and describes it. :func:`select_checkpoint` resumes
+*complete* when its manifest is valid and describes it. ``select_checkpoint`` resumes
 the tracked iteration if its directory is complete, and otherwise falls back, with a
 warning, to the newest complete directory: ``iter_N``, then a complete ``iter_N.tmp``, then
 ``iter_N.old``. An incomplete ``iter_N.tmp`` is an *interrupted save*, removed when the
@@ -128,7 +128,7 @@ def file_crc32(path: str, chunk: int = 16 * 2**20) -> int:
 
 def manifest_problem(path: str, manifest: dict) -> str | None:
     """What in ``path`` disagrees with its manifest: a file missing, unlisted or of another
-    size, or a small file (:data:`CHECKED_AT_SELECTION`) failing its CRC-32."""
+    size, or a small file (``CHECKED_AT_SELECTION``) failing its CRC-32."""
     files = manifest["files"]
     unlisted = sorted(set(list_files(path, exclude=(MANIFEST,))) - set(files))
     if unlisted:
@@ -203,7 +203,7 @@ def interrupted_saves(root: str) -> list[str]:
 
 
 def remove_interrupted_saves(root: str) -> list[str]:
-    """Remove :func:`interrupted_saves` (their space is reclaimed); the paths removed. Only
+    """Remove ``interrupted_saves`` (their space is reclaimed); the paths removed. Only
     for the run that holds ``root``'s run lock."""
     removed = interrupted_saves(root)
     for path in removed:
@@ -282,7 +282,7 @@ def select_model_checkpoint(
     checkpoint root (the tracked iteration, or ``iteration``; an incomplete one falls back
     to the newest complete one, with a warning), a converted model (``release``), or a dist
     checkpoint directory itself. Sizes are checked here (no process group); the CRC-32 when
-    it is loaded (:func:`~loggra_megatron.checkpointing.integrity.verified_checkpoint`).
+    it is loaded (``verified_checkpoint``).
     Raises ``FileNotFoundError`` saying what is wrong."""
     load_dir = os.fspath(load_dir)
     if iteration is not None or has_checkpoint(load_dir):

@@ -1,8 +1,8 @@
 """What ``--load`` / ``--save`` mean for a run, decided before any process group starts.
 
-:func:`plan_start` (then :func:`check_resume`) reads only small files (tracker,
+``plan_start`` (then ``check_resume``) reads only small files (tracker,
 manifests, ``run_config.json``, ``loggra_model_args.json``) and returns a
-:class:`StartPlan`, or raises :class:`~loggra_megatron.config.ConfigError` (exit status 2)
+``StartPlan``, or raises ``ConfigError`` (exit status 2)
 with one sentence. The plan is **fresh** (no ``--load``, or the first launch of an
 auto-resume script), **resume** (a trainer checkpoint: architecture adopted or checked, the
 settings the saved state depends on unchanged, schedule flags following the new values),
@@ -86,7 +86,7 @@ class StartPlan:
     """Warnings and changed flags, printed once by rank 0."""
     seen: dict[str, tuple] = field(default_factory=dict)
     """The state of each directory the run writes when the plan was made (see
-    :mod:`~loggra_megatron.checkpointing.run_lock`)."""
+    ``checkpointing.run_lock``)."""
 
     @property
     def resumes(self) -> bool:

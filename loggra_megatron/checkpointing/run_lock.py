@@ -14,7 +14,7 @@ away; where the file system has no ``flock`` for directories (NFS), the file loc
 guards the directory.
 
 Once it holds the lock, a run checks that the directory is as it was when its start was
-planned (:func:`directory_state`: another run may have saved or logged in between; the
+planned (``directory_state``: another run may have saved or logged in between; the
 command is then refused, and running it again plans from what is there), and removes the
 interrupted saves (``iter_N.tmp`` without a manifest) that a killed run left behind.
 """
@@ -52,7 +52,7 @@ def directory_state(directory: str) -> tuple:
 
 
 class RunLock:
-    """The lock of one directory, held by this process until :meth:`release` or its end."""
+    """The lock of one directory, held by this process until ``release`` or its end."""
 
     def __init__(self, directory: str, fd: int, dir_fd: int | None):
         self.directory, self._fd, self._dir_fd = directory, fd, dir_fd

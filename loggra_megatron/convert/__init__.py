@@ -1,12 +1,12 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Hugging Face <-> Megatron-Core checkpoint conversion for Llama / Qwen2 / Qwen3.
 
-* :mod:`~loggra_megatron.convert.mapping` -- pure-torch name and layout mapping (QKV
+* ``convert.mapping`` -- pure-torch name and layout mapping (QKV
   interleaving, gate/up fusion, TP split, vocab padding).
-* :mod:`~loggra_megatron.convert.hf_io` -- lazy safetensors reader, sharded writer.
-* :mod:`~loggra_megatron.convert.hf_to_megatron` / :mod:`~loggra_megatron.convert.megatron_to_hf`
+* ``convert.hf_io`` -- lazy safetensors reader, sharded writer.
+* ``convert.hf_to_megatron`` / ``convert.megatron_to_hf``
   -- per-rank model filling / exporting, and the end-to-end conversions.
-* :mod:`~loggra_megatron.convert.checkpoint` -- the dist-checkpoint layout on disk.
+* ``convert.checkpoint`` -- the dist-checkpoint layout on disk.
 
 The command-line entry point is ``tools/convert_checkpoint.py``.
 """

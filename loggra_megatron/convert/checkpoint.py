@@ -8,7 +8,7 @@ stores *global* tensors (TP shards and PP stages are reassembled on save), so a 
 saved at one TP/PP loads at any other that the architecture allows; the embedding/output
 rows are loaded with ``allow_shape_mismatch`` so a different vocabulary padding is fine too.
 Converted models and ``pretrain_rl.py`` checkpoints are written and read through the same
-code (:mod:`loggra_megatron.checkpointing`): atomic saves with a manifest, the same
+code (``checkpointing``): atomic saves with a manifest, the same
 selection of the iteration, the CRC-32 and finite-value checks.
 
 All functions are collective over the default process group and need
@@ -104,7 +104,7 @@ def _find_upwards(load_dir: str, fname: str) -> str | None:
 
 
 def read_model_args(load_dir: str | os.PathLike) -> GPTModelArgs:
-    """The :class:`GPTModelArgs` saved with a checkpoint (in ``load_dir`` or its parent)."""
+    """The ``GPTModelArgs`` saved with a checkpoint (in ``load_dir`` or its parent)."""
     path = _find_upwards(os.fspath(load_dir), MODEL_ARGS)
     if path is None:
         raise FileNotFoundError(
@@ -135,7 +135,7 @@ def load_megatron_checkpoint(
     verify: bool = True,
 ) -> CheckpointRef:
     """Load this rank's chunk of ``model`` in place from ``load_dir`` (a directory, resolved
-    by :func:`select_model_checkpoint`, or a :class:`CheckpointRef`) through the trainer's
+    by ``select_model_checkpoint``, or a ``CheckpointRef``) through the trainer's
     integrity checks: the files' CRC-32 (``verify``; a corrupted iteration falls back to an
     older complete one) and finite values (``CheckpointError`` naming the tensors). Returns
     the checkpoint loaded, with its warnings.

@@ -1,9 +1,9 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""Hugging Face ``config.json`` ↔ :class:`~loggra_megatron.model.args.GPTModelArgs`.
+"""Hugging Face ``config.json`` ↔ ``GPTModelArgs``.
 
-:func:`gpt_args_from_hf` reads Llama 2/3, Qwen2/2.5 and Qwen3 configs (transformers 4.x
+``gpt_args_from_hf`` reads Llama 2/3, Qwen2/2.5 and Qwen3 configs (transformers 4.x
 and 5.x layouts) and refuses, naming the field, anything the converted Megatron model would
-compute differently; :func:`hf_config_from_gpt_args` writes one back.
+compute differently; ``hf_config_from_gpt_args`` writes one back.
 
 Megatron-Core's Llama 3 RoPE scaling (``rope_scaling=True``) hard-codes
 ``low_freq_factor=1``, ``high_freq_factor=4`` and ``original_max_position_embeddings=8192``
@@ -20,7 +20,7 @@ from loggra_megatron.model.args import GPTModelArgs
 
 __all__ = ["SUPPORTED_HF_ARCHITECTURES", "gpt_args_from_hf", "hf_config_from_gpt_args"]
 
-#: Hugging Face ``architectures`` entries accepted by :meth:`GPTModelArgs.from_hf_config`,
+#: Hugging Face ``architectures`` entries accepted by ``GPTModelArgs.from_hf_config``,
 #: keyed by their ``model_type``.
 SUPPORTED_HF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",

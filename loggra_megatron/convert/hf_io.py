@@ -1,12 +1,12 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Streaming I/O of Hugging Face safetensors checkpoints.
 
-:class:`HFCheckpointReader` opens the shards of a checkpoint lazily with
+``HFCheckpointReader`` opens the shards of a checkpoint lazily with
 ``safetensors.safe_open`` and reads single tensors or slices of them (a TP rank reads only
 its rows/columns), so the HF model is never materialised as a whole.
 
-:class:`HFShardWriter` buffers tensors up to a byte budget and flushes them as safetensors
-files; :func:`finalize_hf_checkpoint` gives the files written by all writers (one per
+``HFShardWriter`` buffers tensors up to a byte budget and flushes them as safetensors
+files; ``finalize_hf_checkpoint`` gives the files written by all writers (one per
 pipeline stage) their final ``model-0000i-of-0000n.safetensors`` names, writes the
 ``model.safetensors.index.json`` and ``config.json``. A checkpoint that fits in one file is
 written as ``model.safetensors`` without an index, as ``transformers`` does.
@@ -32,7 +32,7 @@ SINGLE_FILE = "model.safetensors"
 class HFCheckpointReader:
     """Lazy, slice-capable reader of a HF safetensors checkpoint directory.
 
-    Use as a context manager (or call :meth:`close`) to release the file handles.
+    Use as a context manager (or call ``close``) to release the file handles.
     """
 
     def __init__(self, hf_dir: str | os.PathLike):
@@ -121,7 +121,7 @@ class HFCheckpointReader:
 
 @dataclass
 class ShardInfo:
-    """One safetensors file written by an :class:`HFShardWriter`."""
+    """One safetensors file written by an ``HFShardWriter``."""
 
     filename: str
     names: list[str] = field(default_factory=list)
@@ -131,7 +131,7 @@ class ShardInfo:
 class HFShardWriter:
     """Writes tensors into safetensors files of at most ``max_shard_bytes`` each.
 
-    Files are named ``{tag}-{k:05d}.tmp.safetensors`` until :func:`finalize_hf_checkpoint`
+    Files are named ``{tag}-{k:05d}.tmp.safetensors`` until ``finalize_hf_checkpoint``
     renames them; ``tag`` must be unique per writer (e.g. the pipeline stage).
     """
 

@@ -123,7 +123,7 @@ def convert_hf_to_megatron(
 
     Collective: run on every rank, with ``megatron.core.parallel_state`` initialised at the
     TP/PP sizes to convert with (the result loads at any TP/PP). ``arg_overrides`` replace
-    fields of the :class:`GPTModelArgs` read from ``config.json`` (e.g. ``params_dtype``,
+    fields of the ``GPTModelArgs`` read from ``config.json`` (e.g. ``params_dtype``,
     ``make_vocab_size_divisible_by``). Returns the arguments saved with the checkpoint.
     """
     hf_dir = os.fspath(hf_dir)

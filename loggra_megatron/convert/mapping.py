@@ -2,7 +2,7 @@
 """Name and layout mapping between Hugging Face Llama/Qwen and Megatron-Core GPT tensors.
 
 Pure PyTorch, no process groups. A Megatron parameter is described by a
-:class:`ParamMapping`: the HF tensors it is made of and its *kind*, which fixes both the
+``ParamMapping``: the HF tensors it is made of and its *kind*, which fixes both the
 fusion and the tensor-parallel split:
 
 =============  =========================================  =======================================
@@ -152,7 +152,7 @@ def interleave_qkv(
 def deinterleave_qkv(
     qkv: torch.Tensor, num_groups: int, heads_per_group: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`interleave_qkv` (contiguous outputs)."""
+    """Inverse of ``interleave_qkv`` (contiguous outputs)."""
     rest = qkv.shape[1:]
     grouped = qkv.reshape(num_groups, (heads_per_group + 2) * head_dim, *rest)
     q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
@@ -161,7 +161,7 @@ def deinterleave_qkv(
 
 # ---------------------------------------------------------------------- HF -> Megatron
 class TensorSource(Protocol):
-    """Lazy access to HF tensors (see :class:`~loggra_megatron.convert.hf_io.HFCheckpointReader`)."""
+    """Lazy access to HF tensors (see ``HFCheckpointReader``)."""
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name``."""

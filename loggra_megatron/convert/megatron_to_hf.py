@@ -85,7 +85,7 @@ def export_megatron_to_hf(
     """Write ``model`` (all ranks' chunks together) as a HF checkpoint into ``save_dir``.
 
     Collective over all ranks. ``hf_config`` is the base of ``config.json`` (see
-    :func:`~loggra_megatron.convert.hf_config.hf_config_from_gpt_args`). Returns the safetensors file names (on every rank).
+    ``hf_config_from_gpt_args``). Returns the safetensors file names (on every rank).
     """
     from megatron.core import parallel_state
 
@@ -135,7 +135,7 @@ def convert_megatron_to_hf(
     iteration: int | None = None,
 ) -> GPTModelArgs:
     """Convert the Megatron checkpoint ``load_dir`` (written by
-    :func:`~loggra_megatron.convert.hf_to_megatron.convert_hf_to_megatron` or by training)
+    ``convert_hf_to_megatron`` or by training)
     into a HF checkpoint in ``save_dir``. Collective; any TP/PP the architecture allows.
     The iteration is chosen and verified as ``pretrain_rl.py --load`` does (``iteration``:
     as ``--ckpt-step``; a corrupted or incomplete one falls back to an older complete one,

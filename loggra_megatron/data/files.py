@@ -6,7 +6,7 @@ a list of chat messages ``{"role", "content"}`` as verl's Parquet files hold) an
 column (``--answer-key``, default ``answer``: a string or a number). A ``metadata`` column
 (an object) and every other column reach the reward function as metadata (a ``null``
 value is dropped: in a columnar file it marks a key the row does not have). A chat prompt
-needs a user message. A malformed row raises :class:`DatasetFormatError` naming
+needs a user message. A malformed row raises ``DatasetFormatError`` naming
 ``file:line`` (JSONL) or ``file: row N`` (Parquet, 1-based). pyarrow reads a JSONL column
 with one type: a column (also a nested one, ``metadata.x``) that mixes numbers and strings
 is refused at the first line that changes it (quote the numbers). Rows of any length are

@@ -1,6 +1,6 @@
 """A Hugging Face tokenizer directory (``--tokenizer-type HuggingFaceTokenizer``).
 
-:class:`HuggingFaceTokenizer` wraps ``transformers.AutoTokenizer`` (local files only: a
+``HuggingFaceTokenizer`` wraps ``transformers.AutoTokenizer`` (local files only: a
 directory with ``tokenizer.json`` / ``tokenizer_config.json``, as every Llama 3.x and
 Qwen2.5/Qwen3 model ships) with the interface the RL stack uses: ``tokenize`` (no special
 tokens added), ``detokenize`` (special tokens dropped), ``vocab_size`` (``len(tokenizer)``,

@@ -3,14 +3,14 @@
 the tokenizer's chat template) and deterministic, resumable global batches of examples for
 data-parallel ranks.
 
-**Rendering** (:class:`PromptRenderer`): BOS and the task's template filled with the question
-(:mod:`loggra_megatron.tasks.prompt_format`), or, with ``--apply-chat-template``, the
+**Rendering** (``PromptRenderer``): BOS and the task's template filled with the question
+(``tasks.prompt_format``), or, with ``--apply-chat-template``, the
 question and the task's instruction as the user message of the tokenizer's own template
 (assistant turn opened); a dataset prompt may also be a list of chat messages, used as is.
-**Data** (``--data-path``): JSONL or Parquet files (:mod:`loggra_megatron.data.files`), or the
-built-in task generators (:mod:`loggra_megatron.tasks`).
+**Data** (``--data-path``): JSONL or Parquet files (``data.files``), or the
+built-in task generators (``tasks``).
 
-**Batches** (:class:`PromptDataset`): an infinite stream of epochs, each a permutation drawn
+**Batches** (``PromptDataset``): an infinite stream of epochs, each a permutation drawn
 from ``(seed, epoch)``; global batch ``k`` is stream positions ``[k·G, (k+1)·G)`` and DP rank
 ``r`` of ``D`` gets its contiguous slice ``[r·G/D, (r+1)·G/D)``. The position is one integer,
 ``consumed_samples``, checkpointed with a fingerprint of the prompts.
@@ -79,7 +79,7 @@ class PromptRenderer:
 class PromptDataset:
     """Examples ``{"prompt", "answer", "metadata"}`` and their resumable batch stream.
 
-    Build with :meth:`from_files` (``--data-path``), :meth:`builtin` (the offline
+    Build with ``from_files`` (``--data-path``), ``builtin`` (the offline
     generator) or directly from a list of example dicts. ``seed`` fixes the epoch orders;
     ``locations`` names each example in messages (``file:line``; default ``source: example
     i``).
@@ -138,14 +138,14 @@ class PromptDataset:
         prompt_key: str = "prompt",
         answer_key: str = "answer",
     ) -> PromptDataset:
-        """JSONL / Parquet files: a file, a directory or a glob (:mod:`.files`)."""
+        """JSONL / Parquet files: a file, a directory or a glob (``.files``)."""
         spec, locations = os.fspath(spec), []
         examples = read_examples(spec, prompt_key, answer_key, locations)
         return cls(examples, seed=seed, source=spec, locations=locations)
 
     @classmethod
     def builtin(cls, kind: str, n: int, seed: int, **difficulty) -> PromptDataset:
-        """``n`` generated tasks (:func:`~loggra_megatron.tasks.generate_tasks`);
+        """``n`` generated tasks (``generate_tasks``);
         ``seed`` seeds both the generator and the epoch orders."""
         from loggra_megatron.tasks import generate_tasks
 
@@ -185,7 +185,7 @@ class PromptDataset:
         dataset ``index``.
 
         ``consumed_samples`` advances by ``global_batch_size`` as each batch is yielded, so
-        a :meth:`state_dict` taken after a training step resumes at the next batch;
+        a ``state_dict`` taken after a training step resumes at the next batch;
         ``advance=False`` leaves it alone (a reader that keeps its own position, such as the
         supervised warm-up).
         """
@@ -224,7 +224,7 @@ class PromptDataset:
         }
 
     def state_problem(self, state: dict) -> str | None:
-        """Why ``state`` (a :meth:`state_dict`) is not a position in this dataset, or None.
+        """Why ``state`` (a ``state_dict``) is not a position in this dataset, or None.
         States saved before fingerprints are compared by size and seed only."""
         if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
             return (

@@ -1,14 +1,14 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """Tokenizers (``--tokenizer-type``, ``--tokenizer-model``): a SentencePiece model and a
-trainer for small ones; :func:`load_tokenizer` also opens Hugging Face tokenizer directories
-(:mod:`loggra_megatron.data.hf_tokenizer`).
+trainer for small ones; ``load_tokenizer`` also opens Hugging Face tokenizer directories
+(``data.hf_tokenizer``).
 
-:class:`SentencePieceTokenizer` wraps a ``.model`` file with the interface the RL stack
+``SentencePieceTokenizer`` wraps a ``.model`` file with the interface the RL stack
 uses (Megatron's tokenizer vocabulary): ``tokenize``, ``detokenize``, ``vocab_size``,
 ``bos``, ``eos`` (= ``eod``), ``pad``. ``tokenize`` adds no BOS/EOS; ``detokenize`` drops
 control ids (BOS/EOS/PAD).
 
-:func:`train_tokenizer` trains a model from in-memory text with settings chosen so that a
+``train_tokenizer`` trains a model from in-memory text with settings chosen so that a
 tiny model can learn arithmetic (every digit its own piece) and the round trip is exact
 (``detokenize(tokenize(x)) == x``); ``tools/train_tokenizer.py`` is its command line.
 
@@ -35,8 +35,8 @@ USER_DEFINED_SYMBOLS = ("\n", ANSWER_MARKER)
 
 
 class Tokenizer(Protocol):
-    """What the RL stack reads of a tokenizer (:class:`SentencePieceTokenizer`,
-    :class:`~loggra_megatron.data.hf_tokenizer.HuggingFaceTokenizer`)."""
+    """What the RL stack reads of a tokenizer (``SentencePieceTokenizer``,
+    ``HuggingFaceTokenizer``)."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -219,7 +219,7 @@ def train_tokenizer(
 
     With ``hard_vocab_limit=False`` (default) a corpus too small for ``vocab_size`` yields
     a smaller vocabulary instead of an error; read the actual size from
-    :attr:`SentencePieceTokenizer.vocab_size`. The fixed settings (digits split, exact round
+    ``SentencePieceTokenizer.vocab_size``. The fixed settings (digits split, exact round
     trip, atomic ``"\\n"`` and ``####``, the control ids, determinism):
     docs/data.md#training-a-sentencepiece-tokenizer.
     """

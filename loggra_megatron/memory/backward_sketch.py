@@ -1,6 +1,6 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """The terms of ``--optimizer loggra --loggra-sketch backward`` (LoGRA as published) in
-:mod:`loggra_megatron.memory.model` (pure arithmetic, no torch).
+``memory.model`` (pure arithmetic, no torch).
 
 The targets (``--loggra-targets``: ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2`` of every layer, TP-local ``[m, n]``) are frozen for autograd before DDP wraps
@@ -8,7 +8,7 @@ the model (``optim/megatron/sketch_sites.py``): they have no grad-buffer bytes a
 grad copy. What they hold instead (``D`` the DP size under the distributed optimizer, else
 1; ``k = ⌈m/D⌉`` the rows a DP rank owns; ``r`` the sketch rank):
 
-* masters of the owned rows only, ``k·n`` elements at :func:`~.model.bytes_per_master`;
+* masters of the owned rows only, ``k·n`` elements at ``bytes_per_master``;
 * RowAdam's ``exp_avg_sq``, 4 bytes per owned row (0 with ``--loggra-row-optimizer sgd``);
 * the flat fp32 sketch buffer ``[D, Σ k, r]`` on every rank (not sharded: every rank sums all
   rows in its backward, one reduce-scatter gives it its own), or only this rank's ``[Σ k, r]``
@@ -17,9 +17,9 @@ grad copy. What they hold instead (``D`` the DP size under the distributed optim
   ``[k, r]`` received);
 * in the backward, ``P = X·Bᵀ`` (``[tokens, r]``, activation dtype) per target of every layer
   whose activations are held, and no saved input of the frozen ``linear_fc2``
-  (:func:`frozen_input_bytes_per_layer`);
+  (``frozen_input_bytes_per_layer``);
 * in the optimizer step, the largest of the reduce-scatter's receive buffer, one weight's
-  update and one weight's all-gather (:func:`step_bytes`).
+  update and one weight's all-gather (``step_bytes``).
 
 Everything else is dense: LoGRA's AdamW with nothing sketched, as the gradient mode treats
 its dense parameters. Formulas and what they assume: ``docs/memory.md`` ("The backward
@@ -190,7 +190,7 @@ class SketchTerms:
     """The backward sketch on one GPU (all zero, no targets, without it)."""
 
     targets: tuple = ()
-    """This stage's target weights (``ParamSpec`` of :mod:`~loggra_megatron.memory.model`)."""
+    """This stage's target weights (``ParamSpec`` of ``memory.model``)."""
     dp: int = 1
     """Rows are split over this many ranks (the buffer's segments)."""
     rank: int = 0

@@ -9,10 +9,10 @@ images of the kernels it loads). What is left is what the process's allocations 
 PyTorch's caching allocator and NCCL's own ``cudaMalloc``. The estimate's total is compared
 with it, so whatever else takes device memory is a *term* of the estimate, not a deduction
 from the capacity: cuBLAS/cuBLASLt and Transformer Engine workspaces (PyTorch's allocator;
-the flat ``runtime overhead``, :data:`RUNTIME_OVERHEAD_GIB`) and NCCL's ring and NVLS
-buffers (:mod:`.runtime`).
+the flat ``runtime overhead``, ``RUNTIME_OVERHEAD_GIB``) and NCCL's ring and NVLS
+buffers (``.runtime``).
 
-For an H100 SXM 80GB (:data:`H100_80GB_CAPACITY_GIB`, the default of ``--gpu-memory-gb``):
+For an H100 SXM 80GB (``H100_80GB_CAPACITY_GIB``, the default of ``--gpu-memory-gb``):
 81559 MiB of total (79.65 GiB, what ``nvidia-smi`` and ``torch.cuda.mem_get_info`` report)
 less a CUDA context of about 560 MiB (CUDA 12 with lazy module loading, PyTorch's default)
 is 79.1 GiB. The context's size is an assumption, not measured by this project; it varies

@@ -1,5 +1,5 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The memory estimator's own settings (:class:`EstimateConfig`): what a ``pretrain_rl.py``
+"""The memory estimator's own settings (``EstimateConfig``): what a ``pretrain_rl.py``
 command line cannot say about the run it would start (the machine it runs on, the
 architecture without a checkpoint or tokenizer, the precision-aware optimizer's what-ifs)
 and how to print. Every other flag of ``tools/estimate_memory.py`` is ``pretrain_rl.py``'s,

@@ -1,13 +1,13 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """What fits a node (``tools/estimate_memory.py --fit``): the settings a ``pretrain_rl.py`` run
-could choose on its GPUs (:func:`candidates`: TP within a node, PP, sequence parallelism,
+could choose on its GPUs (``candidates``: TP within a node, PP, sequence parallelism,
 recompute, micro-batch size, bf16 grads, LoGRA's remainders), each modelled with dense Adam
 and with LoGRA, with the largest KV budget (``--inference-max-tokens``) that still fits
-(:func:`search`). A setting the command line gives is fixed, not searched.
+(``search``). A setting the command line gives is fixed, not searched.
 
 Which settings ``pretrain_rl.py`` accepts is not decided here: the caller parses and
 validates each candidate's command line exactly as the estimator parses its own, and passes
-the modelled step (or the refusal) back (``evaluate``). The table: :mod:`.fit_report`.
+the modelled step (or the refusal) back (``evaluate``). The table: ``.fit_report``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class FitResult:
         return sorted((o for o in self.outcomes[optimizer] if o.fits), key=Outcome.rank_key)
 
     def best(self, optimizer: str) -> list[Outcome]:
-        """:meth:`fitting`, only the best of each TP × PP layout and recompute."""
+        """``fitting``, only the best of each TP × PP layout and recompute."""
         seen, out = set(), []
         for o in self.fitting(optimizer):
             c = o.candidate
@@ -136,7 +136,7 @@ def search_space(
     cfg: RunConfig, given: set[str], world: int, gpus_per_node: int
 ) -> dict[str, list]:
     """The values searched per setting (``tp``: TP sizes within a node that divide the
-    world; PP: every divisor of world / TP, :func:`candidates`). A setting in ``given``
+    world; PP: every divisor of world / TP, ``candidates``). A setting in ``given``
     (the command line's) keeps ``cfg``'s value; 16-bit options need ``--bf16``."""
     m, p, opt = cfg.model, cfg.parallel, cfg.optimizer
     bf16 = [False, True] if m.bf16 else [False]

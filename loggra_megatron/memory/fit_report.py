@@ -1,6 +1,6 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""What ``tools/estimate_memory.py --fit`` prints (:func:`fit_report`, :func:`fit_json`): the
-search and the launch environment it assumes (:func:`launch_environment`), then per optimizer
+"""What ``tools/estimate_memory.py --fit`` prints (``fit_report``, ``fit_json``): the
+search and the launch environment it assumes (``launch_environment``), then per optimizer
 the best fitting configurations with their totals, free memory, rollout rows at once and the
 flags that launch them, or the closest one and by how much it is over."""
 

@@ -3,7 +3,7 @@ this GPU's memory (the trainer's ``KVBudgetFn``, given to it by ``pretrain_rl.py
 
 Without a budget the rollout holds every one of a replica's ``B`` sequences at once, which on
 a GPU may not fit beside the weights, grads and optimizer state. At start-up on CUDA the
-trainer asks the memory model (:func:`~loggra_megatron.memory.model.max_rollout_batch_size`,
+trainer asks the memory model (``max_rollout_batch_size``,
 what ``tools/estimate_memory.py`` prints as "max rollout rows at once") how many rows of
 ``--seq-length`` tokens the step leaves room for in what this process can allocate (the
 device's free memory plus what PyTorch's allocator already holds, measured after the models

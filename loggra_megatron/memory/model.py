@@ -2,15 +2,15 @@
 """Per-GPU memory of one RL training step (policy + reference + rollout) under Megatron-Core.
 
 Pure arithmetic (no torch): ``estimate_rl_step_memory(model, plan, est)`` returns a
-:class:`~.phases.MemoryBreakdown` in bytes for the GPU of the most loaded pipeline stage,
-for the model's shape (:class:`~.shape.TransformerShape`), the run's RL step as the trainer
-plans it (:class:`~loggra_megatron.train.step_plan.StepPlan`) and the machine
-(:class:`~.estimate_config.EstimateConfig`: its capacity, the runtime allowance, NCCL's and
+``MemoryBreakdown`` in bytes for the GPU of the most loaded pipeline stage,
+for the model's shape (``TransformerShape``), the run's RL step as the trainer
+plans it (``StepPlan``) and the machine
+(``EstimateConfig``: its capacity, the runtime allowance, NCCL's and
 the allocator's settings, dense Adam's moment dtypes).
 
-The terms: :mod:`.params` (weights, grads, masters, optimizer state), :mod:`.transient`
-(activations, the chunked log-prob head, KV cache, prefill), :mod:`.runtime` (NCCL, the
-allocator), :mod:`.backward_sketch` (``--loggra-sketch backward``); their formulas and what
+The terms: ``.params`` (weights, grads, masters, optimizer state), ``.transient``
+(activations, the chunked log-prob head, KV cache, prefill), ``.runtime`` (NCCL, the
+allocator), ``.backward_sketch`` (``--loggra-sketch backward``); their formulas and what
 they assume: ``docs/memory.md`` ("Formulas").
 """
 

@@ -1,6 +1,6 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The parameters of a pipeline stage (:func:`stage_parameters`: Megatron-Core's TP-local
-tensors, names included) and the terms of :mod:`loggra_megatron.memory.model` that follow
+"""The parameters of a pipeline stage (``stage_parameters``: Megatron-Core's TP-local
+tensors, names included) and the terms of ``memory.model`` that follow
 from them: weights, grad buffer, masters, optimizer state, the optimizer step's fp32 grad
 copies, the streamed units of an offloaded reference and the bucket of a master a checkpoint
 save rebuilds at once (pure arithmetic, no torch).
@@ -192,7 +192,7 @@ def optimizer_state_bytes(
 ) -> int:
     """Optimizer state on one DP rank. ``sketch=False``: a sketching optimizer with nothing
     sketched (the backward sketch's dense leaves; its targets' state:
-    :mod:`~loggra_megatron.memory.backward_sketch`).
+    ``memory.backward_sketch``).
 
     With ``dp=1`` this equals ``loggra_megatron.optim.state_bytes`` of a ``LoGRAAdamW``
     (embeddings/output layer in ``sketch=False`` groups) or a ``torch.optim.AdamW`` over
@@ -224,7 +224,7 @@ def main_grad_copy_bytes(
 ) -> int:
     """fp32 copies of 16-bit gradient shards alive during the optimizer step. LoGRA
     converts one weight at a time (``optim/megatron/model_grads.py``): a sketched weight's
-    whole shard, a densely updated one :data:`DENSE_PIECE_NUMEL` elements at a time
+    whole shard, a densely updated one ``DENSE_PIECE_NUMEL`` elements at a time
     (``sketch=False``: nothing is sketched, as in the backward sketch's dense leaves)."""
     if grad_dtype_bytes(plan) == 4:
         return 0  # Megatron's .float() of an fp32 grad is a view
@@ -286,5 +286,5 @@ def reference_units(model: TransformerShape, params: list[ParamSpec]) -> list[tu
 
 def save_copy_numel(params: list[ParamSpec]) -> int:
     """Elements a checkpoint save with remainders rebuilds at once on the device: one copy
-    bucket (:data:`SAVE_COPY_NUMEL`) of a master, the largest master when smaller."""
+    bucket (``SAVE_COPY_NUMEL``) of a master, the largest master when smaller."""
     return min(SAVE_COPY_NUMEL, max((s.numel for s in params), default=0))

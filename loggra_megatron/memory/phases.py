@@ -1,6 +1,6 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The per-GPU estimate of :mod:`loggra_megatron.memory.model` as terms and phases
-(:class:`MemoryBreakdown`): the static terms are held through the whole step; the transient
+"""The per-GPU estimate of ``memory.model`` as terms and phases
+(``MemoryBreakdown``): the static terms are held through the whole step; the transient
 ones belong to one phase each, and the phases never overlap, so the peak is the static terms
 plus the largest phase (pure Python, no torch).
 

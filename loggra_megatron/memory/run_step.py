@@ -1,16 +1,16 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """The RL step a ``pretrain_rl.py`` run holds on each GPU, from its settings: the run's
-sections (a :class:`~loggra_megatron.train.run_config.RunConfig`) and the estimator's own
-(:class:`~loggra_megatron.memory.estimate_config.EstimateConfig`) → the
-:class:`~.shape.TransformerShape` and :class:`~loggra_megatron.train.step_plan.StepPlan`
-that :func:`~loggra_megatron.memory.model.estimate_rl_step_memory` models.
+sections (a ``RunConfig``) and the estimator's own
+(``EstimateConfig``) → the
+``TransformerShape`` and ``StepPlan``
+that ``estimate_rl_step_memory`` models.
 
 Every number is the trainer's: the architecture as ``train/build.model_args`` makes it (a
 converted model's, or ``ModelConfig.model_args``), the step as the trainer plans it
 (``StepPlan.of``: rows per replica, micro-batches, the reference, the KL trial rows, the
 engine ``auto`` takes on a GPU, LoGRA's rank, ...); the optimizer's state is its registry
 entry's, LoGRA's sketch mode, targets and row update its settings' (``--loggra-sketch
-backward``: :mod:`.backward_sketch`).
+backward``: ``.backward_sketch``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def adopt_architecture(model: ModelConfig, est: EstimateConfig, given: set[str])
     into ``model`` (the ``ModelConfig`` section) as ``pretrain_rl.py`` adopts a converted
     checkpoint's, and no architecture flag may be given; without it the model flags make
     the model from scratch and must be given (``given``: the flags given). Raises
-    :class:`ConfigError` naming the flag."""
+    ``ConfigError`` naming the flag."""
     if est.hf_config is None:
         missing = [name for name in REQUIRED_WITHOUT_HF_CONFIG if name not in given]
         if missing:
@@ -55,11 +55,11 @@ def adopt_architecture(model: ModelConfig, est: EstimateConfig, given: set[str])
 
 
 def model_args(model: ModelConfig, est: EstimateConfig):
-    """The :class:`~loggra_megatron.model.args.GPTModelArgs` of the model the run trains, as
+    """The ``GPTModelArgs`` of the model the run trains, as
     ``train/build.model_args`` has it: the converted model's (``--hf-config`` mapped as
     ``tools/convert_checkpoint.py`` maps it), else one made from scratch by the model
     settings ``model`` and ``--vocab-size`` (``ModelConfig.model_args``). Raises
-    :class:`ConfigError` naming the flag."""
+    ``ConfigError`` naming the flag."""
     if est.hf_config is None:
         try:
             args = model.model_args(est.vocab_size)
@@ -79,8 +79,8 @@ def model_args(model: ModelConfig, est: EstimateConfig):
 
 def modelled_step(cfg: RunConfig, est: EstimateConfig) -> tuple[TransformerShape, StepPlan]:
     """The shape and the RL step of a run with the settings ``cfg`` (its architecture adopted
-    (:func:`adopt_architecture`), validated, with its derived defaults:
+    (``adopt_architecture``), validated, with its derived defaults:
     ``arguments.fill_derived_defaults``) on a GPU: the step is the plan the trainer derives
-    (:meth:`StepPlan.of <loggra_megatron.train.step_plan.StepPlan.of>`), the shape the model
-    the run builds (:func:`model_args`)."""
+    (``StepPlan.of <loggra_megatron.train.step_plan.StepPlan.of>``), the shape the model
+    the run builds (``model_args``)."""
     return TransformerShape.from_model_args(model_args(cfg.model, est)), StepPlan.of(cfg, cuda=True)

@@ -1,5 +1,5 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The terms of :mod:`loggra_megatron.memory.model` that are not tensors of the step: NCCL's
+"""The terms of ``memory.model`` that are not tensors of the step: NCCL's
 communicator buffers (NVLink SHARP included) and the caching allocator's fragmentation
 (pure arithmetic, no torch).
 

@@ -1,11 +1,11 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""What :mod:`loggra_megatron.memory.model` models besides the run's
-:class:`~loggra_megatron.train.step_plan.StepPlan`: the model's shape
-(:class:`TransformerShape`, Megatron-Core's names, from the run's ``GPTModelArgs``), whether
-the plan's layout splits it (:func:`check_layout`), and the bytes of the plan's dtypes (pure
+"""What ``memory.model`` models besides the run's
+``StepPlan``: the model's shape
+(``TransformerShape``, Megatron-Core's names, from the run's ``GPTModelArgs``), whether
+the plan's layout splits it (``check_layout``), and the bytes of the plan's dtypes (pure
 Python, no torch).
 
-Every invalid value raises :class:`MemoryConfigError`, which names the offending field.
+Every invalid value raises ``MemoryConfigError``, which names the offending field.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class TransformerShape:
 
     @classmethod
     def from_model_args(cls, args: Any) -> TransformerShape:
-        """From a :class:`loggra_megatron.model.GPTModelArgs` (or anything with its fields)."""
+        """From a ``loggra_megatron.model.GPTModelArgs`` (or anything with its fields)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     def padded_vocab_size(self, tp: int = 1) -> int:
@@ -98,7 +98,7 @@ class TransformerShape:
 
 
 def check_layout(model: TransformerShape, plan: StepPlan) -> None:
-    """Raise :class:`MemoryConfigError` if Megatron would refuse ``model`` at the plan's TP and
+    """Raise ``MemoryConfigError`` if Megatron would refuse ``model`` at the plan's TP and
     PP sizes."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):

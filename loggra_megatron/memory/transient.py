@@ -1,10 +1,10 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""The transient terms of :mod:`loggra_megatron.memory.model`: activations (with Megatron's
+"""The transient terms of ``memory.model``: activations (with Megatron's
 recompute methods), the output head's chunked log-probs, the full-vocabulary KL trial's
 logits, the rollout's KV cache under ``--inference-max-tokens``, the rollout's prefill and
 the working set of forward-only passes (pure arithmetic, no torch).
 
-The output head (:func:`log_prob_head_bytes`): every forward that needs token log-probs (the
+The output head (``log_prob_head_bytes``): every forward that needs token log-probs (the
 training loss, the old and reference log-probs, the ``k1/k2/k3`` KL trials) runs the output
 layer and the vocab-parallel log-softmax over chunks of ``c = min(--log-prob-chunk-size,
 tokens)`` positions, so its logits are ``c × V/t`` at a time, whatever the micro-batch.
@@ -64,7 +64,7 @@ def activation_bytes_per_layer(
 def local_spec_bytes_per_layer(
     model: TransformerShape, plan: StepPlan, micro_batch_size: int, seq_length: int
 ) -> int:
-    """What one layer of Megatron-Core's local spec saves beyond :func:`activation_bytes_per_layer`
+    """What one layer of Megatron-Core's local spec saves beyond ``activation_bytes_per_layer``
     (0 with Transformer Engine's spec), measured on the layer (``tests/test_memory_runtime``):
 
     * each ``torch.nn.RMSNorm`` keeps fp32 copies of its input and normalised input and its
@@ -108,7 +108,7 @@ def _layer_input(model: TransformerShape, plan: StepPlan, tokens: int) -> int:
 def layers_held(model: TransformerShape, plan: StepPlan, stage: int = 0) -> tuple[int, int]:
     """``(layers, inputs)`` held at the peak of the backward pass on PP stage ``stage``
     (1F1B): transformer layers with all their saved activations, and checkpoint inputs
-    (``2sbh/t'`` each) of full recompute (see :func:`activation_bytes`)."""
+    (``2sbh/t'`` each) of full recompute (see ``activation_bytes``)."""
     p = plan.pipeline_model_parallel_size
     layers = model.num_layers // p
     in_flight = min(p - stage, plan.num_microbatches)
@@ -128,7 +128,7 @@ def activation_bytes(model: TransformerShape, plan: StepPlan, stage: int = 0) ->
     re-materialised during its backward. ``block`` with ``n`` layers: the first ``n`` layers
     keep their inputs, the other ``L_stage − n`` their full activations, plus one recomputed
     layer. Selective recompute equals none (flash attention stores nothing quadratic). The
-    local spec's layers and final norm keep more (:func:`local_spec_bytes_per_layer`).
+    local spec's layers and final norm keep more (``local_spec_bytes_per_layer``).
     """
     b, s = plan.micro_batch_size, plan.seq_length
     per_layer = activation_bytes_per_layer(model, plan, b, s)
@@ -260,6 +260,6 @@ def rollout_kv_cache_bytes(
     model: TransformerShape, plan: StepPlan, bytes_per_value: int = 2
 ) -> int:
     """The rollout's KV cache on one GPU: ``min(B·s, --inference-max-tokens)`` tokens
-    (:func:`rollout_kv_tokens`) times the per-token K and V of this stage's layers and this
+    (``rollout_kv_tokens``) times the per-token K and V of this stage's layers and this
     TP rank's KV heads."""
     return kv_cache_bytes(model, plan, 1, rollout_kv_tokens(plan), bytes_per_value)

@@ -1,6 +1,6 @@
-"""The policy model: its architecture (:mod:`.args`), the Megatron-Core builder
-(:mod:`.build`), its command-line settings (:mod:`.config`) and the shared forward passes
-(:mod:`.forward`)."""
+"""The policy model: its architecture (``.args``), the Megatron-Core builder
+(``.build``), its command-line settings (``.config``) and the shared forward passes
+(``.forward``)."""
 
 from loggra_megatron.model.args import GPTModelArgs, pad_vocab_size
 

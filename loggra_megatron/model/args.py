@@ -1,13 +1,13 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
 """The architecture of a Llama-style decoder-only GPT model, in Megatron-Core's vocabulary.
 
-:class:`GPTModelArgs` describes the model (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias
+``GPTModelArgs`` describes the model (RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias
 and QK-norm) and round-trips through JSON, which is how a checkpoint records its
 architecture (``loggra_model_args.json``). Hugging Face configs map to and from it in
-:mod:`loggra_megatron.convert.hf_config`; :mod:`loggra_megatron.model.build` builds the
+``convert.hf_config``; ``model.build`` builds the
 Megatron-Core model from it.
 
-The word-embedding/output-layer rows are padded (:func:`pad_vocab_size`). The padded rows
+The word-embedding/output-layer rows are padded (``pad_vocab_size``). The padded rows
 are loaded with ``allow_shape_mismatch`` by ``dist_checkpointing``, so a checkpoint saved
 with one padding loads at a TP size that needs another.
 """
@@ -65,7 +65,7 @@ class GPTModelArgs:
 
     vocab_size: int
     """True vocabulary size (rows of the HF embedding). Megatron's embedding and output layer
-    have :meth:`padded_vocab_size` rows; the padding rows are zero and are dropped on export."""
+    have ``padded_vocab_size`` rows; the padding rows are zero and are dropped on export."""
 
     num_query_groups: int | None = None
     """Number of key/value heads (GQA groups, HF ``num_key_value_heads``). ``None`` means
@@ -76,7 +76,7 @@ class GPTModelArgs:
     num_attention_heads``; Qwen3 uses an explicit value that may differ from it."""
 
     make_vocab_size_divisible_by: int = 128
-    """Vocab padding granularity per TP rank, see :func:`pad_vocab_size`."""
+    """Vocab padding granularity per TP rank, see ``pad_vocab_size``."""
 
     max_position_embeddings: int = 4096
     """Longest sequence the model is built for; Megatron's ``max_sequence_length``."""
@@ -193,7 +193,7 @@ class GPTModelArgs:
     # ------------------------------------------------------------------ derived sizes
     @property
     def torch_dtype(self) -> torch.dtype:
-        """``params_dtype`` as a :class:`torch.dtype`."""
+        """``params_dtype`` as a ``torch.dtype``."""
         return _DTYPES[self.params_dtype]
 
     @property
@@ -212,7 +212,7 @@ class GPTModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTModelArgs:
-        """Inverse of :meth:`to_dict`; unknown keys are an error (they mean a newer format)."""
+        """Inverse of ``to_dict``; unknown keys are an error (they mean a newer format)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -231,7 +231,7 @@ class GPTModelArgs:
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> GPTModelArgs:
-        """Read arguments written by :meth:`save_json`; ``ValueError`` naming the file if it
+        """Read arguments written by ``save_json``; ``ValueError`` naming the file if it
         is not such a file."""
         try:
             with open(path, "rb") as f:

@@ -3,15 +3,15 @@ to its own longest row, and the padding the forwards are fed counted.
 
 A batch (``tokens [B, L]`` and its ``[B, L - 1]`` and ``[B]`` tensors) has one width, the
 longest row of the rank's rollout; a micro-batch cut from it in row order pads every row to
-that width. :func:`micro_batches` sorts the rows by the positions each needs
-(:func:`needed_lengths`: up to its last counted target; stable, longest first) and cuts
+that width. ``micro_batches`` sorts the rows by the positions each needs
+(``needed_lengths``: up to its last counted target; stable, longest first) and cuts
 every micro-batch to its longest row; the schedule then rounds the width up to the model's
-:func:`~loggra_megatron.model.forward.sequence_multiple` (and, under PP, to the longest of
+``sequence_multiple`` (and, under PP, to the longest of
 the call). Causal attention makes a row's logits at position ``t`` depend on positions
 ``≤ t`` only, so a row's outputs are the same (to float round-off) at any width and next to
-any rows; the grouped micro-batches carry their rows' indices (:data:`ROWS`) so that
-forward-only results go back to the batch's order (:func:`scatter_rows`).
-:class:`PaddingStats` counts fed slots and the real ones among them
+any rows; the grouped micro-batches carry their rows' indices (``ROWS``) so that
+forward-only results go back to the batch's order (``scatter_rows``).
+``PaddingStats`` counts fed slots and the real ones among them
 (``throughput/padded_token_fraction*``). Why and measurements: docs/benchmarks.md.
 """
 
@@ -37,7 +37,7 @@ def needed_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 
 def fed_lengths(batch: dict) -> torch.Tensor:
-    """``[b]`` the fed positions each row of a micro-batch needs: its :data:`LENGTHS`
+    """``[b]`` the fed positions each row of a micro-batch needs: its ``LENGTHS``
     (within ``1 .. s``), all ``s`` without them."""
     tokens = batch["tokens"]
     seq = tokens.shape[1] - 1
@@ -65,10 +65,10 @@ def _cut(batch: dict, rows: torch.Tensor | slice, width: int) -> dict:
 def micro_batches(
     batch: dict, micro_batch_size: int, lengths: torch.Tensor, group: bool = True
 ) -> list[dict]:
-    """``batch`` as micro-batches of ``micro_batch_size`` rows, each with :data:`LENGTHS`.
+    """``batch`` as micro-batches of ``micro_batch_size`` rows, each with ``LENGTHS``.
 
     ``group``: the rows sorted by ``lengths`` (stable, longest first), each micro-batch cut
-    to its longest row and carrying :data:`ROWS`; else in row order at the batch's width (the
+    to its longest row and carrying ``ROWS``; else in row order at the batch's width (the
     batching before length grouping). Which rows form a micro-batch changes no loss whose
     denominators are the mini-batch's (``docs/losses.md``)."""
     n = len(batch["tokens"])
@@ -89,7 +89,7 @@ def micro_batches(
 
 
 def row_indices(micro: list[dict]) -> list[torch.Tensor]:
-    """The batch index of every row of each micro-batch: its :data:`ROWS`, or consecutive
+    """The batch index of every row of each micro-batch: its ``ROWS``, or consecutive
     rows for micro-batches in row order."""
     out, start = [], 0
     for batch in micro:
@@ -104,7 +104,7 @@ def scatter_rows(
     parts: list[torch.Tensor], index: list[torch.Tensor], rows: int, width: int = 0
 ) -> torch.Tensor:
     """The results ``parts`` (``[b_i, s_i, ...]`` of the rows ``index[i]``, e.g.
-    :func:`row_indices`) as one ``[rows, max(width, s_i), ...]`` tensor in the batch's row
+    ``row_indices``) as one ``[rows, max(width, s_i), ...]`` tensor in the batch's row
     order, zeros past each part's width."""
     width = max(width, *(p.shape[1] for p in parts))
     out = parts[0].new_zeros((rows, width, *parts[0].shape[2:]))
@@ -122,7 +122,7 @@ class PaddingStats:
 
     def count(self, batch: dict) -> None:
         """Add a (padded) micro-batch: ``b × s`` slots, of which each row's
-        :data:`LENGTHS` (all ``s`` without it) are real; a packed one: its packed slots."""
+        ``LENGTHS`` (all ``s`` without it) are real; a packed one: its packed slots."""
         packed = batch.get(PACKED)
         if packed is not None:
             self.real += packed.num_real

@@ -1,9 +1,9 @@
 # Copyright (c) 2025, loggra-megatron authors. Apache-2.0.
-"""Megatron-Core GPT models from :class:`~loggra_megatron.model.args.GPTModelArgs`.
+"""Megatron-Core GPT models from ``GPTModelArgs``.
 
-:func:`build_gpt_model` builds a :class:`megatron.core.models.gpt.GPTModel` for the current
+``build_gpt_model`` builds a ``megatron.core.models.gpt.GPTModel`` for the current
 pipeline stage, with Megatron-Core's local layer spec (plain PyTorch, runs on CPU) or the
-Transformer Engine spec; :func:`wrap_ddp` wraps it in Megatron's DDP as its training loop
+Transformer Engine spec; ``wrap_ddp`` wraps it in Megatron's DDP as its training loop
 does. Tensor/pipeline sizes are taken from ``megatron.core.parallel_state``, which must be
 initialised first. ``GPTModel`` reads the RoPE base from its ``rotary_base`` *constructor
 argument*, not from ``TransformerConfig``; it is passed explicitly.
@@ -49,9 +49,9 @@ def fused_kernels(device_type: str, use_te: bool) -> dict[str, bool]:
 
 
 def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
-    """Megatron-Core :class:`TransformerConfig` for ``args`` at the current TP/PP sizes.
+    """Megatron-Core ``TransformerConfig`` for ``args`` at the current TP/PP sizes.
 
-    Kernel fusions are off (CPU-safe); :func:`fused_kernels` gives the ones to switch on
+    Kernel fusions are off (CPU-safe); ``fused_kernels`` gives the ones to switch on
     for a GPU. ``overrides`` (any TransformerConfig field, e.g. ``sequence_parallel=True``,
     ``use_cpu_initialization=True``, the fusions) win.
     """
@@ -97,7 +97,7 @@ def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
 def _layer_spec(args: GPTModelArgs, use_te: bool):
     """Megatron-Core's Transformer Engine layer spec (TE imported only then), else its local
     spec (pure PyTorch, CPU-capable) with PyTorch's fused attention as core attention
-    (:class:`~loggra_megatron.model.sdpa_attention.SDPAttention`, in place of Megatron's
+    (``SDPAttention``, in place of Megatron's
     ``DotProductAttention``)."""
     if use_te:
         try:
@@ -145,12 +145,12 @@ def build_gpt_model(
         parallel_output: keep logits split over the vocabulary across TP ranks.
         vp_stage: virtual pipeline stage of this chunk, if interleaving.
         sequence_packing: the schedule feeds its micro-batches packed (THD,
-            :mod:`loggra_megatron.model.packing`); needs ``use_te`` (Megatron-Core's local
+            ``model.packing``); needs ``use_te`` (Megatron-Core's local
             attention refuses ``packed_seq_params``).
         log_prob_chunk_size: tokens per chunk of its log-prob forwards
-            (:mod:`loggra_megatron.model.output_head`; None: ``log_prob_chunk_tokens``'s
+            (``model.output_head``; None: ``log_prob_chunk_tokens``'s
             default for this rank's vocabulary shard).
-        config_overrides: forwarded to :func:`transformer_config_from_args`.
+        config_overrides: forwarded to ``transformer_config_from_args``.
 
     The model lives on the host with ``use_cpu_initialization=True``, else on the current
     CUDA device (all of it, as Megatron-LM's ``get_model`` moves it). The padded vocabulary is

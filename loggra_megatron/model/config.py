@@ -21,7 +21,7 @@ ARCHITECTURE = (
     "rotary_base",
     "untie_embeddings_and_output_weights",
 )
-"""Fields a checkpoint fixes; :class:`~loggra_megatron.model.args.GPTModelArgs` has them too,
+"""Fields a checkpoint fixes; ``GPTModelArgs`` has them too,
 under the same names (a converted model's other fields are only in its args file)."""
 
 
@@ -37,8 +37,8 @@ CHUNK_LOGITS_NUMEL = 1 << 22
 
 def log_prob_chunk_tokens(setting: int | None, local_vocab: int) -> int:
     """Tokens per log-prob chunk: ``setting`` (``--log-prob-chunk-size``) when given, else
-    the largest power of two up to :data:`MAX_LOG_PROB_CHUNK` (at least 16) whose chunk
-    holds at most :data:`CHUNK_LOGITS_NUMEL` logits of ``local_vocab`` (``V/TP``) entries."""
+    the largest power of two up to ``MAX_LOG_PROB_CHUNK`` (at least 16) whose chunk
+    holds at most ``CHUNK_LOGITS_NUMEL`` logits of ``local_vocab`` (``V/TP``) entries."""
     if setting is not None:
         return setting
     tokens = MAX_LOG_PROB_CHUNK
@@ -210,7 +210,7 @@ class ModelConfig:
         return out
 
     def model_args(self, vocab_size: int):
-        """The :class:`~loggra_megatron.model.args.GPTModelArgs` of a model made from scratch."""
+        """The ``GPTModelArgs`` of a model made from scratch."""
         from loggra_megatron.model.args import GPTModelArgs
 
         return GPTModelArgs(

@@ -6,18 +6,18 @@ logits at position ``t`` score ``tokens[:, t + 1]`` (the causal-LM shift). Every
 through ``megatron.core.pipeline_parallel.get_forward_backward_func``, so it is pipelined
 (1F1B under PP) the way Megatron-LM's training loop runs it:
 
-* :func:`run_schedule` — forward + backward with a loss (the actor), or forward-only; every
-  micro-batch right-padded to the :func:`sequence_multiple` that sequence parallelism and
-  Transformer Engine's FP8 GEMMs need, or packed (THD, :mod:`~loggra_megatron.model.packing`)
+* ``run_schedule`` — forward + backward with a loss (the actor), or forward-only; every
+  micro-batch right-padded to the ``sequence_multiple`` that sequence parallelism and
+  Transformer Engine's FP8 GEMMs need, or packed (THD, ``model.packing``)
   for a model built with ``sequence_packing``;
-* :func:`forward_map` — forward-only, ``fn(micro_batch, last_hidden)`` applied on the last
+* ``forward_map`` — forward-only, ``fn(micro_batch, last_hidden)`` applied on the last
   pipeline stage and collected (the KL probe, log-prob recompute); ``None`` on other stages;
-* :func:`gpt_forward` and :func:`last_hidden` — every log-prob forward returns the last
-  hidden states, and :class:`~loggra_megatron.model.output_head.LastHidden` scores them in
+* ``gpt_forward`` and ``last_hidden`` — every log-prob forward returns the last
+  hidden states, and ``LastHidden`` scores them in
   token chunks: no full-vocabulary logits of a batch exist
-  (:mod:`loggra_megatron.model.output_head`).
+  (``model.output_head``).
 
-:func:`initialize_fp8_state` runs the one forward that makes TE's lazily created FP8 state
+``initialize_fp8_state`` runs the one forward that makes TE's lazily created FP8 state
 before any inference-mode forward.
 """
 
@@ -40,7 +40,7 @@ from loggra_megatron.model.packing import PACKED, pack_micro_batch
 
 PACKS_SEQUENCES = "packs_sequences"
 """Attribute of a ``GPTModel`` built with ``sequence_packing``
-(:func:`~loggra_megatron.model.build.build_gpt_model`): its forwards take packed rows."""
+(``build_gpt_model``): its forwards take packed rows."""
 
 
 def positions_like(x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +57,10 @@ def packs_sequences(model) -> bool:
 
 def gpt_forward(model, batch: dict) -> torch.Tensor:
     """The (DDP-/Float16-wrapped) GPT model on ``batch["tokens"][:, :-1]`` with its output
-    layer passing the hidden states through (:func:`~.output_head.emit_hidden`): the
+    layer passing the hidden states through (``emit_hidden``): the
     final-norm hidden states ``[b, s, h]`` on the last pipeline stage (``[1, T, h]`` for a
-    packed micro-batch, :data:`~loggra_megatron.model.packing.PACKED`), the activations
-    handed to the next stage elsewhere. :func:`last_hidden` scores them."""
+    packed micro-batch, ``PACKED``), the activations
+    handed to the next stage elsewhere. ``last_hidden`` scores them."""
     packed = batch.get(PACKED)
     with emit_hidden(model):
         if packed is None:
@@ -75,7 +75,7 @@ def gpt_forward(model, batch: dict) -> torch.Tensor:
 
 
 def last_hidden(model, batch: dict, hidden: torch.Tensor) -> LastHidden:
-    """The last stage's :func:`gpt_forward` output of ``batch`` with this TP rank's output
+    """The last stage's ``gpt_forward`` output of ``batch`` with this TP rank's output
     weight shard, Megatron's TP group and the model's ``--log-prob-chunk-size``."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
@@ -116,7 +116,7 @@ UNPADDED_LENGTH = "unpadded_length"
 
 
 def unpadded_length(batch: dict) -> int:
-    """The fed length ``s`` of a micro-batch before :func:`pad_micro_batch` padded it."""
+    """The fed length ``s`` of a micro-batch before ``pad_micro_batch`` padded it."""
     return batch.get(UNPADDED_LENGTH, batch["tokens"].shape[1] - 1)
 
 
@@ -124,7 +124,7 @@ def pad_micro_batch(batch: dict, multiple: int, width: int = 0) -> dict:
     """``batch`` with ``tokens [b, s + 1]`` and its ``[b, s, ...]`` tensors right-padded to
     at least ``width`` positions, and so that ``s`` is a multiple of ``multiple`` (zeros: no
     token, no mask, no loss); the length before padding is kept under
-    :data:`UNPADDED_LENGTH`."""
+    ``UNPADDED_LENGTH``."""
     tokens = batch["tokens"]
     seq = tokens.shape[1] - 1
     extra = max(seq, width) - seq
@@ -154,11 +154,11 @@ def run_schedule(
     padding: PaddingStats | None = None,
 ) -> list:
     """Megatron's ``forward_backward_func`` over ``micro`` (one model chunk), each
-    micro-batch padded on the right to the model's :func:`sequence_multiple`: the extra
+    micro-batch padded on the right to the model's ``sequence_multiple``: the extra
     positions are ``tokens`` 0 and zeros in every ``[b, s]`` tensor (masks, old/reference
     log-probs), so they carry no loss; causal attention keeps them out of the real positions'
-    logits. A model that :func:`packs_sequences` is fed each micro-batch as one packed row
-    of its rows' :data:`~loggra_megatron.model.batching.LENGTHS` instead. Under PP every
+    logits. A model that ``packs_sequences`` is fed each micro-batch as one packed row
+    of its rows' ``LENGTHS`` instead. Under PP every
     micro-batch is padded to the longest (the stages exchange activations of one shape).
     ``padding``: counts the slots fed."""
     from megatron.core import parallel_state as ps

@@ -3,7 +3,7 @@ forward passes (``--reference-offload``: the reference model of ``--kl-coef > 0`
 
 The reference model only runs forward-only passes (the reference log-probs of each RL step),
 so a weight needs to be on the device only while the layer that reads it computes.
-:func:`offload_to_host` keeps every parameter of a ``GPTModel`` stage in host memory (pinned
+``offload_to_host`` keeps every parameter of a ``GPTModel`` stage in host memory (pinned
 on CUDA, so the copies are asynchronous) and cuts the stage into *units*, in forward order::
 
     embedding (first stage) │ each TransformerLayer │ final norm + output layer (last stage;
@@ -14,11 +14,11 @@ Contract, in device bytes of the model's weights (``B_k``: the bytes of unit ``k
 * while unit ``k`` computes: ``B_k + B_{k+1}`` (it and the prefetched next unit), so at
   most ``2·max_k B_k``: what the memory model counts for the reference log-prob phase;
 * after a pass: on the last pipeline stage, the output unit ``B_last`` (final norm +
-  output layer), kept until :func:`release_device_weights` (the trainer calls it after the
-  experience), the next pass or :func:`host_weights`: the log-prob head
-  (:mod:`~loggra_megatron.model.output_head`) reads the output weight after the model's
+  output layer), kept until ``release_device_weights`` (the trainer calls it after the
+  experience), the next pass or ``host_weights``: the log-prob head
+  (``model.output_head``) reads the output weight after the model's
   forward has returned, in the schedule's loss function;
-* after :func:`release_device_weights`: **0**. Every parameter's ``.data`` is an empty
+* after ``release_device_weights``: **0**. Every parameter's ``.data`` is an empty
   placeholder on the device (``named_parameters()``, ``.device`` and the state-dict names
   are unchanged).
 
@@ -43,12 +43,12 @@ stage) copies all of the stage's weights host → device, ``Σ_k B_k`` bytes; it
 compute while copying a unit at the host link's bandwidth takes less than the previous
 unit's compute. The host holds ``Σ_k B_k`` pinned bytes per rank.
 
-Writes and checkpoints go to the host copies: :func:`host_weights` makes them the
+Writes and checkpoints go to the host copies: ``host_weights`` makes them the
 parameters' data for a block (``RLTrainer._copy_policy_to_reference``), and the model's
 ``state_dict``, ``load_state_dict`` and ``sharded_state_dict`` (``dist_checkpointing``) run
 inside it, the tensors they return being the host copies. A checkpoint holds the same
 tensors with or without offload, and loads either way. A forward inside
-:func:`host_weights` is not supported.
+``host_weights`` is not supported.
 
 On CPU (device = host) the same code runs without streams or pinning: the host copies are
 the parameters' original tensors and the parameters hold empty placeholders between
@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import torch
 
 OFFLOAD_ATTRIBUTE = "host_offload"
-"""Attribute of an offloaded ``GPTModel`` that holds its :class:`HostOffload`."""
+"""Attribute of an offloaded ``GPTModel`` that holds its ``HostOffload``."""
 
 
 @dataclass(eq=False)
@@ -116,7 +116,7 @@ def _detach_parameter(value):
 
 
 class HostOffload:
-    """The host offload of one ``GPTModel`` stage (made by :func:`offload_to_host`)."""
+    """The host offload of one ``GPTModel`` stage (made by ``offload_to_host``)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         from megatron.core.utils import unwrap_model
@@ -239,7 +239,7 @@ class HostOffload:
                     p.data = self._placeholder[p.dtype]
 
     def _on_host(self, method):
-        """``method`` of the model run inside :meth:`host_weights`; the parameters in what
+        """``method`` of the model run inside ``host_weights``; the parameters in what
         it returns (``state_dict(keep_vars=True)``, ``sharded_state_dict``) become their
         host copies."""
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -266,7 +266,7 @@ class HostOffload:
         return [unit.name for unit in self.units if unit.staged is not None]
 
     def device_bytes(self) -> int:
-        """Device bytes the model's weights hold now (outside :meth:`host_weights`): the
+        """Device bytes the model's weights hold now (outside ``host_weights``): the
         parameters' storages and the staged copies, each storage once."""
         tensors = [*self._params, *(t for unit in self.units for t in unit.staged or ())]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -281,7 +281,7 @@ def offload_to_host(model: torch.nn.Module, device: torch.device) -> HostOffload
 
 
 def host_offload(model: torch.nn.Module) -> HostOffload | None:
-    """The :class:`HostOffload` of ``model`` (wrapped or not), None if it is not offloaded."""
+    """The ``HostOffload`` of ``model`` (wrapped or not), None if it is not offloaded."""
     from megatron.core.utils import unwrap_model
 
     return getattr(unwrap_model(model), OFFLOAD_ATTRIBUTE, None)
@@ -297,6 +297,6 @@ def release_device_weights(model: torch.nn.Module) -> None:
 
 def host_weights(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """For a block that writes ``model``'s weights: an offloaded model's
-    :meth:`HostOffload.host_weights`, else nothing to do."""
+    ``HostOffload.host_weights``, else nothing to do."""
     offload = host_offload(model)
     return contextlib.nullcontext() if offload is None else offload.host_weights()

@@ -2,8 +2,8 @@
 of a batch never exist.
 
 A log-prob forward (training loss, old/reference log-probs, KL probe) runs the model with its
-output layer switched to pass the final-norm hidden states through (:func:`emit_hidden`), and
-hands the consumer a :class:`LastHidden`. :class:`ChunkedTokenLogProbs` then computes, for
+output layer switched to pass the final-norm hidden states through (``emit_hidden``), and
+hands the consumer a ``LastHidden``. ``ChunkedTokenLogProbs`` then computes, for
 ``n`` tokens ``x [n, h]``, this TP rank's output weight shard ``W_t [V/TP, h]`` and targets
 ``a [n]``, in chunks of ``c`` tokens::
 
@@ -47,10 +47,10 @@ from loggra_megatron.model.vocab_parallel import (
 )
 
 LOG_PROB_CHUNK = "log_prob_chunk_size"
-"""Attribute of a ``GPTModel`` built by :func:`~loggra_megatron.model.build.build_gpt_model`:
+"""Attribute of a ``GPTModel`` built by ``build_gpt_model``:
 the tokens per chunk of its log-prob forwards (``--log-prob-chunk-size``)."""
 DEFAULT_CHUNK = MAX_LOG_PROB_CHUNK
-"""Tokens per chunk of a model built elsewhere (no :data:`LOG_PROB_CHUNK` attribute)."""
+"""Tokens per chunk of a model built elsewhere (no ``LOG_PROB_CHUNK`` attribute)."""
 
 
 def _chunk_logsumexp(z: torch.Tensor, tp_group) -> torch.Tensor:
@@ -226,7 +226,7 @@ class LastHidden:
 
     hidden: torch.Tensor
     """``[b, s, h]``, or ``[1, T, h]`` for a packed micro-batch (Megatron's ``Float16Module``
-    hands the last stage's output back in fp32: :attr:`fed` is it in the weight's dtype)."""
+    hands the last stage's output back in fp32: ``fed`` is it in the weight's dtype)."""
     weight: torch.Tensor
     """``[V/TP, h]`` this TP rank's output weight shard."""
     batch: dict
@@ -235,7 +235,7 @@ class LastHidden:
     chunk: int = DEFAULT_CHUNK
     into_main_grad: bool = False
     """Add the weight's gradient into its DDP ``main_grad`` chunk by chunk
-    (:func:`chunked_token_log_probs`)."""
+    (``chunked_token_log_probs``)."""
     _log_probs: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -261,7 +261,7 @@ class LastHidden:
 
     def log_probs(self) -> torch.Tensor:
         """``[b, s]`` fp32 log-probs of the targets, differentiable when the hidden states
-        are; computed once (chunked, :class:`ChunkedTokenLogProbs`)."""
+        are; computed once (chunked, ``ChunkedTokenLogProbs``)."""
         if self._log_probs is None:
             out = chunked_token_log_probs(
                 self.fed,

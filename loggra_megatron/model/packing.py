@@ -1,13 +1,13 @@
 """Packed sequences (THD): a micro-batch's rows laid end to end in one row, no padding between.
 
 A micro-batch ``tokens [b, s + 1]`` whose row ``i`` needs ``l_i`` fed positions
-(:data:`~loggra_megatron.model.batching.LENGTHS`) is fed as one row of ``T = Σ l_i``
-tokens, rounded up to the model's :func:`~loggra_megatron.model.forward.sequence_multiple`
+(``LENGTHS``) is fed as one row of ``T = Σ l_i``
+tokens, rounded up to the model's ``sequence_multiple``
 (the extra slots extend the last row: causal attention keeps them out of its real
 positions). Megatron-Core's ``PackedSeqParams(qkv_format="thd")`` tells attention where the
 rows start (``cu_seqlens``, int32 ``[b + 1]`` on the tokens' device, as Transformer Engine
 asserts) and how long the longest is; RoPE restarts at each row (Megatron applies it per
-``cu_seqlens``), so row ``i``'s logits are those it has alone. :meth:`PackedRows.unpack`
+``cu_seqlens``), so row ``i``'s logits are those it has alone. ``PackedRows.unpack``
 puts the ``[1, T, V/TP]`` logits back in the micro-batch's ``[b, s, V/TP]`` layout (zeros
 past each row's ``l_i``), so every loss and log-prob consumer is unchanged. The transformer
 layers run ``T`` tokens instead of ``b × s``. Only Transformer Engine's attention takes THD
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 PACKED = "packed"
-"""Key of a micro-batch packed by :func:`pack_micro_batch`: its :class:`PackedRows`."""
+"""Key of a micro-batch packed by ``pack_micro_batch``: its ``PackedRows``."""
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PackedRows:
     positions: torch.Tensor
     """``[n]`` the position of each real slot within its row."""
     shape: tuple[int, int]
-    """``(b, s)``: the micro-batch's layout, which :meth:`unpack` restores."""
+    """``(b, s)``: the micro-batch's layout, which ``unpack`` restores."""
 
     @property
     def num_slots(self) -> int:
@@ -76,7 +76,7 @@ class PackedRows:
 
 def pack_micro_batch(batch: dict, lengths: torch.Tensor, multiple: int, width: int = 0) -> dict:
     """``batch`` (``tokens [b, s + 1]``, row ``i`` needing ``lengths[i]`` fed positions, in
-    ``1 .. s``) with its :class:`PackedRows` under :data:`PACKED`: ``T = Σ lengths`` slots,
+    ``1 .. s``) with its ``PackedRows`` under ``PACKED``: ``T = Σ lengths`` slots,
     at least ``width`` (PP: the longest of the schedule call), rounded up to ``multiple``."""
     tokens = batch["tokens"]
     b, s = tokens.shape[0], tokens.shape[1] - 1

@@ -1,6 +1,6 @@
 """Megatron-Core core attention on PyTorch's fused ``scaled_dot_product_attention`` (SDPA).
 
-:class:`SDPAttention` takes the place of Megatron-Core's local ``DotProductAttention`` in the
+``SDPAttention`` takes the place of Megatron-Core's local ``DotProductAttention`` in the
 local layer spec (``model.build._layer_spec``): same constructor, same ``forward(query, key,
 value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)``, same tensor
 layouts (``[sq, b, heads/TP, d]`` in, ``[sq, b, heads/TP · d]`` out) and the same heads per
@@ -31,7 +31,7 @@ log-sum-exp per row: nothing quadratic in the sequence length.
   A row that sees no key (a padding query) sees every key instead: its output is padding in
   either implementation, here it is also finite on every SDPA backend.
 * **Grouped query attention.** SDPA gets the ``groups/TP`` key/value heads as they are
-  (``enable_gqa``) only where its CUDA flash kernel runs (:func:`flash_takes_grouped_kv`);
+  (``enable_gqa``) only where its CUDA flash kernel runs (``flash_takes_grouped_kv``);
   elsewhere they are expanded to ``heads/TP`` first, since the other fused kernels
   (memory-efficient, the one that takes a mask; CPU flash) need equal head counts and SDPA
   would otherwise fall back to its math path, which forms the scores.

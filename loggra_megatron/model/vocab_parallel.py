@@ -1,14 +1,14 @@
 """Token log-probabilities and KL divergences from vocab-parallel logits.
 
 With tensor parallelism TP rank ``t`` holds the logits ``z[..., V_t]`` of its vocabulary
-shard ``V_t``, which starts at id ``t · V/TP`` (:func:`vocab_shard_start`). Every per-token
+shard ``V_t``, which starts at id ``t · V/TP`` (``vocab_shard_start``). Every per-token
 quantity is a sum over shards: each function computes its shard's partial and all-reduces
 ``[tokens]`` floats over the TP group (``tp_group=None``: the logits are whole)::
 
     lse(z) = M + log Σ_t Σ_{v∈V_t} e^{z_v − M},   log π(a) = z_a − lse(z)
     KL(π_old ‖ π_new) = Σ_t Σ_{v∈V_t} p_v (z_v − z'_v) − lse(z) + lse(z')
 
-The sums back-propagate as the identity (:class:`_AllReduceSum`, Megatron's
+The sums back-propagate as the identity (``_AllReduceSum``, Megatron's
 ``reduce_from_tensor_model_parallel_region``) and the max ``M`` is detached, so gradients are
 exact at any TP size. Sampled estimators (Schulman 2020, "Approximating KL divergence"):
 ``k1 = −δ``, ``k2 = δ²/2``, ``k3 = e^δ − 1 − δ`` with ``δ = log q(a) − log p(a)``, ``a ~ π_old``.

@@ -9,10 +9,10 @@ Gaussian ``N(0, 1)``, so ``E[AᵀA] = I``: a Johnson–Lindenstrauss map):
     backward:  S += Hᵀ P / √r                 [m, r]        (fp32, summed over micro-batches)
                S = G Aᵀ exactly                (linearity)
     clip norm: ‖S A‖² = ⟨S (A Aᵀ), S⟩          an r×r Gram per layer, no [m, n] tensor
-    update:    W ← (1 − lr·λ) W − lr · D A     D = RowAdam(S) (:mod:`row_adam`)
+    update:    W ← (1 − lr·λ) W − lr · D A     D = RowAdam(S) (``row_adam``)
 
 ``B`` is drawn from ``(seed, draw index, name)`` with a counter-based seed
-(:func:`projection_seed`), so every TP, DP and PP rank draws the same matrix without
+(``projection_seed``), so every TP, DP and PP rank draws the same matrix without
 communication; it is redrawn every ``refresh_interval`` updates and never stored. Drawing
 ``±1`` (exact in bf16) and applying ``1/√r`` in fp32 keeps the forward's ``P`` and the update's
 ``A`` the same matrix in any dtype.
@@ -47,7 +47,7 @@ def draw_signs(
     kind: str, seed: int, draw: int, name: str, rank: int, cols: int, device, dtype
 ) -> torch.Tensor:
     """``B``: ``[rank, cols]`` of ±1 (``rademacher``) or ``N(0, 1)`` rounded to ``dtype``
-    (``gaussian``), drawn on ``device`` from :func:`projection_seed`. The projection is
+    (``gaussian``), drawn on ``device`` from ``projection_seed``. The projection is
     ``A = B / √rank``."""
     if kind not in SKETCH_MATRICES:
         raise ValueError(f"unknown sketch matrix {kind!r}; one of {', '.join(SKETCH_MATRICES)}")

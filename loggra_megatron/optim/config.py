@@ -1,5 +1,5 @@
 """Settings of the optimizer: Megatron's Adam hyper-parameters, LR schedule and DDP options
-(:class:`OptimConfig`), and LoGRA's own (:class:`LoGRAConfig`)."""
+(``OptimConfig``), and LoGRA's own (``LoGRAConfig``)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class OptimConfig:
 @dataclass
 class LoGRAConfig:
     """LoGRA's settings, declared once: the ``--loggra-*`` flags, and the fields that
-    :class:`~loggra_megatron.optim.megatron.factory.LoGRAOptimizerConfig` adds to Megatron's
+    ``LoGRAOptimizerConfig`` adds to Megatron's
     ``OptimizerConfig``."""
 
     loggra_sketch: str = loggra_setting("gradient")
@@ -233,7 +233,7 @@ class LoGRAConfig:
         return self.loggra_rank or max(1, hidden_size // 8)
 
     def adamw_kwargs(self, hidden_size: int) -> dict:
-        """LoGRA keyword arguments of :class:`~loggra_megatron.optim.LoGRAAdamW`."""
+        """LoGRA keyword arguments of ``LoGRAAdamW``."""
         return dict(
             rank=self.rank_for(hidden_size),
             update_interval=self.loggra_update_interval,

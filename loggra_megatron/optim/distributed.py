@@ -57,7 +57,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         param_remainders: ``{bf16 shard param: int16 remainder}`` of params whose fp32
             master is kept as remainders (the shard is a view of the model's weight).
         energy_slots: rows of the captured-energy record of a step (0: none recorded); see
-            :attr:`energy`.
+            ``energy``.
         **defaults: LoGRAAdamW hyper-parameters.
     """
 
@@ -83,19 +83,19 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self.num_steps = 0
         """Optimizer steps taken (skipped steps excluded); drives the refresh schedule."""
         self.skipped_last_step = False
-        """The last :meth:`step` found a non-finite gradient on some rank and changed
+        """The last ``step`` found a non-finite gradient on some rank and changed
         nothing. Skipped steps are counted by the trainer (``train.steps.SkipCounter``);
-        through :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper` the global
+        through ``MegatronStepper`` the global
         grad norm catches them before this optimizer runs."""
         self.model_grads: dict[torch.Tensor, torch.Tensor] = {}
         """Gradients of main params whose ``.grad`` is None, in the model's precision (views
-        of Megatron's grad buffer); see :meth:`set_model_grads`."""
+        of Megatron's grad buffer); see ``set_model_grads``."""
         self.model_grad_scale = 1.0
-        """Clipping coefficient still to be applied to :attr:`model_grads`."""
+        """Clipping coefficient still to be applied to ``model_grads``."""
         self._candidates: dict | None = None
         """This step's sketches (and refreshed bases) by weight, kept from the first
-        :meth:`write_candidate` for the later trials and the commit; see
-        :meth:`clear_candidate_cache`."""
+        ``write_candidate`` for the later trials and the commit; see
+        ``clear_candidate_cache``."""
         super().__init__(params, **defaults)
         group = self.param_groups[0]
         if any(g["residual_scale"] > 0 for g in self.param_groups):
@@ -107,7 +107,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
         self.energy = EnergyLog(energy_slots, self._device)
-        """Captured energy of the committed steps (:mod:`~loggra_megatron.optim.energy_log`)."""
+        """Captured energy of the committed steps (``optim.energy_log``)."""
         self._rows = RowShardedSketch(
             all_layouts,
             dp_rank,
@@ -118,7 +118,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         )
 
     candidates_are_commits = True
-    """:meth:`write_candidate` at η hands out, bit for bit, the fp32 masters that a step at
+    """``write_candidate`` at η hands out, bit for bit, the fp32 masters that a step at
     ``lr·η`` stores (same sketch, same operations in the same order)."""
 
     def add_param_group(self, param_group: dict) -> None:
@@ -159,7 +159,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
     def set_model_grads(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
         """Use ``{main param: low-precision gradient shard}`` as this step's gradients of
         main params whose ``.grad`` is None; each is converted to fp32 (and multiplied by
-        :attr:`model_grad_scale`, reset here to 1) only when its weight is updated."""
+        ``model_grad_scale``, reset here to 1) only when its weight is updated."""
         self.model_grads, self.model_grad_scale = grads, 1.0
         self._candidates = None
 
@@ -201,7 +201,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
 
     def _finish(self, p, target, commit: bool, write) -> None:
         """Hand a candidate to ``write``, or store a committed master (``target`` is the
-        transient from :meth:`_target` and is consumed)."""
+        transient from ``_target`` and is consumed)."""
         if not commit:
             write(p, target)
         elif p in self.param_remainders:
@@ -224,13 +224,13 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
 
         Calls ``write(param, θ + scale·Δθ)`` once per param with a gradient (a transient
         tensor of the param's shape; sketched updates are applied from their factors).
-        Collective like :meth:`step`. Returns False if the step would be skipped.
+        Collective like ``step``. Returns False if the step would be skipped.
         """
         return self._run(commit=False, write=write, scale=scale)
 
     def clear_candidate_cache(self) -> None:
-        """Forget the sketches kept by :meth:`write_candidate` (new gradients are coming;
-        :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper` calls it when it
+        """Forget the sketches kept by ``write_candidate`` (new gradients are coming;
+        ``MegatronStepper`` calls it when it
         prepares a step, and a commit clears it)."""
         self._candidates = None
 
@@ -238,7 +238,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """One step (``commit``) or one candidate, weight by weight in canonical order so
         that every rank issues the same collectives and transients stay per weight.
 
-        The first candidate of a step (or :meth:`project_gradients`) keeps each weight's
+        The first candidate of a step (or ``project_gradients``) keeps each weight's
         sketch ``S = G Q`` (and the refreshed basis and moments on a refresh step): later
         candidates (other η) and the commit reuse them, so a step's gradient is projected
         once and its collectives (non-finite check, split-row all-gather and all-reduces)
@@ -293,8 +293,8 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._finish(p, target, commit, write)
 
     def _update_dense(self, p, group, state, commit, scale, write):
-        """Dense AdamW on a param that is not sketched (as :meth:`_update_sketched`), piece
-        by piece (:meth:`_dense_directions`); a commit updates the master in place (with
+        """Dense AdamW on a param that is not sketched (as ``_update_sketched``), piece
+        by piece (``_dense_directions``); a commit updates the master in place (with
         remainders: one piece's rebuilt master at a time), a candidate ``θ + Δθ`` is one whole
         transient."""
         lr = group["lr"] * scale
@@ -318,7 +318,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
 
     def _dense_directions(self, p, group, state, commit: bool, lr=None):
         """``(lo, hi, direction, step size)`` of AdamW on flat elements ``[lo, hi)`` of ``p``,
-        :data:`DENSE_PIECE_NUMEL` at a time: the fp32 gradient and direction of one piece
+        ``DENSE_PIECE_NUMEL`` at a time: the fp32 gradient and direction of one piece
         exist at once, not of the whole shard (a ``[V/t, h]`` embedding shard is the
         largest). Elementwise, so bitwise the whole shard's; the moments are updated in
         place when ``commit``."""
@@ -352,7 +352,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         """``‖Δθ‖²`` of this step's update at the group's lr over the params held here,
         weight decay left out: a sketched weight's ``step·D Qᵀ`` has the norm of ``step·D``
         (Q has orthonormal columns; a row split between DP ranks counts on each). From the
-        sketches kept by :meth:`project_gradients` (None before it, or when the step would be
+        sketches kept by ``project_gradients`` (None before it, or when the step would be
         skipped); changes nothing, local (the caller all-reduces)."""
         cache = self._candidates
         if cache is None or not cache["ok"]:

@@ -1,7 +1,7 @@
 """LoGRA-AdamW: AdamW whose state lives in low-rank gradient sketches.
 
 For each sketched 2-D weight ``W ∈ R^{m×n}`` with gradient ``G`` and orthonormal right
-basis ``Q ∈ R^{n×r}`` (see :mod:`loggra_megatron.optim.projection`)::
+basis ``Q ∈ R^{n×r}`` (see ``optim.projection``)::
 
     S = G Q;  M ← β1 M + (1 − β1) S;  V ← β2 V + (1 − β2) S ∘ S    # [m, r]
     W ← W − lr·(λ W + α M̂/(√V̂ + ε) Qᵀ)   # decoupled weight decay λ, scale α
@@ -9,7 +9,7 @@ basis ``Q ∈ R^{n×r}`` (see :mod:`loggra_megatron.optim.projection`)::
 ``Q`` is refreshed every ``update_interval`` steps and the moments are transported into the
 new basis; with ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``.
 No communication (single process; the distributed version is
-:mod:`loggra_megatron.optim.distributed`).
+``optim.distributed``).
 
 Residual, dense params, state and exactness: docs/optimizer.md#update-rule.
 References: GaLore (Zhao et al., ICML 2024), Flora (Hao et al., ICML 2024),
@@ -35,7 +35,7 @@ _DEFAULTS = LoGRAConfig()  # one declaration of the defaults (rank: 128 without 
 
 
 def projection_of(group: dict):
-    """The :class:`~loggra_megatron.optim.projection.Projection` of a param group."""
+    """The ``Projection`` of a param group."""
     return PROJECTIONS[group["projection"]]
 
 
@@ -187,12 +187,12 @@ class LoGRAAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def captured_energy_of(self, p: torch.Tensor) -> float | None:
-        """``‖G Q‖² / ‖G‖²`` of ``p``'s gradient in its basis: after :meth:`step`, the share of
+        """``‖G Q‖² / ‖G‖²`` of ``p``'s gradient in its basis: after ``step``, the share of
         the gradient energy that step's sketch kept (1 for the identity projection). None
         for a param that is not a sketched matrix here (dense, no gradient or no state yet,
-        or a 1-D shard of :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW`,
-        whose per-family metric is :mod:`~loggra_megatron.optim.megatron.energy`). Computed
-        on request: one pass over ``G``, none in :meth:`step`."""
+        or a 1-D shard of ``ShardedLoGRAAdamW``,
+        whose per-family metric is ``optim.megatron.energy``). Computed
+        on request: one pass over ``G``, none in ``step``."""
         state = self.state.get(p, {})
         if p.grad is None or p.dim() != 2 or "basis" not in state:
             return None

@@ -13,8 +13,8 @@ inside Transformer Engine's FusedAdam, GPU only); this module is the torch versi
 LoGRA optimizer uses on any device, one weight at a time.
 
 A copy of the master on another device (a checkpoint's, on the host) is rebuilt
-:data:`COPY_BUCKET_NUMEL` elements at a time (:func:`join_master_into`): the weight's device
-then holds one bucket's int32 bits beyond the live state, :func:`copy_transient_bytes`.
+``COPY_BUCKET_NUMEL`` elements at a time (``join_master_into``): the weight's device
+then holds one bucket's int32 bits beyond the live state, ``copy_transient_bytes``.
 
 Rounding, negative numbers, memory and exactness:
 docs/optimizer.md#fp32-master-weights-as-bf16-weights--int16-remainders---loggra-param-remainders
@@ -27,12 +27,12 @@ import torch
 _HALF = 1 << 15
 
 COPY_BUCKET_NUMEL = 1 << 24
-"""Elements of a master rebuilt at once by :func:`join_master_into` (16 Mi: 64 MiB of int32
+"""Elements of a master rebuilt at once by ``join_master_into`` (16 Mi: 64 MiB of int32
 bits on the weight's device)."""
 
 
 def copy_transient_bytes(bucket_numel: int = COPY_BUCKET_NUMEL) -> int:
-    """Bytes :func:`join_master_into` allocates at once on the weight's device: one bucket's
+    """Bytes ``join_master_into`` allocates at once on the weight's device: one bucket's
     int32 bits, ``4 · bucket_numel`` (the bucket's bf16 and int16 slices are views)."""
     return 4 * bucket_numel
 
@@ -53,7 +53,7 @@ def join_master_into(
     weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor, bucket_numel: int
 ) -> torch.Tensor:
     """Write the fp32 master of contiguous ``weight`` and ``remainder`` into fp32 ``out`` (as
-    many elements, any device, e.g. the host) and return ``out``: :func:`join_master` of
+    many elements, any device, e.g. the host) and return ``out``: ``join_master`` of
     ``bucket_numel`` elements at a time on the weight's device, each copied into ``out``
     before the next is rebuilt."""
     if out.dtype != torch.float32:
@@ -72,7 +72,7 @@ def store_master(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Te
 
     ``d`` is the low half of the bits read as int16 (``L`` when ``L < 2¹⁵``, else
     ``L − 2¹⁶``: the int32 → int16 conversion wraps), and ``B`` is
-    :func:`_rounded_high_half`."""
+    ``_rounded_high_half``."""
     if master.dtype != torch.float32 or not master.is_contiguous():
         raise TypeError("store_master needs a contiguous fp32 master")
     bits = master.view(torch.int32).view(weight.shape)
@@ -81,7 +81,7 @@ def store_master(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Te
 
 
 def weight_of(master: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight :func:`store_master` writes for fp32 ``master`` (round to nearest,
+    """The bf16 weight ``store_master`` writes for fp32 ``master`` (round to nearest,
     ties away from zero), as a new tensor; ``master`` is **consumed**."""
     if master.dtype != torch.float32 or not master.is_contiguous():
         raise TypeError("weight_of needs a contiguous fp32 master")

@@ -7,7 +7,7 @@ iterations, Rayleigh–Ritz), a full SVD (GaLore, Zhao et al. 2024), a random ba
 Hao et al. 2024) or ``Q = I`` (exactly AdamW). A new basis is aligned to the old one
 (orthogonal Procrustes) and the moments are transported with ``R = Q_oldᵀ Q_new``:
 ``M ← M R``, ``V ← V (R ∘ R)`` (LDAdam, Robert et al. 2024, without error feedback).
-:data:`PROJECTIONS` maps each name to a :class:`Projection`. Row reductions go through an
+``PROJECTIONS`` maps each name to a ``Projection``. Row reductions go through an
 optional ``all_reduce`` (sum), so row-sharded gradients give every rank the same ``Q``.
 
 Derivations, costs and message sizes: docs/optimizer.md#bases and
@@ -89,7 +89,7 @@ def gram_svd_basis(
     """GaLore's basis for row-sharded G: top-``rank`` eigenvectors of ``GᵀG`` ``[n, n]``.
 
     ``grad_rows`` are this rank's rows of G; ``all_reduce`` sums the Gram matrix over the
-    ranks holding the other rows. Equals :func:`svd_basis` up to the sign of each column.
+    ranks holding the other rows. Equals ``svd_basis`` up to the sign of each column.
     """
     g = grad_rows.double()
     gram = g.t() @ g  # [n, n]
@@ -140,7 +140,7 @@ class Projection:
         return min(requested, *shape)
 
     def clamps(self, shape: tuple[int, int], requested: int) -> bool:
-        """Whether :meth:`rank` lowers ``requested`` for this shape (worth a warning)."""
+        """Whether ``rank`` lowers ``requested`` for this shape (worth a warning)."""
         return self.rank(shape, requested) < requested
 
     def initial_basis(self, n: int, rank: int, **factory) -> torch.Tensor:

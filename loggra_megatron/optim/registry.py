@@ -1,13 +1,13 @@
 """The optimizers ``pretrain_rl.py`` can train with (``--optimizer``), by name.
 
-Each :class:`OptimizerSpec` says how to build the Megatron-Core optimizer and what the rest
+Each ``OptimizerSpec`` says how to build the Megatron-Core optimizer and what the rest
 of the code needs to know of it, as Megatron's ``EmergingOptimizerEntry`` does for its own
 registry: how its state is laid out and counted (the memory model), how that state is
 allocated before a checkpoint is loaded into it (``optim/megatron/optimizer_state``), whether
 Megatron's distributed optimizer can hold it and whether predicted-KL control can try its
 update before committing it (``arguments.validate``, exit 2 before any process group). Imports
 neither torch nor Megatron; builders and state initialisers are imported when called.
-Adding an optimizer variant: one builder module, one line in :data:`OPTIMIZERS`
+Adding an optimizer variant: one builder module, one line in ``OPTIMIZERS``
 (``docs/architecture.md``).
 """
 
@@ -41,7 +41,7 @@ class OptimizerSpec:
     checkpointing requirements"); LoGRA replaces the Adam it was built with."""
     candidate: bool
     """Its inner optimizer computes a side-effect-free candidate update ``θ + η·Δθ``
-    (:func:`~loggra_megatron.optim.candidate.write_candidate`), which predicted-KL control
+    (``write_candidate``), which predicted-KL control
     (``--kl-target``) tries before it commits a step."""
     state_bytes_per_param: int
     """Bytes of optimizer state per element of a densely updated parameter, in fp32 (Adam's
@@ -102,6 +102,6 @@ SKETCH_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 def sketches_shape(shape: tuple[int, ...], min_dim: int) -> bool:
     """LoGRA's default rule for a transformer weight: 2-D with both sides ≥ ``min_dim`` (the
-    projections' :meth:`~loggra_megatron.optim.projection.Projection.sketches` and the memory
+    projections' ``sketches`` and the memory
     model use it)."""
     return len(shape) == 2 and min(shape) >= min_dim

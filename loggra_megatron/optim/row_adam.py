@@ -1,11 +1,11 @@
 """RowAdam: the published LoGRA's optimizer of sketched weights (torch only).
 
 Each parameter is a block of whole rows ``W[rows]`` (``[k, n]``) of a sketched weight (a DP
-rank's own rows, :mod:`~loggra_megatron.optim.megatron.sketch_sites`). Its gradient is never
+rank's own rows, ``optim.megatron.sketch_sites``). Its gradient is never
 formed: the caller hands the optimizer the rows' sketch ``S = G Aᵀ`` (``[k, r]``, fp32, already
 reduced) and the projection's signs ``B`` (``A = B/√r``, or a function that draws them) with
-:meth:`RowAdam.set_sketches` before each step; ``model_grad_scale`` is the clip coefficient
-(Megatron's chained optimizer sets it, :mod:`~loggra_megatron.optim.megatron.model_grads`). With ``t`` the number of updates so far + 1:
+``RowAdam.set_sketches`` before each step; ``model_grad_scale`` is the clip coefficient
+(Megatron's chained optimizer sets it, ``optim.megatron.model_grads``). With ``t`` the number of updates so far + 1:
 
     adam:  v_i ← β₂ v_i + (1 − β₂) · mean_j S_ij²       one fp32 second moment per row
            D   = S / (√(v / (1 − β₂ᵗ)) + ε)              row by row; no first moment
@@ -18,11 +18,11 @@ nothing per parameter (sgd).
 
 Masters: a parameter is an fp32 master (its own tensor, or the fp32 weight rows), or, with
 ``param_remainders``, the bf16 weight rows whose exact fp32 master is ``weight + int16
-remainder`` (:mod:`~loggra_megatron.optim.param_remainders`).
+remainder`` (``optim.param_remainders``).
 
-Predicted-KL control: :meth:`write_candidate` hands ``θ + η·Δθ`` of every parameter to a
-callback with nothing changed; it runs the very arithmetic of :meth:`step` at ``lr·η``, so a
-commit at η is the trial bit for bit. :meth:`update_sq_norm` is ``‖Δθ‖²`` in the Gram form.
+Predicted-KL control: ``write_candidate`` hands ``θ + η·Δθ`` of every parameter to a
+callback with nothing changed; it runs the very arithmetic of ``step`` at ``lr·η``, so a
+commit at η is the trial bit for bit. ``update_sq_norm`` is ``‖Δθ‖²`` in the Gram form.
 """
 
 from __future__ import annotations

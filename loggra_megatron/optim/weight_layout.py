@@ -1,11 +1,11 @@
 """Where a weight's optimizer shards live: the DP slices of a flattened ``[m, n]`` weight.
 
 Megatron-Core's ``DistributedOptimizer`` gives each data-parallel rank a flat range
-``[start, end)`` of each TP-local weight, cut without regard to rows. :class:`WeightLayout`
+``[start, end)`` of each TP-local weight, cut without regard to rows. ``WeightLayout``
 records those ranges (identically on every rank) and the weight's place in the TP=1
-matrix; :func:`cut_rows` splits one slice into a partial head row, a body of whole rows
+matrix; ``cut_rows`` splits one slice into a partial head row, a body of whole rows
 (a ``[rows, n]`` view) and a partial tail row, which is the unit
-:class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW` sketches and updates.
+``ShardedLoGRAAdamW`` sketches and updates.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class WeightLayout:
     local row j maps to global row ``t·m/2 + j`` (gate) or ``M/2 + t·m/2 + j − m/2`` (up)."""
     energy_slot: int = -1
     """Row of the captured-energy buffer this weight adds to (``4·global layer + family``,
-    :mod:`~loggra_megatron.optim.megatron.energy`); -1: not counted."""
+    ``optim.megatron.energy``); -1: not counted."""
 
     @property
     def omega_rows(self) -> int:

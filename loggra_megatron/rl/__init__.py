@@ -1,5 +1,5 @@
 """The RL stack: group-relative advantages, the per-token PPO-clip and KL math, the policy
-loss object (GRPO / Dr.GRPO / DAPO variants, :mod:`.policy_loss`), the KL penalty against a
+loss object (GRPO / Dr.GRPO / DAPO variants, ``.policy_loss``), the KL penalty against a
 frozen reference model, and its adaptive coefficient."""
 
 from loggra_megatron.rl.losses import (

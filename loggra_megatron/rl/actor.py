@@ -1,16 +1,16 @@
 """The policy's training side (the actor): the policy loss
-(:class:`~loggra_megatron.rl.policy_loss.PolicyLoss`) and the SFT loss as Megatron loss
+(``PolicyLoss``) and the SFT loss as Megatron loss
 functions, mini/micro-batching, and one optimizer step per mini-batch.
 
-Megatron-style entry points: :func:`forward_step` (``forward_step(data_iterator, model)``
-with the loss bound by ``functools.partial``) and :func:`loss_func`, run by Megatron's
-schedule (:func:`~loggra_megatron.model.forward.run_schedule`, 1F1B under PP).
+Megatron-style entry points: ``forward_step`` (``forward_step(data_iterator, model)``
+with the loss bound by ``functools.partial``) and ``loss_func``, run by Megatron's
+schedule (``run_schedule``, 1F1B under PP).
 
 Each loss function returns its micro-batch's share of the *global* mini-batch loss (counts
-all-reduced over DP by :func:`global_counts`), and :func:`loss_func` multiplies by ``k·DP``
+all-reduced over DP by ``global_counts``), and ``loss_func`` multiplies by ``k·DP``
 (``k`` micro-batches per rank) to undo the schedule's and DDP's averaging: the gradient is
 that of the global loss, whatever the DP size and micro-batch split. Logits stay
-vocab-parallel (``[b, s, V/TP]``, :mod:`loggra_megatron.model.vocab_parallel`).
+vocab-parallel (``[b, s, V/TP]``, ``model.vocab_parallel``).
 
 The loss convention and the metrics' sums: docs/losses.md#micro-batches-dp-and-the-gradient
 """
@@ -41,7 +41,7 @@ LossFn = Callable[[dict, LastHidden], tuple[torch.Tensor, dict[str, torch.Tensor
 
 class OptimizerStepFn(Protocol):
     """The optimizer step of a mini-batch, plain or under predicted-KL control, skips
-    counted (:class:`~loggra_megatron.train.steps.OptimizerStep`)."""
+    counted (``OptimizerStep``)."""
 
     def reference_collector(self, num_sequences: int) -> ReferenceCollector | None:
         """Under predicted-KL control, what keeps the probe's reference from the training
@@ -81,7 +81,7 @@ def loss_func(loss_fn: LossFn, scale: float, model, batch: dict, output_tensor: 
 
 def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     """Megatron's forward step: feed ``tokens[:, :-1]``; the last hidden states score
-    ``tokens[:, 1:]`` (in token chunks, :mod:`loggra_megatron.model.output_head`)."""
+    ``tokens[:, 1:]`` (in token chunks, ``model.output_head``)."""
     batch = next(data_iterator)
     return gpt_forward(model, batch), partial(loss_func, loss_fn, scale, model, batch)
 
@@ -115,11 +115,11 @@ def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
 class Actor:
     """Trains the policy with ``loss``: mini-batches of ``global_batch_size / DP`` sequences,
     each run as micro-batches of ``micro_batch_size`` through Megatron's schedule and
-    followed by one ``optimizer_step`` (:class:`OptimizerStepFn`), whose
+    followed by one ``optimizer_step`` (``OptimizerStepFn``), whose
     ``reference_collector`` keeps KL control's probe reference from the mini-batch's
     training forward. ``length_grouping``: a mini-batch's rows of similar length share a
-    micro-batch, each cut to its longest row (:func:`~loggra_megatron.model.batching.
-    micro_batches`; the loss is the same, its denominators are the mini-batch's)."""
+    micro-batch, each cut to its longest row (``
+    micro_batches``; the loss is the same, its denominators are the mini-batch's)."""
 
     def __init__(
         self,
@@ -139,12 +139,12 @@ class Actor:
         self.per_rank = global_batch_size // self.dp
         self.length_grouping = length_grouping
         self.padding = PaddingStats()
-        """Slots fed to the training forwards since the last :meth:`update_policy` began."""
+        """Slots fed to the training forwards since the last ``update_policy`` began."""
 
     def update_policy(self, batch: dict[str, torch.Tensor], ppo_epochs: int) -> dict[str, float]:
-        """``ppo_epochs`` passes over ``batch`` (:meth:`Experience.training_batch`); returns
+        """``ppo_epochs`` passes over ``batch`` (``Experience.training_batch``); returns
         the metrics of the updates, each combined over micro-batches and updates as
-        declared (:mod:`loggra_megatron.metric_keys`), and the share of padding they fed."""
+        declared (``metric_keys``), and the share of padding they fed."""
         sums, n = {}, 0
         self.padding = PaddingStats()
         for _ in range(ppo_epochs):

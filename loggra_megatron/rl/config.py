@@ -1,6 +1,6 @@
 """Settings of the RL algorithm: group sampling, the GRPO/PPO update and the reference model
-(:class:`GRPOConfig`) and predicted-KL step control (:class:`KLControlConfig`); the policy
-loss has its own (:class:`~loggra_megatron.rl.policy_loss.PolicyLossConfig`)."""
+(``GRPOConfig``) and predicted-KL step control (``KLControlConfig``); the policy
+loss has its own (``PolicyLossConfig``)."""
 
 from __future__ import annotations
 

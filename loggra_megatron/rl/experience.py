@@ -1,19 +1,19 @@
 """Experience: one RL step's prompts → rollouts → rewards → advantages → reference log-probs.
 
-:class:`ExperienceMaker` runs the phases on one DP rank (every TP/PP rank of a model replica
+``ExperienceMaker`` runs the phases on one DP rank (every TP/PP rank of a model replica
 takes part in the generation and the log-prob forwards with the same tokens):
 
-1. the rank's prompts are rendered (:class:`~loggra_megatron.data.prompts.PromptRenderer`:
+1. the rank's prompts are rendered (``PromptRenderer``:
    the chat template or the task's plain template) and each is sampled ``num_generations``
-   times by the policy's KV-cached generator (:func:`~loggra_megatron.rollout.
-   generate_rollout`; it stops at any of the tokenizer's stop ids and never samples a padded
+   times by the policy's KV-cached generator (``
+   generate_rollout``; it stops at any of the tokenizer's stop ids and never samples a padded
    vocabulary row; the sampling log-probs are the PPO "old" log-probs);
 2. completions are decoded and scored: the task's reward and verdict, or ``--reward-fn``
-   (:func:`~loggra_megatron.tasks.rewards.compute_rewards`);
+   (``compute_rewards``);
 3. group-relative advantages (each prompt's group lives on one rank);
 4. the frozen reference model's log-probs, when there is one (``--kl-coef`` > 0).
 
-The result is an :class:`Experience`, the batch :class:`~loggra_megatron.rl.actor.Actor`
+The result is an ``Experience``, the batch ``Actor``
 trains on.
 """
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 MemoryPhase = Callable[[str], AbstractContextManager]
 """``memory_phase(name)``: a context measuring the peak memory of the phase it encloses (the
-trainer passes :mod:`loggra_megatron.train.memory_phases`'s); ``nullcontext``: none."""
+trainer passes ``train.memory_phases``'s); ``nullcontext``: none."""
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Experience:
 
 
 class ExperienceMaker:
-    """Makes :class:`Experience` from prompts with the policy, the reward and the reference."""
+    """Makes ``Experience`` from prompts with the policy, the reward and the reference."""
 
     def __init__(
         self,
@@ -128,7 +128,7 @@ class ExperienceMaker:
         self.row_multiple = fp8_alignment(get_model_config(policy))
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
-        last :meth:`generate`."""
+        last ``generate``."""
 
     def make(
         self, examples: list[dict], step: int, memory_phase: MemoryPhase = nullcontext
@@ -191,7 +191,7 @@ class ExperienceMaker:
         )
 
     def generate(self, examples: list[dict], step: int, temperature: float):
-        """One completion of each example (a :class:`~loggra_megatron.rollout.Rollout`) from
+        """One completion of each example (a ``Rollout``) from
         the ``--rollout-engine``, its KV cache bounded by ``--inference-max-tokens``."""
         tok, r = self.tokenizer, self.rollout
         request = RolloutRequest(

@@ -7,11 +7,11 @@ estimates ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` on probe sequences, pre
 (ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015), halving η while the scaled candidate's
 probe KL exceeds the tolerance. With ``η = 1`` the commit is Megatron's step, bit for bit;
 held-out sequences check the prediction (``kl/realized``). Far below target the probe is
-skipped (:mod:`~loggra_megatron.rl.kl_probe_skip`). Every optimizer phase goes through
-:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`.
+skipped (``rl.kl_probe_skip``). Every optimizer phase goes through
+``MegatronStepper``.
 
 Communication: per probe forward, the TP reductions of
-:mod:`loggra_megatron.model.vocab_parallel`, then one all-reduce of ``[Σ KL, #tokens]`` over
+``model.vocab_parallel``, then one all-reduce of ``[Σ KL, #tokens]`` over
 DP and one over PP (the other stages add zeros), so every stage applies the same η.
 
 Steps, estimators and memory: docs/kl_control.md#what-happens-at-each-optimizer-step
@@ -68,7 +68,7 @@ class PredictedKLController:
 
     Args:
         config: the ``--kl-*`` settings (``kl_target`` must be set).
-        stepper: the run's :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`
+        stepper: the run's ``MegatronStepper``
             over a Megatron-Core optimizer (LoGRA's or dense Adam) with 16-bit params.
         forward: the probe forward (no grad) of the policy.
         tp_group, dp_group, pp_group: Megatron's process groups (None: size 1).
@@ -98,7 +98,7 @@ class PredictedKLController:
         """Committed steps (drives the kl/realized interval). Skipped steps are the caller's
         to count (``train.steps.SkipCounter``)."""
         self.skip_rule = ProbeSkipRule(config.kl_probe_skip_below, config.kl_probe_max_skips)
-        """When the probe trial may be skipped (:mod:`~loggra_megatron.rl.kl_probe_skip`)."""
+        """When the probe trial may be skipped (``rl.kl_probe_skip``)."""
         params = (p for g in stepper.optimizer.param_groups for p in g["params"])
         self._device = next((p.device for p in params), torch.device("cpu"))
 
@@ -111,9 +111,9 @@ class PredictedKLController:
 
     # ------------------------------------------------------------------ public
     def step_minibatch(self, tokens: torch.Tensor, mask: torch.Tensor, reference=None):
-        """:meth:`step` with this mini-batch's probe and held-out sequences
-        (:meth:`KLControlConfig.probe_split`); ``reference``: from a
-        :meth:`reference_collector` of this mini-batch (the probe rows, and the held-out
+        """``step`` with this mini-batch's probe and held-out sequences
+        (``KLControlConfig.probe_split``); ``reference``: from a
+        ``reference_collector`` of this mini-batch (the probe rows, and the held-out
         rows when ``kl/realized`` is due)."""
         probe, holdout = self.config.probe_split(len(tokens))
         held = (tokens[holdout], mask[holdout]) if holdout.stop > holdout.start else None
@@ -129,9 +129,9 @@ class PredictedKLController:
         return self.step((tokens[probe], mask[probe]), held, reference, held_reference)
 
     def reference_collector(self, num_sequences: int) -> ReferenceCollector:
-        """A :class:`ReferenceCollector` of the probe rows of a mini-batch of
+        """A ``ReferenceCollector`` of the probe rows of a mini-batch of
         ``num_sequences`` and, when ``kl/realized`` is due at this step, of its held-out rows
-        (its result goes to :meth:`step_minibatch`)."""
+        (its result goes to ``step_minibatch``)."""
         probe, holdout = self.config.probe_split(num_sequences)
         due = self._realized_due(holdout.stop > holdout.start)
         full = self.config.kl_estimator == "full"
@@ -146,10 +146,10 @@ class PredictedKLController:
 
         ``reference`` (``holdout_reference``) may pass the probe (held-out) batch's logits
         at the current weights if the caller already has them (e.g. kept from the training
-        forward by a :class:`ReferenceCollector`), saving a forward; stages other than the
-        last then pass :data:`REFERENCE_ON_LAST_STAGE`. When :attr:`skip_rule` finds the
+        forward by a ``ReferenceCollector``), saving a forward; stages other than the
+        last then pass ``REFERENCE_ON_LAST_STAGE``. When ``skip_rule`` finds the
         step far below target, no probe trial runs and the full step is committed (η = 1).
-        Returns a :class:`StepResult`.
+        Returns a ``StepResult``.
         """
         cfg = self.config
         realized_due = self._realized_due(holdout_batch is not None)
@@ -214,7 +214,7 @@ class PredictedKLController:
     def _skipped(self, bound: float, held):
         """The full step committed without a probe trial; ``kl/realized`` after the commit
         when due (``held``), which is then the full step's measured KL. Returns as
-        :meth:`_probed`, with ``bound`` as ``kl/predicted``."""
+        ``_probed``, with ``bound`` as ``kl/predicted``."""
         t0 = time.perf_counter()
         ref_holdout = None if held is None else self._given_or_own_reference(held[1], held[0])
         metrics = {

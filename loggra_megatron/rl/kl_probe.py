@@ -1,11 +1,11 @@
 """The probe forward of predicted-KL control and what it returns.
 
-:func:`gpt_probe_forward` runs a batch of probe rows through Megatron's forward-only schedule
+``gpt_probe_forward`` runs a batch of probe rows through Megatron's forward-only schedule
 (so it works under PP), grouped by length like the training forward, and returns a
-:class:`ProbeOutput` on the last pipeline stage: the vocab-parallel logits (``full``
+``ProbeOutput`` on the last pipeline stage: the vocab-parallel logits (``full``
 estimator) or the sampled tokens' log-probs (``k1``/``k2``/``k3``), the targets and the mask.
-:class:`ReferenceCollector` keeps the probe rows' reference at θ from the training forward,
-so that the controller (:mod:`~loggra_megatron.rl.kl_control`) needs no forward of its own
+``ReferenceCollector`` keeps the probe rows' reference at θ from the training forward,
+so that the controller (``rl.kl_control``) needs no forward of its own
 for it. Batch and output helpers at the end. docs/kl_control.md.
 """
 
@@ -55,7 +55,7 @@ passes its kept reference: every stage then skips the reference forward together
 
 
 class KeepsReferences(Protocol):
-    """What :class:`ReferenceCollector` asks of the controller."""
+    """What ``ReferenceCollector`` asks of the controller."""
 
     def as_reference(self, out: ProbeOutput) -> Any: ...
 
@@ -63,9 +63,9 @@ class KeepsReferences(Protocol):
 class ReferenceCollector:
     """Keeps the probe rows' reference at θ (and the held-out rows' when ``kl/realized`` is
     due) from the *training* forward of a mini-batch, so that
-    :meth:`~loggra_megatron.rl.kl_control.PredictedKLController.step` needs no forward of its own for them.
+    ``step`` needs no forward of its own for them.
 
-    :meth:`wrap` a loss function ``loss_fn(micro_batch, last_hidden)``: it runs on the last
+    ``wrap`` a loss function ``loss_fn(micro_batch, last_hidden)``: it runs on the last
     pipeline stage for each micro-batch in order and keeps, of the rows among the first
     ``rows`` of the mini-batch, their logits (``logits``: the ``full`` estimator) or the
     token log-probs the loss computes (``k1``/``k2``/``k3``: only ``[rows, s]`` floats). The
@@ -106,7 +106,7 @@ class ReferenceCollector:
 
     def result(self):
         """The reference of the probe rows in row order (last stage; zeros past a row's
-        micro-batch width), :data:`REFERENCE_ON_LAST_STAGE` elsewhere."""
+        micro-batch width), ``REFERENCE_ON_LAST_STAGE`` elsewhere."""
         if not self._parts:
             return REFERENCE_ON_LAST_STAGE
         index = [i for i, _ in self._parts]
@@ -123,7 +123,7 @@ def gpt_probe_forward(
     model, micro_batch_size: int | None = None, log_probs: bool = False, group: bool = True
 ):
     """The probe forward of a (DDP-wrapped) Megatron-Core ``GPTModel`` through Megatron's
-    forward-only schedule (:func:`loggra_megatron.model.forward.forward_map`), so it works
+    forward-only schedule (``loggra_megatron.model.forward.forward_map``), so it works
     under PP. The batch is ``(tokens [b, s+1], mask [b, s] or None)``, run in micro-batches
     of ``micro_batch_size`` rows (default: all), grouped by length (``group``: rows of
     similar length share a micro-batch cut to its longest row; the outputs are 0 past it).

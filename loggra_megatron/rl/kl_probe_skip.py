@@ -3,7 +3,7 @@
 The KL of an update is ``KL(Δθ) ≈ ½ Δθᵀ F Δθ``, so the last measured full-step KL, carried
 to this step's update norm, ``KL_then · ‖Δθ‖² / ‖Δθ_then‖²``, predicts this step's KL. Far
 below ``--kl-target`` (under ``--kl-probe-skip-below`` × target) the probe could only
-confirm η = 1, so :class:`ProbeSkipRule` lets the controller commit the full step without
+confirm η = 1, so ``ProbeSkipRule`` lets the controller commit the full step without
 it. Every input is the same on every rank (all-reduced norms and KLs, step counters), so
 every rank decides alike and the collectives never diverge. The rule, its safety valves and
 why it is safe: docs/kl_control.md#skipping-the-probe.
@@ -31,7 +31,7 @@ class ProbeSkipRule:
     """The last measured KL of a full step (η = 1): the probe's ``KL̂`` or, on a skipped
     step, ``kl/realized`` (measured at the committed full step). None: probe next."""
     anchor_sq_norm: float | None = None
-    """``‖Δθ‖²`` of the update whose KL is :attr:`anchor_kl`."""
+    """``‖Δθ‖²`` of the update whose KL is ``anchor_kl``."""
     skips_in_row: int = 0
     """Consecutive steps that skipped the probe, up to the last one."""
 

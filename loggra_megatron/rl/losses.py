@@ -1,5 +1,5 @@
 """The per-token math of the GRPO / PPO-clip losses (the loss object that sums them:
-:mod:`loggra_megatron.rl.policy_loss`), the KL penalty to a reference model, and adaptive β::
+``rl.policy_loss``), the KL penalty to a reference model, and adaptive β::
 
     A_i = (r_i − mean(r)) / (std(r) + eps)    (GRPO; Dr.GRPO: r_i − mean(r))
     ℓ = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A),   ρ = exp(log π_θ − log π_old)
@@ -120,8 +120,8 @@ def kl_to_reference(
 ) -> torch.Tensor:
     """Per-token estimate of ``KL(π_θ ‖ π_ref)`` ``[B, T]``, zero on padding.
 
-    Gradients flow into ``logp`` only; reduce with :func:`aggregate` (as the policy loss's
-    :class:`~loggra_megatron.rl.policy_loss.KLToReference` does) to stay consistent with
+    Gradients flow into ``logp`` only; reduce with ``aggregate`` (as the policy loss's
+    ``KLToReference`` does) to stay consistent with
     the policy loss.
     """
     m = mask.bool()

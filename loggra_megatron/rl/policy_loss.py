@@ -2,19 +2,19 @@
 states and returns ``(loss, metrics)``, registered by name (``--policy-loss``; cf. verl's
 policy-loss registry, torchtitan's ``DAPOLoss``).
 
-A loss is the sum of its *terms* (:class:`LossTerm`). Each term reads a :class:`LossInputs`:
+A loss is the sum of its *terms* (``LossTerm``). Each term reads a ``LossInputs``:
 the batch, the token log-probs computed once from the hidden states in token chunks with the
-TP group (:mod:`~loggra_megatron.model.output_head`: no ``[b, s, V/TP]`` logits exist, and
+TP group (``model.output_head``: no ``[b, s, V/TP]`` logits exist, and
 no shard is ever gathered), the hidden states and output weight themselves, and the
-:class:`Aggregation` that turns per-token values into this micro-batch's share of the
+``Aggregation`` that turns per-token values into this micro-batch's share of the
 mini-batch loss (``--loss-aggregation`` over the DP-global counts, ``rl/losses.py``). It
-returns its value and its metrics, each a key declared in :mod:`loggra_megatron.metric_keys`.
+returns its value and its metrics, each a key declared in ``metric_keys``.
 
-:class:`PPOClipLoss` (``ppo_clip``) is GRPO / Dr.GRPO / DAPO (by the aggregation) with
-clip-higher: the clipped surrogate (:class:`ClippedSurrogate`) plus β · KL to the reference
-(:class:`KLToReference`, β the adaptive coefficient). Adding a term (e.g. an entropy bonus):
-its class here, its setting in :class:`PolicyLossConfig`, one line in
-:meth:`PPOClipLoss.build_terms`, and its metric in ``metric_keys.py``
+``PPOClipLoss`` (``ppo_clip``) is GRPO / Dr.GRPO / DAPO (by the aggregation) with
+clip-higher: the clipped surrogate (``ClippedSurrogate``) plus β · KL to the reference
+(``KLToReference``, β the adaptive coefficient). Adding a term (e.g. an entropy bonus):
+its class here, its setting in ``PolicyLossConfig``, one line in
+``PPOClipLoss.build_terms``, and its metric in ``metric_keys.py``
 (``docs/architecture.md``).
 """
 
@@ -80,7 +80,7 @@ class PolicyLossConfig:
 @dataclass(frozen=True)
 class Aggregation:
     """Per-token values ``[b, s]`` → this micro-batch's share of the mini-batch loss
-    (:func:`~loggra_megatron.rl.losses.aggregate`)."""
+    (``aggregate``)."""
 
     mode: str = "token_mean"
     """``--loss-aggregation``."""
@@ -112,7 +112,7 @@ class LossInputs:
     """The micro-batch's last hidden states and output weight shard (None where a term is
     tried on given log-probs alone): a term that needs more than ``log_probs`` (e.g. an
     entropy bonus) computes it from these in token chunks, as
-    :mod:`~loggra_megatron.model.output_head` does for the log-probs."""
+    ``model.output_head`` does for the log-probs."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -130,9 +130,9 @@ class ClippedSurrogate:
     """The PPO-clip surrogate with clip-higher (``rl/losses.py``), each token's loss weighted
     by the truncated importance weight ``w = min(exp(log π_old − log π_rollout), C)`` (detached)
     with ``--tis-cap C``. π_old is the batch's ``old``, or this forward's own log-probs
-    (detached: ratio 1) where the batch has none. Metrics: ``loss/policy``,
-    ``clip/fraction``, ``ratio/mean``, ``kl/old_new`` (k3 KL(π_old ‖ π_θ)), and with the
-    rollout engine's log-probs ``rollout/logprob_mismatch`` (and ``tis/weight_mean``)."""
+    (detached: ratio 1) where the batch has none. Metrics (declared in ``metric_keys.py``):
+    the term, the clipped fraction, the mean ratio, the k3 KL(π_old ‖ π_θ), and with the
+    rollout engine's log-probs their mismatch and the mean TIS weight."""
 
     def __init__(self, clip_low: float, clip_high: float, tis_cap: float | None = None):
         self.clip_low, self.clip_high, self.tis_cap = clip_low, clip_high, tis_cap
@@ -167,8 +167,8 @@ class ClippedSurrogate:
 
 class KLToReference:
     """β · the aggregated k1/k2/k3 estimate of KL(π_θ ‖ π_ref), β read at each call from the
-    (adaptive) coefficient. Metrics: ``loss/kl_ref`` (the β-scaled term), ``kl/ref`` (the
-    unscaled token mean); zeros without a reference model."""
+    (adaptive) coefficient. Metrics (``metric_keys.py``): the β-scaled term and the unscaled
+    token mean; zeros without a reference model."""
 
     def __init__(self, estimator: str, coef: AdaptiveKLCoefficient):
         self.estimator, self.coef = estimator, coef
@@ -186,13 +186,13 @@ class KLToReference:
 
 
 class PolicyLoss:
-    """``loss(batch, last_hidden, counts) -> (loss, metrics)``: the sum of :attr:`terms` on a
+    """``loss(batch, last_hidden, counts) -> (loss, metrics)``: the sum of ``terms`` on a
     micro-batch, plus ``loss/total``. ``counts``: ``(valid tokens, sequences)`` of the
-    mini-batch over DP (:func:`~loggra_megatron.rl.actor.global_counts`), so that the
+    mini-batch over DP (``global_counts``), so that the
     micro-batch losses add up to the mini-batch loss (None: this micro-batch's own).
 
     A registered loss is built as ``cls(settings, max_len, kl_coef)`` and says
-    which terms it sums (:meth:`build_terms`)."""
+    which terms it sums (``build_terms``)."""
 
     def __init__(
         self,

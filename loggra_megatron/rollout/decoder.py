@@ -12,16 +12,16 @@ tokens sits. Per step of this pipeline stage::
         o = softmax(s · q Kᵀ[:, :, :w] + M) V[:, :, :w]       M: key j visible iff j ≤ position
     logits = output_layer(final_norm(h[-1]))            [B, V]  (last stage, TP-gathered)
 
-Only the layer's core attention is replaced (:class:`KVCacheAttention`, for the rollout's
+Only the layer's core attention is replaced (``KVCacheAttention``, for the rollout's
 duration): the rest is the training model's code, so the numbers are the training forward's to
 round-off. Grouped-query attention folds each group's query heads into the query axis
 (``[B, groups, heads/groups · s, d]`` against ``[B, groups, w, d]``): no key/value copy per
 head. No dropout and no RNG-tracker fork (eval).
 
 **Widths.** A decode step at position ``p`` attends to the first ``w`` cache positions, ``w`` the
-smallest power of two ≥ ``p + 1`` (at least :data:`MIN_WIDTH`, at most the capacity): at most
+smallest power of two ≥ ``p + 1`` (at least ``MIN_WIDTH``, at most the capacity): at most
 twice the keys it needs, and a handful of shapes per rollout. Each width's step (the layers
-and the output layer) is captured once (:class:`~loggra_megatron.rollout.step_graph.StepGraphs`)
+and the output layer) is captured once (``StepGraphs``)
 and replayed with the position refilled in place: no host sync and no Python per layer. The
 embedding runs eagerly before it and writes the graph's input buffer: Megatron's
 vocab-parallel embedding masks other shards' ids with a boolean index (``x[mask] = 0``), a host
@@ -66,7 +66,7 @@ MIN_WIDTH = 64
 
 def attention_width(end: int, capacity: int) -> int:
     """Keys a decode step whose last position is ``end − 1`` attends to: the smallest power of
-    two ≥ ``end``, at least :data:`MIN_WIDTH`, at most ``capacity``."""
+    two ≥ ``end``, at least ``MIN_WIDTH``, at most ``capacity``."""
     return min(capacity, max(MIN_WIDTH, 1 << max(0, end - 1).bit_length()))
 
 
@@ -154,8 +154,8 @@ def _check_supported(model) -> None:
 
 class StaticDecoder:
     """This pipeline stage's forward over a static KV cache of ``batch`` rows and ``capacity``
-    positions (module docstring). Use inside :meth:`attached`; :meth:`forward` runs ``s`` new
-    tokens eagerly (the prefill), :meth:`decode` one token per row through the step graphs."""
+    positions (module docstring). Use inside ``attached``; ``forward`` runs ``s`` new
+    tokens eagerly (the prefill), ``decode`` one token per row through the step graphs."""
 
     def __init__(self, model, batch: int, capacity: int, *, cuda_graphs: bool = True):
         from megatron.core.utils import unwrap_model
@@ -209,7 +209,7 @@ class StaticDecoder:
 
     def decode(self, ids: torch.Tensor | None, position: int):
         """One position for every row: ``ids [B, 1]`` at ``position`` on the first stage
-        (elsewhere the hidden states were received into :attr:`hidden_in`). The output is the
+        (elsewhere the hidden states were received into ``hidden_in``). The output is the
         step graph's: read it before the next call."""
         self.position.fill_(position)
         self.step.positions = self.position
@@ -224,7 +224,7 @@ class StaticDecoder:
         return self.graphs.run(width, lambda: self._decode_step(width))
 
     def _decode_step(self, width: int):
-        """The captured part: the layers and the output layer, from :attr:`hidden_in` into
+        """The captured part: the layers and the output layer, from ``hidden_in`` into
         one output buffer for every width (made at the first, eager, call: a graph's own
         output would stay allocated per width)."""
         self.step.positions, self.step.width = self.position, width

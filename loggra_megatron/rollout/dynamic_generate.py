@@ -1,13 +1,13 @@
 """Rollouts with a bounded KV cache: Megatron-Core's dynamic inference engine on the policy.
 
-:func:`generate_rollout_dynamic` returns the same :class:`~loggra_megatron.rollout.generate.Rollout`
-as :func:`~loggra_megatron.rollout.generate.generate_rollout`, but drives Megatron-Core's
+``generate_rollout_dynamic`` returns the same ``Rollout``
+as ``generate_rollout``, but drives Megatron-Core's
 ``DynamicInferenceEngine`` (paged KV cache, continuous batching, chunked prefill) on the
 *training model object itself* (no weight copy, no sync), as Megatron-LM's RL does. CUDA
-and flash-attn only: :func:`dynamic_engine_unavailable` says why not. The engine is built
-through :mod:`loggra_megatron.rollout.mcore_engine` (the one place that knows the installed
+and flash-attn only: ``dynamic_engine_unavailable`` says why not. The engine is built
+through ``rollout.mcore_engine`` (the one place that knows the installed
 megatron-core's inference API). The engine flow, the KV-buffer arithmetic
-(:func:`kv_cache_tokens`), sampling (:class:`StepSampler`: padded vocab rows never drawn,
+(``kv_cache_tokens``), sampling (``StepSampler``: padded vocab rows never drawn,
 several stop ids, TP-consistent draws), the log-prob recompute, TP/PP behaviour and the
 model state kept around generation (eval mode, RoPE cache, FP8 casts): ``docs/rollouts.md``
 ("The dynamic engine").
@@ -60,7 +60,7 @@ def refusal(target: EngineTarget) -> str | None:
 
 def dynamic_engine_unavailable(model=None) -> str | None:
     """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
-    can): :func:`refusal`, then flash-attn's kernels and einops."""
+    can): ``refusal``, then flash-attn's kernels and einops."""
     return refusal(EngineTarget.of_model(model)) or mcore_engine.missing_attention_kernels()
 
 
@@ -80,7 +80,7 @@ def truncate_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> tuple[li
 
 
 def pack_rollout(prompts: torch.Tensor, lengths: torch.Tensor, responses, stopped, pad_id: int):
-    """A :class:`Rollout` (zero log-probs) from right-padded ``prompts [B, P]``, their
+    """A ``Rollout`` (zero log-probs) from right-padded ``prompts [B, P]``, their
     ``lengths [B]`` and each row's generated tokens, in ``generate_rollout``'s layout."""
     device = prompts.device
     gen = torch.tensor([len(r) for r in responses], dtype=torch.long, device=device)
@@ -112,7 +112,7 @@ class StepSampler:
     rows never drawn, TP-consistent, and any stop id other than the first replaced by the
     first (recorded in ``substituted[request_id]``), except for request ``skip_id`` (the one
     in chunked prefill, whose token is discarded). No step reads the device on the host: the
-    substitutions are kept on the device and read once, by :attr:`substituted`, after
+    substitutions are kept on the device and read once, by ``substituted``, after
     generation.
     """
 
@@ -340,7 +340,7 @@ def generate_rollout_dynamic(
     """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
     engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
 
-    Arguments as :func:`~loggra_megatron.rollout.generate.generate_rollout` (``prompts`` a
+    Arguments as ``generate_rollout`` (``prompts`` a
     list of token-id lists or a right-padded ``[B, P]`` tensor with ``prompt_lengths``;
     ``eos_id`` one or several stop ids; ``vocab_size``: ids from it on are never sampled).
     ``max_tokens``: KV-cache capacity in tokens (rounded up to whole blocks of
@@ -349,7 +349,7 @@ def generate_rollout_dynamic(
     generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
     ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``);
     ``log_probs=False`` skips the recompute (the rollout's ``log_probs`` stay 0: π_old comes
-    from the training forward). Raises ``RuntimeError`` where :func:`dynamic_engine_unavailable` gives a reason. The
+    from the training forward). Raises ``RuntimeError`` where ``dynamic_engine_unavailable`` gives a reason. The
     model is in eval mode during the call and restored after; every rank of the model
     replica must call it alike.
     """

@@ -1,13 +1,13 @@
 """The rollout engines behind ``--rollout-engine``, with the KV cache bounded by
 ``--inference-max-tokens``.
 
-Static engine (CPU and GPU): :func:`generate_chunked` runs
-:func:`~loggra_megatron.rollout.generate.generate_rollout` over chunks of
+Static engine (CPU and GPU): ``generate_chunked`` runs
+``generate_rollout`` over chunks of
 ``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``, ``P`` the longest prompt,
 ``N = --max-new-tokens``), so the KV cache never holds more than ``max(M, P + N)`` tokens
-(:func:`kv_cache_bytes`); each chunk samples from its own generator and, under FP8, is padded
+(``kv_cache_bytes``); each chunk samples from its own generator and, under FP8, is padded
 with finished rows to Transformer Engine's GEMM multiple. Dynamic engine (GPU):
-:mod:`loggra_megatron.rollout.dynamic_generate`, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
+``rollout.dynamic_generate``, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
 cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
 ``docs/rollouts.md#the-static-engine``.
 """
@@ -44,7 +44,7 @@ def kv_cache_bytes(model, rows: int, length: int) -> int:
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
-    """The rows of ``parts`` as one :class:`Rollout`, right-padded to the longest."""
+    """The rows of ``parts`` as one ``Rollout``, right-padded to the longest."""
     if len(parts) == 1:
         return parts[0]
     width = max(p.tokens.shape[1] for p in parts)
@@ -81,9 +81,9 @@ def generate_chunked(
     step: int = 0,
     **sampling,
 ) -> tuple[Rollout, int]:
-    """:func:`generate_rollout` over chunks of rows that fit ``max_tokens`` KV-cache tokens.
+    """``generate_rollout`` over chunks of rows that fit ``max_tokens`` KV-cache tokens.
 
-    ``sampling``: the other keyword arguments of :func:`generate_rollout`. Returns the
+    ``sampling``: the other keyword arguments of ``generate_rollout``. Returns the
     rollout of all ``prompts`` and the KV-cache bytes of the largest chunk on this rank.
     """
     row_tokens = max(len(p) for p in prompts) + max_new_tokens

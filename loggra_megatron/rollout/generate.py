@@ -1,12 +1,12 @@
 """KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``, and log-prob recompute.
 
-:func:`generate_rollout` is Megatron's static-batch scheme on ``StaticInferenceContext``:
+``generate_rollout`` is Megatron's static-batch scheme on ``StaticInferenceContext``:
 right-padded prompts, one prefill of the shortest prompt, then one token per step (finished
 rows idle until the whole batch is done), with the log-probs of the temperature-1 policy of
 every sampled token. TP rank 0 samples from the TP-gathered last-token logits and broadcasts
 the ``[B]`` ids over TP, the log-prob is vocab-parallel (three ``[B]`` all-reduces); under
 PP each step runs stage by stage (one send/recv of ``[s, B, H]``) and the last stage
-broadcasts the ids over PP. :func:`compute_log_probs` recomputes the same log-probs with a
+broadcasts the ids over PP. ``compute_log_probs`` recomputes the same log-probs with a
 forward-only schedule. Layout, sampling, the communication per step and why:
 ``docs/rollouts.md#the-static-engine``.
 """
@@ -140,7 +140,7 @@ def _stage_forward(model, decoder, tokens: torch.Tensor, offset: int, pp_group, 
     """Forward ``tokens [b, s]`` (positions ``offset ..``) through this pipeline stage.
 
     Receives ``[s, b, H]`` hidden states from the previous stage and sends this stage's output
-    to the next one. With a :class:`~loggra_megatron.rollout.decoder.StaticDecoder`, one token
+    to the next one. With a ``StaticDecoder``, one token
     per row of the whole batch is a decode step (a step graph), more is a prefill; without
     one, Megatron's whole forward of the prefix (``offset`` 0; the uncached reference).
     Returns the (TP-gathered) logits of the last position ``[b, V]`` on the last stage,
@@ -347,7 +347,7 @@ class _DecodeState:
         self.done |= hit_stop | (self.gen_len >= self.max_new_tokens)
 
     def rollout(self, n: int) -> Rollout:
-        """The :class:`Rollout` of the first ``n`` rows, cut to the longest finished one."""
+        """The ``Rollout`` of the first ``n`` rows, cut to the longest finished one."""
         lengths, gen_len = self.lengths[:n], self.gen_len[:n]
         seq_len = lengths + gen_len
         width = int(seq_len.max())
@@ -376,7 +376,7 @@ run after the last row finished; they change nothing (finished rows are not writ
 def _decode(model, state: _DecodeState, sample, stop_ids, decoder, pp_group) -> None:
     """Prefill, then one token per step until every row is done (on all ranks together:
     the last stage broadcasts the ids over PP). Reads the device on the host once every
-    :data:`STOP_CHECK_INTERVAL` steps."""
+    ``STOP_CHECK_INTERVAL`` steps."""
     from megatron.core.utils import get_model_config
 
     dtype = stage_hidden_dtype(get_model_config(model))
@@ -425,12 +425,12 @@ def compute_log_probs(
     """``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` as ``[B, L - 1]`` float32.
 
     A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` (log-probs in token chunks,
-    :mod:`loggra_megatron.model.output_head`) in micro-batches of
+    ``model.output_head``) in micro-batches of
     ``micro_batch_size`` (default: the whole batch) through Megatron's forward-only schedule.
     Right padding is harmless (causal attention); mask the result with the rollout's
     ``response_mask``. ``lengths [B]``: the positions each row needs (e.g. up to its last
     response target); with ``group`` rows of similar length then share a micro-batch cut to
-    its longest row (:func:`~loggra_megatron.model.batching.micro_batches`; log-probs past
+    its longest row (``micro_batches``; log-probs past
     that width are 0). ``padding`` counts the slots fed (real: within
     ``lengths``). Returns the log-probs on the last
     pipeline stage, ``None`` on others.

@@ -84,7 +84,7 @@ class _NoTokenizer:
 @functools.lru_cache(maxsize=1)
 def _controller_class():
     """Megatron's ``TextGenerationController`` whose sampling is ``self.step_sampler``
-    (a :class:`~loggra_megatron.rollout.dynamic_generate.StepSampler`)."""
+    (a ``StepSampler``)."""
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
@@ -168,7 +168,7 @@ def _context_0_17(config, plan: EnginePlan, block_bytes: int, tp: int):
 def build_engine(model, config, plan: EnginePlan, sampler, seed: int):
     """A ``DynamicInferenceEngine`` on ``model`` (the training model object, DDP-wrapped or
     not) whose controller samples with ``sampler``; no CUDA graphs. Release it with
-    :func:`release_engine`."""
+    ``release_engine``."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (

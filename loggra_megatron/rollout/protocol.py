@@ -1,5 +1,5 @@
 """What a rollout engine (``--rollout-engine``) is: the protocol every entry of
-:data:`~loggra_megatron.rollout.registry.ROLLOUT_ENGINES` implements, in the shape of verl's
+``ROLLOUT_ENGINES`` implements, in the shape of verl's
 ``BaseRollout`` (an availability check, ``generate``, weight sync, and the KV-cache numbers
 the memory model needs).
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class EngineTarget:
     """What decides whether an engine can run a policy: known from the settings before any
     process group (``arguments.validate``, the memory estimator) or read from the policy
-    (:meth:`of_model`, ``rl.experience``)."""
+    (``of_model``, ``rl.experience``)."""
 
     cuda: bool
     """The policy runs on a CUDA device."""
@@ -28,7 +28,7 @@ class EngineTarget:
     @classmethod
     def of_settings(cls, model, cuda: bool) -> EngineTarget:
         """The target of a policy made by the model settings ``model`` (a
-        :class:`~loggra_megatron.model.config.ModelConfig`: ``--bf16``, ``--fp8-format``,
+        ``ModelConfig``: ``--bf16``, ``--fp8-format``,
         ``--fp8-recipe``) on a CUDA device or not (``cuda``)."""
         recipe = model.fp8_recipe if model.fp8_format else None
         return cls(cuda=cuda, half=model.bf16, fp8_recipe=recipe)
@@ -98,11 +98,9 @@ class RolloutRequest:
 
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:
-    """The statistics ``generate`` returns, which the trainer logs: ``time/rollout_s``,
-    ``memory/kv_cache_bytes`` (this rank), ``throughput/rollout_tokens_per_s`` and, from an
-    engine that counts them (``Rollout.decode_steps``), ``rollout/host_syncs_per_token``,
-    ``rollout/prefill_tokens`` and ``rollout/prompt_tokens``, and from an engine that may
-    evict requests ``rollout/evicted_requests``."""
+    """The statistics ``generate`` returns, which the trainer logs (the rollout's time,
+    KV-cache bytes on this rank and throughput, and the decode loop's counts from an engine
+    that keeps them); the keys and their meaning are declared in ``metric_keys.py``."""
     tokens = float(rollout.response_lengths.sum())
     stats = {
         "time/rollout_s": seconds,
@@ -138,16 +136,16 @@ OLD_LOG_PROB_SOURCES = {
     "recompute": "a forward of the policy after the rollout (an engine that does not sample "
     "its own, or --tis-cap, which needs the trainer's beside the engine's)",
 }
-"""The sources of π_old (:meth:`RolloutEngine.old_log_probs`)."""
+"""The sources of π_old (``RolloutEngine.old_log_probs``)."""
 
 
 class RolloutEngine:
     """One ``--rollout-engine``: a module-level instance in ``ROLLOUT_ENGINES``.
 
-    Override :meth:`generate` and the memory model's three numbers (:meth:`kv_cache_tokens`,
-    :meth:`decode_rows`, :meth:`prefill_tokens`), and :meth:`refusal` /
-    :meth:`unavailable` where the engine cannot run everywhere. ``step`` arguments are
-    :class:`~loggra_megatron.train.step_plan.StepPlan` (``rollout_batch_size`` > 0 rows of
+    Override ``generate`` and the memory model's three numbers (``kv_cache_tokens``,
+    ``decode_rows``, ``prefill_tokens``), and ``refusal`` /
+    ``unavailable`` where the engine cannot run everywhere. ``step`` arguments are
+    ``StepPlan`` (``rollout_batch_size`` > 0 rows of
     ``seq_length`` tokens, ``inference_max_tokens``, ``prompt_tokens``).
     """
 
@@ -163,7 +161,7 @@ class RolloutEngine:
 
     def old_log_probs(self, tis: bool, on_policy: bool) -> str:
         """Where the PPO ratio's π_old comes from with this engine (a key of
-        :data:`OLD_LOG_PROB_SOURCES`), with ``--tis-cap`` or not (``tis``) and one optimizer
+        ``OLD_LOG_PROB_SOURCES``), with ``--tis-cap`` or not (``tis``) and one optimizer
         update per RL step or several (``on_policy``)."""
         if not (self.recomputes_log_probs or tis):
             return "rollout"
@@ -175,18 +173,18 @@ class RolloutEngine:
         return None
 
     def unavailable(self, target: EngineTarget) -> str | None:
-        """Why it cannot run here (None: it can): :meth:`refusal`, then what this process
+        """Why it cannot run here (None: it can): ``refusal``, then what this process
         lacks (libraries, kernels)."""
         return self.refusal(target)
 
     def generate(self, policy, prompts: list[list[int]], request: RolloutRequest):
         """One completion of each prompt (token ids), by every rank of the model replica
-        alike: ``(Rollout, stats)`` with the stats of :func:`rollout_stats`."""
+        alike: ``(Rollout, stats)`` with the stats of ``rollout_stats``."""
         raise NotImplementedError
 
     def sync_weights(self, policy) -> None:
         """Make the weights the engine samples with the policy's current ones; called before
-        each :meth:`generate`. A no-op for an engine that runs on the training model object
+        each ``generate``. A no-op for an engine that runs on the training model object
         itself (both built-in engines: no copy, nothing to sync); an engine with its own
         copy (a separate inference server) updates it here."""
 

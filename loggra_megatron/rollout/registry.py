@@ -1,13 +1,13 @@
 """The rollout engines ``pretrain_rl.py`` can generate with (``--rollout-engine``), by name.
 
-Each entry is a :class:`~loggra_megatron.rollout.protocol.RolloutEngine`, defined in its own
+Each entry is a ``RolloutEngine``, defined in its own
 module (``rollout/static.py``, ``rollout/dynamic.py``): the flag's choices
 (``rollout.config``), the start-up refusals (``arguments.validate``), the choice and the
 generation (``rl.experience``) and the memory model (``memory``) read it; ``auto`` is
-:func:`select_engine`'s rule over the registry. Imports neither torch nor Megatron; the
+``select_engine``'s rule over the registry. Imports neither torch nor Megatron; the
 engines import their generation code when they generate. Adding an engine: one module with
 a ``RolloutEngine`` subclass (it may subclass ``rollout.static.StaticEngine``: no import of
-this registry, so no cycle), one line in :data:`ROLLOUT_ENGINES` (``docs/architecture.md``).
+this registry, so no cycle), one line in ``ROLLOUT_ENGINES`` (``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from loggra_megatron.rollout.protocol import EngineTarget, RolloutEngine
 from loggra_megatron.rollout.static import StaticEngine
 
 AUTO = "auto"
-"""``--rollout-engine auto``: :func:`select_engine` chooses."""
+"""``--rollout-engine auto``: ``select_engine`` chooses."""
 
 
 ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
@@ -40,7 +40,7 @@ def select_engine(
     ties); on CUDA the note gives why the engines passed over cannot run (a CPU run passes
     the GPU engines over silently). A named engine that cannot run raises ``RuntimeError``
     (``arguments.validate`` refuses it at start-up). ``planning``: judge by the settings
-    alone (:meth:`~RolloutEngine.refusal`: the memory estimator), and take a named engine as
+    alone (``refusal``: the memory estimator), and take a named engine as
     it is.
     """
     if name != AUTO:

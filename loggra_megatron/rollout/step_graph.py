@@ -2,7 +2,7 @@
 
 A CUDA graph records the kernels of one call of a function and replays them with no Python
 and no launch overhead (gpt-fast, vLLM and Megatron-Core's inference engines decode this way).
-What that asks of the function, and what :class:`StepGraphs` therefore holds every step to:
+What that asks of the function, and what ``StepGraphs`` therefore holds every step to:
 
 * **Inputs and outputs are static tensors.** The function takes no arguments: it reads tensors
   the caller refills in place before each replay (token ids, the position), and each replay
@@ -22,7 +22,7 @@ only grow within a rollout), which is what a shared pool needs. Elsewhere the st
 the same contract: the function is called with no arguments at every "replay", its result is
 copied into the tensor the "capture" returned (so a reader of a stale output sees it change, as
 on a GPU), and the "capture" runs under a dispatch mode that fails on a host read
-(:class:`HostReadError`), so a step a GPU would refuse to capture fails a CPU test first.
+(``HostReadError``), so a step a GPU would refuse to capture fails a CPU test first.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class _RefuseHostReads(TorchDispatchMode):
 
 
 class StepGraphs:
-    """Captured steps by key; :meth:`run` captures a key's step on first use, then replays."""
+    """Captured steps by key; ``run`` captures a key's step on first use, then replays."""
 
     def __init__(self, device: torch.device, capture: bool):
         if capture and device.type != "cuda":

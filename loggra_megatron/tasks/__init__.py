@@ -1,10 +1,10 @@
 """Tasks: built-in verifiable task generators (offline, seeded), data-file tasks (``jsonl``,
 ``math``), and rewards.
 
-:data:`TASKS` is the registry behind ``--task``; :func:`generate_tasks` builds examples of a
+``TASKS`` is the registry behind ``--task``; ``generate_tasks`` builds examples of a
 generated task.
-The prompt and answer format: :mod:`loggra_megatron.tasks.prompt_format`; rewards and the
-``--reward-fn`` loader: :mod:`loggra_megatron.tasks.rewards`.
+The prompt and answer format: ``tasks.prompt_format``; rewards and the
+``--reward-fn`` loader: ``tasks.rewards``.
 """
 
 from __future__ import annotations

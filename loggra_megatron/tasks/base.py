@@ -12,11 +12,11 @@ reference completion is, and how a completion is scored.
   with one, the user message is the question followed by ``instruction``.
 * **Scoring.** ``reward`` (a float, or ``{"reward", "correct"}``) and ``is_correct`` (what
   ``reward/accuracy`` and ``eval/accuracy`` count). The default is the numeric answer after
-  ``####`` (:mod:`loggra_megatron.tasks.rewards`); ``answer_problem`` says, before any
+  ``####`` (``tasks.rewards``); ``answer_problem`` says, before any
   process group starts, why the task's scoring cannot read a reference answer.
 
-Adding a task: one file with a :class:`Task` subclass, one line in
-:data:`loggra_megatron.tasks.TASKS` (see ``docs/architecture.md``).
+Adding a task: one file with a ``Task`` subclass, one line in
+``loggra_megatron.tasks.TASKS`` (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from loggra_megatron.tasks.rewards import default_reward, exact_match_numeric, p
 
 
 class Task:
-    """A task; generated ones set ``KNOBS`` (defaults) and implement :meth:`example`."""
+    """A task; generated ones set ``KNOBS`` (defaults) and implement ``example``."""
 
     KNOBS: ClassVar[dict[str, Any]] = {}
     """Difficulty knobs and their defaults."""
     needs_data: ClassVar[bool] = False
-    """Examples come from --data-path, not from :meth:`generate`."""
+    """Examples come from --data-path, not from ``generate``."""
     template: ClassVar[str] = PROMPT_TEMPLATE
     """The prompt of a question without a chat template (``{prompt}`` is the question)."""
     instruction: ClassVar[str] = INSTRUCTION
@@ -76,7 +76,7 @@ class Task:
         return exact_match_numeric(prompt, completion, answer, metadata) == 1.0
 
     def answer_problem(self, answer: str) -> str | None:
-        """Why :meth:`reward` / :meth:`is_correct` cannot judge completions against the
+        """Why ``reward`` / ``is_correct`` cannot judge completions against the
         reference ``answer`` (None: they can)."""
         if parse_number(answer) is None:
             return "is not a number, which this task's scoring compares (pass --reward-fn)"

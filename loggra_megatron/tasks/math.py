@@ -6,8 +6,8 @@ balanced), else the text after its first ``####`` up to the end of that line. Th
 is 1 when math-verify finds it equivalent to the reference answer, ``--format-reward``
 (default 0) when there is a final answer that is wrong, 0 without one; ``is_correct`` is the
 equivalence. Each (final answer, reference) pair is judged once (reward and verdict share
-it), within :data:`TIMEOUT_S` per parse and per comparison, and a final answer longer than
-:data:`MAX_ANSWER_CHARS` is wrong without being parsed: an adversarial ``\\boxed{}`` (a power
+it), within ``TIMEOUT_S`` per parse and per comparison, and a final answer longer than
+``MAX_ANSWER_CHARS`` is wrong without being parsed: an adversarial ``\\boxed{}`` (a power
 tower, thousands of nested braces) costs seconds, not tens, and is never echoed. The chat instruction asks for ``\\boxed{}``, as Qwen's math models are trained to
 answer.
 """

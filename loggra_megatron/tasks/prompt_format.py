@@ -1,15 +1,15 @@
 """How a question is shown to the policy and how its answer is written.
 
-Without a chat template a task's question is shown as (:data:`PROMPT_TEMPLATE`)::
+Without a chat template a task's question is shown as (``PROMPT_TEMPLATE``)::
 
     Question: What is 37 + 48?
     Answer:
 
 and the completion must end its reasoning with the final answer on a line of its own,
 GSM8K style (``" 37 + 48 = 85.\\n#### 85"``). The answer marker is ``####`` followed by a
-number; the rewards (:mod:`loggra_megatron.tasks.rewards`) read the number after the *first*
+number; the rewards (``tasks.rewards``) read the number after the *first*
 marker. With a chat template the user message is the question and the task's instruction
-(:data:`INSTRUCTION` for numeric answers; :class:`~loggra_megatron.data.prompts.PromptRenderer`
+(``INSTRUCTION`` for numeric answers; ``PromptRenderer``
 renders it).
 """
 

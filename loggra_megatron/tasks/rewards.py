@@ -4,11 +4,11 @@
 A reward function is ``fn(prompt, completion, answer, metadata) -> float | dict``: the raw
 question, the generated text, the dataset's answer and metadata; it returns a finite real
 number, or ``{"reward": r, "correct": bool}``. Built-ins (answer format ``#### <number>``):
-:func:`exact_match_numeric`, :func:`format_reward` and :func:`default_reward`
-(``0.9·exact_match + 0.1·format``). :func:`load_reward_fn` takes a built-in name or
-``"module:function"`` (a :class:`RewardSpecError` if it cannot be loaded);
-:func:`compute_rewards` applies a function to a batch and turns any failure (an exception,
-``sys.exit``, ``os._exit``, a non-finite value) into a :class:`RewardFunctionError` naming the
+``exact_match_numeric``, ``format_reward`` and ``default_reward``
+(``0.9·exact_match + 0.1·format``). ``load_reward_fn`` takes a built-in name or
+``"module:function"`` (a ``RewardSpecError`` if it cannot be loaded);
+``compute_rewards`` applies a function to a batch and turns any failure (an exception,
+``sys.exit``, ``os._exit``, a non-finite value) into a ``RewardFunctionError`` naming the
 sample: a broken reward is never a silent zero, nor a silent end of the run.
 
 The signature, correctness, the built-ins' matching rules: docs/data.md#reward-functions
@@ -38,7 +38,7 @@ RewardFn = Callable[[str, str, str, dict], float]
 
 @dataclass
 class Scoring:
-    """How completions are scored (:func:`compute_rewards`): ``reward_fn`` and, when the task
+    """How completions are scored (``compute_rewards``): ``reward_fn`` and, when the task
     judges correctness itself, ``is_correct`` (else a returned ``correct`` or reward ≥
     ``threshold``)."""
 
@@ -158,7 +158,7 @@ def _import_failure(e: BaseException) -> str:
 
 
 class _OsExit(BaseException):
-    """``os._exit(code)`` called by a reward function (see :func:`_os_exit_raises`)."""
+    """``os._exit(code)`` called by a reward function (see ``_os_exit_raises``)."""
 
     def __init__(self, code):
         super().__init__(code)
@@ -171,7 +171,7 @@ def _exit_call(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _os_exit_raises():
-    """While user reward code runs, ``os._exit`` in this process raises :class:`_OsExit`
+    """While user reward code runs, ``os._exit`` in this process raises ``_OsExit``
     instead of ending the run without a word (a child process it forks exits as usual)."""
     real, pid = os._exit, os.getpid()
 
@@ -263,7 +263,7 @@ class _TimedOut(Exception):
 
 def _bounded(f, args: tuple, timeout: float):
     """``f(*args)`` in a daemon thread (the process can still exit if it never returns);
-    its result or exception, or :class:`_TimedOut` after ``timeout`` seconds."""
+    its result or exception, or ``_TimedOut`` after ``timeout`` seconds."""
     out: dict = {}
 
     def run():
@@ -298,7 +298,7 @@ def compute_rewards(
     is_correct: RewardFn | None = None,
     timeout: float = 0.0,
 ) -> tuple[list[float], list[bool]]:
-    """``(rewards, correct)`` of ``fn`` on each sample; raises :class:`RewardFunctionError`
+    """``(rewards, correct)`` of ``fn`` on each sample; raises ``RewardFunctionError``
     if ``fn`` raises (``sys.exit`` included), returns anything but a finite real number
     or ``{"reward": number, "correct": bool}``, or, with ``timeout`` > 0, has not returned
     after ``timeout`` seconds (the call is left running in a daemon thread, which cannot

@@ -1,3 +1,3 @@
-"""Training: the settings of the loop (:mod:`.config`), build functions (:mod:`.build`),
-optimizer steps and skip counting (:mod:`.steps`), the supervised warm-up (:mod:`.warmup`),
-step reporting (:mod:`.reporting`) and the RL loop (:mod:`.trainer`)."""
+"""Training: the settings of the loop (``.config``), build functions (``.build``),
+optimizer steps and skip counting (``.steps``), the supervised warm-up (``.warmup``),
+step reporting (``.reporting``) and the RL loop (``.trainer``)."""

@@ -1,6 +1,6 @@
 """Build functions of a run: each takes the settings (and what it depends on) and returns a
 component; none keeps state of its own. Megatron's parallel state must be initialised
-(:func:`~loggra_megatron.parallel.initialize_megatron`)."""
+(``initialize_megatron``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Peak memory of each phase of an RL step: ``memory/peak_bytes/<phase>``, the step's peak
-``memory/peak_bytes``, and on CUDA ``memory/reserved_bytes`` and ``memory/free_bytes``.
+"""Peak memory of each phase of an RL step, the step's peak, and on CUDA the reserved and
+free bytes (the ``memory/`` keys of ``metric_keys.py``).
 
 Mechanism: the process has one high-water mark of the memory it uses, which can be lowered to
 the current use and read later, so that a phase's peak is
@@ -21,7 +21,7 @@ phases. A phase entered several times in a step (a mini-batch's predicted-KL con
 the max of its entries.
 
 The mark is the process's (the allocator's per device, the kernel's per process), so one
-recorder per process, :data:`PHASE_PEAKS`, owns it: the trainer starts and ends each RL step,
+recorder per process, ``PHASE_PEAKS``, owns it: the trainer starts and ends each RL step,
 and the code of a phase encloses it in ``PHASE_PEAKS.phase(name)``.
 """
 
@@ -81,9 +81,8 @@ class PhasePeaks:
             self._lower_mark()
 
     def step_metrics(self) -> dict[str, float]:
-        """End the step: ``memory/peak_bytes/<phase>`` of each phase it ran,
-        ``memory/peak_bytes`` (their max) and, on CUDA, ``memory/reserved_bytes`` (the peak
-        reserved bytes of its phases) and ``memory/free_bytes`` (free device memory now)."""
+        """End the step: the peak of each phase it ran and their max, and on CUDA the peak
+        reserved bytes of its phases and the free device memory now (``metric_keys.py``)."""
         metrics = {f"memory/peak_bytes/{name}": float(b) for name, b in self.allocated.items()}
         if self.allocated:
             metrics["memory/peak_bytes"] = float(max(self.allocated.values()))

@@ -1,7 +1,7 @@
 """What ``pretrain_rl.py`` loads and checks before any process group starts.
 
-:func:`preflight` returns the host-side parts of a run, or raises
-:class:`~loggra_megatron.config.ConfigError` (exit status 2, nothing started or written):
+``preflight`` returns the host-side parts of a run, or raises
+``ConfigError`` (exit status 2, nothing started or written):
 
 * the tokenizer (``--tokenizer-type``, ``--tokenizer-model``), checked against the vocabulary
   of the model in ``--load``, and how prompts are rendered (its chat template or the task's
@@ -19,8 +19,8 @@
   size, seed and a fingerprint of its contents).
 
 It also notes (a warning, the run goes on) a CUDA run whose allocator and NCCL environment
-is not :data:`ESTIMATED_ENVIRONMENT`, what the memory estimator's verdicts assume
-(:func:`environment_note`).
+is not ``ESTIMATED_ENVIRONMENT``, what the memory estimator's verdicts assume
+(``environment_note``).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ launch scripts: no second KV-cache segment pinned by fragmentation, no NVLS buff
 
 
 def environment_note(env: Mapping[str, str], cuda: bool) -> str | None:
-    """A warning when a CUDA run's ``env`` differs from :data:`ESTIMATED_ENVIRONMENT`, else
+    """A warning when a CUDA run's ``env`` differs from ``ESTIMATED_ENVIRONMENT``, else
     None. The allocator reads ``PYTORCH_ALLOC_CONF`` where set (PyTorch's newer name), else
     ``PYTORCH_CUDA_ALLOC_CONF``."""
     if not cuda:

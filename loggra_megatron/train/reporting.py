@@ -1,6 +1,6 @@
 """What an RL step reports: per-rank metrics reduced over pipeline stages and DP ranks as
-declared (:mod:`loggra_megatron.metric_keys`), memory figures, and the warning when LoGRA's
-sketch keeps too little of the gradient (:class:`EnergyWatch`)."""
+declared (``metric_keys``), memory figures, and the warning when LoGRA's
+sketch keeps too little of the gradient (``EnergyWatch``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def reduce_metrics(
 
 
 def _averaged(local, pp_group, dp_group, device) -> dict[str, float]:
-    """The keys declared ``mean`` or ``sum`` over ranks (:func:`reduce_metrics`)."""
+    """The keys declared ``mean`` or ``sum`` over ranks (``reduce_metrics``)."""
     keys = sorted(k for k, m in METRICS.items() if m.reduction.ranks in (MEAN, SUM))
     values = [float(local.get(k, 0.0)) for k in keys]
     present = [float(k in local) for k in keys]
@@ -70,7 +70,7 @@ def _extremes(local, pp_group, dp_group, device) -> dict[str, float]:
 
 def memory_metrics(optimizer, model_chunks) -> dict[str, float]:
     """Optimizer state bytes (exact), the bytes of the DDP grad buffers and of the backward
-    sketch's buffer (the step's peaks: :mod:`loggra_megatron.train.memory_phases`)."""
+    sketch's buffer (the step's peaks: ``train.memory_phases``)."""
     from loggra_megatron.optim import state_bytes
     from loggra_megatron.optim.megatron.sketch_sites import find_sites
 
@@ -88,7 +88,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 ENERGY_WARN_STEPS = 10
-"""Consecutive RL steps below the threshold before :class:`EnergyWatch` warns."""
+"""Consecutive RL steps below the threshold before ``EnergyWatch`` warns."""
 
 
 class EnergyWatch:

@@ -1,10 +1,10 @@
-"""Every setting of a ``pretrain_rl.py`` run, by section (:class:`RunConfig`): ``model``,
+"""Every setting of a ``pretrain_rl.py`` run, by section (``RunConfig``): ``model``,
 ``parallel``, ``training``, ``optimizer``, ``loggra``, ``rollout``, ``grpo``, ``loss``,
 ``kl_control``, ``data``, ``checkpoint`` and ``logging``, each the settings dataclass of the
 component that owns it.
 
-The command line is generated from the sections (:mod:`loggra_megatron.arguments`); the
-builders of a run (:mod:`loggra_megatron.train.build`) read a :class:`RunConfig` and give each
+The command line is generated from the sections (``arguments``); the
+builders of a run (``train.build``) read a ``RunConfig`` and give each
 component its own section.
 
 Each section's class, module and owner: docs/architecture.md#settings
@@ -63,7 +63,7 @@ class RunConfig:
     """From torchrun's WORLD_SIZE."""
     start: StartPlan = field(default_factory=StartPlan)
     """How the run starts (fresh, resume, weights, converted): decided by
-    :func:`~loggra_megatron.arguments.parse_args` from --load/--save, not a flag."""
+    ``parse_args`` from --load/--save, not a flag."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -72,7 +72,7 @@ class RunConfig:
 
     @property
     def metrics_dir(self) -> str:
-        """Where ``metrics.jsonl`` goes (:meth:`LoggingConfig.metrics_dir`)."""
+        """Where ``metrics.jsonl`` goes (``LoggingConfig.metrics_dir``)."""
         return self.logging.metrics_dir(self.checkpoint.save)
 
     def flags(self) -> dict:

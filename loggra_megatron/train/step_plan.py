@@ -1,9 +1,9 @@
-"""The plan of one RL step (:class:`StepPlan`), derived once from a run's settings.
+"""The plan of one RL step (``StepPlan``), derived once from a run's settings.
 
-A :class:`~loggra_megatron.train.run_config.RunConfig` says what the user asked for; the
+A ``RunConfig`` says what the user asked for; the
 plan is what one RL step then is on each GPU, every number derived in one place
-(:meth:`StepPlan.of`) and read by both the trainer and the memory model
-(:mod:`loggra_megatron.memory`), which therefore model the step the trainer runs:
+(``StepPlan.of``) and read by both the trainer and the memory model
+(``memory``), which therefore model the step the trainer runs:
 
 * the layout: TP × PP × DP with ``DP = world / (TP·PP)``;
 * the batch per data-parallel replica: ``B = prompts · generations / DP`` rollouts,

@@ -1,8 +1,8 @@
 """One optimizer step per mini-batch, with skipped steps counted and the LR schedule kept
 in step (Megatron-LM's ``train_step``: the scheduler advances only on a successful update).
 
-:class:`OptimizerStep` takes the step through predicted-KL control when it is on, else
-through :class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`; :class:`SkipCounter`
+``OptimizerStep`` takes the step through predicted-KL control when it is on, else
+through ``MegatronStepper``; ``SkipCounter``
 counts skipped steps (a checkpointed component) and stops the run after
 ``--max-consecutive-skipped-steps`` in a row, on every rank alike (the grad norm and the
 predicted KL are global).

@@ -7,7 +7,7 @@ One RL step, on every rank of a DP × PP × TP grid (``docs/architecture.md``)::
                optimizer step each, through predicted-KL control when --kl-target is set)
             ─► metrics (reduced over DP/PP) ─► checkpoint every --save-interval steps
 
-:class:`RLTrainer` wires the components built by :mod:`loggra_megatron.train.build` and owns
+``RLTrainer`` wires the components built by ``train.build`` and owns
 the loop, the stop agreement (SIGTERM on any rank) and the checkpoint: the common state is
 ``{name: component.state_dict()}`` of every stateful component.
 """
@@ -47,7 +47,7 @@ is unset (``memory.kv_budget.kv_budget``, a layer above the trainer)."""
 
 
 class RLTrainer:
-    """Builds the components of a run (:meth:`setup`) and runs the RL loop (:meth:`train`)."""
+    """Builds the components of a run (``setup``) and runs the RL loop (``train``)."""
 
     def __init__(self, cfg: RunConfig, host: Preflight, size_kv_budget: KVBudgetFn | None = None):
         self.cfg, self.host = cfg, host

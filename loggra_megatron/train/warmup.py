@@ -2,8 +2,8 @@
 solutions, so that a model trained from scratch can earn rewards before RL.
 
 Each step takes a global batch of examples from the prompt stream, masks the prompt
-tokens out of the loss (:func:`~loggra_megatron.rl.actor.sft_loss_fn`) and takes one
-optimizer step at the constant ``--sft-lr`` (:func:`constant_lr`; the RL schedule's rates
+tokens out of the loss (``sft_loss_fn``) and takes one
+optimizer step at the constant ``--sft-lr`` (``constant_lr``; the RL schedule's rates
 are back afterwards). It reads the prompt stream from its own position, so RL starts from
 the stream's beginning. It is resumable: it continues from ``step``, and stops at a step
 boundary when asked (SIGTERM), leaving a consistent state.

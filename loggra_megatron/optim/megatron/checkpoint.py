@@ -1,15 +1,15 @@
 """``dist_checkpointing`` of LoGRA state inside Megatron-Core optimizers.
 
 Megatron's own optimizer formats assume Adam's state has the shape of the param; LoGRA's
-sketches do not, so the ``LoGRA*`` leaf optimizers (:mod:`loggra_megatron.optim.megatron.leaves`)
-override ``sharded_state_dict`` / ``load_state_dict`` with :class:`LoGRACheckpointMixin`.
+sketches do not, so the ``LoGRA*`` leaf optimizers (``optim.megatron.leaves``)
+override ``sharded_state_dict`` / ``load_state_dict`` with ``LoGRACheckpointMixin``.
 Every state tensor is a flat, DP-independent global tensor (``torch_dist``), each DP rank
 writing its slice or the sketch rows it owns, so a checkpoint loads at any DP size; a
-different TP or PP size is refused by :meth:`LoGRACheckpointMixin.check_compatible` before
+different TP or PP size is refused by ``LoGRACheckpointMixin.check_compatible`` before
 any tensor is read, and loaded tensors reach the live state only after the whole load
 succeeded.
 
-Memory (:func:`checkpoint_master`). Megatron's ``torch_dist`` writer copies every tensor of
+Memory (``checkpoint_master``). Megatron's ``torch_dist`` writer copies every tensor of
 a save to the host before it writes any, so an fp32 master kept as bf16 weight + int16
 remainder (``--loggra-param-remainders``) is rebuilt straight into its host copy,
 ``COPY_BUCKET_NUMEL`` elements at a time (``param_remainders.join_master_into``): beyond the
@@ -40,7 +40,7 @@ def checkpoint_master(inner, main, is_loading: bool) -> torch.Tensor:
     """The flat fp32 master of ``main`` (a param of ``inner``, a LoGRA inner optimizer) as
     the ``fp32_param`` entry holds it: the master itself, or, kept as a remainder, a host
     copy rebuilt bucket by bucket (a save) or only its shape and dtype on the ``meta``
-    device (a load: :func:`flat_sharded` allocates the host buffer)."""
+    device (a load: ``flat_sharded`` allocates the host buffer)."""
     remainder = inner.param_remainders.get(main)
     if remainder is None:
         return inner.master_of(main).view(-1)
@@ -193,7 +193,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict) -> None:
-        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        """Load what ``dist_checkpointing.load`` returned for ``sharded_state_dict``."""
         self.check_compatible(state_dict["loggra"])
         inner = self.optimizer
         grad_scaler = getattr(self, "grad_scaler", None)

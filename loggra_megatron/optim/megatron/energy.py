@@ -1,9 +1,9 @@
 """What the sketch keeps: the share ``‖G Q‖² / ‖G‖²`` of each weight's gradient energy that
 LoGRA's sketch ``S = G Q`` retains, per weight family and transformer layer.
 
-Every committed step of a :class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW`
+Every committed step of a ``ShardedLoGRAAdamW``
 records this rank's ``(‖S‖², ‖G‖²)`` per slot ``4·global layer + family`` from norms the
-step already has (its ``energy``, :class:`~loggra_megatron.optim.energy_log.EnergyLog`). :func:`captured_energy` sums the records of an RL
+step already has (its ``energy``, ``EnergyLog``). ``captured_energy`` sums the records of an RL
 step's updates over all ranks in one all-reduce of ``[updates, slots, 2]`` float64 (DP
 slices, TP shards and pipeline stages partition the weights; a replicated weight is counted
 alike in both terms) and reports, per family, the mean and the min over layers of each

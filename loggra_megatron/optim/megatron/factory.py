@@ -1,13 +1,13 @@
 """LoGRA inside Megatron-Core's optimizers, and the builders of the ``--optimizer`` registry.
 
-:func:`get_loggra_optimizer` builds Megatron's own optimizer with
+``get_loggra_optimizer`` builds Megatron's own optimizer with
 ``megatron.core.optimizer.get_megatron_optimizer`` (so grad buffers, reduce-scatter,
 fp32 main params, loss scaling, grad clipping, NaN skipping, ``overlap_grad_reduce`` /
 ``overlap_param_gather`` and the ``OptimizerParamScheduler`` all stay Megatron's) and then
 replaces the inner ``torch.optim.AdamW`` of each leaf optimizer with a
-:class:`~loggra_megatron.optim.distributed.ShardedLoGRAAdamW` over the *same* param
+``ShardedLoGRAAdamW`` over the *same* param
 groups (Megatron's ``wd_mult``/``lr_mult`` keys included). The leaf optimizers are
-re-classed to the ``LoGRA*`` subclasses of :mod:`loggra_megatron.optim.megatron.leaves`.
+re-classed to the ``LoGRA*`` subclasses of ``optim.megatron.leaves``.
 
 Leaf optimizers, dense params, why re-classing, and the megatron-core attributes this is
 pinned to (0.16–0.19): docs/optimizer.md#inside-megatron-cores-distributed-optimizer.
@@ -44,7 +44,7 @@ DENSE_NAME_PARTS = ("embedding", "output_layer")
 
 @dataclass
 class LoGRAOptimizerConfig(OptimizerConfig, LoGRAConfig):
-    """Megatron ``OptimizerConfig`` plus LoGRA's settings (:class:`LoGRAConfig`, declared
+    """Megatron ``OptimizerConfig`` plus LoGRA's settings (``LoGRAConfig``, declared
     once; ``optimizer`` must be ``"adam"``: Adam's betas, eps, weight decay and lr come from
     the base fields). ``loggra_rank=None`` takes the model's hidden size / 8."""
 
@@ -127,8 +127,8 @@ def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
 
 def build_backward_sketch(config, model_chunks) -> LoGRAChainedOptimizer:
     """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
-    :class:`BackwardSketchOptimizer` over the targets that
-    :func:`~loggra_megatron.optim.megatron.sketch_sites.prepare_model` froze."""
+    ``BackwardSketchOptimizer`` over the targets that
+    ``prepare_model`` froze."""
     sites = find_sites(model_chunks)
     if not sites:
         raise ValueError(

@@ -1,15 +1,15 @@
 """The LoGRA classes of Megatron-Core's optimizers.
 
-:func:`~loggra_megatron.optim.megatron.factory.get_loggra_optimizer` builds Megatron's own
+``get_loggra_optimizer`` builds Megatron's own
 optimizers, puts ``ShardedLoGRAAdamW`` inside each leaf and re-classes the leaf (and a
 ``ChainedOptimizer`` over leaves) to the matching class here. The classes add no slots, so
 they share the instance layout of the Megatron class they derive from; what they add:
 
-* :class:`~loggra_megatron.optim.megatron.checkpoint.LoGRACheckpointMixin`: ``dist_checkpointing``
+* ``LoGRACheckpointMixin``: ``dist_checkpointing``
   of sketch state (every leaf);
-* :class:`~loggra_megatron.optim.megatron.model_grads.ModelGradsMixin`: bf16 gradients handed to
+* ``ModelGradsMixin``: bf16 gradients handed to
   LoGRA without Megatron's fp32 copy (``DistributedOptimizer`` only), with
-  :class:`~loggra_megatron.optim.megatron.model_grads.LoGRAChainedOptimizer` for the chain.
+  ``LoGRAChainedOptimizer`` for the chain.
 """
 
 from __future__ import annotations

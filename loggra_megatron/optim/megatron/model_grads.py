@@ -2,11 +2,11 @@
 
 With bf16 grad buffers, Megatron's ``DistributedOptimizer`` copies every gradient shard to
 fp32 before the step (4 bytes per parameter of the DP shard, alive through the step). LoGRA
-reads gradients one weight at a time, so :class:`ModelGradsMixin` leaves the bf16 shards in
+reads gradients one weight at a time, so ``ModelGradsMixin`` leaves the bf16 shards in
 the grad buffer and hands them to ``ShardedLoGRAAdamW.set_model_grads``: the step holds at
 most one weight's fp32 gradient. What Megatron does to main grads is redone on the same
 values: the grad norm from each shard's fp32-accumulated norm, and the clipping factor
-``c = clip_grad / (‖g‖ + 1e-6)`` applied to each fp32 conversion (:class:`LoGRAChainedOptimizer`
+``c = clip_grad / (‖g‖ + 1e-6)`` applied to each fp32 conversion (``LoGRAChainedOptimizer``
 sets it for a ``ChainedOptimizer``). Main params kept as remainders get their gradients this
 way also from fp32 grad buffers, and Megatron's main → model copy is skipped for them.
 

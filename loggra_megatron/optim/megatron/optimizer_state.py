@@ -4,13 +4,13 @@ compatibility, load).
 ``checkpointing/dist_ckpt.py`` saves and loads whole checkpoints; what it needs to know of
 Megatron's optimizer classes is here:
 
-* the leaf optimizers of a ``ChainedOptimizer`` (:func:`leaf_optimizers`) and the bytes of
-  their inner optimizers' state (:func:`state_bytes`);
+* the leaf optimizers of a ``ChainedOptimizer`` (``leaf_optimizers``) and the bytes of
+  their inner optimizers' state (``state_bytes``);
 * Megatron's dense ``DistributedOptimizer`` in its ``dp_reshardable`` format, its padding
   entries zeroed on save and load;
-* the state a load needs before the first step (:func:`allocate_state`,
-  :func:`install_state_init`);
-* LoGRA's leaves (:class:`~loggra_megatron.optim.megatron.checkpoint.LoGRACheckpointMixin`),
+* the state a load needs before the first step (``allocate_state``,
+  ``install_state_init``);
+* LoGRA's leaves (``LoGRACheckpointMixin``),
   which allocate and check their own state.
 
 Padding, state allocation per optimizer class: docs/checkpointing.md#the-optimizers-state.
@@ -144,7 +144,7 @@ def check_compatible(optimizer, saved: list, path: str) -> None:
 
 @torch.no_grad()
 def load_state(optimizer, loaded: list) -> None:
-    """Copy what ``dist_checkpointing.load`` returned for :func:`sharded_state_dict` into
+    """Copy what ``dist_checkpointing.load`` returned for ``sharded_state_dict`` into
     the live optimizer."""
     for leaf, leaf_state in zip(leaf_optimizers(optimizer), loaded, strict=True):
         leaf.load_state_dict(leaf_state)

@@ -1,19 +1,19 @@
 """Where a Megatron leaf optimizer keeps each parameter's fp32 master (pinned internals).
 
-:func:`main_params_of` pairs every main (master) param with the model param it updates:
+``main_params_of`` pairs every main (master) param with the model param it updates:
 ``DistributedOptimizer`` (``model_float16_groups`` / ``shard_fp32_from_float16_groups``,
 ``model_fp32_groups`` / ``shard_fp32_groups`` and ``_get_model_param_range_map``),
 ``Float16OptimizerWithFloat16Params`` (``float16_groups`` / ``fp32_from_float16_groups``,
 ``fp32_from_fp32_groups``) and ``FP32Optimizer`` (the model params are the main params).
 Read the same in megatron-core 0.16-0.19; covered by ``tests/test_megatron_optimizer.py``.
 
-:func:`keep_masters_as_remainders` (``--loggra-param-remainders``) swaps a
+``keep_masters_as_remainders`` (``--loggra-param-remainders``) swaps a
 ``DistributedOptimizer``'s fp32 master shards of 16-bit params for the model's own bf16
 shards (``shard_float16_groups``, views of the param buffer) everywhere Megatron keeps them
 (``shard_fp32_from_float16_groups``, the inner optimizer's param groups and the
 ``opt_group_ranges`` they were made from, ``main_param``), so
 that the fp32 copies are freed; the inner optimizer keeps an int16 remainder per element
-(:mod:`loggra_megatron.optim.param_remainders`). Megatron's precision-aware optimizer
+(``optim.param_remainders``). Megatron's precision-aware optimizer
 does the same swap for Transformer Engine's FusedAdam.
 """
 

@@ -1,19 +1,19 @@
 """The backward sketch's optimizer inside Megatron-Core: a leaf chained with the dense one.
 
 ``--optimizer loggra --loggra-sketch backward`` builds a
-:class:`~loggra_megatron.optim.megatron.model_grads.LoGRAChainedOptimizer` (Megatron's
+``LoGRAChainedOptimizer`` (Megatron's
 ``ChainedOptimizer``) over
 
 * the dense leaves: Megatron's (distributed) optimizer with LoGRA's AdamW inside and nothing
-  sketched (:func:`~loggra_megatron.optim.megatron.factory.get_loggra_optimizer`) for every
+  sketched (``get_loggra_optimizer``) for every
   parameter that is not a target (embeddings, output layer, norms, biases). The targets were
-  frozen before DDP wrapped the model (:mod:`~loggra_megatron.optim.megatron.sketch_sites`), so
+  frozen before DDP wrapped the model (``optim.megatron.sketch_sites``), so
   they are in none of its grad buffers;
-* one :class:`BackwardSketchOptimizer` (a ``MegatronOptimizer``) whose inner optimizer is
-  :class:`~loggra_megatron.optim.row_adam.RowAdam` over this DP rank's rows of every target.
+* one ``BackwardSketchOptimizer`` (a ``MegatronOptimizer``) whose inner optimizer is
+  ``RowAdam`` over this DP rank's rows of every target.
 
 Together they have one ``step()`` (Megatron's ``ChainedOptimizer.step`` or
-:class:`~loggra_megatron.optim.megatron.stepper.MegatronStepper`), one clip norm (this leaf adds
+``MegatronStepper``), one clip norm (this leaf adds
 ``Σ ⟨S_i (A Aᵀ), S_i⟩`` over its rows to Megatron's single norm all-reduce; the chain hands the
 clip coefficient to RowAdam as ``model_grad_scale``, as to the dense leaves), one non-finite
 skip (a non-finite sketch makes the norm non-finite), and one ``sharded_state_dict``.
@@ -54,7 +54,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     Args:
         config: the chain's ``LoGRAOptimizerConfig`` (lr, betas, eps, weight decay, clip,
             ``loggra_row_optimizer``, ``loggra_param_remainders``).
-        sites: the :class:`SketchSites` of each model chunk.
+        sites: the ``SketchSites`` of each model chunk.
         model_chunks: the DDP-wrapped chunks.
         grad_stats_group: the dense leaves' grad-stats group (one norm all-reduce).
     """

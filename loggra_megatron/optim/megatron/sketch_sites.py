@@ -1,6 +1,6 @@
 """Backward sketches inside a Megatron-Core ``GPTModel`` (``--loggra-sketch backward``).
 
-:func:`prepare_model` runs before DDP wraps the policy. For every ``--loggra-targets`` linear
+``prepare_model`` runs before DDP wraps the policy. For every ``--loggra-targets`` linear
 layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; Megatron's
 ``ColumnParallelLinear`` / ``RowParallelLinear`` and their subclasses) it
 
@@ -9,7 +9,7 @@ layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; Megatron
   allocates no ``main_grad`` and not a byte of grad buffer for it;
 * registers a forward hook that keeps ``P = X Bᵀ`` (``[tokens, r]``, activation dtype) and a
   hook on the layer's output gradient ``H`` that adds ``Hᵀ P / √r`` into the layer's rows of
-  one flat fp32 buffer (:class:`SketchSites`). Hooks run only in forwards that build a graph
+  one flat fp32 buffer (``SketchSites``). Hooks run only in forwards that build a graph
   (training; under activation recompute in the recomputation), never in rollouts or
   log-prob forwards.
 
@@ -23,7 +23,7 @@ for the full input width, identically on every rank):
   ``A[:, cols]``; ``X_local A_blockᵀ`` are partial sums of ``P``. Without SP every rank has
   all tokens' ``H`` and sketches ``Hᵀ P_partial``; with SP ``P`` is reduce-scattered along
   tokens to this rank's tokens of ``H``. Either way ``S`` is summed over TP once per step
-  (``[m, r]``), by :class:`~loggra_megatron.optim.megatron.sketch_optimizer.BackwardSketchOptimizer`.
+  (``[m, r]``), by ``BackwardSketchOptimizer``.
   Per micro-batch TP traffic is ``tokens·r`` per layer; per step ``m·r``: never ``m·n``.
 * DP: rows are cut in ``ceil(m / DP)`` blocks, segment ``d`` holding DP rank ``d``'s rows of
   every weight. ``--loggra-sketch-reduce step`` (as published): the buffer is
@@ -37,7 +37,7 @@ for the full input width, identically on every rank):
   layer number, so PP=2 draws what PP=1 draws.
 
 Transformer Engine's fused ``LayerNormLinear`` is sketched from its normalized input
-(:func:`layer_input`). Megatron-Core / TE attributes read (pinned: megatron-core 0.16–0.19,
+(``layer_input``). Megatron-Core / TE attributes read (pinned: megatron-core 0.16–0.19,
 TE 2.x): ``weight.partition_dim``, ``module.sequence_parallel``,
 ``TransformerLayer.layer_number``; ``layer_norm_weight``, ``layer_norm_bias``,
 ``normalization``, ``zero_centered_gamma`` and ``eps`` of a ``LayerNormLinear``.
@@ -57,7 +57,7 @@ from megatron.core import parallel_state
 from loggra_megatron.optim.backward_sketch import draw_signs, fp32_matmul, sketch_scale
 
 SITES_ATTR = "loggra_sketch_sites"
-"""The attribute of the model chunk that holds its :class:`SketchSites`."""
+"""The attribute of the model chunk that holds its ``SketchSites``."""
 
 
 @dataclass
@@ -137,7 +137,7 @@ class SketchSites:
         held = 1 if self.reduced_in_backward else segments
         self.buffer = torch.zeros(held, offset, self.rank, dtype=torch.float32, device=device)
         """``[segments, rows per segment, r]`` fp32: every target's ``S`` (``[1, …]``: this
-        rank's segment, summed over DP, when :attr:`reduced_in_backward`)."""
+        rank's segment, summed over DP, when ``reduced_in_backward``)."""
         for site in self.sites:
             site.module.register_forward_hook(self._forward_hook(site))
 
@@ -163,7 +163,7 @@ class SketchSites:
     # ------------------------------------------------------------------ the buffer
     def segment_view(self, segment: int) -> torch.Tensor:
         """DP segment ``segment`` of the buffer, ``[rows per segment, r]`` (a view; with
-        :attr:`reduced_in_backward` the buffer holds this rank's segment only)."""
+        ``reduced_in_backward`` the buffer holds this rank's segment only)."""
         return self.buffer[0 if self.reduced_in_backward else segment]
 
     def rows_view(self, site: SketchSite, segment: int) -> torch.Tensor:
@@ -293,7 +293,7 @@ def _find_sites(model, targets) -> Iterator[SketchSite]:
 
 
 def find_sites(model_chunks) -> list[SketchSites]:
-    """The :class:`SketchSites` of (DDP/Float16-wrapped) ``model_chunks`` (empty: none)."""
+    """The ``SketchSites`` of (DDP/Float16-wrapped) ``model_chunks`` (empty: none)."""
     found = []
     for chunk in model_chunks:
         for module in chunk.modules():

@@ -2,11 +2,11 @@
 
 Megatron's ``MegatronOptimizer.step()`` is ``prepare_grads`` (grads → fp32 main grads,
 unscale and overflow check under fp16 loss scaling) → grad norm and clipping →
-``step_with_ready_grads`` (inner step, main params → model params). :class:`MegatronStepper`
+``step_with_ready_grads`` (inner step, main params → model params). ``MegatronStepper``
 exposes the same phases, for the trainer and for predicted-KL control:
-:meth:`~MegatronStepper.prepare` (norm, clipping, skip or not, the same decision on every
-rank), :meth:`~MegatronStepper.try_candidate` (``θ + η·Δθ`` in the model weights only) and
-:meth:`~MegatronStepper.commit` (``lr_scale`` = η; 1 is Megatron's step bit for bit). A
+``prepare`` (norm, clipping, skip or not, the same decision on every
+rank), ``try_candidate`` (``θ + η·Δθ`` in the model weights only) and
+``commit`` (``lr_scale`` = η; 1 is Megatron's step bit for bit). A
 skipped step changes no weight, no optimizer state and no step counter.
 
 The phases in detail: docs/optimizer.md#the-step-in-phases-megatronstepper.
@@ -30,7 +30,7 @@ from loggra_megatron.optim.param_remainders import weight_of
 
 @dataclass
 class PreparedGrads:
-    """The outcome of :meth:`MegatronStepper.prepare`."""
+    """The outcome of ``MegatronStepper.prepare``."""
 
     ok: bool
     """False: an fp16 overflow or a non-finite gradient norm; the step must be skipped."""
@@ -42,7 +42,7 @@ class PreparedGrads:
 
 @dataclass
 class CandidateTrial:
-    """What :meth:`MegatronStepper.try_candidate` yields."""
+    """What ``MegatronStepper.try_candidate`` yields."""
 
     ok: bool
     """False: the inner optimizer would skip this step (a non-finite gradient)."""
@@ -125,7 +125,7 @@ class MegatronStepper:
         return prepared
 
     def step_metrics(self) -> dict[str, float]:
-        """Metrics the leaves report of the last :meth:`prepare` (``step_metrics()``, e.g. the
+        """Metrics the leaves report of the last ``prepare`` (``step_metrics()``, e.g. the
         backward sketch's ``loggra/sketch_norm``)."""
         metrics = {}
         for leaf in self.leaves:
@@ -156,8 +156,8 @@ class MegatronStepper:
 
     @property
     def trials_are_commits(self) -> bool:
-        """Whether the model weights inside :meth:`try_candidate` at η are, bit for bit, the
-        ones :meth:`commit` at η leaves (every inner optimizer computes its candidates as its
+        """Whether the model weights inside ``try_candidate`` at η are, bit for bit, the
+        ones ``commit`` at η leaves (every inner optimizer computes its candidates as its
         step does, e.g. LoGRA's, and the model weights are plain 16-bit tensors), so that a
         forward in the last trial is a forward at the committed weights."""
         exact = all(
@@ -170,7 +170,7 @@ class MegatronStepper:
     @torch.no_grad()
     def update_sq_norm(self) -> float | None:
         """``‖Δθ‖²`` of this step's update at η = 1 (weight decay left out) over all ranks,
-        after :meth:`prepare`: one scalar all-reduce over the grad-stats group, so every rank
+        after ``prepare``: one scalar all-reduce over the grad-stats group, so every rank
         gets the same number. None where an inner optimizer cannot tell (on every rank)."""
         inners = [
             leaf.optimizer for leaf in self.leaves if getattr(leaf, "optimizer", None) is not None
@@ -198,10 +198,10 @@ class MegatronStepper:
 
     @property
     def commit_syncs_weights(self) -> bool:
-        """Whether :meth:`commit` leaves the model weights all-gathered (Megatron's
+        """Whether ``commit`` leaves the model weights all-gathered (Megatron's
         distributed optimizer gathers them synchronously unless ``overlap_param_gather``
         defers it to the next forward), so that a forward right after it needs no
-        :meth:`sync_model_weights`."""
+        ``sync_model_weights``."""
         chunks = [c for leaf in self.leaves for c in getattr(leaf, "model_chunks", [])]
         return not any(
             c.ddp_config.use_distributed_optimizer and c.ddp_config.overlap_param_gather
