@@ -12,7 +12,7 @@ RUN_SH = os.path.join(ROOT, "examples", "tiny_cpu", "run.sh")
 
 def example_flags() -> list[str]:
     """The ``pretrain_rl.py`` flags of examples/tiny_cpu/run.sh, without ``--save`` and
-    ``"$@"`` (``--tokenizer-model`` as written there: set it with :func:`with_flags`)."""
+    ``"$@"`` (``--tokenizer-model`` as written there: set it with ``with_flags``)."""
     with open(RUN_SH, encoding="utf-8") as f:
         text = f.read()
     block = text[text.index("torchrun") : text.index('"$@"')]

@@ -118,7 +118,11 @@ def settings_that_do_not_apply(sections: Iterable[type], settings: dict, given: 
 
 # ---------------------------------------------------------------------- the command line
 def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal after each field) of a dataclass."""
+    """Attribute docstrings (the string literal after each field) of a dataclass; a generated
+    one (``tasks.flags``) gives them as each field's ``metadata["doc"]``."""
+    generated = {f.name: f.metadata["doc"] for f in dataclasses.fields(cls) if "doc" in f.metadata}
+    if generated:
+        return generated
     tree = ast.parse(inspect.getsource(cls))
     body, docs = tree.body[0].body, {}
     for node, nxt in zip(body, body[1:], strict=False):
@@ -142,7 +146,8 @@ def help_text(text: str) -> str:
 
 def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
     """One argument group per settings class, one flag per field (default None: "not
-    given", so that explicit flags can be told apart from defaults)."""
+    given", so that explicit flags can be told apart from defaults; a field's
+    ``metadata["choices"]``, e.g. a registry's names, become the flag's choices)."""
     for section, cls in sections.items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip() or None)
         docs = {name: help_text(doc) for name, doc in field_docs(cls).items()}
@@ -160,6 +165,7 @@ def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> Non
                     dest=f.name,
                     type=kind,
                     default=None,
+                    choices=f.metadata.get("choices"),
                     help=f"{docs.get(f.name, '')} (default: {help_text(str(f.default))})",
                 )
 

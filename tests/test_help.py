@@ -11,13 +11,16 @@ import sys
 from loggra_megatron.config import add_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = sorted(
-    [
-        "pretrain_rl.py",
-        *(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))),
-        *(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))),
-    ]
-)
+
+
+def _scripts(folder: str) -> list[str]:
+    """The scripts of ``folder`` (a module the others import, without ``__main__``, is not
+    one)."""
+    paths = glob.glob(os.path.join(ROOT, folder, "*.py"))
+    return [os.path.relpath(p, ROOT) for p in paths if '__name__ == "__main__"' in open(p).read()]
+
+
+ENTRY_POINTS = sorted(["pretrain_rl.py", *_scripts("tools"), *_scripts("benchmarks")])
 
 
 def test_every_entry_point_prints_its_help():

@@ -1,7 +1,8 @@
 """The recipes of docs/architecture.md: a projection, a task and an optimizer variant are each
 one class/function plus one registry line, and every consumer follows the registry."""
 
-import random
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 from loggra_megatron.optim import LoGRAAdamW
 from loggra_megatron.optim.projection import PROJECTIONS, Projection
 from loggra_megatron.optim.registry import OPTIMIZERS, OptimizerSpec
-from loggra_megatron.tasks import TASKS, Task, generate_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _FirstColumns(Projection):
@@ -33,34 +35,104 @@ def test_a_new_projection_is_one_class_and_one_registry_line(monkeypatch):
     assert torch.equal(opt.state[w]["basis"], torch.eye(6)[:, :2])
 
 
-class _Squares(Task):
+SQUARES = '''"""``squares``: what is r * r?"""
+
+from dataclasses import dataclass
+
+from loggra_megatron.config import check_fields, positive
+from loggra_megatron.tasks.base import Task
+
+
+@dataclass
+class SquaresFlags:
+    """The squares task's knob."""
+
+    task_max_root: int = 9
+    """The largest root asked."""
+
+    def __post_init__(self):
+        check_fields(self, [("task_max_root", positive, ">= 1")])
+
+    def knobs(self) -> dict:
+        return {"max_root": self.task_max_root}
+
+
+class SquaresTask(Task):
     KNOBS = {"max_root": 9}
+    FLAGS = SquaresFlags
 
-    def example(self, rng: random.Random) -> dict:
+    def example(self, rng):
         r = rng.randint(1, self.knobs["max_root"])
-        return {
-            "prompt": f"What is {r} * {r}?",
-            "answer": str(r * r),
-            "metadata": {
-                "kind": "squares",
-                "expression": f"{r} * {r}",
-                "solution": f"{r} * {r} = {r * r}.",
-            },
-        }
+        solution = f"{r} * {r} = {r * r}."
+        metadata = {"kind": "squares", "expression": f"{r} * {r}", "solution": solution}
+        return {"prompt": f"What is {r} * {r}?", "answer": str(r * r), "metadata": metadata}
+'''
+
+SQUARES_RUN = """
+import json, sys
+from loggra_megatron.arguments import parse_args
+from loggra_megatron.tasks import generate_tasks
+from loggra_megatron.train.preflight import preflight
+
+argv = json.loads(sys.argv[1])
+cfg = parse_args([*argv, "--task", "squares", "--task-max-root", "3"])
+tasks = generate_tasks("squares", 20, seed=0, **cfg.task.knobs("squares"))
+checked = preflight(cfg)  # the trainer's own check builds the task from the flags
+print(json.dumps({"knobs": cfg.task.knobs("squares"), "answers": [t["answer"] for t in tasks],
+                  "again": tasks == generate_tasks("squares", 20, seed=0, max_root=3)}))
+"""
 
 
-def test_a_new_task_is_one_class_and_one_registry_line(monkeypatch, tokenizer):
+def test_a_new_task_with_a_knob_is_one_file_and_one_registry_line(tokenizer, tmp_path):
+    """The recipe of docs/architecture.md done in a copy of the package, as a developer does
+    it: ``tasks/squares.py`` (a ``Task`` with its ``FLAGS``) and one import plus one line in
+    ``TASKS``. Then ``--task squares`` and its knob's flag ``--task-max-root`` exist, with
+    help, validation and "applies to" generated from the declaration, and the task runs."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
     from rl_runs import tiny_argv
 
-    from loggra_megatron.arguments import parse_args
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "loggra_megatron", tree / "loggra_megatron")
+    shutil.copy(ROOT / "pretrain_rl.py", tree / "pretrain_rl.py")
+    (tree / "loggra_megatron" / "tasks" / "squares.py").write_text(SQUARES)
+    registry = tree / "loggra_megatron" / "tasks" / "__init__.py"
+    text = registry.read_text()
+    text = text.replace(
+        "from loggra_megatron.tasks.mixed import MixedTask\n",
+        "from loggra_megatron.tasks.mixed import MixedTask\n"
+        "from loggra_megatron.tasks.squares import SquaresTask\n",
+    )
+    text = text.replace(
+        '    "math": MathTask,\n', '    "math": MathTask,\n    "squares": SquaresTask,\n'
+    )
+    assert "SquaresTask,\n" in text and "import SquaresTask" in text
+    registry.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
 
-    monkeypatch.setitem(TASKS, "squares", _Squares)
-    tasks = generate_tasks("squares", 5, seed=0, max_root=3)
-    assert tasks == generate_tasks("squares", 5, seed=0, max_root=3)
-    assert all(int(t["answer"]) in (1, 4, 9) for t in tasks)
-    with pytest.raises(TypeError, match="unknown difficulty knob"):
-        generate_tasks("squares", 1, seed=0, max_number=3)
-    assert parse_args(tiny_argv(tokenizer, task="squares")).data.task == "squares"
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+
+    argv = json.dumps([str(a) for a in tiny_argv(tokenizer)])
+    done = run("-c", SQUARES_RUN, argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["knobs"] == {"max_root": 3} and out["again"]
+    assert set(out["answers"]) <= {"1", "4", "9"}
+    pretrain = str(tree / "pretrain_rl.py")
+    help_text = " ".join(run(pretrain, "--help").stdout.split())
+    assert "--task-max-root TASK_MAX_ROOT The largest root asked. --task squares only." in help_text
+    assert "squares" in help_text.split("--task {", 1)[1].split("}", 1)[0]
+    refused = run(pretrain, *json.loads(argv), "--task", "squares", "--task-max-root", "0")
+    assert refused.returncode == 2 and "--task-max-root" in refused.stderr
+    refused = run(pretrain, *json.loads(argv), "--task-max-root", "3")  # --task arithmetic
+    assert refused.returncode == 2
+    assert "--task-max-root=3: applies to --task squares only" in refused.stderr
 
 
 def test_optimizer_choices_the_memory_model_and_the_builder_read_the_registry(

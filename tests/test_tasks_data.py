@@ -78,7 +78,7 @@ def test_mixed_honours_the_arithmetic_knobs(tokenizer, tmp_path):
     cfg = parse_args(
         tiny_argv(tokenizer, task="mixed", **{"task-digits": 1, "task-operators": "+"})
     )
-    tasks = generate_tasks("mixed", 200, seed=0, **cfg.data.task_knobs)
+    tasks = generate_tasks("mixed", 200, seed=0, **cfg.task.knobs("mixed"))
     arithmetic = [t for t in tasks if t["metadata"]["kind"] == "arithmetic"]
     assert arithmetic and all(
         len(str(x)) == 1 for t in arithmetic for x in t["metadata"]["operands"]

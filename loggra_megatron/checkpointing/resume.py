@@ -34,6 +34,8 @@ from loggra_megatron.checkpointing.layout import (
 from loggra_megatron.config import ConfigError
 from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ARCHITECTURE, ModelConfig
+from loggra_megatron.tasks import TASKS
+from loggra_megatron.tasks.flags import data_defining_flags
 
 STATE_DEFINING = (
     "bf16",
@@ -45,10 +47,10 @@ STATE_DEFINING = (
     "data_path",
     "task",
     "num_tasks",
-    "task_digits",
-    "task_operators",
+    *data_defining_flags(TASKS),
 )
-"""Flags the saved optimizer state, reference model or data position depend on."""
+"""Flags the saved optimizer state, reference model or data position depend on (the knobs
+of the generated tasks among them)."""
 
 SKETCH_DEFINING = ("loggra_sketch", "loggra_rank", "loggra_projection", "loggra_min_dim")
 """Flags the shapes of a sketching optimizer's saved state depend on."""

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, reject
 from loggra_megatron.data.files import data_files
 from loggra_megatron.data.tokenizer import TOKENIZER_TYPES
 from loggra_megatron.tasks import TASKS
-
-ARITHMETIC_TASKS = ("arithmetic", "mixed")
-"""The tasks --task-digits and --task-operators apply to."""
-
-
-def _arithmetic(s: dict) -> bool:
-    return s["task"] in ARITHMETIC_TASKS
 
 
 def _data_files(s: dict) -> bool:
@@ -44,9 +37,9 @@ class DataConfig:
     """Render prompts with the tokenizer's chat template (default: when it has one)."""
     system_prompt: str | None = None
     """A system message first in every chat prompt (with the chat template)."""
-    task: str | None = None
-    """arithmetic | word_problems | mixed (generated) | jsonl | math (from --data-path);
-    default: jsonl with --data-path, else arithmetic."""
+    task: str | None = field(default=None, metadata={"choices": TASKS})
+    """The task (loggra_megatron/tasks: generated, or read from --data-path; its knobs are
+    the task section's flags); default: jsonl with --data-path, else arithmetic."""
     data_path: str | None = None
     """JSONL or Parquet prompt files: a file, a directory of shards or a glob."""
     prompt_key: str = applies("prompt", "with --data-path or --eval-data-path", _data_files)
@@ -59,10 +52,6 @@ class DataConfig:
         lambda s: not TASKS[s["task"]].needs_data,
     )
     """Generated tasks (arithmetic, word_problems, mixed)."""
-    task_digits: int | None = applies(None, "to --task arithmetic or mixed", _arithmetic)
-    """Digits per operand of the arithmetic tasks (arithmetic, mixed; default 2)."""
-    task_operators: str | None = applies(None, "to --task arithmetic or mixed", _arithmetic)
-    """Operators of the arithmetic tasks, a subset of +-* (arithmetic, mixed; default +-*)."""
     reward_fn: str | None = None
     """Replace the task's reward: exact_match_numeric | format | default | module:function |
     file.py:function (a response is then correct when the function says so, or its reward is
@@ -74,8 +63,6 @@ class DataConfig:
         1.0, "with --reward-fn", lambda s: s["reward_fn"] is not None
     )
     """With --reward-fn: the reward a response needs to count as correct (reward/accuracy)."""
-    format_reward: float = applies(0.0, "to --task math", lambda s: s["task"] == "math")
-    """math task: the reward of a final answer (\\boxed{} or ####) that is wrong."""
     eval_data_path: str | None = applies(
         None, "with --eval-interval > 0", lambda s: s["eval_interval"] > 0
     )
@@ -103,13 +90,6 @@ class DataConfig:
                 ),
                 ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
                 ("num_tasks", positive, ">= 1"),
-                ("task_digits", positive, ">= 1"),
-                (
-                    "task_operators",
-                    lambda o: bool(o) and not set(o) - set("+-*"),
-                    "a non-empty subset of +-*",
-                ),
-                ("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]"),
                 ("reward_timeout", at_least(0), ">= 0 (0: no limit)"),
                 ("eval_interval", at_least(0), ">= 0 (0: never)"),
                 ("eval_samples", positive, ">= 1"),
@@ -145,11 +125,3 @@ class DataConfig:
                     data_files(spec)
                 except FileNotFoundError as e:
                     reject(name, spec, str(e))
-
-    @property
-    def task_knobs(self) -> dict:
-        """Knobs of the task: the arithmetic ones given, the math format reward."""
-        if self.task == "math":
-            return {"format_reward": self.format_reward}
-        knobs = {"num_digits": self.task_digits, "operators": self.task_operators}
-        return {k: v for k, v in knobs.items() if v is not None}

@@ -22,9 +22,7 @@ class RolloutConfig:
     """static (this project's KV-cached loop, CPU and GPU) | dynamic (Megatron-Core's
     DynamicInferenceEngine: paged KV cache, continuous batching; GPU only) | auto (dynamic
     where it can run, else static; see loggra_megatron.rollout.registry)."""
-    rollout_cuda_graphs: bool = applies(
-        True, "with the static engine", lambda s: s["rollout_engine"] in ("static", "auto")
-    )
+    rollout_cuda_graphs: bool = True
     """The static engine captures each decode step (per attention width) in a CUDA graph on a
     GPU and replays it (rollout/decoder.py); FP8 decodes eagerly. Off: eager decode steps (to
     profile or debug). On CPU the same step runs through the graph stand-in."""

@@ -9,12 +9,43 @@ and ``allow_negative``. ``metadata`` adds ``operands`` and ``operators``.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+from loggra_megatron.config import check_fields, positive
 from loggra_megatron.tasks.base import Task
+
+
+@dataclass
+class ArithmeticFlags:
+    """The arithmetic knobs on the command line (``--task arithmetic`` and ``mixed``)."""
+
+    task_digits: int | None = None
+    """Digits per operand of the arithmetic problems (default 2)."""
+    task_operators: str | None = None
+    """Operators of the arithmetic problems, a subset of +-* (default +-*)."""
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            [
+                ("task_digits", positive, ">= 1"),
+                (
+                    "task_operators",
+                    lambda o: bool(o) and not set(o) - set("+-*"),
+                    "a non-empty subset of +-*",
+                ),
+            ],
+        )
+
+    def knobs(self) -> dict:
+        """The task's knobs of the flags given."""
+        knobs = {"num_digits": self.task_digits, "operators": self.task_operators}
+        return {k: v for k, v in knobs.items() if v is not None}
 
 
 class ArithmeticTask(Task):
     KNOBS = {"num_digits": 2, "num_operands": 2, "operators": "+-*", "allow_negative": True}
+    FLAGS = ArithmeticFlags
 
     def __init__(self, **knobs):
         super().__init__(**knobs)

@@ -15,8 +15,8 @@ reference completion is, and how a completion is scored.
   ``####`` (``tasks.rewards``); ``answer_problem`` says, before any
   process group starts, why the task's scoring cannot read a reference answer.
 
-Adding a task: one file with a ``Task`` subclass, one line in
-``loggra_megatron.tasks.TASKS`` (see ``docs/architecture.md``).
+Adding a task: one file with a ``Task`` subclass (with its ``FLAGS`` if it has command-line
+knobs), one line in ``loggra_megatron.tasks.TASKS`` (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class Task:
 
     KNOBS: ClassVar[dict[str, Any]] = {}
     """Difficulty knobs and their defaults."""
+    FLAGS: ClassVar[type | None] = None
+    """The knobs on the command line: a dataclass with a field per flag (its docstring is the
+    flag's help; ``__post_init__`` validates it) and ``knobs()``, the constructor's knobs of
+    the flags given. Tasks may share one (``mixed`` takes the arithmetic flags); the flags of
+    every task in ``TASKS`` make the ``task`` section (``tasks/flags.py``)."""
     needs_data: ClassVar[bool] = False
     """Examples come from --data-path, not from ``generate``."""
     template: ClassVar[str] = PROMPT_TEMPLATE

@@ -15,7 +15,9 @@ answer.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
+from loggra_megatron.config import check_fields
 from loggra_megatron.tasks.base import Task
 from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
@@ -64,11 +66,27 @@ def equivalent(predicted: str, answer: str) -> bool:
         return False
 
 
+@dataclass
+class MathFlags:
+    """The math task's knob on the command line."""
+
+    format_reward: float = 0.0
+    """The reward of a final answer (\\boxed{} or ####) that is wrong."""
+
+    def __post_init__(self):
+        check_fields(self, [("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]")])
+
+    def knobs(self) -> dict:
+        """The task's knobs of the flags given."""
+        return {"format_reward": self.format_reward}
+
+
 class MathTask(Task):
     needs_data = True
     template = "Problem: {prompt}\nSolution:"
     instruction = "Please reason step by step, and put your final answer within \\boxed{}."
     KNOBS = {"format_reward": 0.0}
+    FLAGS = MathFlags
 
     def reference_completion(self, example: dict) -> str:
         solution = example["metadata"].get("solution")

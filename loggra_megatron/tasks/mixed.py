@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import random
 
-from loggra_megatron.tasks.arithmetic import ArithmeticTask
+from loggra_megatron.tasks.arithmetic import ArithmeticFlags, ArithmeticTask
 from loggra_megatron.tasks.base import Task
 from loggra_megatron.tasks.word_problems import WordProblemTask
 
 
 class MixedTask(Task):
     KNOBS = {**ArithmeticTask.KNOBS, **WordProblemTask.KNOBS}
+    FLAGS = ArithmeticFlags
 
     def __init__(self, **knobs):
         super().__init__(**knobs)

@@ -69,7 +69,7 @@ def preflight(cfg: RunConfig) -> Preflight:
         )
     tokenizer = _tokenizer(cfg)
     try:
-        task = TASKS[d.task](**d.task_knobs)
+        task = TASKS[d.task](**cfg.task.knobs(d.task))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--task {d.task}: {e}") from None
     chat = tokenizer.has_chat_template if d.apply_chat_template is None else d.apply_chat_template
@@ -186,7 +186,7 @@ def _prompts(
                 spec, seed=seed, prompt_key=d.prompt_key, answer_key=d.answer_key
             )
             if spec is not None
-            else PromptDataset.builtin(d.task, d.num_tasks, seed, **d.task_knobs)
+            else PromptDataset.builtin(d.task, d.num_tasks, seed, **cfg.task.knobs(d.task))
         )
     except (DatasetFormatError, ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{flag if spec else '--task'}: {e}") from None

@@ -1,7 +1,7 @@
 """Every setting of a ``pretrain_rl.py`` run, by section (``RunConfig``): ``model``,
 ``parallel``, ``training``, ``optimizer``, ``loggra``, ``rollout``, ``grpo``, ``loss``,
-``kl_control``, ``data``, ``checkpoint`` and ``logging``, each the settings dataclass of the
-component that owns it.
+``kl_control``, ``data``, ``task`` (generated from the tasks' own knob declarations),
+``checkpoint`` and ``logging``, each the settings dataclass of the component that owns it.
 
 The command line is generated from the sections (``arguments``); the
 builders of a run (``train.build``) read a ``RunConfig`` and give each
@@ -25,7 +25,12 @@ from loggra_megatron.parallel import ParallelConfig
 from loggra_megatron.rl.config import GRPOConfig, KLControlConfig
 from loggra_megatron.rl.policy_loss import PolicyLossConfig
 from loggra_megatron.rollout.config import RolloutConfig
+from loggra_megatron.tasks import TASKS
+from loggra_megatron.tasks.flags import task_flags_section
 from loggra_megatron.train.config import TrainingConfig
+
+TaskFlags = task_flags_section(TASKS)
+"""The ``task`` section: every registered task's knobs (``tasks/flags.py``)."""
 
 SECTIONS = {
     "model": ModelConfig,
@@ -38,6 +43,7 @@ SECTIONS = {
     "loss": PolicyLossConfig,
     "kl_control": KLControlConfig,
     "data": DataConfig,
+    "task": TaskFlags,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
@@ -57,6 +63,7 @@ class RunConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl_control: KLControlConfig = field(default_factory=KLControlConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    task: TaskFlags = field(default_factory=TaskFlags)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     world_size: int = 1

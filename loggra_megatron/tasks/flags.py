@@ -1,0 +1,72 @@
+"""The ``task`` section of the settings: every task's command-line knobs, generated from the
+registry (``TASKS``), so that a task owns its flags as every other component owns its section.
+
+Each task declares its flags in ``Task.FLAGS`` (a dataclass: a field per flag, its docstring
+the help, validation in its ``__post_init__``, ``knobs()`` for the constructor). This module
+gathers the fields of all of them into one settings dataclass: a field shared by several tasks
+(``mixed`` takes the arithmetic flags) appears once, and each field applies to the tasks that
+declare it (given with another ``--task``, the flag exits 2 naming the tasks it applies to).
+The section validates each declaration's fields with its own class, and gives the knobs of the
+chosen task (``knobs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from loggra_megatron.config import AppliesWhen, field_docs
+
+__all__ = ["data_defining_flags", "task_flags_section"]
+
+
+def data_defining_flags(tasks: dict[str, type]) -> tuple[str, ...]:
+    """The flags of the generated tasks (their examples, so a run's data, depend on them)."""
+    names = []
+    for task in tasks.values():
+        if task.FLAGS is not None and not task.needs_data:
+            names += [f.name for f in dataclasses.fields(task.FLAGS) if f.name not in names]
+    return tuple(names)
+
+
+def task_flags_section(tasks: dict[str, type]) -> type:
+    """A settings dataclass with the flags of every task in ``tasks`` (``{--task name: Task
+    subclass}``)."""
+    declared: dict[str, dict] = {}  # field name -> its field, type, doc and tasks
+    classes = []
+    for name, task in tasks.items():
+        flags = task.FLAGS
+        if flags is None:
+            continue
+        if flags not in classes:
+            classes.append(flags)
+        docs, hints = field_docs(flags), typing.get_type_hints(flags)
+        for f in dataclasses.fields(flags):
+            entry = declared.setdefault(
+                f.name, {"field": f, "type": hints[f.name], "doc": docs[f.name], "tasks": []}
+            )
+            entry["tasks"].append(name)
+    fields = []
+    for name, entry in declared.items():
+        names = tuple(entry["tasks"])
+        rule = AppliesWhen(f"to --task {' or '.join(names)}", lambda s, n=names: s["task"] in n)
+        doc = f"{entry['doc']} --task {', '.join(names)} only."
+        field = dataclasses.field(
+            default=entry["field"].default, metadata={"applies": rule, "doc": doc}
+        )
+        fields.append((name, entry["type"], field))
+
+    def __post_init__(self):
+        for flags in classes:  # each declaration validates its own fields
+            flags(**{f.name: getattr(self, f.name) for f in dataclasses.fields(flags)})
+
+    def knobs(self, task: str) -> dict:
+        """The constructor knobs of ``--task task`` from these flags."""
+        flags = tasks[task].FLAGS
+        if flags is None:
+            return {}
+        return flags(**{f.name: getattr(self, f.name) for f in dataclasses.fields(flags)}).knobs()
+
+    doc = "Knobs of the tasks (each task's FLAGS: loggra_megatron/tasks)."
+    namespace = {"__post_init__": __post_init__, "knobs": knobs, "__doc__": doc}
+    return dataclasses.make_dataclass("TaskFlags", fields, namespace=namespace)
