@@ -466,12 +466,14 @@ def test_plan_bounds_kv_blocks():
     assert _plan(lengths, 6, None, 4) == (11, 4, 14)
     # one longest sequence, 11 tokens = 3 blocks: one request in flight, never evicted
     assert _plan(lengths, 6, 1, 4) == (3, 1, 1)
-    assert _plan(lengths, 6, 16, 4) == (4, 1, 14)  # 4 blocks still hold one at full length
-    assert _plan(lengths, 6, 24, 4) == (6, 2, 14)
+    # 4 blocks still hold one at full length; a step prefills at most the requests in
+    # flight: the longest prompt (5), the two longest (5 + 4)
+    assert _plan(lengths, 6, 16, 4) == (4, 1, 5)
+    assert _plan(lengths, 6, 24, 4) == (6, 2, 9)
     assert _plan(lengths, 6, 10**6, 256) == (4, 4, 14)  # never more than needed
     # a multiple of TP (megatron-core 0.17+ asserts it): the blocks raised to hold them
-    assert _plan(lengths, 6, 16, 4, request_multiple=2) == (6, 2, 14)
-    assert _plan(lengths, 6, 24, 4, request_multiple=2) == (6, 2, 14)
+    assert _plan(lengths, 6, 16, 4, request_multiple=2) == (6, 2, 9)
+    assert _plan(lengths, 6, 24, 4, request_multiple=2) == (6, 2, 9)
 
 
 def test_restore_forwards_undoes_only_new_wrappers():

@@ -24,17 +24,17 @@
 #       --loggra-rank 128 --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
 #       --kl-probe-fraction 0.125 --kl-coef 0.001 --reference-offload
 #
-# prints (GiB per GPU): LoGRA bwd r=128 44.13 total, "yes (34.97 free)" of the 79.1 GiB
-# PyTorch can allocate on an H100 80GB; dense Adam 85.76 ("NO (over by 6.66)"). Static 23.77
+# prints (GiB per GPU): LoGRA bwd r=128 41.97 total, "yes (37.13 free)" of the 79.1 GiB
+# PyTorch can allocate on an H100 80GB; dense Adam 83.60 ("NO (over by 4.50)"). Static 23.77
 # (LoGRA) vs 65.41 (dense): weights 6.29 + FP8 weight cache 5.98 + fp32 grads 0.62 (the
 # embeddings, output layer and norms only: the sketched linears have no grad buffer; dense
 # 12.57) + masters 6.29 (bf16 weights + int16 remainders, --loggra-param-remainders; dense
 # 12.57) + optimizer state 1.24 (RowAdam's moment per row, AdamW for the rest; dense 25.14)
 # + sketch buffer S 0.51 + 2.00 runtime + 0.86 of NCCL ring buffers (3 communicators); the
 # reference's weights are on the host (--reference-offload; otherwise its bf16 weights and
-# FP8 cache stay on every GPU). Transient phases (one at a time): rollout 20.35 (the peak:
-# KV cache 16.00 for 524288 tokens + 4.32 for the dynamic engine's prefill of all 64
-# prompts in one 65536-token forward), KL control 7.90 (probe in micro-batches of 4 sequences, its
+# FP8 cache stay on every GPU). Transient phases (one at a time): rollout 18.19 (the peak:
+# KV cache 16.00 for 524288 tokens + 2.16 for the dynamic engine's prefill of the 32
+# prompts in flight in one 32768-token forward), KL control 7.90 (probe in micro-batches of 4 sequences, its
 # log-probs in chunks of 256 tokens: 1.61, plus the 6.29 backup of the weights a trial
 # overwrites), the reference log-probs 1.92 (4 sequences per forward,
 # --log-prob-micro-batch-size; the reference's two streamed layers 0.31; one optimizer update
@@ -42,12 +42,12 @@
 # sketch update 0.22.
 # Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
 # tokens at once) and LoGRA 60.16 ("yes (18.94 free)"): it still fits, with less room.
-# Without --expandable-segments it prints 60.13: the freed 16.00 KV buffer's
+# Without --expandable-segments it prints 57.97: the freed 16.00 KV buffer's
 # segment, pinned by one tensor, is counted again ("rollout: fragmentation").
-# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 44.88
-# ("yes (34.22 free)").
+# With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 42.72
+# ("yes (36.38 free)").
 # With --loggra-sketch gradient (the default: the dense gradient in the fp32 grad buffer,
-# 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 57.00 ("yes (22.10
+# 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 54.84 ("yes (24.26
 # free)"), static 36.65.
 # tests/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
 # yet: benchmarks/gpu/h200_check.sh is the first check.

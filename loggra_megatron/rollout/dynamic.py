@@ -82,9 +82,10 @@ class DynamicEngine(RolloutEngine):
         return max(1, min(step.rollout_batch_size, blocks // per_request))
 
     def prefill_tokens(self, step, tensor_parallel: int) -> int:
-        """Every waiting prompt admitted in one flat step of ``min(M, B·prompt)`` tokens (at
-        least one per request), rounded up as Megatron's ``round_up_tokens``."""
-        tokens = step.rollout_batch_size * step.prompt_tokens
+        """The requests in flight admitted in one flat step of ``min(M, rows·prompt)`` tokens
+        (``rows``: ``decode_rows``; at least one per request), rounded up as Megatron's
+        ``round_up_tokens``."""
+        tokens = self.decode_rows(step) * step.prompt_tokens
         if step.inference_max_tokens is not None:
             tokens = min(tokens, step.inference_max_tokens)
         rounder = ceil_div(self.token_rounder, tensor_parallel) * tensor_parallel

@@ -162,7 +162,8 @@ def _plan(
     Requests in flight are as many as the blocks hold at full length (``⌈(P + N)/block⌉``
     blocks each), so that none is ever evicted and re-prefilled; a multiple of
     ``request_multiple`` (TP on megatron-core 0.17+, which asserts it), the blocks raised to
-    hold that many where the budget holds fewer."""
+    hold that many where the budget holds fewer. A step's tokens are at most the prompts of
+    the requests in flight (their prefill), within ``max_tokens``."""
     max_seq = max(lengths) + max_new_tokens
     need_all = sum(math.ceil((p + max_new_tokens) / block_size) for p in lengths)
     blocks, requests = need_all, len(lengths)
@@ -172,7 +173,9 @@ def _plan(
         requests = min(requests, blocks // per_request)
         requests = max(request_multiple, requests // request_multiple * request_multiple)
         blocks = max(blocks, min(requests, len(lengths)) * per_request)
-    step_tokens = sum(lengths) if max_tokens is None else min(max_tokens, sum(lengths))
+    # a step's tokens: at most the prefill of every request in flight (the longest prompts)
+    in_flight = sum(sorted(lengths, reverse=True)[: min(requests, len(lengths))])
+    step_tokens = in_flight if max_tokens is None else min(max_tokens, in_flight)
     return blocks, requests, max(step_tokens, requests)
 
 
