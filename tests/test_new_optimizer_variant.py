@@ -1,8 +1,11 @@
 """The optimizer recipe of docs/architecture.md, tried: a new ``--optimizer`` variant (SGD with
-momentum inside Megatron's optimizer) is one builder module, written here into a temporary
-directory, plus one registry entry, registered at run time. It is then correct everywhere:
-it trains and resumes bitwise through the real checkpoint code at DP=2, start-up refuses what
-its entry says it cannot do (exit 2, naming the flag), and the memory model counts its state.
+momentum inside Megatron's optimizer) is one builder module plus one registry entry. In-tree,
+as a developer adds it (a copy of the package with ``optim/megatron/sgd_momentum.py`` and its
+entry in ``optim/registry.py``): every entry point imports without a cycle, start-up refuses
+what its entry says it cannot do and the estimator counts its state. Registered at run time
+(in-process, fast): it trains and resumes bitwise through the real checkpoint code at DP=2,
+start-up refuses what its entry says it cannot do (exit 2, naming the flag), and the memory
+model counts its state.
 """
 
 import importlib.util
@@ -176,3 +179,45 @@ def test_the_memory_model_and_the_estimator_count_its_state(builder_dir, capsys)
     assert table["sgd_momentum"]["optimizer_state"] * GiB == state["sgd_momentum"]
     assert cli.main(run) == 0
     assert "sgd_momentum*: optimizer state" in capsys.readouterr().out
+
+
+def test_in_tree_the_variant_is_one_module_and_one_registry_entry(tokenizer, tmp_path):
+    from package_copy import package_copy, run_in
+    from rl_runs import tiny_argv
+
+    module = "loggra_megatron.optim.megatron.sgd_momentum"
+    entry = f"""    "sgd_momentum": OptimizerSpec(
+        "sgd_momentum",
+        "SGD with momentum 0.9 (Megatron's SGD)",
+        "{module}:build_sgd_momentum",
+        sketched=False,
+        grads_per_weight=False,
+        distributed=False,
+        candidate=False,
+        state_bytes_per_param=4,
+        init_state="{module}:init_momentum",
+    ),
+}}
+"""
+    tree = package_copy(
+        tmp_path,
+        {"loggra_megatron/optim/megatron/sgd_momentum.py": textwrap.dedent(BUILDER_MODULE)},
+        [("loggra_megatron/optim/registry.py", "    ),\n}\n", "    ),\n" + entry)],
+    )
+    for name in (module, "loggra_megatron.optim.registry", "loggra_megatron.arguments"):
+        done = run_in(tree, "-c", f"import {name}")
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+    pretrain = str(tree / "pretrain_rl.py")
+    argv = [str(a) for a in tiny_argv(tokenizer, optimizer="sgd_momentum")]
+    refused = run_in(tree, pretrain, *argv, "--kl-target", "0.01")  # no candidate step
+    assert refused.returncode == 2 and "--kl-target" in refused.stderr
+    refused = run_in(tree, pretrain, *argv, "--use-distributed-optimizer")
+    assert refused.returncode == 2 and "--use-distributed-optimizer" in refused.stderr
+    estimate = str(tree / "tools" / "estimate_memory.py")
+    shape = ["--num-layers=2", "--hidden-size=256", "--ffn-hidden-size=512"]
+    shape += ["--num-attention-heads=4", "--vocab-size=1000", "--seq-length=256", "--json"]
+    run = [*shape, "--optimizer", "sgd_momentum", "--no-use-distributed-optimizer"]
+    done = run_in(tree, estimate, *run)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = json.loads(done.stdout)
+    assert 0 < table["sgd_momentum"]["optimizer_state"] < table["adam"]["optimizer_state"]

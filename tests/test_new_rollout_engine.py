@@ -1,9 +1,11 @@
 """The rollout-engine recipe of docs/architecture.md, tried: a new ``--rollout-engine`` (the
-static engine, counted, with a double-buffered KV cache) is one module, written here into a
-temporary directory, plus one registry line, registered at run time. Start-up refuses it where
-its entry says it cannot run, ``auto`` prefers it by its priority, ``ExperienceMaker`` runs it
-(weight sync, generation, the logged stats) and the memory model and the estimator count its
-KV cache.
+static engine, counted, with a double-buffered KV cache) is one module plus one registry line.
+In-tree, as a developer adds it (a copy of the package with ``rollout/counting.py`` and its
+line in ``rollout/registry.py``): every entry point imports without a cycle, the flag offers
+it, start-up refuses it where its entry says it cannot run and the estimator counts its KV
+cache. Registered at run time (in-process, fast): ``auto`` prefers it by its priority,
+``ExperienceMaker`` runs it (weight sync, generation, the logged stats) and the memory model
+counts its KV cache.
 """
 
 import importlib.util
@@ -145,3 +147,52 @@ def test_the_memory_model_and_the_estimator_count_its_kv_cache(engine_dir, capsy
         kv[name] = json.loads(capsys.readouterr().out)["loggra"]["kv_cache"]
     assert kv["counting"] == 2 * kv["static"] > 0
     assert kv["auto"] == kv["counting"]  # auto takes the engine of highest priority
+
+
+def test_in_tree_the_engine_is_one_module_and_one_registry_line(tokenizer, tmp_path):
+    from package_copy import package_copy, run_in
+    from rl_runs import tiny_argv
+
+    static = "from loggra_megatron.rollout.static import StaticEngine\n"
+    tree = package_copy(
+        tmp_path,
+        {"loggra_megatron/rollout/counting.py": textwrap.dedent(ENGINE_MODULE)},
+        [
+            (
+                "loggra_megatron/rollout/registry.py",
+                static,
+                static + "from loggra_megatron.rollout.counting import CountingEngine\n",
+            ),
+            (
+                "loggra_megatron/rollout/registry.py",
+                '    "dynamic": DynamicEngine(),\n',
+                '    "dynamic": DynamicEngine(),\n    "counting": CountingEngine(),\n',
+            ),
+        ],
+    )
+    # each module first in a fresh interpreter: an import cycle through the registry fails here
+    for module in (
+        "loggra_megatron.rollout.counting",
+        "loggra_megatron.rollout.registry",
+        "loggra_megatron.memory.model",
+        "loggra_megatron.rl.experience",
+        "loggra_megatron.arguments",
+    ):
+        done = run_in(tree, "-c", f"import {module}")
+        assert done.returncode == 0, (module, done.stderr[-2000:])
+    pretrain = str(tree / "pretrain_rl.py")
+    argv = [str(a) for a in tiny_argv(tokenizer, **{"rollout-engine": "counting"})]
+    refused = run_in(tree, pretrain, *argv)
+    assert refused.returncode == 2 and "add --bf16" in refused.stderr
+    refused = run_in(tree, pretrain, *argv[:-2], "--rollout-engine", "paged")  # the choices
+    assert refused.returncode == 2 and "counting" in refused.stderr.splitlines()[-1]
+    estimate = str(tree / "tools" / "estimate_memory.py")
+    flags = ["--num-layers=4", "--hidden-size=512", "--ffn-hidden-size=1408"]
+    flags += ["--num-attention-heads=8", "--vocab-size=32000", "--seq-length=1024"]
+    flags += ["--prompts-per-step=4", "--num-generations=4", "--bf16", "--json"]
+    kv = {}
+    for name in ("counting", "static"):
+        done = run_in(tree, estimate, *flags, "--rollout-engine", name)
+        assert done.returncode == 0, done.stderr[-2000:]
+        kv[name] = json.loads(done.stdout)["loggra"]["kv_cache"]
+    assert kv["counting"] == 2 * kv["static"] > 0

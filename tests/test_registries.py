@@ -1,17 +1,12 @@
 """The recipes of docs/architecture.md: a projection, a task and an optimizer variant are each
 one class/function plus one registry line, and every consumer follows the registry."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 from loggra_megatron.optim import LoGRAAdamW
 from loggra_megatron.optim.projection import PROJECTIONS, Projection
 from loggra_megatron.optim.registry import OPTIMIZERS, OptimizerSpec
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _FirstColumns(Projection):
@@ -89,48 +84,37 @@ def test_a_new_task_with_a_knob_is_one_file_and_one_registry_line(tokenizer, tmp
     ``TASKS``. Then ``--task squares`` and its knob's flag ``--task-max-root`` exist, with
     help, validation and "applies to" generated from the declaration, and the task runs."""
     import json
-    import shutil
-    import subprocess
-    import sys
 
+    from package_copy import package_copy, run_in
     from rl_runs import tiny_argv
 
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "loggra_megatron", tree / "loggra_megatron")
-    shutil.copy(ROOT / "pretrain_rl.py", tree / "pretrain_rl.py")
-    (tree / "loggra_megatron" / "tasks" / "squares.py").write_text(SQUARES)
-    registry = tree / "loggra_megatron" / "tasks" / "__init__.py"
-    text = registry.read_text()
-    text = text.replace(
-        "from loggra_megatron.tasks.mixed import MixedTask\n",
-        "from loggra_megatron.tasks.mixed import MixedTask\n"
-        "from loggra_megatron.tasks.squares import SquaresTask\n",
+    registry = "loggra_megatron/tasks/__init__.py"
+    mixed = "from loggra_megatron.tasks.mixed import MixedTask\n"
+    tree = package_copy(
+        tmp_path,
+        {"loggra_megatron/tasks/squares.py": SQUARES},
+        [
+            (registry, mixed, mixed + "from loggra_megatron.tasks.squares import SquaresTask\n"),
+            (
+                registry,
+                '    "math": MathTask,\n',
+                '    "math": MathTask,\n    "squares": SquaresTask,\n',
+            ),
+        ],
     )
-    text = text.replace(
-        '    "math": MathTask,\n', '    "math": MathTask,\n    "squares": SquaresTask,\n'
-    )
-    assert "SquaresTask,\n" in text and "import SquaresTask" in text
-    registry.write_text(text)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path
-        )
-
-    argv = json.dumps([str(a) for a in tiny_argv(tokenizer)])
-    done = run("-c", SQUARES_RUN, argv)
+    argv = [str(a) for a in tiny_argv(tokenizer)]
+    done = run_in(tree, "-c", SQUARES_RUN, json.dumps(argv))
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["knobs"] == {"max_root": 3} and out["again"]
     assert set(out["answers"]) <= {"1", "4", "9"}
     pretrain = str(tree / "pretrain_rl.py")
-    help_text = " ".join(run(pretrain, "--help").stdout.split())
+    help_text = " ".join(run_in(tree, pretrain, "--help").stdout.split())
     assert "--task-max-root TASK_MAX_ROOT The largest root asked. --task squares only." in help_text
     assert "squares" in help_text.split("--task {", 1)[1].split("}", 1)[0]
-    refused = run(pretrain, *json.loads(argv), "--task", "squares", "--task-max-root", "0")
+    refused = run_in(tree, pretrain, *argv, "--task", "squares", "--task-max-root", "0")
     assert refused.returncode == 2 and "--task-max-root" in refused.stderr
-    refused = run(pretrain, *json.loads(argv), "--task-max-root", "3")  # --task arithmetic
+    refused = run_in(tree, pretrain, *argv, "--task-max-root", "3")  # --task arithmetic
     assert refused.returncode == 2
     assert "--task-max-root=3: applies to --task squares only" in refused.stderr
 
