@@ -183,7 +183,7 @@ def run_worker(args) -> None:
         torch.backends.mkldnn.enabled = False
     load_before = os.getloadavg()[0]
     from loggra_megatron.parallel import initialize_megatron
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
     from loggra_megatron.rollout.engine import chunk_rows, generate_chunked, kv_cache_bytes
 
     initialize_megatron(seed=args.seed, device="cpu")
@@ -192,7 +192,7 @@ def run_worker(args) -> None:
     prompts = make_prompts(args, vocab)
     sampling = dict(
         temperature=MODES[spec["mode"]],
-        eos_id=args.stop_id,
+        stop_ids=() if args.stop_id is None else (args.stop_id,),
         pad_id=0,
         seed=args.seed,
         vocab_size=vocab,
@@ -202,10 +202,14 @@ def run_worker(args) -> None:
 
     def generate(batch, max_new_tokens):
         if budget is None:  # the old loop: one static batch of every row
-            rollout = generate_rollout(model, batch, max_new_tokens=max_new_tokens, **sampling)
+            rollout = generate_rollout(
+                model, batch, RolloutRequest(max_new_tokens=max_new_tokens, **sampling)
+            )
             return rollout, kv_cache_bytes(model, len(batch), max(map(len, batch)) + max_new_tokens)
         return generate_chunked(
-            model, batch, max_new_tokens=max_new_tokens, max_tokens=budget, **sampling
+            model,
+            batch,
+            RolloutRequest(max_new_tokens=max_new_tokens, max_tokens=budget, **sampling),
         )
 
     generate(prompts[:2], 2)  # warm-up on a tiny batch

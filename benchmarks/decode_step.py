@@ -98,16 +98,15 @@ class _Recorder:
 
 
 def _one(model, prompts, args, device, cuda_graphs: bool) -> dict:
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
 
     with _Recorder(device) as rec:
         rollout = generate_rollout(
             model,
             prompts,
-            max_new_tokens=args.new_tokens,
-            temperature=1.0,
-            seed=1,
-            cuda_graphs=cuda_graphs,
+            RolloutRequest(
+                max_new_tokens=args.new_tokens, temperature=1.0, seed=1, cuda_graphs=cuda_graphs
+            ),
         )
         rec._sync()
         end = time.perf_counter()
@@ -128,11 +127,13 @@ def _ops_per_step(model, prompts, args) -> tuple[float, float]:
     """aten ops per decode-loop forward in a profiled rollout: all of them (as eager steps
     dispatch them), and those a GPU still dispatches from the host when the step is a graph
     (the ops outside the step-graph replays; a replay counts one)."""
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
     from loggra_megatron.rollout.step_graph import GRAPH_RANGE
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        rollout = generate_rollout(model, prompts, max_new_tokens=args.new_tokens, seed=1)
+        rollout = generate_rollout(
+            model, prompts, RolloutRequest(max_new_tokens=args.new_tokens, seed=1)
+        )
     events = prof.events()
     inside = set()
     for e in events:

@@ -184,10 +184,12 @@ def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.
     and the optimizer step. ``phase(name)`` wraps each phase."""
     from loggra_megatron.model.offload import release_device_weights
     from loggra_megatron.rl.actor import forward_backward, sft_loss_fn
-    from loggra_megatron.rollout import compute_log_probs, generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, compute_log_probs, generate_rollout
 
     with phase("rollout"):
-        generate_rollout(policy, prompts, max_new_tokens=tokens.shape[1] - 1 - prompts.shape[1])
+        generate_rollout(
+            policy, prompts, RolloutRequest(max_new_tokens=tokens.shape[1] - 1 - prompts.shape[1])
+        )
     with phase("log_probs"):
         if reference is not None:
             compute_log_probs(reference, tokens, micro_batch_size=1)

@@ -40,17 +40,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _decode_ops(model, prompts, new_tokens: int) -> float:
     """aten ops per forward of the decode loop (profiled rollout, ops / forwards)."""
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        rollout = generate_rollout(model, prompts, max_new_tokens=new_tokens, seed=1)
+        rollout = generate_rollout(
+            model, prompts, RolloutRequest(max_new_tokens=new_tokens, seed=1)
+        )
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     return ops / rollout.decode_steps
 
 
 def _arm(model, prompts, args, share: bool) -> dict:
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
     from loggra_megatron.rollout import generate as gen_module
-    from loggra_megatron.rollout import generate_rollout
 
     forward, prefill_s = gen_module._stage_forward, []
 
@@ -65,7 +67,10 @@ def _arm(model, prompts, args, share: bool) -> dict:
     try:
         t0 = time.perf_counter()
         rollout = generate_rollout(
-            model, prompts, max_new_tokens=args.new_tokens, seed=1, share_prefill=share
+            model,
+            prompts,
+            RolloutRequest(max_new_tokens=args.new_tokens, seed=1),
+            share_prefill=share,
         )
         seconds = time.perf_counter() - t0
     finally:

@@ -145,7 +145,7 @@ def _rollouts_after_a_weight_change(rank):
     import gpu_standins
     from megatron.core.utils import unwrap_model
 
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
     from loggra_megatron.testing import tiny_bf16_gpt_model
 
     gpu_standins.install_transformer_engine()
@@ -162,21 +162,21 @@ def _rollouts_after_a_weight_change(rank):
         return model
 
     model = model_with()
-    generate_rollout(model, prompts, **gen)  # casts (and caches) the FP8 weights
+    generate_rollout(model, prompts, RolloutRequest(**gen))  # casts (and caches) the FP8 weights
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.5 * torch.randn_like(p))  # an optimizer step
     state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
-    after = generate_rollout(model, prompts, **gen)
-    fresh = generate_rollout(model_with(state), prompts, **gen)
+    after = generate_rollout(model, prompts, RolloutRequest(**gen))
+    fresh = generate_rollout(model_with(state), prompts, RolloutRequest(**gen))
     inner = unwrap_model(model)
     with torch.no_grad():  # another step, then a rollout that forgets to ask for a recast
         for p in model.parameters():
             p.sub_(0.25)
     inner.set_is_first_microbatch = lambda: None  # the call forgotten
-    stale = generate_rollout(model, prompts, **gen)
+    stale = generate_rollout(model, prompts, RolloutRequest(**gen))
     state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
-    fresh_2 = generate_rollout(model_with(state), prompts, **gen)
+    fresh_2 = generate_rollout(model_with(state), prompts, RolloutRequest(**gen))
     return after, fresh, stale, fresh_2
 
 

@@ -61,26 +61,23 @@ def test_chat_template_rendering_equals_transformers(hf_dir):
 
 def _sample_and_stop(rank, vocab_size):
     """Greedy generation where the padded vocabulary rows are the most likely ids."""
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
     from loggra_megatron.testing import tiny_gpt_model
 
     model = tiny_gpt_model(vocab=64, seq=32, use_cpu_initialization=True)
     with torch.no_grad():  # output rows ≥ vocab_size (padding) dominate every step
         model.output_layer.weight[vocab_size:] = 10.0 * model.output_layer.weight[:1].sign()
-    unmasked = generate_rollout(model, [[1, 2, 3]] * 2, max_new_tokens=6, temperature=1.0)
+    unmasked = generate_rollout(
+        model, [[1, 2, 3]] * 2, RolloutRequest(max_new_tokens=6, temperature=1.0)
+    )
     masked = generate_rollout(
-        model, [[1, 2, 3]] * 2, max_new_tokens=6, temperature=1.0, vocab_size=vocab_size
-    )
-    greedy = partial(
-        generate_rollout,
         model,
-        [[1, 2, 3]],
-        max_new_tokens=6,
-        temperature=0.0,
-        vocab_size=vocab_size,
+        [[1, 2, 3]] * 2,
+        RolloutRequest(max_new_tokens=6, temperature=1.0, vocab_size=vocab_size),
     )
-    first = int(greedy().tokens[0, 3])
-    stopped = greedy(eos_id=[63, first])  # the second of two stop ids
+    greedy = partial(RolloutRequest, max_new_tokens=6, temperature=0.0, vocab_size=vocab_size)
+    first = int(generate_rollout(model, [[1, 2, 3]], greedy()).tokens[0, 3])
+    stopped = generate_rollout(model, [[1, 2, 3]], greedy(stop_ids=(63, first)))  # the 2nd id
     return unmasked.tokens[:, 3:], masked.tokens[:, 3:], stopped
 
 

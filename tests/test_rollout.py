@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loggra_megatron.rollout import (
+    RolloutRequest,
     compute_log_probs,
     generate_rollout,
     sample_tokens,
@@ -88,7 +89,9 @@ def _narrow_widths(model) -> tuple:
 
     decoder.MIN_WIDTH, generate.StaticDecoder = 4, Recording
     try:
-        rollout = generate_rollout(model, PROMPTS, temperature=0.0, max_new_tokens=25)
+        rollout = generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=0.0, max_new_tokens=25)
+        )
     finally:
         decoder.MIN_WIDTH, generate.StaticDecoder = saved
     return rollout, sorted(made[0].graphs._steps)
@@ -102,36 +105,50 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         _load_pp_stage(model, full_state)
     gen = dict(max_new_tokens=NEW, pad_id=PAD)
     out = {
-        "greedy": generate_rollout(model, PROMPTS, temperature=0.0, **gen),
+        "greedy": generate_rollout(model, PROMPTS, RolloutRequest(temperature=0.0, **gen)),
         "greedy_nocache": generate_rollout(
-            model, PROMPTS, temperature=0.0, use_kv_cache=False, **gen
+            model, PROMPTS, RolloutRequest(temperature=0.0, **gen), use_kv_cache=False
         ),
-        "sampled": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, step=3, **gen),
-        "sampled_again": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, step=3, **gen),
+        "sampled": generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=1.0, seed=7, step=3, **gen)
+        ),
+        "sampled_again": generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=1.0, seed=7, step=3, **gen)
+        ),
         "sampled_next_step": generate_rollout(
-            model, PROMPTS, temperature=1.0, seed=7, step=4, **gen
+            model, PROMPTS, RolloutRequest(temperature=1.0, seed=7, step=4, **gen)
         ),
-        "top_p_tiny": generate_rollout(model, PROMPTS, temperature=1.0, top_p=1e-6, seed=7, **gen),
-        "long": generate_rollout(model, PROMPTS, temperature=1.0, seed=7, max_new_tokens=25),
-        "long_greedy": generate_rollout(model, PROMPTS, temperature=0.0, max_new_tokens=25),
+        "top_p_tiny": generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=1.0, top_p=1e-6, seed=7, **gen)
+        ),
+        "long": generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=1.0, seed=7, max_new_tokens=25)
+        ),
+        "long_greedy": generate_rollout(
+            model, PROMPTS, RolloutRequest(temperature=0.0, max_new_tokens=25)
+        ),
         "sampled_eager": generate_rollout(
-            model, PROMPTS, temperature=1.0, seed=7, step=3, cuda_graphs=False, **gen
+            model,
+            PROMPTS,
+            RolloutRequest(temperature=1.0, seed=7, step=3, cuda_graphs=False, **gen),
         ),
     }
     for how in ("greedy", "sampled"):
         kw = dict(temperature=0.0) if how == "greedy" else dict(temperature=1.0, seed=7, step=3)
-        out[f"groups_{how}"] = generate_rollout(model, GROUPS, **kw, **gen)
+        out[f"groups_{how}"] = generate_rollout(model, GROUPS, RolloutRequest(**kw, **gen))
         out[f"groups_{how}_nocache"] = generate_rollout(
-            model, GROUPS, use_kv_cache=False, **kw, **gen
+            model, GROUPS, RolloutRequest(**kw, **gen), use_kv_cache=False
         )
         out[f"groups_{how}_unshared"] = generate_rollout(
-            model, GROUPS, share_prefill=False, **kw, **gen
+            model, GROUPS, RolloutRequest(**kw, **gen), share_prefill=False
         )
     out["recomputed"] = compute_log_probs(model, out["sampled"].tokens, micro_batch_size=2)
     out["recomputed_greedy"] = compute_log_probs(model, out["greedy"].tokens)
     g = out["greedy"]
     out["eos_id"] = eos = int(g.tokens[0, len(PROMPTS[0]) + 2])  # row 0's 3rd generated token
-    out["eos"] = generate_rollout(model, PROMPTS, temperature=0.0, eos_id=[eos, VOCAB + 1], **gen)
+    out["eos"] = generate_rollout(
+        model, PROMPTS, RolloutRequest(temperature=0.0, stop_ids=(eos, VOCAB + 1), **gen)
+    )
     if torch.distributed.get_world_size() == 1:
         model.eval()
         out["naive"] = [_naive_greedy(model, p) for p in PROMPTS]
@@ -142,9 +159,14 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
             padded[i, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in PROMPTS])
         out["greedy_tensor"] = generate_rollout(
-            model, padded, prompt_lengths=lengths, temperature=0.0, eos_id=out["eos_id"], **gen
+            model,
+            padded,
+            RolloutRequest(temperature=0.0, stop_ids=(out["eos_id"],), **gen),
+            prompt_lengths=lengths,
         )
-        out["no_new"] = generate_rollout(model, padded, prompt_lengths=lengths, max_new_tokens=0)
+        out["no_new"] = generate_rollout(
+            model, padded, RolloutRequest(max_new_tokens=0), prompt_lengths=lengths
+        )
         out["state_dict"] = model.state_dict()
     return out
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 from megatron.core.package_info import __version__ as MCORE_VERSION
 
-from loggra_megatron.rollout import generate_rollout
+from loggra_megatron.rollout import RolloutRequest, generate_rollout
 from loggra_megatron.rollout.dynamic_generate import (
     StepSampler,
     _plan,
@@ -84,7 +84,9 @@ def _failure_worker(rank: int) -> dict:
         if key == "generator_redirected":
             gpu_standins.install_generator_redirect()
         try:
-            generate_rollout_dynamic(model, PROMPTS, max_new_tokens=2, temperature=0.0)
+            generate_rollout_dynamic(
+                model, PROMPTS, RolloutRequest(max_new_tokens=2, temperature=0.0)
+            )
             out[key] = None
         except Exception as exc:
             out[key] = _describe(exc)
@@ -197,13 +199,16 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         _load_pp_stage(model, full_state)
     model.train()
     gen = dict(max_new_tokens=NEW, pad_id=PAD)
-    out = {"static": generate_rollout(model, PROMPTS, temperature=0.0, **gen), "runs": {}}
+    out = {
+        "static": generate_rollout(model, PROMPTS, RolloutRequest(temperature=0.0, **gen)),
+        "runs": {},
+    }
 
     def dyn(key, prompts=PROMPTS, **kwargs):
         last_run.clear()
         log_prob_rows.clear()
         out[key] = generate_rollout_dynamic(
-            model, prompts, block_size_tokens=BLOCK, **{**gen, **kwargs}
+            model, prompts, RolloutRequest(**{**gen, **kwargs}), block_size_tokens=BLOCK
         )
         out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows))
 
@@ -211,12 +216,14 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     for m in (1, 12, 16):  # 1: raised to one sequence (3 blocks)
         dyn(f"bounded{m}", temperature=0.0, max_tokens=m)
     long = [PROMPTS[0], [(7 * i) % VOCAB for i in range(70)]]  # > the 64-token step budget
-    out["static_long"] = generate_rollout(model, long, temperature=0.0, **gen)
+    out["static_long"] = generate_rollout(model, long, RolloutRequest(temperature=0.0, **gen))
     dyn("chunked", long, temperature=0.0, max_tokens=1)  # prefilled in two chunks
     out["eos_id"] = eos = int(out["static"].tokens[0, len(PROMPTS[0]) + 2])  # row 0's 3rd token
-    out["static_eos"] = generate_rollout(model, PROMPTS, temperature=0.0, eos_id=eos, **gen)
-    dyn("eos_first", temperature=0.0, eos_id=[eos, VOCAB + 1], max_tokens=12)
-    dyn("eos_second", temperature=0.0, eos_id=[VOCAB + 1, eos], max_tokens=12)
+    out["static_eos"] = generate_rollout(
+        model, PROMPTS, RolloutRequest(temperature=0.0, stop_ids=(eos,), **gen)
+    )
+    dyn("eos_first", temperature=0.0, stop_ids=(eos, VOCAB + 1), max_tokens=12)
+    dyn("eos_second", temperature=0.0, stop_ids=(VOCAB + 1, eos), max_tokens=12)
     sample = dict(temperature=1.0, seed=7, step=3)
     dyn("sampled", **sample)
     dyn("sampled_again", **sample)
@@ -525,10 +532,14 @@ def _gpu_worker() -> dict:
     model = tiny_gpt_model(2, 256, 4, VOCAB, 512, bf16=True, init_method_std=0.05)
     model.train()
     gen = dict(max_new_tokens=24, pad_id=PAD, temperature=0.0)
-    runs = {"static": generate_rollout(model, PROMPTS, **gen)}
-    runs["greedy"] = generate_rollout_dynamic(model, PROMPTS, **gen)
-    runs["bounded"] = generate_rollout_dynamic(model, PROMPTS, max_tokens=1, **gen)  # 1 row
-    sampled = generate_rollout_dynamic(model, PROMPTS, max_new_tokens=24, vocab_size=VOCAB - 8)
+    runs = {"static": generate_rollout(model, PROMPTS, RolloutRequest(**gen))}
+    runs["greedy"] = generate_rollout_dynamic(model, PROMPTS, RolloutRequest(**gen))
+    runs["bounded"] = generate_rollout_dynamic(
+        model, PROMPTS, RolloutRequest(max_tokens=1, **gen)
+    )  # 1 row
+    sampled = generate_rollout_dynamic(
+        model, PROMPTS, RolloutRequest(max_new_tokens=24, vocab_size=VOCAB - 8)
+    )
     with torch.no_grad():
         gaps = {key: _greedy_gap(model, rollout) for key, rollout in runs.items()}
     return {

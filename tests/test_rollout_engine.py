@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loggra_megatron.rollout import generate_rollout
+from loggra_megatron.rollout import RolloutRequest, generate_rollout
 from loggra_megatron.rollout.engine import chunk_rows, generate_chunked, kv_cache_bytes
 from loggra_megatron.testing import run_distributed, tiny_gpt_model
 
@@ -29,14 +29,18 @@ def _worker(rank: int) -> dict:
     model = tiny_gpt_model(
         2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True, init_method_std=0.3
     )
-    gen = dict(max_new_tokens=NEW, pad_id=PAD, temperature=0.0, eos_id=[3, 4])
+    gen = dict(max_new_tokens=NEW, pad_id=PAD, temperature=0.0, stop_ids=(3, 4))
     row_tokens = max(map(len, PROMPTS)) + NEW
-    out = {"whole": generate_chunked(model, PROMPTS, **gen)}
+    out = {"whole": generate_chunked(model, PROMPTS, RolloutRequest(**gen))}
     for rows in (1, 3, 5):  # budgets of 1, 3 and 5 full rows (the last chunk is shorter)
-        out[rows] = generate_chunked(model, PROMPTS, max_tokens=rows * row_tokens, **gen)
-    out["row_multiple"] = generate_rollout(model, PROMPTS, row_multiple=16, **gen)
+        out[rows] = generate_chunked(
+            model, PROMPTS, RolloutRequest(max_tokens=rows * row_tokens, **gen)
+        )
+    out["row_multiple"] = generate_rollout(model, PROMPTS, RolloutRequest(row_multiple=16, **gen))
     out["sampled"] = generate_chunked(
-        model, PROMPTS, max_tokens=3 * row_tokens, seed=1, **{**gen, "temperature": 1.0}
+        model,
+        PROMPTS,
+        RolloutRequest(max_tokens=3 * row_tokens, seed=1, **{**gen, "temperature": 1.0}),
     )
     out["kv_1x10"] = kv_cache_bytes(model, 1, 10)
     return out

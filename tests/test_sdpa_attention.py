@@ -220,9 +220,9 @@ def _rollout_and_buffer(model):
     holds after it (``GlobalMemoryBuffer.buffer``: ``{(name, dtype): tensor}``)."""
     from megatron.core import parallel_state as ps
 
-    from loggra_megatron.rollout import generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
 
-    rollout = generate_rollout(model, PROMPTS, max_new_tokens=4, temperature=0.0)
+    rollout = generate_rollout(model, PROMPTS, RolloutRequest(max_new_tokens=4, temperature=0.0))
     held = {key: t.numel() for key, t in ps.get_global_memory_buffer().buffer.items()}
     return rollout, held
 

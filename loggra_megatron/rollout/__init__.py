@@ -14,6 +14,7 @@ _EXPORTS = {
     "sample_tokens": "loggra_megatron.rollout.generate",
     "sampling_generator": "loggra_megatron.rollout.generate",
     "ROLLOUT_ENGINES": "loggra_megatron.rollout.registry",
+    "RolloutRequest": "loggra_megatron.rollout.protocol",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -100,16 +100,9 @@ class KVCacheAttention(torch.nn.Module):
         self.key: torch.Tensor | None = None  # [B, groups/TP, capacity, d], at the prefill
         self.value: torch.Tensor | None = None
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
+    def forward(self, query, key, value, attention_mask=None, **_):
+        """Megatron's mask and its other arguments (mask type, bias, packing) are not read:
+        the step's positions decide what each query sees."""
         step = self.step
         s, rows, heads, d = query.shape
         if self.key is None:  # zeros: masked keys must stay finite (0 · NaN is NaN)

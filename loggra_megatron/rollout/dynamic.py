@@ -54,14 +54,7 @@ class DynamicEngine(RolloutEngine):
 
         r = request
         t0 = time.perf_counter()
-        rollout = generate_rollout_dynamic(
-            policy,
-            prompts,
-            log_prob_micro_batch_size=r.log_prob_micro_batch_size,
-            length_grouping=r.length_grouping,
-            log_probs=r.log_probs,
-            **r.sampling(),
-        )
+        rollout = generate_rollout_dynamic(policy, prompts, request)
         tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens, r.max_tokens)
         kv_bytes = kv_cache_bytes(policy, 1, tokens)  # the engine's paged buffer
         return rollout, rollout_stats(rollout, time.perf_counter() - t0, kv_bytes)

@@ -33,7 +33,7 @@ from loggra_megatron.rollout.generate import (
     sampling_generator,
 )
 from loggra_megatron.rollout.generation_mode import generation_mode
-from loggra_megatron.rollout.protocol import EngineTarget
+from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 
@@ -62,12 +62,6 @@ def dynamic_engine_unavailable(model=None) -> str | None:
     """Why Megatron-Core's dynamic engine cannot run ``model`` on this process (``None``: it
     can): ``refusal``, then flash-attn's kernels and einops."""
     return refusal(EngineTarget.of_model(model)) or mcore_engine.missing_attention_kernels()
-
-
-def _stop_list(eos_id: int | Sequence[int] | None) -> list[int]:
-    """Stop ids in order, without repeats."""
-    ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
-    return list(dict.fromkeys(int(i) for i in ids))
 
 
 def truncate_at_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -324,71 +318,59 @@ def _policy_log_probs(
 def generate_rollout_dynamic(
     model,
     prompts: Sequence[Sequence[int]] | torch.Tensor,
+    request: RolloutRequest,
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    eos_id: int | Sequence[int] | None = None,
-    pad_id: int = 0,
-    seed: int = 0,
-    step: int = 0,
-    vocab_size: int | None = None,
-    max_tokens: int | None = None,
     prompt_lengths: torch.Tensor | None = None,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE,
-    log_prob_micro_batch_size: int = 1,
-    length_grouping: bool = True,
-    log_probs: bool = True,
 ) -> Rollout:
-    """Sample up to ``max_new_tokens`` tokens after each prompt with Megatron-Core's dynamic
-    engine, the KV cache bounded by ``max_tokens`` tokens; see the module docstring.
+    """Sample up to ``request.max_new_tokens`` tokens after each prompt with Megatron-Core's
+    dynamic engine; see the module docstring.
 
-    Arguments as ``generate_rollout`` (``prompts`` a
-    list of token-id lists or a right-padded ``[B, P]`` tensor with ``prompt_lengths``;
-    ``eos_id`` one or several stop ids; ``vocab_size``: ids from it on are never sampled).
-    ``max_tokens``: KV-cache capacity in tokens (rounded up to whole blocks of
-    ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at once).
-    ``log_prob_micro_batch_size``: rows per forward of the log-prob recompute after
-    generation (``--log-prob-micro-batch-size``; the whole batch at once would hold
-    ``B × L × V/TP`` fp32 logits), rows of similar length together (``length_grouping``);
-    ``log_probs=False`` skips the recompute (the rollout's ``log_probs`` stay 0: π_old comes
-    from the training forward). Raises ``RuntimeError`` where ``dynamic_engine_unavailable`` gives a reason. The
-    model is in eval mode during the call and restored after; every rank of the model
-    replica must call it alike.
+    ``prompts`` as ``generate_rollout``'s. From ``request`` (``RolloutRequest``): sampling,
+    stop ids, seeding; ``max_tokens``, the KV-cache capacity in tokens (rounded up to whole
+    blocks of ``block_size_tokens``, at least one longest sequence; ``None``: all sequences at
+    once); ``log_prob_micro_batch_size``, the rows per forward of the log-prob recompute after
+    generation (the whole batch at once would hold ``B × L × V/TP`` fp32 logits), rows of
+    similar length together (``length_grouping``); ``log_probs=False`` skips the recompute
+    (the rollout's ``log_probs`` stay 0: π_old comes from the training forward). Raises
+    ``RuntimeError`` where ``dynamic_engine_unavailable`` gives a reason. The model is in eval
+    mode during the call and restored after; every rank of the model replica must call it
+    alike.
     """
-    _check_sampling(max_new_tokens, temperature, top_p)
+    r = request
+    _check_sampling(r.max_new_tokens, r.temperature, r.top_p)
     reason = dynamic_engine_unavailable(model)
     if reason is not None:
         raise RuntimeError(reason)
-    sizes = (block_size_tokens, log_prob_micro_batch_size, 1 if max_tokens is None else max_tokens)
-    if min(sizes) < 1:
+    bound = 1 if r.max_tokens is None else r.max_tokens
+    if min(block_size_tokens, r.log_prob_micro_batch_size, bound) < 1:
         raise ValueError("max_tokens, block_size_tokens, log_prob_micro_batch_size: positive")
     device = next(model.parameters()).device
-    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id)
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, r.pad_id)
     buf = buf.to(device)
-    stop_ids = _stop_list(eos_id)
+    stop_ids = list(dict.fromkeys(int(i) for i in r.stop_ids))  # in order, no repeats
     responses: list[list[int]] = [[] for _ in range(buf.shape[0])]
     evicted = 0
-    if max_new_tokens > 0:
+    if r.max_new_tokens > 0:
         responses, evicted = _generate(
             model,
             buf,
             lengths,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
             stop_ids=stop_ids,
-            vocab_size=vocab_size,
-            seed=seed,
-            step=step,
-            max_tokens=max_tokens,
+            vocab_size=r.vocab_size,
+            seed=r.seed,
+            step=r.step,
+            max_tokens=r.max_tokens,
             block_size=block_size_tokens,
         )
-    cut = [truncate_at_stop(r, stop_ids) for r in responses]
-    rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], pad_id)
+    cut = [truncate_at_stop(resp, stop_ids) for resp in responses]
+    rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], r.pad_id)
     rollout.evicted_requests = evicted
-    if log_probs:
+    if r.log_probs:
         rollout.log_probs = _policy_log_probs(
-            model, rollout, log_prob_micro_batch_size, length_grouping
+            model, rollout, r.log_prob_micro_batch_size, r.length_grouping
         )
     return rollout

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from loggra_megatron.rollout.generate import Rollout, generate_rollout
+from loggra_megatron.rollout.protocol import RolloutRequest
 
 __all__ = ["chunk_rows", "concat_rollouts", "generate_chunked", "kv_cache_bytes"]
 
@@ -72,37 +73,17 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 def generate_chunked(
-    model,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    max_tokens: int | None = None,
-    row_multiple: int = 1,
-    step: int = 0,
-    **sampling,
+    model, prompts: list[list[int]], request: RolloutRequest
 ) -> tuple[Rollout, int]:
-    """``generate_rollout`` over chunks of rows that fit ``max_tokens`` KV-cache tokens.
-
-    ``sampling``: the other keyword arguments of ``generate_rollout``. Returns the
-    rollout of all ``prompts`` and the KV-cache bytes of the largest chunk on this rank.
-    """
-    row_tokens = max(len(p) for p in prompts) + max_new_tokens
-    rows = chunk_rows(len(prompts), row_tokens, max_tokens)
+    """``generate_rollout`` over chunks of rows that fit ``request.max_tokens`` KV-cache
+    tokens. Returns the rollout of all ``prompts`` and the KV-cache bytes of the largest chunk
+    on this rank."""
+    new = request.max_new_tokens
+    rows = chunk_rows(len(prompts), max(len(p) for p in prompts) + new, request.max_tokens)
     parts, peak = [], 0
     for chunk, lo in enumerate(range(0, len(prompts), rows)):
         part = prompts[lo : lo + rows]
-        width = max(len(p) for p in part) + max_new_tokens
-        padded_rows = -(-len(part) // row_multiple) * row_multiple
-        peak = max(peak, kv_cache_bytes(model, padded_rows, width))
-        parts.append(
-            generate_rollout(
-                model,
-                part,
-                max_new_tokens=max_new_tokens,
-                step=step,
-                chunk=chunk,
-                row_multiple=row_multiple,
-                **sampling,
-            )
-        )
-    return concat_rollouts(parts, sampling.get("pad_id", 0)), peak
+        padded_rows = -(-len(part) // request.row_multiple) * request.row_multiple
+        peak = max(peak, kv_cache_bytes(model, padded_rows, max(len(p) for p in part) + new))
+        parts.append(generate_rollout(model, part, request, chunk=chunk))
+    return concat_rollouts(parts, request.pad_id), peak

@@ -32,6 +32,7 @@ from loggra_megatron.model.forward import forward_map, unpadded_length
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 from loggra_megatron.rollout.decoder import StaticDecoder, stage_hidden_dtype
 from loggra_megatron.rollout.generation_mode import generation_mode
+from loggra_megatron.rollout.protocol import RolloutRequest
 
 __all__ = [
     "Rollout",
@@ -201,64 +202,55 @@ def _next_tokens(logits, next_ids, *, temperature, top_p, generator, vocab_size)
 def generate_rollout(
     model,
     prompts: Sequence[Sequence[int]] | torch.Tensor,
+    request: RolloutRequest,
     *,
-    max_new_tokens: int,
     prompt_lengths: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    eos_id: int | Sequence[int] | None = None,
-    pad_id: int = 0,
-    seed: int = 0,
-    step: int = 0,
-    use_kv_cache: bool = True,
-    vocab_size: int | None = None,
-    row_multiple: int = 1,
     chunk: int = 0,
+    use_kv_cache: bool = True,
     share_prefill: bool = True,
-    cuda_graphs: bool = True,
 ) -> Rollout:
-    """Sample up to ``max_new_tokens`` tokens after each prompt (``docs/rollouts.md``).
+    """Sample up to ``request.max_new_tokens`` tokens after each prompt
+    (``docs/rollouts.md``); ``request``: sampling, stop ids, seeding, FP8 row padding and CUDA
+    graphs (``RolloutRequest``; its KV-cache bound is ``generate_chunked``'s).
 
     ``model`` is this rank's ``GPTModel`` stage (optionally wrapped in DDP / Float16Module);
     it is put in eval mode and restored. ``prompts`` is a list of token-id lists, or a
     right-padded ``[B, P]`` tensor with ``prompt_lengths [B]`` (default: all ``P``).
-    ``eos_id``: stop token id(s). ``seed``/``step`` (with the DP rank) seed the sampler.
-    ``vocab_size``: ids from it on (the padded rows of the embedding) are never sampled.
-    ``use_kv_cache=False`` recomputes the whole prefix every step (a reference for tests).
-    ``row_multiple``: the batch is padded with finished rows (copies of the longest prompt)
-    to a multiple of this, e.g. 16 for FP8 GEMMs; they are not returned. ``chunk``: index of
-    this batch in a chunked rollout (its own sampling stream). ``share_prefill``: rows with
-    the same prompt share one prefill (``docs/rollouts.md``); False prefills every row (a
-    reference for tests and benchmarks). ``cuda_graphs``: decode steps captured in CUDA
-    graphs on a GPU (``rollout/decoder.py``; False: eager).
+    ``chunk``: index of this batch in a chunked rollout (its own sampling stream). For tests
+    and benchmarks: ``use_kv_cache=False`` recomputes the whole prefix every step, and
+    ``share_prefill=False`` prefills every row instead of each distinct prompt once.
     """
     from megatron.core import parallel_state as ps
 
-    _check_sampling(max_new_tokens, temperature, top_p)
+    r = request
+    _check_sampling(r.max_new_tokens, r.temperature, r.top_p)
     device = next(model.parameters()).device
-    buf, lengths = _pack_prompts(prompts, prompt_lengths, pad_id)
+    buf, lengths = _pack_prompts(prompts, prompt_lengths, r.pad_id)
     real_rows = buf.shape[0]
-    buf, lengths = _fill_rows(buf, lengths, row_multiple)
+    buf, lengths = _fill_rows(buf, lengths, r.row_multiple)
     shared = _shared_prefill(buf, lengths) if use_kv_cache and share_prefill else None
-    state = _DecodeState.start(buf.to(device), lengths, real_rows, max_new_tokens, pad_id)
+    state = _DecodeState.start(buf.to(device), lengths, real_rows, r.max_new_tokens, r.pad_id)
     if shared is not None:
         state.prefill = (shared[0].to(device), shared[1].to(device))
-    stop_ids = torch.as_tensor([] if eos_id is None else eos_id, dtype=torch.long, device=device)
+    stop_ids = torch.as_tensor(r.stop_ids, dtype=torch.long, device=device)
     tp_group = ps.get_tensor_model_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
     last = pp_group.rank() == pp_group.size() - 1
     generator = None
-    if last and dist.get_rank(tp_group) == 0 and temperature > 0:
-        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), device, chunk)
+    if last and dist.get_rank(tp_group) == 0 and r.temperature > 0:
+        dp_rank = ps.get_data_parallel_rank()
+        generator = sampling_generator(r.seed, r.step, dp_rank, device, chunk)
     sample = partial(
         _next_tokens,
-        temperature=temperature,
-        top_p=top_p,
+        temperature=r.temperature,
+        top_p=r.top_p,
         generator=generator,
-        vocab_size=vocab_size,
+        vocab_size=r.vocab_size,
     )
     batch, total = state.buf.shape
-    decoder = StaticDecoder(model, batch, total, cuda_graphs=cuda_graphs) if use_kv_cache else None
+    decoder = (
+        StaticDecoder(model, batch, total, cuda_graphs=r.cuda_graphs) if use_kv_cache else None
+    )
     with generation_mode(model), decoder.attached() if decoder else contextlib.nullcontext():
         _decode(model, state, sample, stop_ids, decoder, pp_group)
     if pp_group.size() > 1:

@@ -53,19 +53,20 @@ class EngineTarget:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One rollout: how to sample and within which bounds."""
+    """One rollout: how to sample and within which bounds. Every engine's generation takes it
+    whole (``generate_rollout``, ``generate_chunked``, ``generate_rollout_dynamic``)."""
 
     max_new_tokens: int
-    temperature: float
+    temperature: float = 1.0
     """0: greedy."""
-    top_p: float
-    stop_ids: tuple[int, ...]
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
     """Generation of a row ends at any of these (the first is the engine's termination id)."""
-    pad_id: int
-    vocab_size: int | None
+    pad_id: int = 0
+    vocab_size: int | None = None
     """Ids from this on are padded embedding rows, never sampled."""
-    seed: int
-    step: int
+    seed: int = 0
+    step: int = 0
     """The RL step (sampling generators are seeded by ``(seed, step, DP rank, ...)``)."""
     max_tokens: int | None = None
     """``--inference-max-tokens``: the KV-cache bound (None: the whole batch at once)."""
@@ -80,21 +81,6 @@ class RolloutRequest:
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
     cuda_graphs: bool = True
     """The static engine's decode steps are CUDA graphs on a GPU (``--rollout-cuda-graphs``)."""
-
-    def sampling(self) -> dict:
-        """The keyword arguments every engine's generation takes alike (sampling, stop and
-        pad ids, seeding, the bounds)."""
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "max_tokens": self.max_tokens,
-            "step": self.step,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "eos_id": self.stop_ids,
-            "pad_id": self.pad_id,
-            "seed": self.seed,
-            "vocab_size": self.vocab_size,
-        }
 
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:

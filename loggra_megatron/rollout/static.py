@@ -30,15 +30,8 @@ class StaticEngine(RolloutEngine):
     def generate(self, policy, prompts, request: RolloutRequest):
         from loggra_megatron.rollout.engine import generate_chunked
 
-        r = request
         t0 = time.perf_counter()
-        rollout, kv_bytes = generate_chunked(
-            policy,
-            prompts,
-            row_multiple=r.row_multiple,
-            cuda_graphs=r.cuda_graphs,
-            **r.sampling(),
-        )
+        rollout, kv_bytes = generate_chunked(policy, prompts, request)
         return rollout, rollout_stats(rollout, time.perf_counter() - t0, kv_bytes)
 
     def kv_cache_tokens(self, step) -> int:
