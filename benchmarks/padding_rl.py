@@ -135,7 +135,14 @@ def _worker(rank, args, tokenizer_path: str) -> dict:
         optimizer = get_megatron_optimizer(config, [policy])
         dp, mbs = ps.get_data_parallel_group(), args.micro_batch_size
         actor = Actor(
-            policy, optimizer, _AdamStep(optimizer), loss, dp, mbs, args.global_batch_size, group
+            policy=policy,
+            optimizer=optimizer,
+            optimizer_step=_AdamStep(optimizer),
+            loss=loss,
+            dp_group=dp,
+            micro_batch_size=mbs,
+            global_batch_size=args.global_batch_size,
+            length_grouping=group,
         )
         return actor, tiny_gpt_model(**shape, **build)
 

@@ -99,7 +99,16 @@ def one_update(rank, layout: str, aggregation: str = "token_mean", te: bool = Fa
     )
     step = ReferenceKeepingStep(opt)
     dp = ps.get_data_parallel_world_size()
-    actor = Actor(ddp, opt, step, loss, ps.get_data_parallel_group(), 2, dp * ROWS_PER_RANK, group)
+    actor = Actor(
+        policy=ddp,
+        optimizer=opt,
+        optimizer_step=step,
+        loss=loss,
+        dp_group=ps.get_data_parallel_group(),
+        micro_batch_size=2,
+        global_batch_size=dp * ROWS_PER_RANK,
+        length_grouping=group,
+    )
     metrics = actor.update_policy(batch, ppo_epochs=1)
     return {
         "metrics": metrics,

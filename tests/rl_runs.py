@@ -71,16 +71,16 @@ def experience_maker(cfg, host, policy, **kwargs):
 
     t = cfg.training
     return ExperienceMaker(
-        policy,
-        None,
-        host.tokenizer,
-        host.renderer,
-        host.scoring,
-        cfg.rollout,
-        cfg.grpo,
-        t.seed,
-        t.forward_micro_batch_size,
-        t.length_grouping,
+        policy=policy,
+        reference=None,
+        tokenizer=host.tokenizer,
+        renderer=host.renderer,
+        scoring=host.scoring,
+        rollout=cfg.rollout,
+        grpo=cfg.grpo,
+        seed=t.seed,
+        log_prob_micro_batch_size=t.forward_micro_batch_size,
+        length_grouping=t.length_grouping,
         **kwargs,
     )
 

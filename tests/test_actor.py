@@ -157,7 +157,15 @@ def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
             return next(per_update)
 
     loss = PPOClipLoss(PolicyLossConfig(clip_high=0.2), SEQ, AdaptiveKLCoefficient(0.0))
-    actor = Actor(None, None, Step(), loss, None, micro_batch_size=1, global_batch_size=4)
+    actor = Actor(
+        policy=None,
+        optimizer=None,
+        optimizer_step=Step(),
+        loss=loss,
+        dp_group=None,
+        micro_batch_size=1,
+        global_batch_size=4,
+    )
     actor.train_on = lambda mini, loss_fn: [{"loss/total": 1.0}]
     batch = _grpo_batch()
     metrics = actor.update_policy(batch, ppo_epochs=1)  # 8 sequences, 4 per update

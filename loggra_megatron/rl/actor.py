@@ -123,6 +123,7 @@ class Actor:
 
     def __init__(
         self,
+        *,
         policy: DistributedDataParallel,
         optimizer: MegatronOptimizer,
         optimizer_step: OptimizerStepFn,

@@ -89,6 +89,7 @@ class ExperienceMaker:
 
     def __init__(
         self,
+        *,
         policy: MegatronModule,
         reference: MegatronModule | None,
         tokenizer: Tokenizer,

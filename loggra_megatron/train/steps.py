@@ -66,6 +66,7 @@ class OptimizerStep:
 
     def __init__(
         self,
+        *,
         stepper: MegatronStepper,
         kl_controller: PredictedKLController | None,
         scheduler: OptimizerParamScheduler,
