@@ -10,7 +10,7 @@ declaration leaves out (``None``); a key that reaches a reduction it does not de
 refused.
 
 ``docs/metrics.md``'s table is generated from ``METRICS`` (``python -m
-loggra_megatron.metric_keys docs/metrics.md``; ``tests/test_metrics.py`` fails when it
+loggra_megatron.metric_keys docs/metrics.md``; ``tests/unit/test_metrics.py`` fails when it
 drifts). The reductions in full: docs/metrics.md#keys; adding a metric:
 docs/architecture.md#recipes.
 """

@@ -1,6 +1,6 @@
 """Reading GPU launch commands as the memory estimator's flags: the ``pretrain_rl.py`` line of
 a launch script or of a document, its exported environment, and the numbers a text quotes
-(shared by tests/test_gpu_scripts.py and tests/test_memory_docs.py)."""
+(shared by tests/test_gpu_scripts.py and tests/unit/docs/test_memory_md.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ USABLE_GIB = 79.1  # of an "80 GB" H100 (docs/memory.md)
 
 # pretrain_rl.py flags of the launch commands that change no term of the memory model, and why:
 # the estimator reads them as pretrain_rl.py does (every flag of it is the estimator's too), and
-# the documented estimator commands leave them out (tests/test_memory_cli.py checks that the
+# the documented estimator commands leave them out (tests/unit/tools/test_estimate_memory.py checks that the
 # whole launch command prints the same).
 MEMORY_NEUTRAL = {
     "--load": "weights only; the shape comes from --hf-config",

@@ -207,7 +207,7 @@ def full_kl_logits_bytes(
     of every trial row kept (``4`` B per logit of ``kept_rows × s``), and one forward of
     ``forward_rows`` rows at a time with its fp32 candidate logits and the three fp32
     temporaries of ``vocab_parallel_kl`` (``p_old``, ``z_old − z_new``, their product:
-    ``16`` B per logit; measured in ``tests/test_memory_runtime.py``)."""
+    ``16`` B per logit; measured in ``tests/unit/memory/test_runtime.py``)."""
     t = plan.tensor_model_parallel_size
     per_row = plan.seq_length * (model.padded_vocab_size(t) // t)
     return 4 * kept_rows * per_row + 16 * forward_rows * per_row

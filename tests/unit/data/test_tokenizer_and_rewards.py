@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ from loggra_megatron.tasks.rewards import (
     load_reward_fn,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 
 # ------------------------------------------------------------------------ generator
 

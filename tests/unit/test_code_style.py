@@ -4,7 +4,7 @@
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [
     *sorted((ROOT / "loggra_megatron").rglob("*.py")),
     *sorted((ROOT / "benchmarks").rglob("*.py")),

@@ -11,7 +11,7 @@ import pytest
 
 from loggra_megatron.megatron_version import TESTED, untested_version_note
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 ROOT = os.path.dirname(TESTS)
 # calls and imports that start Megatron-Core (ranks, a training process, a model)
 USES_MEGATRON = re.compile(
@@ -31,8 +31,9 @@ def _marked(source: str) -> bool:
 @pytest.mark.parametrize(
     "name",
     sorted(
-        f
-        for f in os.listdir(TESTS)
+        os.path.relpath(os.path.join(folder, f), TESTS)
+        for folder, _, files in os.walk(TESTS)
+        for f in files
         if f.startswith("test_") and f.endswith(".py") and f != os.path.basename(__file__)
     ),
 )

@@ -18,7 +18,7 @@ from loggra_megatron.metric_keys import (
 )
 from loggra_megatron.metrics import MetricsLogger, read_metrics, resolve_wandb_mode
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def _step_metrics(step):

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ from loggra_megatron.rollout.dynamic import DynamicEngine
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 CONFIG_27B = os.path.join(REPO, "tools", "configs", "llama-style-27b.json")
 MiB = 1024**2
 

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 from launch_flags import names_flag
@@ -39,7 +40,7 @@ from loggra_megatron.memory.model import (
 )
 from loggra_megatron.model.config import log_prob_chunk_tokens
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
 CONFIGS = os.path.join(REPO, "tools", "configs")
 SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4)

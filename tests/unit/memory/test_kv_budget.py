@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from memory_plans import plan
 
@@ -16,7 +17,7 @@ from loggra_megatron.memory.kv_budget import kv_budget
 from loggra_megatron.memory.model import estimate_rl_step_memory
 from loggra_megatron.memory.shape import GiB, TransformerShape
 
-CONFIG_27B = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "configs")
+CONFIG_27B = os.path.join(str(Path(__file__).resolve().parents[3]), "tools", "configs")
 CONFIG_27B = os.path.join(CONFIG_27B, "llama-style-27b.json")
 ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_NVLS_ENABLE": "0"}
 

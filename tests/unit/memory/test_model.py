@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step,
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
 CONFIGS = os.path.join(REPO, "tools", "configs")
 
