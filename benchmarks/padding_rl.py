@@ -13,7 +13,7 @@ early; failed ones are random ids: the forwards' cost depends on the shapes only
 rank (CPU, gloo), a tiny Llama-style policy and its reference; each repeat times the arms
 (forward then reverse order): the training phase (forward + backward of every micro-batch,
 one Adam step per mini-batch) and the reference log-probs. The packed arm runs Transformer
-Engine's THD attention as ``tests/gpu_standins.py`` stands in for it (a per-row loop on CPU:
+Engine's THD attention as ``tests/helpers/gpu_standins.py`` stands in for it (a per-row loop on CPU:
 its attention is slower than the batched kernel, its linears see fewer tokens). Reported:
 median real tokens/s of each phase, the ratios to the plain arm (and the median of
 per-repeat ratios), the padded fraction of the slots each phase fed. Results:

@@ -1,4 +1,6 @@
-"""Shared fixtures: a sentencepiece tokenizer trained once per session on built-in tasks."""
+"""Shared fixtures (a sentencepiece tokenizer trained once per session on built-in tasks), and
+the shared builders of ``tests/helpers`` on the import path of every test and of the
+processes the tests start (spawned ranks inherit it)."""
 
 import os
 import subprocess
@@ -7,6 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 
 
 @pytest.fixture(scope="session")

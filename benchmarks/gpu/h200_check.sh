@@ -57,7 +57,7 @@ fi
 RESULTS=${RESULTS:-${OUT:-.}/h200_check.txt}
 BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-3}
-# For a rehearsal on CPU (tests/test_gpu_scripts.py): RL_DEVICE=cpu, and flags appended to
+# For a rehearsal on CPU (tests/integration/test_gpu_scripts.py): RL_DEVICE=cpu, and flags appended to
 # the pretrain_rl/estimate calls (RL_EXTRA), the memory_rl calls (MEM_EXTRA) and the
 # bench_kl_control call (KL_EXTRA) and the decode_step call (DECODE_EXTRA).
 RL_DEVICE=${RL_DEVICE:-cuda}

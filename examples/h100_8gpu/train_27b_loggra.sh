@@ -49,7 +49,7 @@
 # With --loggra-sketch gradient (the default: the dense gradient in the fp32 grad buffer,
 # 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 54.84 ("yes (24.26
 # free)"), static 36.65.
-# tests/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
+# tests/integration/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs
 # yet: benchmarks/gpu/h200_check.sh is the first check.
 #
 # Inputs: a converted checkpoint (tools/convert_checkpoint.py --direction hf-to-megatron

@@ -65,7 +65,7 @@ def local_spec_bytes_per_layer(
     model: TransformerShape, plan: StepPlan, micro_batch_size: int, seq_length: int
 ) -> int:
     """What one layer of Megatron-Core's local spec saves beyond ``activation_bytes_per_layer``
-    (0 with Transformer Engine's spec), measured on the layer (``tests/test_memory_runtime``):
+    (0 with Transformer Engine's spec), measured on the layer (``tests/unit/memory/test_runtime.py``):
 
     * each ``torch.nn.RMSNorm`` keeps fp32 copies of its input and normalised input and its
       bf16 output, ``10·sb·h``, and its fp32 ``1/rms``, ``4·sb``, where Transformer Engine's
@@ -181,7 +181,7 @@ def log_prob_head_bytes(
       same size, else accumulated over the chunks in fp32 next to the chunk's, ``(4 +
       w)·V_t·h`` (one chunk: its own ``w·V_t·h``); plus the fp32 log-sum-exp the forward saves
       for the backward, ``4·tokens`` (measured on ``model/output_head.py``:
-      ``tests/test_memory_runtime``)."""
+      ``tests/unit/memory/test_runtime.py``)."""
     if not tokens:
         return 0
     t = plan.tensor_model_parallel_size

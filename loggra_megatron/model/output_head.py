@@ -27,7 +27,7 @@ Memory, ``V_t = V/TP``: a forward-only chunk holds ``10·c·V_t`` bytes (bf16 lo
 copy, fp32 exponentials), a backward chunk ``12·c·V_t``, and the weight gradient ``6·V_t·h``
 (fp32 accumulator + the cast), or, under Megatron's DDP, only ``2·V_t·h`` (each chunk's
 gradient goes into ``main_grad``, plus the placeholder DDP's hook skips); in place of ``[b, s, V_t]`` logits in bf16 plus 3–4 fp32
-copies. Values equal the unchunked log-softmax's to round-off (tests/test_output_head.py).
+copies. Values equal the unchunked log-softmax's to round-off (tests/integration/test_output_head.py).
 Cf. Liger-Kernel's fused linear cross-entropy and NeMo-RL's chunked log-probs.
 """
 

@@ -5,7 +5,7 @@
 ``model_fp32_groups`` / ``shard_fp32_groups`` and ``_get_model_param_range_map``),
 ``Float16OptimizerWithFloat16Params`` (``float16_groups`` / ``fp32_from_float16_groups``,
 ``fp32_from_fp32_groups``) and ``FP32Optimizer`` (the model params are the main params).
-Read the same in megatron-core 0.16-0.19; covered by ``tests/test_megatron_optimizer.py``.
+Read the same in megatron-core 0.16-0.19; covered by ``tests/integration/test_megatron_optimizer.py``.
 
 ``keep_masters_as_remainders`` (``--loggra-param-remainders``) swaps a
 ``DistributedOptimizer``'s fp32 master shards of 16-bit params for the model's own bf16

@@ -274,7 +274,7 @@ def test_loggra_fp32_grad_copy_and_no_distributed_optimizer():
 
 def test_masters_as_remainders_the_kl_trial_backup_and_the_checkpoint_save():
     """--loggra-param-remainders halves LoGRA's masters (2 bytes per element of the DP shard,
-    as ShardedLoGRAAdamW's int16 remainders; tests/test_param_remainders.py checks the real
+    as ShardedLoGRAAdamW's int16 remainders; tests/integration/test_param_remainders.py checks the real
     bytes), adds the bf16 weight backup to the KL-control phase and the fp32 of one copy
     bucket to the checkpoint save; dense Adam's masters halve only with Megatron's
     precision-aware optimizer (bf16 moments)."""

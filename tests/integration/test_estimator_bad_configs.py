@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 with open(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")) as _f:
     BASE = json.load(_f)
 FLAGS = ["--world-size", "8", "--tensor-model-parallel-size", "8"]

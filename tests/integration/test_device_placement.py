@@ -1,4 +1,4 @@
-"""GPU readiness on CPU: every tensor where a CUDA run needs it (``tests/device_audit.py``
+"""GPU readiness on CPU: every tensor where a CUDA run needs it (``tests/helpers/device_audit.py``
 simulates the device), and the fused kernels chosen per device."""
 
 import json
@@ -47,7 +47,7 @@ def test_trainer_on_simulated_cuda_keeps_every_tensor_on_the_device(tokenizer, t
             **parallel,
         },
     )
-    proc = torchrun([str(report), "--", *argv], script="tests/device_audit.py")
+    proc = torchrun([str(report), "--", *argv], script="tests/helpers/device_audit.py")
     for rank, r in enumerate(_reports(report)):
         assert r["exit"] == 0, f"rank {rank} exited {r['exit']}: {proc.stderr[-3000:]}"
         assert r["violations"] == [], f"rank {rank}:\n" + "\n".join(r["violations"])
@@ -75,7 +75,7 @@ def test_the_audit_flags_what_a_gpu_would_reject():
     from loggra_megatron.parallel import free_port
 
     code = _SELF_TEST.format(port=free_port())
-    env = {**ENV, "PYTHONPATH": os.path.join(ROOT, "tests")}
+    env = {**ENV, "PYTHONPATH": os.path.join(ROOT, "tests", "helpers")}
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -7,10 +7,11 @@ import glob
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from loggra_megatron.config import add_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _scripts(folder: str) -> list[str]:

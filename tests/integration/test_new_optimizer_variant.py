@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ SGD_MOMENTUM = OptimizerSpec(
     state_bytes_per_param=4,  # the momentum buffer
     init_state="sgd_momentum:init_momentum",
 )
-ESTIMATOR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "estimate_memory.py")
+ESTIMATOR = os.path.join(str(Path(__file__).resolve().parents[2]), "tools", "estimate_memory.py")
 VOCAB, SEQ = 64, 8
 TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))
 

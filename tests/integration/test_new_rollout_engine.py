@@ -14,6 +14,7 @@ import os
 import sys
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_the_memory_model_and_the_estimator_count_its_kv_cache(engine_dir, capsy
 
     spec = importlib.util.spec_from_file_location(
         "estimate_memory_cli",
-        os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "estimate_memory.py"),
+        os.path.join(str(Path(__file__).resolve().parents[2]), "tools", "estimate_memory.py"),
     )
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)

@@ -1,6 +1,6 @@
 """Reading GPU launch commands as the memory estimator's flags: the ``pretrain_rl.py`` line of
 a launch script or of a document, its exported environment, and the numbers a text quotes
-(shared by tests/test_gpu_scripts.py and tests/unit/docs/test_memory_md.py)."""
+(shared by tests/integration/test_gpu_scripts.py and tests/unit/docs/test_memory_md.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import importlib.util
 import os
 import re
 import shlex
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 CONFIG_27B = os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")
 USABLE_GIB = 79.1  # of an "80 GB" H100 (docs/memory.md)
 

@@ -11,7 +11,7 @@ of one or more dimensions (CUDA's "Expected all tensors to be on the same device
 are not ops that mix); a ``torch.distributed`` call on a ``host`` tensor (NCCL rejects it);
 after the model is built, a parameter or buffer that is not a ``device`` tensor.
 
-``python tests/device_audit.py REPORT_DIR -- pretrain_rl flags`` (under torchrun) runs
+``python tests/helpers/device_audit.py REPORT_DIR -- pretrain_rl flags`` (under torchrun) runs
 ``pretrain_rl.py`` with ``--device cuda`` on this simulated device (gloo underneath) and writes
 ``REPORT_DIR/rank<N>.json``.
 """
@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -215,7 +216,22 @@ def install(audit: DeviceAudit) -> None:
             setattr(dist, name, _wrap_collective(audit, name, getattr(dist, name)))
     for name in ("isend", "irecv"):  # P2POp checks its op against c10d's own functions
         setattr(dist.distributed_c10d, name, getattr(dist, name))
+    _step_graphs_on_the_host()
     audit.__enter__()
+
+
+def _step_graphs_on_the_host() -> None:
+    """The simulated device's tensors live on the host, where ``torch.cuda.CUDAGraph`` cannot
+    capture: the static engine's decode steps take ``StepGraphs``' own stand-in, which holds
+    them to what a capture enforces (``rollout/step_graph.py``)."""
+    from loggra_megatron.rollout import step_graph
+
+    init = step_graph.StepGraphs.__init__
+
+    def standin(self, device, capture):
+        init(self, torch.device("cpu"), False)
+
+    step_graph.StepGraphs.__init__ = standin
 
 
 def audit_model(audit: DeviceAudit, model, what: str) -> None:
@@ -227,7 +243,7 @@ def audit_model(audit: DeviceAudit, model, what: str) -> None:
 def run_pretrain_rl(audit: DeviceAudit, argv: list[str]) -> int:
     """``pretrain_rl.py argv --device cuda`` on the simulated device (``install`` done),
     the built models audited; returns the exit code."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import pretrain_rl
     from loggra_megatron.model import build as build_module
     from loggra_megatron.train import trainer as trainer_module

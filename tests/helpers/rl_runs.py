@@ -3,11 +3,12 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from loggra_megatron.optim.registry import OPTIMIZERS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REWARD = os.path.join(ROOT, "tests", "reward_fns.py")
+ROOT = str(Path(__file__).resolve().parents[2])
+REWARD = os.path.join(ROOT, "tests", "helpers", "reward_fns.py")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
 
 

@@ -1,4 +1,4 @@
-"""The GPU path on CPU through ``tests/gpu_standins.py`` (what Transformer Engine and flash-attn
+"""The GPU path on CPU through ``tests/helpers/gpu_standins.py`` (what Transformer Engine and flash-attn
 enforce): the 27B example's flag set end to end, and the first-step failures of issue 21,
 each of which fails here without its fix."""
 
@@ -21,7 +21,7 @@ def _reports(report_dir) -> list[dict]:
 
 def _run(tmp_path, argv) -> tuple[list[dict], object]:
     report = tmp_path / "report"
-    proc = torchrun([str(report), "--", *argv], script="tests/gpu_standins.py", check=False)
+    proc = torchrun([str(report), "--", *argv], script="tests/helpers/gpu_standins.py", check=False)
     reports = _reports(report)
     for rank, r in enumerate(reports):
         assert r["exit"] == 0, f"rank {rank} exited {r['exit']}: {proc.stderr[-4000:]}"

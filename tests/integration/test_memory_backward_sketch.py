@@ -361,12 +361,12 @@ def test_the_benchmark_is_the_estimator():
 # ---------------------------------------------------------------------- real runs
 def _measure(rank, bf16=False, remainders=False, reduce="step"):
     """A tiny GPT with the backward sketch after one step: its buffer, state, masters and
-    grad buffer in bytes (tests/backward_sketch_runs.py builds it)."""
+    grad buffer in bytes (tests/helpers/backward_sketch_runs.py builds it)."""
     import torch
+    from backward_sketch_runs import TOKENS, build_sketched, local_batch, settings
 
     from loggra_megatron.optim import state_bytes
     from loggra_megatron.testing import train_step
-    from tests.backward_sketch_runs import TOKENS, build_sketched, local_batch, settings
 
     kw = {"loggra_param_remainders": True} if remainders else {}
     optim, loggra = settings(loggra_sketch_reduce=reduce, **kw)
@@ -399,7 +399,7 @@ def _measure(rank, bf16=False, remainders=False, reduce="step"):
 
 
 def _estimate(dp, bf16, remainders, reduce="step"):
-    from tests.backward_sketch_runs import HEADS, HIDDEN, RANK, VOCAB
+    from backward_sketch_runs import HEADS, HIDDEN, RANK, VOCAB
 
     shape = TransformerShape(
         num_layers=2,

@@ -1,4 +1,4 @@
-"""Reward functions for the pretrain_rl tests (loaded with --reward-fn tests/reward_fns.py:NAME)."""
+"""Reward functions for the pretrain_rl tests (loaded with --reward-fn tests/helpers/reward_fns.py:NAME)."""
 
 
 def digit_count(prompt: str, completion: str, answer: str, metadata: dict) -> float:

@@ -3,10 +3,11 @@ a Hugging Face safetensors directory."""
 
 import importlib.util
 import os
+from pathlib import Path
 
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 CLI = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 
 

@@ -13,7 +13,7 @@ On CPU (megatron-core 0.16.1, ``loggra_megatron.cpu``'s CPU mode) the engine doe
    attention.py:1178, and under PP ``communication_utils._is_cuda`` on the logits.)
 
 The ``*_documented_failure`` tests pin that chain. The other engine tests run the *real*
-engine, scheduler and driver on CPU, a bf16 model, with ``tests/gpu_standins.py``'s
+engine, scheduler and driver on CPU, a bf16 model, with ``tests/helpers/gpu_standins.py``'s
 flash-attn stand-in (plain-PyTorch paged attention with flash-attn's input checks), the
 Generator redirect, the Triton KV append off and a no-op ``_is_cuda``, against the static
 engine on the same weights (TP=1, TP=2, PP=2). The ``gpu`` test runs the real kernels.

@@ -155,7 +155,7 @@ def test_fp32_master_copies_are_freed():
         assert result["alive"] == 0  # nothing in Megatron's optimizer still holds them
 
 
-def test_config_cross_checks():  # the flags' checks: tests/test_pretrain_rl.py
+def test_config_cross_checks():  # the flags' checks: tests/integration/test_pretrain_rl.py
     from loggra_megatron.optim import LoGRAOptimizerConfig
 
     with pytest.raises(ValueError, match="loggra_param_remainders needs bf16"):

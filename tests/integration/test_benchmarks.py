@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 BENCH = os.path.join(ROOT, "benchmarks", "memory_rl.py")
 sys.path.insert(0, os.path.dirname(BENCH))  # the benchmarks import tiny_example as scripts do
 GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")

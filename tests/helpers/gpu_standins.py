@@ -13,11 +13,9 @@ stand-ins for Transformer Engine and flash-attn".
   ``ThdDotProductAttention``: TE's contract for packed sequences (THD).
 * flash-attn's paged kernels (``varlen_attention``, ``kvcache_attention``) with its
   fp16/bf16 rule, and the CPU redirects Megatron-Core's dynamic engine needs.
-* ``install_step_graphs``: the static engine's CUDA-graph capture as its own CPU stand-in
-  (``rollout/step_graph.py``: static inputs, one output, host reads refused at capture).
 
-``python tests/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
-``pretrain_rl.py --device cuda`` on the simulated CUDA device of ``tests/device_audit.py``
+``python tests/helpers/gpu_standins.py REPORT_DIR -- <pretrain_rl.py flags>`` (under torchrun) runs
+``pretrain_rl.py --device cuda`` on the simulated CUDA device of ``tests/helpers/device_audit.py``
 (capability 9.0) and writes ``REPORT_DIR/rank<N>.json``: exit code, violations, record.
 """
 
@@ -534,20 +532,6 @@ def install_flash_attn() -> None:
 # ---------------------------------------------------------------- launcher
 
 
-def install_step_graphs() -> None:
-    """The simulated device's tensors live on the host, where ``torch.cuda.CUDAGraph`` cannot
-    capture: its decode steps take ``StepGraphs``' own stand-in, which holds them to what a
-    capture enforces."""
-    from loggra_megatron.rollout import step_graph
-
-    init = step_graph.StepGraphs.__init__
-
-    def standin(self, device, capture):
-        init(self, torch.device("cpu"), False)
-
-    step_graph.StepGraphs.__init__ = standin
-
-
 def main(report_dir: str, argv: list[str]) -> int:
     """``pretrain_rl.py argv --device cuda`` on the simulated device with every stand-in."""
     import device_audit
@@ -557,7 +541,6 @@ def main(report_dir: str, argv: list[str]) -> int:
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # Hopper
     install_transformer_engine()
     install_flash_attn()
-    install_step_graphs()
     code = device_audit.run_pretrain_rl(audit, argv)
     report = {"exit": code, "violations": audit.violations, "record": dict(RECORD)}
     device_audit.write_report(report_dir, report)

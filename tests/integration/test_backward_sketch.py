@@ -3,11 +3,11 @@ the backward pass equals ``G Aᵀ`` of the dense gradient that is never formed, 
 DP, gradient accumulation and recompute; updates are TP/DP invariant; no grad buffer for a
 target; save → resume is bitwise."""
 
+import backward_sketch_runs as runs
 import pytest
 import torch
 
 from loggra_megatron.testing import run_distributed
-from tests import backward_sketch_runs as runs
 
 pytestmark = pytest.mark.megatron
 

@@ -3,10 +3,11 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from loggra_megatron.metrics import MetricsLogger
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 TOOL = os.path.join(ROOT, "tools", "plot_metrics.py")
 
 

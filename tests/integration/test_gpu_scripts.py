@@ -163,7 +163,9 @@ def test_27b_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
     script["--hf-config"] = ["tools/configs/llama-style-27b.json"]
     assert header == script
     argv[argv.index("--hf-config") + 1] = CONFIG_27B
-    comment = text.split("prints (GiB per GPU)", 1)[1].split("\n# tests/test_gpu_scripts.py", 1)[0]
+    comment = text.split("prints (GiB per GPU)", 1)[1].split(
+        "\n# tests/integration/test_gpu_scripts.py", 1
+    )[0]
     parts = re.split(r"\n# (?=Without --|With --)", comment)
     variants = {
         "": argv,

@@ -116,7 +116,9 @@ def _against_the_models_logits(rank, chunk, sequence_parallel):
     from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 
     kw = {}
-    if sequence_parallel:  # Transformer Engine's spec, as CPU stand-ins (tests/gpu_standins.py)
+    if (
+        sequence_parallel
+    ):  # Transformer Engine's spec, as CPU stand-ins (tests/helpers/gpu_standins.py)
         import gpu_standins
 
         gpu_standins.install_transformer_engine()

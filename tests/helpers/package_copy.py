@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def package_copy(tmp_path: Path, new_files: dict[str, str], edits: list[tuple]) -> Path:

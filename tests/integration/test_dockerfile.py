@@ -7,10 +7,11 @@ import importlib.util
 import os
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[2])
 DOCKER = os.path.join(REPO, "docker")
 
 

@@ -1,4 +1,4 @@
-"""Rank functions of the backward-sketch tests (``tests/test_backward_sketch.py``): a tiny GPT
+"""Rank functions of the backward-sketch tests (``tests/integration/test_backward_sketch.py``): a tiny GPT
 with ``--loggra-sketch backward`` through Megatron's DDP, schedule and chained optimizer, and
 the dense reference it is compared with (the same weights, targets trainable)."""
 
