@@ -1,8 +1,9 @@
 """KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``, and log-prob recompute.
 
-``generate_rollout`` is Megatron's static-batch scheme on ``StaticInferenceContext``:
-right-padded prompts, one prefill of the shortest prompt, then one token per step (finished
-rows idle until the whole batch is done), with the log-probs of the temperature-1 policy of
+``generate_rollout`` is Megatron's static-batch scheme: right-padded prompts, one prefill
+of the shortest prompt (once per distinct prompt), then one token per step (finished rows
+idle until the whole batch is done) through a static KV cache and, on a GPU, a captured
+decode step (``rollout/decoder.py``), with the log-probs of the temperature-1 policy of
 every sampled token. TP rank 0 samples from the TP-gathered last-token logits and broadcasts
 the ``[B]`` ids over TP, the log-prob is vocab-parallel (three ``[B]`` all-reduces); under
 PP each step runs stage by stage (one send/recv of ``[s, B, H]``) and the last stage
@@ -290,8 +291,7 @@ class _DecodeState:
 
     buf: torch.Tensor  # [B, L] prompts, then samples, then pad_id
     lengths: torch.Tensor  # [B] prompt lengths (device)
-    shortest: int  # prompt lengths, known on the host
-    longest: int
+    shortest: int  # the shortest prompt, known on the host
     max_new_tokens: int
     log_probs: torch.Tensor  # [B, L - 1] of the targets tokens[:, t + 1]
     response_mask: torch.Tensor  # [B, L - 1]
@@ -307,8 +307,7 @@ class _DecodeState:
     def start(cls, buf, lengths, real_rows: int, max_new_tokens: int, pad_id: int):
         """``lengths``: ``[B]`` prompt lengths on the host."""
         batch, device = buf.shape[0], buf.device
-        shortest, longest = int(lengths.min()), int(lengths.max())
-        total = longest + max_new_tokens
+        shortest, total = int(lengths.min()), int(lengths.max()) + max_new_tokens
         buf = torch.cat([buf, buf.new_full((batch, max_new_tokens), pad_id)], dim=1)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         done[real_rows:] = True
@@ -316,7 +315,6 @@ class _DecodeState:
             buf=buf,
             lengths=lengths.to(device),
             shortest=shortest,
-            longest=longest,
             max_new_tokens=max_new_tokens,
             log_probs=torch.zeros(batch, total - 1, dtype=torch.float32, device=device),
             response_mask=torch.zeros(batch, total - 1, dtype=torch.bool, device=device),
@@ -377,6 +375,7 @@ def _decode(model, state: _DecodeState, sample, stop_ids, decoder, pp_group) -> 
     pp_last_rank = dist.get_process_group_ranks(pp_group)[-1]
     buf = state.buf
     batch, total = buf.shape
+    forward = partial(_stage_forward, model, decoder, pp_group=pp_group, hidden_dtype=dtype)
     start, t = 0, state.shortest
     while t < total and state.max_new_tokens > 0:
         if state.steps % STOP_CHECK_INTERVAL == 0:
@@ -385,7 +384,6 @@ def _decode(model, state: _DecodeState, sample, stop_ids, decoder, pp_group) -> 
                 break
         state.steps += 1
         lo = start if decoder is not None else 0
-        forward = partial(_stage_forward, model, decoder, pp_group=pp_group, hidden_dtype=dtype)
         if state.steps == 1 and state.prefill is not None:  # one prefill per distinct prompt
             rows, index = state.prefill
             logits = forward(buf[rows, :t], 0)

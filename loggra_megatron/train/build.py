@@ -158,3 +158,26 @@ def kl_controller(
         ps.get_pipeline_model_parallel_group(),
         forward_rows=rows if full else None,
     )
+
+
+def experience_maker(cfg: RunConfig, host, policy, reference, *, tis=False, on_policy=False):
+    """The ``ExperienceMaker`` of a run: ``policy`` (and ``reference``, or None), ``host``'s
+    tokenizer, renderer and scoring, and its sections of ``cfg``; ``tis``: ``--tis-cap`` is
+    set; ``on_policy``: one optimizer update per RL step (π_old is the training forward's)."""
+    from loggra_megatron.rl.experience import ExperienceMaker
+
+    t = cfg.training
+    return ExperienceMaker(
+        policy=policy,
+        reference=reference,
+        tokenizer=host.tokenizer,
+        renderer=host.renderer,
+        scoring=host.scoring,
+        rollout=cfg.rollout,
+        grpo=cfg.grpo,
+        seed=t.seed,
+        log_prob_micro_batch_size=t.forward_micro_batch_size,
+        length_grouping=t.length_grouping,
+        tis=tis,
+        on_policy=on_policy,
+    )

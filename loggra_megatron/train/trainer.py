@@ -137,7 +137,6 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
 
         from loggra_megatron.rl.actor import Actor
-        from loggra_megatron.rl.experience import ExperienceMaker
         from loggra_megatron.train.evaluation import Evaluator
         from loggra_megatron.train.warmup import SupervisedWarmup
 
@@ -159,17 +158,11 @@ class RLTrainer:
             global_batch_size=t.global_batch_size,
             length_grouping=t.length_grouping,
         )
-        self.experience = ExperienceMaker(
-            policy=self.policy,
-            reference=self.reference,
-            tokenizer=host.tokenizer,
-            renderer=host.renderer,
-            scoring=host.scoring,
-            rollout=cfg.rollout,
-            grpo=cfg.grpo,
-            seed=t.seed,
-            log_prob_micro_batch_size=t.forward_micro_batch_size,
-            length_grouping=t.length_grouping,
+        self.experience = build.experience_maker(
+            cfg,
+            host,
+            self.policy,
+            self.reference,
             tis=cfg.loss.tis_cap is not None,
             on_policy=self.plan.updates_per_rl_step == 1,
         )

@@ -65,27 +65,6 @@ def tiny_policy(argv: list[str]):
     return cfg, host, policy, examples
 
 
-def experience_maker(cfg, host, policy, **kwargs):
-    """The ``ExperienceMaker`` of ``cfg``'s sections on ``policy`` (no reference), as the
-    trainer wires it; ``kwargs``: its keyword settings (``tis``, ``on_policy``)."""
-    from loggra_megatron.rl.experience import ExperienceMaker
-
-    t = cfg.training
-    return ExperienceMaker(
-        policy=policy,
-        reference=None,
-        tokenizer=host.tokenizer,
-        renderer=host.renderer,
-        scoring=host.scoring,
-        rollout=cfg.rollout,
-        grpo=cfg.grpo,
-        seed=t.seed,
-        log_prob_micro_batch_size=t.forward_micro_batch_size,
-        length_grouping=t.length_grouping,
-        **kwargs,
-    )
-
-
 def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
     """``torchrun --nproc-per-node nproc script argv`` (a path under the repository); the
     finished process."""

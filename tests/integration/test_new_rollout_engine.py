@@ -64,7 +64,9 @@ def engine_dir(tmp_path, monkeypatch):
 
 def _experience(rank, engine_dir, tokenizer):
     """One RL step's experience with ``--rollout-engine auto`` and ``static``."""
-    from rl_runs import experience_maker, tiny_argv, tiny_policy
+    from rl_runs import tiny_argv, tiny_policy
+
+    from loggra_megatron.train.build import experience_maker
 
     sys.path.insert(0, engine_dir)
     import counting_engine
@@ -74,7 +76,7 @@ def _experience(rank, engine_dir, tokenizer):
     out = {}
     for name in ("auto", "static"):
         cfg.rollout.rollout_engine = name
-        maker = experience_maker(cfg, host, policy)
+        maker = experience_maker(cfg, host, policy, None)
         exp = maker.make(examples, step=0)
         out[name] = {
             "engine": maker.engine.name,

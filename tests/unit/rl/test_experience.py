@@ -13,15 +13,16 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 
 def _experiences(rank, tokenizer):
-    from rl_runs import experience_maker, tiny_argv, tiny_policy
+    from rl_runs import tiny_argv, tiny_policy
 
     from loggra_megatron.rollout import compute_log_probs
+    from loggra_megatron.train.build import experience_maker
 
     argv = tiny_argv(tokenizer, temperature=0, **{"rollout-engine": "static"})
     cfg, host, policy, examples = tiny_policy(argv)
     out = {}
     for tis, on_policy in ((False, False), (True, False), (True, True)):
-        maker = experience_maker(cfg, host, policy, tis=tis, on_policy=on_policy)
+        maker = experience_maker(cfg, host, policy, None, tis=tis, on_policy=on_policy)
         exp = maker.make(examples, step=0)
         out[(tis, on_policy)] = {
             "source": maker.old_log_probs,
