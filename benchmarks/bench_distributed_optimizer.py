@@ -57,7 +57,7 @@ def _sync(device: torch.device) -> None:
 def run(args, kind: str, device: torch.device) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer, state_bytes
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer, state_bytes
     from loggra_megatron.testing import tiny_gpt_model, train_step, wrap_ddp
 
     torch.manual_seed(0)
@@ -75,12 +75,8 @@ def run(args, kind: str, device: torch.device) -> dict:
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     else:
-        config = LoGRAOptimizerConfig(
-            **base,
-            loggra_rank=args.rank or args.hidden // 8,
-            loggra_update_interval=args.update_interval,
-        )
-        opt = get_loggra_optimizer(config, [ddp])
+        loggra = LoGRAConfig(loggra_rank=args.rank, loggra_update_interval=args.update_interval)
+        opt = get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
     tokens = tokens.to(device)  # the same ids on every device

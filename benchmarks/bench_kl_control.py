@@ -63,7 +63,9 @@ def _sync(device: torch.device) -> None:
 
 
 def build(args):
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
     from loggra_megatron.testing import tiny_gpt_model, wrap_ddp
 
     torch.manual_seed(0)
@@ -76,26 +78,25 @@ def build(args):
         bf16=True,
     )
     ddp = wrap_ddp(model)
-    config = LoGRAOptimizerConfig(
-        optimizer="adam",
-        lr=args.lr,
-        bf16=True,
-        use_distributed_optimizer=True,
-        clip_grad=1.0,
-        loggra_rank=args.hidden // 8,
+    config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0
     )
-    return ddp, get_loggra_optimizer(config, [ddp])
+    return ddp, get_loggra_optimizer(config, [ddp], LoGRAConfig())  # rank: hidden / 8
 
 
-def backward(ddp, opt, tokens):
-    from loggra_megatron.testing import train_step
+def backward(ddp, opt, tokens, mask, update=None):
+    """Forward + backward of the batch as pretrain_rl.py's actor runs it (one micro-batch,
+    next-token NLL); ``update``: KL control's, whose probe reference this forward keeps."""
+    from megatron.core import parallel_state as ps
 
-    step = opt.step
-    opt.step = lambda: (True, None, None)  # forward + backward + grad reduce only
-    try:
-        train_step(ddp, opt, tokens)
-    finally:
-        opt.step = step
+    from loggra_megatron.rl.actor import forward_backward, global_counts, sft_loss_fn
+
+    num_tokens, _ = global_counts(mask, len(tokens), ps.get_data_parallel_group())
+    loss_fn = sft_loss_fn(num_tokens)
+    if update is not None:
+        loss_fn = update.keep_reference(loss_fn)
+    dp = ps.get_data_parallel_world_size()
+    forward_backward(ddp, opt, [{"tokens": tokens, "mask": mask}], loss_fn, dp)
 
 
 def controller(ddp, opt, **cfg):
@@ -104,16 +105,18 @@ def controller(ddp, opt, **cfg):
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.rl.config import KLControlConfig
     from loggra_megatron.rl.kl_control import PredictedKLController
-    from loggra_megatron.rl.kl_probe import gpt_probe_forward
+    from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
 
-    return PredictedKLController(
-        KLControlConfig(**cfg),
-        MegatronStepper(opt),
+    config = KLControlConfig(**cfg)
+    measure = ProbeKL(
         gpt_probe_forward(ddp),
-        ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(),
-        ps.get_pipeline_model_parallel_group(),
+        config.kl_estimator,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        device=next(ddp.parameters()).device,
     )
+    return PredictedKLController(config, MegatronStepper(opt), measure)
 
 
 @dataclass
@@ -148,7 +151,7 @@ def measure_baseline(bench: Bench, ddp, opt) -> float:
     for i in range(bench.args.steps + 1):
         _sync(bench.device)
         t0 = time.perf_counter()
-        backward(ddp, opt, bench.tokens)
+        backward(ddp, opt, bench.tokens, bench.mask)
         opt.step()
         _sync(bench.device)
         if i:
@@ -185,14 +188,12 @@ def controller_share(
         kl_probe_skip_below=0.1 if skip else 0.0,
     )
     args, tokens, mask = bench.args, bench.tokens, bench.mask
-    probe, holdout = ctl.config.probe_split(args.batch)
-    rows = holdout.stop if realized else probe.stop  # what the training forward keeps
     times = []
     for i in range(args.steps + (target is None)):
-        backward(ddp, opt, tokens)
-        ref = ctl.as_reference(ctl.forward((tokens[:rows], mask[:rows]))) if kept else None
+        update = ctl.begin(tokens, mask)
+        backward(ddp, opt, tokens, mask, update if kept else None)
         _sync(bench.device)
-        m = ctl.step_minibatch(tokens, mask, reference=ref).metrics
+        m = ctl.step(update).metrics()
         if target is None and i == 0:  # aim at a quarter of the raw step's KL
             ctl.config.kl_target = m["kl/predicted"] / 4
             continue
@@ -248,14 +249,14 @@ def measure_honesty(args, tokens):
     ddp, opt = build(args)
     # probe skipping on, kl/realized on every update
     ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8, kl_realized_interval=1)
-    probe, holdout = ctl.config.probe_split(args.batch)
+    mask = torch.ones_like(tokens[:, 1:], dtype=torch.bool)
     predicted, realized, scales, skipped = [], [], [], 0
     base_target = None
     for step in range(args.run_steps):
-        backward(ddp, opt, tokens)
+        backward(ddp, opt, tokens, mask)
         if base_target is not None:  # cycle the target over 16x so predictions span a range
             ctl.config.kl_target = base_target * 4.0 ** (step % 3 - 1)
-        m = ctl.step((tokens[probe], None), (tokens[holdout], None)).metrics
+        m = ctl.step(ctl.begin(tokens)).metrics()
         if step == 0:  # aim the middle target at a quarter of the first step's KL
             base_target = m["kl/predicted"] / 4
         elif m["kl/probe_skipped"]:  # its kl/predicted is an extrapolation: not compared
@@ -273,11 +274,11 @@ def measure_skip_honesty(args, tokens, factor: float = 20.0):
     ``kl/predicted``) against the full step's KL measured on the held-out rows."""
     ddp, opt = build(args)
     ctl = controller(ddp, opt, kl_target=1e9, kl_probe_fraction=1 / 8, kl_realized_interval=1)
-    probe, holdout = ctl.config.probe_split(args.batch)
+    mask = torch.ones_like(tokens[:, 1:], dtype=torch.bool)
     pairs = []
     for step in range(args.run_steps):
-        backward(ddp, opt, tokens)
-        m = ctl.step((tokens[probe], None), (tokens[holdout], None)).metrics
+        backward(ddp, opt, tokens, mask)
+        m = ctl.step(ctl.begin(tokens)).metrics()
         if step == 0:
             ctl.config.kl_target = factor * m["kl/predicted"]
         elif m["kl/probe_skipped"]:

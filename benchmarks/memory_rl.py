@@ -122,7 +122,7 @@ class AllocationPeak:
 def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: bool = False):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
     from loggra_megatron.testing import tiny_gpt_model, wrap_ddp
 
     torch.manual_seed(0)
@@ -139,14 +139,13 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
         shape.update(use_te=True, fp8=args.fp8, fp8_recipe="delayed")
     model = tiny_gpt_model(**shape, log_prob_chunk_size=args.log_prob_chunk_size)
     if kind == "backward":  # targets frozen and hooked before DDP: no grad buffer for them
-        from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
+        from loggra_megatron.optim.config import OptimConfig
         from loggra_megatron.optim.megatron.factory import build_loggra
         from loggra_megatron.optim.megatron.sketch_sites import prepare_model
 
         optim = OptimConfig(optimizer="loggra", lr=1e-4)
         loggra = LoGRAConfig(
             loggra_sketch="backward",
-            loggra_rank=args.hidden // 8,
             loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
             loggra_param_remainders=remainders,
             loggra_sketch_reduce=args.loggra_sketch_reduce,
@@ -166,13 +165,10 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     base = dict(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True)
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
-    config = LoGRAOptimizerConfig(
-        **base,
-        loggra_rank=args.hidden // 8,
-        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
-        loggra_param_remainders=remainders,
+    loggra = LoGRAConfig(
+        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy, loggra_param_remainders=remainders
     )
-    return policy, reference, get_loggra_optimizer(config, [policy])
+    return policy, reference, get_loggra_optimizer(OptimizerConfig(**base), [policy], loggra)
 
 
 PHASES = ("rollout", "log_probs", "training")

@@ -97,10 +97,10 @@ class _AdamStep:
     def __init__(self, optimizer):
         self.optimizer = optimizer
 
-    def reference_collector(self, num_sequences):
+    def begin(self, mini):
         return None
 
-    def __call__(self, mini, reference=None):
+    def __call__(self, mini, update=None):
         self.optimizer.step()
         return {}
 

@@ -12,7 +12,7 @@ from importlib import import_module
 _EXPORTS = {
     "LoGRAAdamW": "loggra_megatron.optim.loggra_adamw",
     "state_bytes": "loggra_megatron.optim.megatron.optimizer_state",
-    "LoGRAOptimizerConfig": "loggra_megatron.optim.megatron.factory",
+    "LoGRAConfig": "loggra_megatron.optim.config",
     "get_loggra_optimizer": "loggra_megatron.optim.megatron.factory",
     "OPTIMIZERS": "loggra_megatron.optim.registry",
 }

@@ -115,9 +115,8 @@ class OptimConfig:
 
 @dataclass
 class LoGRAConfig:
-    """LoGRA's settings, declared once: the ``--loggra-*`` flags, and the fields that
-    ``LoGRAOptimizerConfig`` adds to Megatron's
-    ``OptimizerConfig``."""
+    """LoGRA's settings, declared once: the ``--loggra-*`` flags, and what
+    ``get_loggra_optimizer`` takes beside Megatron's ``OptimizerConfig``."""
 
     loggra_sketch: str = loggra_setting("gradient")
     """gradient (sketch the dense gradient: range-finder basis, Adam moments, captured energy)
@@ -229,18 +228,6 @@ class LoGRAConfig:
         return tuple(self.loggra_targets.split(","))
 
     def rank_for(self, hidden_size: int) -> int:
-        """The sketch rank for a model of width ``hidden_size``."""
+        """The sketch rank for a model of width ``hidden_size``: ``--loggra-rank``, else
+        hidden size / 8 (the one default; ``LoGRAAdamW`` has none)."""
         return self.loggra_rank or max(1, hidden_size // 8)
-
-    def adamw_kwargs(self, hidden_size: int) -> dict:
-        """LoGRA keyword arguments of ``LoGRAAdamW``."""
-        return dict(
-            rank=self.rank_for(hidden_size),
-            update_interval=self.loggra_update_interval,
-            projection=self.loggra_projection,
-            oversample=self.loggra_oversample,
-            power_iters=self.loggra_power_iters,
-            scale=self.loggra_scale,
-            min_dim=self.loggra_min_dim,
-            seed=self.loggra_seed or 0,
-        )

@@ -59,7 +59,9 @@ class LoGRAAdamW(torch.optim.Optimizer):
         betas: ``(β1, β2)``, each in [0, 1).
         eps: term added to √V̂ (≥ 0).
         weight_decay: decoupled weight decay λ (≥ 0).
-        rank: sketch rank r (> 0). Clamped to ``min(m, n)`` with one warning.
+        rank: sketch rank r (> 0), required: it depends on the model (``pretrain_rl.py``
+            takes hidden size / 8, ``LoGRAConfig.rank_for``). Clamped to ``min(m, n)``
+            with one warning.
         update_interval: steps between basis refreshes (> 0).
         projection: ``"range_finder"`` | ``"svd"`` | ``"random"`` | ``"identity"``.
         oversample: extra range-finder probe vectors p (≥ 0).
@@ -78,7 +80,8 @@ class LoGRAAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
-        rank: int = 128,
+        *,
+        rank: int,
         update_interval: int = _DEFAULTS.loggra_update_interval,
         projection: str = _DEFAULTS.loggra_projection,
         oversample: int = _DEFAULTS.loggra_oversample,

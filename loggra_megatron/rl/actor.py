@@ -28,7 +28,7 @@ from loggra_megatron.metric_keys import add_update, combine_micro_batches, combi
 from loggra_megatron.model.batching import PaddingStats, micro_batches, needed_lengths
 from loggra_megatron.model.forward import gpt_forward, last_hidden, run_schedule
 from loggra_megatron.model.output_head import LastHidden
-from loggra_megatron.rl.kl_probe import ReferenceCollector
+from loggra_megatron.rl.kl_control import KLUpdate
 from loggra_megatron.rl.policy_loss import PolicyLoss
 
 if TYPE_CHECKING:  # imports Megatron
@@ -43,12 +43,14 @@ class OptimizerStepFn(Protocol):
     """The optimizer step of a mini-batch, plain or under predicted-KL control, skips
     counted (``OptimizerStep``)."""
 
-    def reference_collector(self, num_sequences: int) -> ReferenceCollector | None:
-        """Under predicted-KL control, what keeps the probe's reference from the training
-        forward of the mini-batch (its result goes to the call); else None."""
+    def begin(self, mini: dict[str, torch.Tensor]) -> KLUpdate | None:
+        """Under predicted-KL control, the record of the mini-batch's update, whose
+        ``keep_reference`` lets the training forward keep the probe's reference; else None."""
         ...
 
-    def __call__(self, mini: dict[str, torch.Tensor], reference=None) -> dict[str, float]: ...
+    def __call__(
+        self, mini: dict[str, torch.Tensor], update: KLUpdate | None = None
+    ) -> dict[str, float]: ...
 
 
 def global_counts(mask: torch.Tensor, num_seqs: int, dp_group) -> tuple[float, float]:
@@ -115,11 +117,10 @@ def split_micro(batch: dict, micro_batch_size: int) -> list[dict]:
 class Actor:
     """Trains the policy with ``loss``: mini-batches of ``global_batch_size / DP`` sequences,
     each run as micro-batches of ``micro_batch_size`` through Megatron's schedule and
-    followed by one ``optimizer_step`` (``OptimizerStepFn``), whose
-    ``reference_collector`` keeps KL control's probe reference from the mini-batch's
-    training forward. ``length_grouping``: a mini-batch's rows of similar length share a
-    micro-batch, each cut to its longest row (``
-    micro_batches``; the loss is the same, its denominators are the mini-batch's)."""
+    followed by one ``optimizer_step`` (``OptimizerStepFn``), whose ``begin`` lets the
+    mini-batch's training forward keep KL control's probe reference. ``length_grouping``: a
+    mini-batch's rows of similar length share a micro-batch, each cut to its longest row
+    (``micro_batches``; the loss is the same, its denominators are the mini-batch's)."""
 
     def __init__(
         self,
@@ -153,10 +154,11 @@ class Actor:
                 mini = {k: v[start : start + self.per_rank] for k, v in batch.items()}
                 counts = global_counts(mini["mask"], self.per_rank, self.dp_group)
                 loss_fn = partial(self.loss, counts=counts)
-                # KL control's probe reference at θ comes from this training forward
-                keep = self.optimizer_step.reference_collector(len(mini["tokens"]))
-                outs = self.train_on(mini, loss_fn if keep is None else keep.wrap(loss_fn))
-                step_metrics = self.optimizer_step(mini, keep.result() if keep else None)
+                update = self.optimizer_step.begin(mini)  # None without KL control
+                if update is not None:  # the probe's reference at θ: this training forward's
+                    loss_fn = update.keep_reference(loss_fn)
+                outs = self.train_on(mini, loss_fn)
+                step_metrics = self.optimizer_step(mini, update)
                 add_update(sums, {**combine_micro_batches(outs), **step_metrics})
                 n += 1
         metrics = combine_updates(sums, n)

@@ -1,21 +1,24 @@
-"""The probe forward of predicted-KL control and what it returns.
+"""What predicted-KL control measures with: the probe forward, the reference, the KL.
 
 ``gpt_probe_forward`` runs a batch of probe rows through Megatron's forward-only schedule
 (so it works under PP), grouped by length like the training forward, and returns a
 ``ProbeOutput`` on the last pipeline stage: the vocab-parallel logits (``full``
 estimator) or the sampled tokens' log-probs (``k1``/``k2``/``k3``), the targets and the mask.
-``ReferenceCollector`` keeps the probe rows' reference at θ from the training forward,
-so that the controller (``rl.kl_control``) needs no forward of its own
-for it. Batch and output helpers at the end. docs/kl_control.md.
+``ReferenceCollector`` keeps the same output at θ from the *training* forward of a
+mini-batch, so that the controller needs no reference forward of its own.
+``ProbeKL`` measures the mean per-token ``KL(π_ref ‖ π_current)`` of a batch:
+forwards of ``forward_rows`` rows, the TP reductions of ``model.vocab_parallel``, then one
+all-reduce of ``[Σ KL, #tokens]`` per part over DP and one over PP (the other stages add
+zeros), so that every rank and stage gets the same number. docs/kl_control.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from loggra_megatron.model.batching import (
     ROWS,
@@ -26,6 +29,15 @@ from loggra_megatron.model.batching import (
 )
 from loggra_megatron.model.forward import unpadded_length
 from loggra_megatron.model.output_head import LastHidden
+from loggra_megatron.model.vocab_parallel import (
+    sampled_kl,
+    vocab_parallel_kl,
+    vocab_parallel_log_probs,
+)
+
+ProbeBatch = tuple[torch.Tensor, "torch.Tensor | None"]
+"""``(tokens [b, s+1], mask [b, s] or None)``: rows the KL is measured on (None: every
+position counts)."""
 
 
 @dataclass
@@ -39,42 +51,31 @@ class ProbeOutput:
     mask: torch.Tensor
     """``[b, s]`` which positions count (the response tokens)."""
 
+    def rows(self, rows: slice) -> ProbeOutput:
+        return ProbeOutput(self.logits[rows], self.targets[rows], self.mask[rows])
 
-ProbeForward = Callable[[Any], "ProbeOutput | None"]
+    @property
+    def nbytes(self) -> int:
+        return self.logits.numel() * self.logits.element_size()
+
+
+ProbeForward = Callable[[ProbeBatch], "ProbeOutput | None"]
 """Runs the (pipelined) forward of a batch; ``ProbeOutput`` on the last stage, else None."""
 
 
-class _OnLastStage:
-    def __repr__(self) -> str:
-        return "REFERENCE_ON_LAST_STAGE"
-
-
-REFERENCE_ON_LAST_STAGE = _OnLastStage()
-"""What a pipeline stage other than the last passes as ``reference`` when the last stage
-passes its kept reference: every stage then skips the reference forward together."""
-
-
-class KeepsReferences(Protocol):
-    """What ``ReferenceCollector`` asks of the controller."""
-
-    def as_reference(self, out: ProbeOutput) -> Any: ...
-
-
 class ReferenceCollector:
-    """Keeps the probe rows' reference at θ (and the held-out rows' when ``kl/realized`` is
-    due) from the *training* forward of a mini-batch, so that
-    ``step`` needs no forward of its own for them.
+    """Keeps π_θ of the first ``rows`` rows of a mini-batch from its training forward.
 
     ``wrap`` a loss function ``loss_fn(micro_batch, last_hidden)``: it runs on the last
     pipeline stage for each micro-batch in order and keeps, of the rows among the first
-    ``rows`` of the mini-batch, their logits (``logits``: the ``full`` estimator) or the
-    token log-probs the loss computes (``k1``/``k2``/``k3``: only ``[rows, s]`` floats). The
-    training forward is the same model at the same weights (no dropout in RL fine-tuning),
-    so this is the reference the probe forward would compute.
+    ``rows``, their logits (``logits``: the ``full`` estimator) or the token log-probs the
+    loss computes anyway (``k1``/``k2``/``k3``: only ``[rows, s]`` floats). The training
+    forward is the same model at the same weights (no dropout in RL fine-tuning), so this is
+    what the probe forward would compute.
     """
 
-    def __init__(self, controller: KeepsReferences, rows: int, logits: bool = False):
-        self.controller, self.rows, self.logits = controller, rows, logits
+    def __init__(self, rows: int, logits: bool):
+        self.rows, self.logits = rows, logits
         self._seen, self._parts = 0, []
 
     def wrap(self, loss_fn):
@@ -92,28 +93,25 @@ class ReferenceCollector:
                         values = out.logits()
                 else:  # the loss's own log-probs (computed once, with their graph)
                     values = out.log_probs()
-                kept = self.controller.as_reference(
-                    ProbeOutput(
-                        values.detach()[take, :seq],
-                        batch["tokens"][take, 1 : seq + 1],
-                        batch["mask"][take, :seq],
-                    )
+                kept = ProbeOutput(
+                    values.detach()[take, :seq],
+                    batch["tokens"][take, 1 : seq + 1],
+                    batch["mask"][take, :seq],
                 )
                 self._parts.append((index[take.to(index.device)], kept))
             return loss_fn(batch, out)
 
         return keeping
 
-    def result(self):
-        """The reference of the probe rows in row order (last stage; zeros past a row's
-        micro-batch width), ``REFERENCE_ON_LAST_STAGE`` elsewhere."""
+    def result(self, width: int) -> ProbeOutput | None:
+        """The kept rows in row order, ``width`` positions (zeros past a row's micro-batch
+        width); None on pipeline stages other than the last (the loss never ran there)."""
         if not self._parts:
-            return REFERENCE_ON_LAST_STAGE
+            return None
         index = [i for i, _ in self._parts]
-        rows = sum(len(i) for i in index)
         return ProbeOutput(
             *(
-                scatter_rows([getattr(p, f) for _, p in self._parts], index, rows)
+                scatter_rows([getattr(p, f) for _, p in self._parts], index, self.rows, width)
                 for f in ("logits", "targets", "mask")
             )
         )
@@ -155,56 +153,78 @@ def gpt_probe_forward(
     return forward
 
 
-def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x [b, s, ...]`` with zeros appended along ``s`` up to ``width``."""
-    extra = width - x.shape[1]
-    if extra <= 0:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], extra, *x.shape[2:]))], dim=1)
+class ProbeKL:
+    """Mean per-token ``KL(π_ref ‖ π_current)`` of a batch (see module docstring).
 
+    Args:
+        forward: the probe forward (no grad) of the policy.
+        estimator: ``full`` (the exact KL from the logits) or ``k1``/``k2``/``k3``
+            (estimated from the sampled tokens' log-probs).
+        tp_group, dp_group, pp_group: Megatron's process groups (None: size 1).
+        device: where the all-reduced sums live.
+        forward_rows: rows per call of ``forward`` (None: all at once), so that one call's
+            logits and KL temporaries exist at a time (the ``full`` estimator's are
+            ``rows × s × V/TP`` floats, several times over).
+    """
 
-def cat_batches(a, b):
-    """The rows of two batches of the probe forward as one batch: tensors are concatenated
-    along their first dimension, tuples element by element (``None`` stays ``None``)."""
-    if a is None and b is None:
-        return None
-    if isinstance(a, torch.Tensor):
-        return torch.cat([a, b])
-    return tuple(cat_batches(x, y) for x, y in zip(a, b, strict=True))
+    def __init__(
+        self,
+        forward: ProbeForward,
+        estimator: str,
+        *,
+        tp_group=None,
+        dp_group=None,
+        pp_group=None,
+        device: torch.device | None = None,
+        forward_rows: int | None = None,
+    ):
+        self.forward, self.estimator, self.forward_rows = forward, estimator, forward_rows
+        self.tp_group, self.dp_group, self.pp_group = tp_group, dp_group, pp_group
+        self.device = device or torch.device("cpu")
 
+    @torch.no_grad()
+    def reference(self, batch: ProbeBatch) -> ProbeOutput | None:
+        """π at the current weights on ``batch``, as the KL needs it."""
+        return self.as_reference(self.forward(batch))
 
-def batch_rows(batch, rows: slice):
-    """Rows ``rows`` of a batch of the probe forward (tensors and tuples of them)."""
-    if batch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return batch[rows]
-    return tuple(batch_rows(x, rows) for x in batch)
+    def as_reference(self, out: ProbeOutput | None) -> ProbeOutput | None:
+        """The logits (``full``), else the sampled tokens' log-probs ``[b, s]`` (an output
+        that already holds them is kept)."""
+        if out is None or self.estimator == "full" or out.logits.ndim == 2:
+            return out
+        logp = vocab_parallel_log_probs(out.logits, out.targets, self.tp_group)
+        return ProbeOutput(logp, out.targets, out.mask)
 
-
-def num_rows(batch) -> int:
-    return batch.shape[0] if isinstance(batch, torch.Tensor) else num_rows(batch[0])
-
-
-def cat_outputs(a: ProbeOutput | None, b: ProbeOutput | None) -> ProbeOutput | None:
-    if a is None:  # a pipeline stage other than the last
-        return None
-    return ProbeOutput(
-        *(torch.cat([getattr(a, f), getattr(b, f)]) for f in ("logits", "targets", "mask"))
-    )
-
-
-def widen_output(out: ProbeOutput, width: int) -> ProbeOutput:
-    return ProbeOutput(*(_widen(getattr(out, f), width) for f in ("logits", "targets", "mask")))
-
-
-def output_rows(out: ProbeOutput, rows: slice) -> ProbeOutput:
-    return ProbeOutput(out.logits[rows], out.targets[rows], out.mask[rows])
-
-
-def nbytes(x) -> int:
-    if x is None:
-        return 0
-    if isinstance(x, ProbeOutput):
-        return nbytes(x.logits)
-    return x.numel() * x.element_size()
+    @torch.no_grad()
+    def __call__(
+        self, batch: ProbeBatch, ref: ProbeOutput | None, split: int | None = None
+    ) -> tuple[float, float | None]:
+        """KL of rows ``[:split]`` and of rows ``[split:]`` (None without ``split``) against
+        ``ref`` (the same rows at the reference weights). Collective."""
+        tokens, mask = batch
+        rows = len(tokens)
+        parts = [(0, rows)] if split is None else [(0, split), (split, rows)]
+        totals = torch.zeros(2 * len(parts), device=self.device)
+        step = self.forward_rows or rows
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            chunk = (tokens[lo:hi], None if mask is None else mask[lo:hi])
+            out = self.forward(chunk)
+            if out is None:  # a pipeline stage other than the last
+                continue
+            if self.estimator == "full":
+                per_token = vocab_parallel_kl(ref.logits[lo:hi], out.logits, self.tp_group)
+            else:
+                logp = self.as_reference(out).logits  # [b, s] log-probs
+                per_token = sampled_kl(ref.logits[lo:hi], logp, self.estimator)
+            counted = out.mask.to(per_token.dtype)
+            sums = []
+            for start, stop in parts:  # the part's rows within this chunk
+                r = slice(max(start, lo) - lo, max(min(stop, hi), lo) - lo)
+                sums += [(per_token[r] * counted[r]).sum(), counted[r].sum()]
+            totals += torch.stack(sums).to(totals.device)
+        for group in (self.dp_group, self.pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
+        kl = (totals[0::2] / totals[1::2].clamp_min(1)).tolist()
+        return kl[0], (kl[1] if split is not None else None)

@@ -140,24 +140,26 @@ def kl_controller(
     ``--kl-target``)."""
     from megatron.core import parallel_state as ps
 
-    from loggra_megatron.rl.kl_probe import gpt_probe_forward
+    from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
 
     if not cfg.kl_control.enabled:
         return None
     rows = cfg.training.forward_micro_batch_size
-    full = cfg.kl_control.kl_estimator == "full"  # logits kept: one micro-batch per call
+    estimator = cfg.kl_control.kl_estimator
+    full = estimator == "full"  # logits kept: one micro-batch per call
     forward = gpt_probe_forward(
         policy, rows, log_probs=not full, group=cfg.training.length_grouping
     )
-    return PredictedKLController(
-        cfg.kl_control,
-        stepper,
+    measure = ProbeKL(
         forward,
-        ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(),
-        ps.get_pipeline_model_parallel_group(),
+        estimator,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        device=next(policy.parameters()).device,
         forward_rows=rows if full else None,
     )
+    return PredictedKLController(cfg.kl_control, stepper, measure)
 
 
 def experience_maker(cfg: RunConfig, host, policy, reference, *, tis=False, on_policy=False):

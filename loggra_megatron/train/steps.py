@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loggra_megatron.rl.kl_control import PredictedKLController
-from loggra_megatron.rl.kl_probe import ReferenceCollector
+from loggra_megatron.rl.kl_control import KLUpdate, PredictedKLController
 from loggra_megatron.train.memory_phases import PHASE_PEAKS
 
 if TYPE_CHECKING:  # imports Megatron
@@ -76,22 +75,26 @@ class OptimizerStep:
         self.stepper, self.kl_controller = stepper, kl_controller
         self.scheduler, self.skips, self.where = scheduler, skips, where
 
-    def reference_collector(self, num_sequences: int) -> ReferenceCollector | None:
-        """Under predicted-KL control, a collector that keeps the probe's reference from the
-        training forward of a mini-batch (pass its result to the call); else None."""
+    def begin(self, mini: dict[str, torch.Tensor]) -> KLUpdate | None:
+        """Under predicted-KL control, the record of this mini-batch's update (before its
+        training forward, which may then keep the probe's reference:
+        ``KLUpdate.keep_reference``); else None."""
         if self.kl_controller is None:
             return None
-        return self.kl_controller.reference_collector(num_sequences)
+        return self.kl_controller.begin(mini["tokens"], mini["mask"])
 
-    def __call__(self, mini: dict[str, torch.Tensor], reference=None) -> dict[str, float]:
+    def __call__(
+        self, mini: dict[str, torch.Tensor], update: KLUpdate | None = None
+    ) -> dict[str, float]:
         lr = self.scheduler.optimizer.param_groups[0]["lr"]  # the rate this step uses
         if self.kl_controller is None:
             prepared = self.stepper.step()
             ok, grad_norm, metrics = prepared.ok, prepared.grad_norm, {}
         else:
+            update = update or self.begin(mini)
             with PHASE_PEAKS.phase("kl_control"):
-                result = self.kl_controller.step_minibatch(mini["tokens"], mini["mask"], reference)
-            ok, grad_norm, metrics = result.update_successful, result.grad_norm, result.metrics
+                self.kl_controller.step(update)
+            ok, grad_norm, metrics = update.committed, update.prepared.grad_norm, update.metrics()
         self.skips.count(ok, grad_norm, self.where())
         if ok:
             self.scheduler.step(1)

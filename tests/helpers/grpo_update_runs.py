@@ -2,8 +2,6 @@
 layout (in row order, length-grouped, packed): what ``test_length_grouping.py`` and
 ``test_sequence_packing.py`` compare."""
 
-from types import SimpleNamespace
-
 import torch
 
 from loggra_megatron.model.batching import needed_lengths
@@ -32,24 +30,21 @@ def mixed_length_batch(rank: int) -> dict:
 
 
 class ReferenceKeepingStep:
-    """The actor's optimizer step: a plain Megatron step; keeps the probe reference of 3
-    rows from the training forward (the ``full`` estimator's logits)."""
+    """The actor's optimizer step: a plain Megatron step; its update keeps the probe
+    reference of 3 rows from the training forward (the ``full`` estimator's logits)."""
 
     def __init__(self, opt):
-        from loggra_megatron.rl.kl_probe import ReferenceCollector
+        self.opt, self.reference = opt, None
 
-        self.opt, self.collector = opt, ReferenceCollector
-        self.controller = SimpleNamespace(as_reference=lambda out: out)
-        self.reference = None
+    def begin(self, mini):
+        from loggra_megatron.rl.kl_control import KLUpdate
 
-    def reference_collector(self, num_sequences):
-        return self.collector(self.controller, 3, logits=True)  # the `full` estimator's
+        rows = (mini["tokens"][:3], mini["mask"][:3])
+        return KLUpdate(rows, split=3, keep_logits=True)
 
-    def __call__(self, mini, reference=None):
-        from loggra_megatron.rl.kl_probe import ProbeOutput, widen_output
-
-        if isinstance(reference, ProbeOutput):  # the last pipeline stage
-            self.reference = widen_output(reference, mini["tokens"].shape[1] - 1)
+    def __call__(self, mini, update=None):
+        # the last pipeline stage holds it (None elsewhere)
+        self.reference = update.collector.result(mini["tokens"].shape[1] - 1)
         ok, grad_norm, _ = self.opt.step()
         assert ok
         return {"grad/norm": grad_norm}

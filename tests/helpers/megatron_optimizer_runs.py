@@ -22,26 +22,22 @@ def bf16_model():
 def build_bf16_clipped(**loggra):
     """``(ddp, optimizer)``: LoGRA on the bf16 model with bf16 grad buffers handed over
     uncopied and clipping active (``loggra``: the LoGRA settings that differ)."""
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
 
     ddp = wrap_ddp(bf16_model(), grad_reduce_in_fp32=False)
-    config = LoGRAOptimizerConfig(
-        optimizer="adam",
-        lr=1e-2,
-        bf16=True,
-        use_distributed_optimizer=True,
-        clip_grad=0.05,
-        loggra_min_dim=1,
-        loggra_oversample=2,
-        **loggra,
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=0.05
     )
-    return ddp, get_loggra_optimizer(config, [ddp])
+    settings = LoGRAConfig(loggra_min_dim=1, loggra_oversample=2, **loggra)
+    return ddp, get_loggra_optimizer(config, [ddp], settings)
 
 
 def build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
         num_layers=2,
@@ -66,7 +62,7 @@ def build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
     if kind == "dense":
         return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     loggra = {"loggra_min_dim": 1, "loggra_rank": 4, "loggra_oversample": 2, **loggra}
-    return ddp, get_loggra_optimizer(LoGRAOptimizerConfig(**base, **loggra), [ddp])
+    return ddp, get_loggra_optimizer(OptimizerConfig(**base), [ddp], LoGRAConfig(**loggra))
 
 
 def local_batch(tokens):

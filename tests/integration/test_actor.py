@@ -4,6 +4,7 @@ from functools import partial
 
 import pytest
 import torch
+from shared_launch import shared_run
 
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
@@ -89,7 +90,7 @@ def test_one_grpo_step_at_tp2_updates_the_weights_as_tp1():
     """fp32, SGD: every parameter's update at TP=2 equals TP=1's to 2e-5 relative (measured
     ≤ 1.4e-6: the reductions differ only in summation order); the vocab-parallel gradient
     bug this guards against gave 0.66."""
-    (tp1,) = run_distributed(_one_grpo_step, 1)
+    (tp1,) = shared_run(_one_grpo_step, 1)
     tp2 = run_distributed(_one_grpo_step, 2, tp=2)
     assert abs(tp2[0]["loss"] - tp1["loss"]) < 1e-5
     for name, ref in tp1["delta"].items():
@@ -101,7 +102,7 @@ def test_one_grpo_step_at_tp2_updates_the_weights_as_tp1():
 def test_padding_for_fp8_and_sequence_parallel_changes_no_update():
     """Micro-batches padded to 16 positions (FP8 GEMM alignment; SEQ is 8) carry no loss:
     the same loss and weight updates as unpadded, to round-off."""
-    (plain,) = run_distributed(_one_grpo_step, 1)
+    (plain,) = shared_run(_one_grpo_step, 1)  # the launch of the test above
     (padded,) = run_distributed(_one_grpo_step, 1, pad_to=16)
     assert abs(padded["loss"] - plain["loss"]) < 1e-6
     for name, ref in plain["delta"].items():
@@ -151,9 +152,9 @@ def test_step_metrics_are_means_over_updates_but_controller_time_is_summed():
     )
 
     class Step:
-        reference_collector = staticmethod(lambda n: None)
+        begin = staticmethod(lambda mini: None)
 
-        def __call__(self, mini, reference):
+        def __call__(self, mini, update):
             return next(per_update)
 
     loss = PPOClipLoss(PolicyLossConfig(clip_high=0.2), SEQ, AdaptiveKLCoefficient(0.0))

@@ -6,11 +6,12 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from shared_launch import shared_run
 
 from loggra_megatron.model.vocab_parallel import vocab_parallel_kl, vocab_parallel_log_probs
 from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl_control import PredictedKLController
-from loggra_megatron.rl.kl_probe import gpt_probe_forward
+from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
@@ -67,7 +68,7 @@ def test_config_rejects_bad_flags():
 def _build(kind="loggra", lr=1e-2):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
         num_layers=2,
@@ -82,13 +83,8 @@ def _build(kind="loggra", lr=1e-2):
     base = dict(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
-    config = LoGRAOptimizerConfig(**base, loggra_rank=4, loggra_min_dim=1, loggra_update_interval=2)
-    return ddp, get_loggra_optimizer(config, [ddp])
-
-
-def _forward_fn(ddp):
-    forward = gpt_probe_forward(ddp)
-    return lambda tokens: forward((tokens, None))
+    loggra = LoGRAConfig(loggra_rank=4, loggra_min_dim=1, loggra_update_interval=2)
+    return ddp, get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
 
 
 def _backward(ddp, opt, tokens):
@@ -103,20 +99,31 @@ def _backward(ddp, opt, tokens):
         opt.step = step
 
 
-def _controller(ddp, opt, **cfg):
+def _measure(forward, estimator="full"):
     from megatron.core import parallel_state as ps
 
+    return ProbeKL(
+        forward,
+        estimator,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+    )
+
+
+def _controller(ddp, opt, **cfg):
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
     config = KLControlConfig(**{"kl_realized_interval": 1, **cfg})  # kl/realized every step
-    return PredictedKLController(
-        config,
-        MegatronStepper(opt),
-        _forward_fn(ddp),
-        ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(),
-        ps.get_pipeline_model_parallel_group(),
-    )
+    measure = _measure(gpt_probe_forward(ddp), config.kl_estimator)
+    return PredictedKLController(config, MegatronStepper(opt), measure)
+
+
+def _count_forwards(ctl) -> list[int]:
+    """The rows of each forward the controller runs from now on."""
+    forwards, forward = [], ctl.measure.forward
+    ctl.measure.forward = lambda batch: forwards.append(len(batch[0])) or forward(batch)
+    return forwards
 
 
 def _local(tokens):
@@ -144,10 +151,9 @@ def _controlled_vs_plain(rank, kind, steps=3, target=1e9):
             if mode == "plain":
                 opt.step()
             else:
-                probe, holdout = ctl.config.probe_split(batch.shape[0])
-                res = ctl.step(batch[probe], batch[holdout])
-                assert res.update_successful
-                metrics.append(res.metrics)
+                update = ctl.step(ctl.begin(batch))
+                assert update.committed
+                metrics.append(update.metrics())
         out[mode] = _params(ddp)
         out["metrics"] = metrics
         out["trials_are_commits"] = ctl.stepper.trials_are_commits
@@ -168,15 +174,15 @@ def test_below_target_the_controller_is_an_exact_no_op(kind):
 def _predicted_vs_exact(rank):
     """kl/predicted against KL computed directly from the logits at θ and at θ + Δθ."""
     ddp, opt = _build("loggra")
-    ctl = _controller(ddp, opt, kl_target=1e9, kl_probe_fraction=0.5)
-    forward = _forward_fn(ddp)
+    ctl = _controller(ddp, opt, kl_target=1e9, kl_probe_fraction=0.5, kl_realized_interval=0)
+    forward = ctl.measure.forward
     batch = _local(TOKENS)
     probe, _ = ctl.config.probe_split(batch.shape[0])
     _backward(ddp, opt, batch)
-    before = forward(batch[probe])
-    res = ctl.step(batch[probe], reference=before)  # the caller's logits at θ
+    before = forward((batch[probe], None))
+    metrics = ctl.step(ctl.begin(batch)).metrics()
     ddp.start_param_sync(force_sync=True)
-    after = forward(batch[probe])
+    after = forward((batch[probe], None))
     exact = F.kl_div(
         after.logits.float().log_softmax(-1),
         before.logits.float().log_softmax(-1),
@@ -187,7 +193,7 @@ def _predicted_vs_exact(rank):
 
     totals = torch.stack([exact.sum(), torch.tensor(float(exact.numel()))])
     torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
-    return res.metrics["kl/predicted"], float(totals[0] / totals[1])
+    return metrics["kl/predicted"], float(totals[0] / totals[1])
 
 
 def test_predicted_kl_equals_exact_full_vocab_kl():
@@ -204,12 +210,13 @@ def _scaled_to_target(rank, estimator, pp):
     _backward(ddp, opt, batch)
     opt.prepare_grads()
     opt.clip_grad_norm(opt.config.clip_grad)
-    ref = ctl._reference(batch[probe])
-    raw = ctl._candidate_kl(batch[probe], ref, 1.0)[0]  # the full step's KL, nothing committed
+    ref = ctl.measure.reference((batch[probe], None))
+    with ctl.stepper.try_candidate(1.0):  # the full step's KL, nothing committed
+        raw = ctl.measure((batch[probe], None), ref)[0]
     ctl.stepper.restore_model_weights()
     ctl.config.kl_target = raw / 10
-    res = ctl.step(batch[probe], batch[holdout])
-    return raw, res.metrics, ctl.config.kl_target
+    metrics = ctl.step(ctl.begin(batch)).metrics()
+    return raw, metrics, ctl.config.kl_target
 
 
 @pytest.mark.parametrize(("estimator", "pp"), [("full", 1), ("k3", 1), ("full", 2)])
@@ -228,36 +235,35 @@ def _nan_kl_skips(rank):
     ddp, opt = _build("loggra")
     batch = _local(TOKENS)
     ctl = _controller(ddp, opt, kl_target=1e-3, kl_probe_fraction=0.25)
-    probe, holdout = ctl.config.probe_split(batch.shape[0])
     _backward(ddp, opt, batch)
-    ctl.step(batch[probe], batch[holdout])  # one normal step, so the state is non-trivial
+    ctl.step(ctl.begin(batch))  # one normal step, so the state is non-trivial
     _backward(ddp, opt, batch)
     before = _params(ddp)
     inner = opt.optimizer
     state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in inner.state.items()}
     mains_before = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
-    forward, calls = ctl.forward, []
+    forward, calls = ctl.measure.forward, []
 
-    def poisoned(tokens):
-        out = forward(tokens)
+    def poisoned(batch):
+        out = forward(batch)
         calls.append(1)
         if len(calls) == 2 and out is not None:  # probe + held-out ref, then the candidate
             out.logits[0, 0, 0] = float("nan")
         return out
 
-    ctl.forward = poisoned
+    ctl.measure.forward = poisoned
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("loggra_megatron.rl.kl_control").addHandler(handler)
-    res = ctl.step(batch[probe], batch[holdout])
+    update = ctl.step(ctl.begin(batch))
     after = _params(ddp)
     mains_after = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
     state_same = all(
         torch.equal(v, state_before[id(p)][k]) for p, s in inner.state.items() for k, v in s.items()
     )
     return (
-        res.update_successful,
+        update.committed,
         all(torch.equal(before[k], after[k]) for k in before),
         all(torch.equal(a, b) for a, b in zip(mains_before, mains_after, strict=True)),
         state_same,
@@ -281,7 +287,9 @@ def _fp32_refused(rank):
     config = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True)
     opt = get_megatron_optimizer(config, [ddp])
     with pytest.raises(ValueError, match="--bf16"):
-        PredictedKLController(KLControlConfig(kl_target=0.1), MegatronStepper(opt), lambda b: None)
+        PredictedKLController(
+            KLControlConfig(kl_target=0.1), MegatronStepper(opt), ProbeKL(lambda b: None, "full")
+        )
     return True
 
 
@@ -303,21 +311,13 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
         forward_module.sequence_multiple = lambda config: pad_to
     torch.manual_seed(0)
     ddp, opt = _build("loggra")
-    from megatron.core import parallel_state as ps
 
     config = KLControlConfig(
         kl_target=1e-4, kl_probe_fraction=0.5, kl_estimator=estimator, kl_realized_interval=1
     )
     k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
     forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
-    ctl = PredictedKLController(
-        config,
-        MegatronStepper(opt),
-        forward,
-        ps.get_tensor_model_parallel_group(),
-        ps.get_data_parallel_group(),
-        ps.get_pipeline_model_parallel_group(),
-    )
+    ctl = PredictedKLController(config, MegatronStepper(opt), _measure(forward, estimator))
     tokens = _local(TOKENS)
     gen = torch.Generator().manual_seed(5)
     mask = torch.ones(len(tokens), SEQ, dtype=torch.bool)
@@ -330,15 +330,14 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     }
     loss = PPOClipLoss(PolicyLossConfig(), SEQ, AdaptiveKLCoefficient(0.0))
     loss_fn = partial(loss, counts=(float(mask.sum()) * 2, float(len(tokens)) * 2))
-    keep = ctl.reference_collector(len(tokens))
-    forward_backward(ddp, opt, split_micro(batch, 1), keep.wrap(loss_fn), dp=2)
-    kept = keep.result()
+    update = ctl.begin(tokens, mask)
+    forward_backward(ddp, opt, split_micro(batch, 1), update.keep_reference(loss_fn), dp=2)
+    kept = update.collector.result(SEQ)
     _, holdout = ctl.config.probe_split(len(tokens))  # kl/realized is due: probe + held-out
-    own = ctl.as_reference(ctl.forward((tokens[: holdout.stop], mask[: holdout.stop])))
-    forwards = []
-    ctl.forward = lambda batch: forwards.append(len(batch[0])) or forward(batch)
-    result = ctl.step_minibatch(tokens, mask, reference=kept)
-    return kept, own, result.metrics, forwards, holdout
+    own = ctl.measure.reference((tokens[: holdout.stop], mask[: holdout.stop]))
+    forwards = _count_forwards(ctl)
+    metrics = ctl.step(update).metrics()
+    return kept, own, metrics, forwards, holdout
 
 
 @pytest.mark.parametrize(
@@ -376,14 +375,11 @@ def _realized(rank, estimator, folded: bool, forward_rows=None):
     torch.manual_seed(0)
     ddp, opt = _build("loggra", lr=5e-2)
     ctl = _controller(ddp, opt, kl_target=1e-3, kl_probe_fraction=0.25, kl_estimator=estimator)
-    ctl.forward_rows = forward_rows
-    forwards = []
-    forward = ctl.forward
-    ctl.forward = lambda batch: forwards.append(len(batch)) or forward(batch)
+    ctl.measure.forward_rows = forward_rows
+    forwards = _count_forwards(ctl)
     batch = _local(TOKENS)
-    probe, holdout = ctl.config.probe_split(batch.shape[0])
     _backward(ddp, opt, batch)
-    metrics = ctl.step(batch[probe], batch[holdout]).metrics
+    metrics = ctl.step(ctl.begin(batch)).metrics()
     return metrics, forwards, _params(ddp)
 
 
@@ -392,7 +388,7 @@ def test_realized_kl_from_the_last_trial_equals_a_forward_after_the_commit(estim
     """``rows``: the folded KLs in forwards of one row (as pretrain_rl.py does for ``full``
     with micro-batches of one), against whole-batch forwards after the commit."""
     folded = run_distributed(_realized, 2, estimator, True, rows)
-    after = run_distributed(_realized, 2, estimator, False)
+    after = shared_run(_realized, 2, estimator, False)  # the same for rows None and 1
     for (m, forwards, params), (m_after, forwards_after, params_after) in zip(
         folded, after, strict=True
     ):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_kl_control import TOKENS, _backward, _build, _controller, _local, _params
+from test_kl_control import TOKENS, _backward, _build, _controller, _count_forwards, _local, _params
 
 from loggra_megatron.config import settings_that_do_not_apply
 from loggra_megatron.rl.config import KLControlConfig
@@ -101,18 +101,15 @@ def _run(rank, kind, skip_below, steps=5, **cfg):
         kl_probe_max_skips=2,
         **cfg,
     )
-    forwards = []
-    forward = ctl.forward
-    ctl.forward = lambda batch: forwards.append(len(batch)) or forward(batch)
+    forwards = _count_forwards(ctl)
     batch = _local(TOKENS)
-    probe, holdout = ctl.config.probe_split(batch.shape[0])
     steps_out = []
     for _ in range(steps):
         _backward(ddp, opt, batch)
         forwards.clear()
-        res = ctl.step(batch[probe], batch[holdout])
-        assert res.update_successful
-        steps_out.append((res.metrics, list(forwards)))
+        update = ctl.step(ctl.begin(batch))
+        assert update.committed
+        steps_out.append((update.metrics(), list(forwards)))
     return steps_out, _params(ddp), ctl.state_dict()
 
 
@@ -154,7 +151,6 @@ def _resumed(rank, steps_before=2, steps_after=3):
     cfg = dict(kl_target=1e9, kl_probe_fraction=0.25, kl_probe_max_skips=2)
     ctl = _controller(ddp, opt, **cfg)
     batch = _local(TOKENS)
-    probe, holdout = ctl.config.probe_split(batch.shape[0])
     skipped = []
     for i in range(steps_before + steps_after):
         if i == steps_before:
@@ -162,7 +158,7 @@ def _resumed(rank, steps_before=2, steps_after=3):
             ctl = _controller(ddp, opt, **cfg)
             ctl.load_state_dict(state)
         _backward(ddp, opt, batch)
-        skipped.append(ctl.step(batch[probe], batch[holdout]).metrics["kl/probe_skipped"])
+        skipped.append(ctl.step(ctl.begin(batch)).metrics()["kl/probe_skipped"])
     return skipped
 
 

@@ -140,14 +140,14 @@ def test_replicated_megatron_optimizer_trains_and_matches_distributed():
 
 
 def test_config_rejects_bad_loggra_fields():
-    from loggra_megatron.optim import LoGRAOptimizerConfig
+    from loggra_megatron.optim import LoGRAConfig
 
-    with pytest.raises(ValueError, match="rank=0"):
-        LoGRAOptimizerConfig(loggra_rank=0)
-    with pytest.raises(ValueError, match="loggra_projection='galore'"):
-        LoGRAOptimizerConfig(loggra_projection="galore")
-    with pytest.raises(ValueError, match="update_interval=-1"):
-        LoGRAOptimizerConfig(loggra_update_interval=-1)
+    with pytest.raises(ValueError, match="--loggra-rank=0"):
+        LoGRAConfig(loggra_rank=0)
+    with pytest.raises(ValueError, match="--loggra-projection='galore'"):
+        LoGRAConfig(loggra_projection="galore")
+    with pytest.raises(ValueError, match="--loggra-update-interval=-1"):
+        LoGRAConfig(loggra_update_interval=-1)
 
 
 def _bf16_identity_vs_dense(rank, kind):
@@ -155,15 +155,15 @@ def _bf16_identity_vs_dense(rank, kind):
     (later steps amplify bf16 rounding flips) and the losses of four."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
 
     ddp = wrap_ddp(bf16_model())
     base = dict(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     else:
-        config = LoGRAOptimizerConfig(**base, loggra_min_dim=1, loggra_projection="identity")
-        opt = get_loggra_optimizer(config, [ddp])
+        loggra = LoGRAConfig(loggra_min_dim=1, loggra_projection="identity")
+        opt = get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
     batch, micro = local_batch(TOKENS[:2])
     mains = [p for g in opt.optimizer.param_groups for p in g["params"]]
     losses = [train_step(ddp, opt, batch, num_microbatches=micro)[0]]

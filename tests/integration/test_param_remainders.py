@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.param_remainders import join_master, store_master
 from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, wrap_ddp
 
@@ -57,15 +58,19 @@ def _bf16_ddp(grad_reduce_in_fp32=True):
 
 
 def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder", min_dim=1):
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
-    config = LoGRAOptimizerConfig(
+    from loggra_megatron.optim import get_loggra_optimizer
+
+    config = OptimizerConfig(
         optimizer="adam",
         lr=1e-2,
         weight_decay=0.01,
         bf16=True,
         use_distributed_optimizer=True,
         clip_grad=clip_grad,
+    )
+    loggra = LoGRAConfig(
         loggra_min_dim=min_dim,
         loggra_rank=4,
         loggra_oversample=2,
@@ -73,7 +78,7 @@ def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder
         loggra_projection=projection,
         loggra_param_remainders=remainders,
     )
-    return get_loggra_optimizer(config, [ddp])
+    return get_loggra_optimizer(config, [ddp], loggra)
 
 
 def _set_grads(ddp, step: int) -> None:
@@ -156,19 +161,18 @@ def test_fp32_master_copies_are_freed():
 
 
 def test_config_cross_checks():  # the flags' checks: tests/integration/test_pretrain_rl.py
-    from loggra_megatron.optim import LoGRAOptimizerConfig
+    from megatron.core.optimizer import OptimizerConfig
 
-    with pytest.raises(ValueError, match="loggra_param_remainders needs bf16"):
-        LoGRAOptimizerConfig(optimizer="adam", lr=1e-3, loggra_param_remainders=True)
-    with pytest.raises(ValueError, match="excludes loggra_fp32_grad_copy"):
-        LoGRAOptimizerConfig(
-            optimizer="adam",
-            lr=1e-3,
-            bf16=True,
-            use_distributed_optimizer=True,
-            loggra_param_remainders=True,
-            loggra_fp32_grad_copy=True,
-        )
+    from loggra_megatron.optim.megatron.factory import check_loggra_settings
+
+    remainders = LoGRAConfig(loggra_param_remainders=True)
+    with pytest.raises(ValueError, match="--loggra-param-remainders needs bf16"):
+        check_loggra_settings(OptimizerConfig(optimizer="adam", lr=1e-3), remainders)
+    bf16 = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True)
+    check_loggra_settings(bf16, remainders)
+    with pytest.raises(ValueError, match="excludes --loggra-fp32-grad-copy"):
+        copy = LoGRAConfig(loggra_param_remainders=True, loggra_fp32_grad_copy=True)
+        check_loggra_settings(bf16, copy)
 
 
 TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(0))

@@ -85,7 +85,7 @@ def _stepper_skips(rank, kind):
     """Megatron's own step() applies a NaN gradient under bf16; the stepper skips it."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
     use_dist = kind != "dense-replicated"
@@ -95,7 +95,9 @@ def _stepper_skips(rank, kind):
         optimizer="adam", lr=1e-2, bf16=True, clip_grad=1.0, use_distributed_optimizer=use_dist
     )
     opt = (
-        get_loggra_optimizer(LoGRAOptimizerConfig(**base, loggra_rank=4, loggra_min_dim=8), [ddp])
+        get_loggra_optimizer(
+            OptimizerConfig(**base), [ddp], LoGRAConfig(loggra_rank=4, loggra_min_dim=8)
+        )
         if kind == "loggra"
         else get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     )

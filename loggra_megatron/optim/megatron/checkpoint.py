@@ -79,7 +79,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         inner = self.optimizer
         return {
             "format": FORMAT_VERSION,
-            "sketch": getattr(self.config, "loggra_sketch", "gradient"),
+            "sketch": self.loggra.loggra_sketch,
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "projection": inner.param_groups[0]["projection"],

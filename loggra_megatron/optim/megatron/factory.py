@@ -15,16 +15,13 @@ pinned to (0.16–0.19): docs/optimizer.md#inside-megatron-cores-distributed-opt
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from dataclasses import dataclass
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-from loggra_megatron.config import ConfigError
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
 from loggra_megatron.optim.loggra_adamw import basis_seed
@@ -42,50 +39,30 @@ DENSE_NAME_PARTS = ("embedding", "output_layer")
 """Parameters whose name contains one of these are never sketched."""
 
 
-@dataclass
-class LoGRAOptimizerConfig(OptimizerConfig, LoGRAConfig):
-    """Megatron ``OptimizerConfig`` plus LoGRA's settings (``LoGRAConfig``, declared
-    once; ``optimizer`` must be ``"adam"``: Adam's betas, eps, weight decay and lr come from
-    the base fields). ``loggra_rank=None`` takes the model's hidden size / 8."""
-
-    def __post_init__(self):
-        OptimizerConfig.__post_init__(self)
-        try:
-            LoGRAConfig.__post_init__(self)
-        except ConfigError as e:  # named as the Python field, not the flag
-            raise ValueError(
-                f"LoGRAOptimizerConfig: invalid {e.field}={e.value!r}: {e.why}"
-            ) from None
-        if self.optimizer != "adam":
-            raise ValueError(f"LoGRAOptimizerConfig: optimizer={self.optimizer!r}; LoGRA is Adam")
-        if self.loggra_param_remainders and not (
-            self.bf16
-            and self.use_distributed_optimizer
-            and not self.loggra_fp32_grad_copy
-            and not self.log_num_zeros_in_grad
-            and not self.use_precision_aware_optimizer
-        ):
-            raise ValueError(
-                "LoGRAOptimizerConfig: loggra_param_remainders needs bf16=True and "
-                "use_distributed_optimizer=True, and excludes loggra_fp32_grad_copy, "
-                "log_num_zeros_in_grad and use_precision_aware_optimizer"
-            )
-
-    def loggra_kwargs(self, hidden_size: int) -> dict:
-        """Keyword arguments for LoGRAAdamW (Adam's from the base fields)."""
-        return dict(
-            lr=self.lr if self.lr is not None else 0.0,
-            betas=(self.adam_beta1, self.adam_beta2),
-            eps=self.adam_eps,
-            weight_decay=self.weight_decay,
-            **self.adamw_kwargs(hidden_size),
+def check_loggra_settings(config: OptimizerConfig, loggra: LoGRAConfig) -> None:
+    """Refuse LoGRA settings that Megatron's ``config`` cannot carry out (``ValueError``):
+    LoGRA is Adam, and the fp32 masters kept as remainders need bf16 weights in the
+    distributed optimizer without an fp32 gradient copy or Megatron's own master handling."""
+    if config.optimizer != "adam":
+        raise ValueError(f"get_loggra_optimizer: optimizer={config.optimizer!r}; LoGRA is Adam")
+    if loggra.loggra_param_remainders and not (
+        config.bf16
+        and config.use_distributed_optimizer
+        and not loggra.loggra_fp32_grad_copy
+        and not config.log_num_zeros_in_grad
+        and not config.use_precision_aware_optimizer
+    ):
+        raise ValueError(
+            "--loggra-param-remainders needs bf16=True and use_distributed_optimizer=True, "
+            "and excludes --loggra-fp32-grad-copy, log_num_zeros_in_grad and "
+            "use_precision_aware_optimizer"
         )
 
 
-def megatron_optimizer_config(optim: OptimConfig, model_chunks, cls=OptimizerConfig, **extra):
-    """Megatron's ``OptimizerConfig`` (or ``cls``) from the ``--optimizer`` section; bf16
-    main params follow the model's dtype."""
-    return cls(
+def megatron_optimizer_config(optim: OptimConfig, model_chunks, **extra) -> OptimizerConfig:
+    """Megatron's ``OptimizerConfig`` from the ``--optimizer`` section; bf16 main params
+    follow the model's dtype."""
+    return OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
         min_lr=optim.min_lr,
@@ -117,58 +94,60 @@ def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
 
 def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
     """Megatron's optimizer with LoGRA inside (the ``loggra`` entry of the registry)."""
-    config = megatron_optimizer_config(
-        optim, model_chunks, LoGRAOptimizerConfig, **dataclasses.asdict(loggra)
-    )
+    config = megatron_optimizer_config(optim, model_chunks)
     if loggra.loggra_sketch == "backward":
-        return build_backward_sketch(config, model_chunks)
-    return get_loggra_optimizer(config, model_chunks)
+        return build_backward_sketch(config, loggra, model_chunks)
+    return get_loggra_optimizer(config, model_chunks, loggra)
 
 
-def build_backward_sketch(config, model_chunks) -> LoGRAChainedOptimizer:
+def build_backward_sketch(config, loggra: LoGRAConfig, model_chunks) -> LoGRAChainedOptimizer:
     """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
-    ``BackwardSketchOptimizer`` over the targets that
-    ``prepare_model`` froze."""
+    ``BackwardSketchOptimizer`` over the targets that ``prepare_model`` froze."""
     sites = find_sites(model_chunks)
     if not sites:
         raise ValueError(
             "--loggra-sketch backward: the model was wrapped in DDP without prepare_model "
             "(optim.megatron.sketch_sites): its targets would get dense gradients"
         )
-    dense = get_loggra_optimizer(config, model_chunks)
+    dense = get_loggra_optimizer(config, model_chunks, loggra)
     leaves = list(getattr(dense, "chained_optimizers", [dense]))
     sketch = BackwardSketchOptimizer(
-        config, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
+        config, loggra, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
     )
     return LoGRAChainedOptimizer([*leaves, sketch])
 
 
-def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwargs):
+def get_loggra_optimizer(
+    config: OptimizerConfig, model_chunks: list, loggra: LoGRAConfig | None = None, **kwargs
+):
     """A Megatron-Core optimizer for DDP-wrapped ``model_chunks`` with LoGRA inside.
 
-    ``kwargs`` go to ``megatron.core.optimizer.get_megatron_optimizer``. Returns what it
-    returns (a leaf optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer
-    replaced by ``ShardedLoGRAAdamW``.
+    ``config`` is Megatron's own (``optimizer="adam"``: lr, betas, eps, weight decay,
+    clipping, precision, sharding), ``loggra`` LoGRA's settings (default ``LoGRAConfig()``:
+    rank hidden size / 8). ``kwargs`` go to ``megatron.core.optimizer.get_megatron_optimizer``.
+    Returns what it returns (a leaf optimizer or a ``ChainedOptimizer``), with each leaf's
+    inner optimizer replaced by ``ShardedLoGRAAdamW`` over Megatron's own param groups.
     """
+    loggra = loggra or LoGRAConfig()
+    check_loggra_settings(config, loggra)
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
-    info = _ParamInfo(model_chunks, config)
-    hidden_size = model_chunks[0].config.hidden_size
+    info = _ParamInfo(model_chunks, loggra)
     clamped: list[tuple[int, int]] = []
     for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(leaf, "optimizer", None) is None:
             continue  # a stub optimizer (no trainable params on this rank)
         remainders = None
         if isinstance(leaf, DistributedOptimizer):
-            if config.loggra_param_remainders:
+            if loggra.loggra_param_remainders:
                 remainders = keep_masters_as_remainders(leaf)
-            pairs, ranges, layouts, dp_group = _distributed_layouts(leaf, config, info, clamped)
+            pairs, ranges, layouts, dp_group = _distributed_layouts(leaf, loggra, info, clamped)
         else:
-            pairs, ranges, layouts, dp_group = _replicated_layouts(leaf, config, info, clamped)
+            pairs, ranges, layouts, dp_group = _replicated_layouts(leaf, loggra, info, clamped)
         held = {w: main for w, (model_param, main) in enumerate(pairs) if w in layouts}
         all_layouts = [layouts[w] for w in sorted(layouts)]
         index = {w: i for i, w in enumerate(sorted(layouts))}
         leaf.optimizer = ShardedLoGRAAdamW(
-            leaf.optimizer.param_groups,
+            leaf.optimizer.param_groups,  # Megatron's: lr, betas, eps, weight decay, wd_mult
             all_layouts=all_layouts,
             held={index[w]: p for w, p in held.items() if p is not None},
             dp_rank=dp_group.rank() if dp_group is not None else 0,
@@ -177,8 +156,15 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
             consensus_group=leaf.get_grad_stats_parallel_group(),
             param_remainders=remainders,
             energy_slots=info.energy_slots,
-            **config.loggra_kwargs(hidden_size),
+            rank=info.rank,
+            update_interval=loggra.loggra_update_interval,
+            projection=loggra.loggra_projection,
+            oversample=loggra.loggra_oversample,
+            power_iters=loggra.loggra_power_iters,
+            scale=loggra.loggra_scale,
+            min_dim=loggra.loggra_min_dim,
         )
+        leaf.loggra = loggra  # LoGRA's settings, beside Megatron's leaf.config
         leaf.loggra_params = [
             (info.key(mp), mp, main, ranges[w])
             for w, (mp, main) in enumerate(pairs)
@@ -199,9 +185,10 @@ def get_loggra_optimizer(config: LoGRAOptimizerConfig, model_chunks: list, **kwa
 class _ParamInfo:
     """Names and seeds of model params, independent of TP/DP (same on every rank)."""
 
-    def __init__(self, model_chunks, config):
+    def __init__(self, model_chunks, loggra: LoGRAConfig):
         self.gated = getattr(model_chunks[0].config, "gated_linear_unit", False)
-        self.rank = config.rank_for(model_chunks[0].config.hidden_size)
+        self.rank = loggra.rank_for(model_chunks[0].config.hidden_size)
+        """The requested sketch rank (each weight's is clamped by its projection)."""
         self.names, self.seeds = {}, {}
         for c, chunk in enumerate(model_chunks):
             for name, p in chunk.named_parameters():
@@ -215,20 +202,20 @@ class _ParamInfo:
     def is_glu_fc1(self, p) -> bool:
         return self.gated and self.names.get(p, "").endswith("linear_fc1.weight")
 
-    def sketched(self, p, config) -> bool:
-        if config.loggra_sketch == "backward":
+    def sketched(self, p, loggra: LoGRAConfig) -> bool:
+        if loggra.loggra_sketch == "backward":
             return False  # the targets are frozen (sketch_sites); what is left is dense
         name = self.names.get(p, "")
-        projection = PROJECTIONS[config.loggra_projection]
+        projection = PROJECTIONS[loggra.loggra_projection]
         return not any(part in name for part in DENSE_NAME_PARTS) and projection.sketches(
-            tuple(p.shape), config.loggra_min_dim
+            tuple(p.shape), loggra.loggra_min_dim
         )
 
 
-def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
+def _layout(p, dp_ranges, loggra: LoGRAConfig, info, clamped) -> WeightLayout:
     """The layout of sketched model param ``p`` (TP-local ``[m, n]``)."""
     m, n = p.shape
-    projection, requested = PROJECTIONS[config.loggra_projection], info.rank
+    projection, requested = PROJECTIONS[loggra.loggra_projection], info.rank
     rank = projection.rank((m, n), requested)
     if projection.clamps((m, n), requested):
         clamped.append((m, n))
@@ -242,7 +229,7 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     return WeightLayout(
         shape=(m, n),
         rank=rank,
-        seed=basis_seed(config.loggra_seed or 0, info.seeds[p]),
+        seed=basis_seed(loggra.loggra_seed or 0, info.seeds[p]),
         dp_ranges=tuple(dp_ranges),
         row_offset=tp_rank * m if column_parallel else 0,
         global_rows=tp * m if column_parallel else m,
@@ -252,7 +239,7 @@ def _layout(p, dp_ranges, config, info, clamped) -> WeightLayout:
     )
 
 
-def _distributed_layouts(leaf, config, info, clamped):
+def _distributed_layouts(leaf, loggra: LoGRAConfig, info, clamped):
     """(model, main-shard) pairs in Megatron's grad-buffer order, layouts of sketched ones."""
     main_of = {model: (main, start, end) for main, model, start, end in main_params_of(leaf)}
     dp = leaf.data_parallel_group.size()
@@ -272,19 +259,19 @@ def _distributed_layouts(leaf, config, info, clamped):
                 assert tuple(megatron_range) == ranges[dp_rank], (
                     "LoGRA's DP layout disagrees with Megatron's; unsupported megatron-core?"
                 )
-            if info.sketched(p, config):
-                layouts[len(pairs)] = _layout(p, ranges, config, info, clamped)
+            if info.sketched(p, loggra):
+                layouts[len(pairs)] = _layout(p, ranges, loggra, info, clamped)
             pairs.append((p, main))
             own_ranges.append(ranges[dp_rank])
     return pairs, own_ranges, layouts, leaf.data_parallel_group
 
 
-def _replicated_layouts(leaf, config, info, clamped):
+def _replicated_layouts(leaf, loggra: LoGRAConfig, info, clamped):
     pairs = [(model, main) for main, model, _, _ in main_params_of(leaf)]
     layouts = {
-        w: _layout(p, [(0, p.numel())], config, info, clamped)
+        w: _layout(p, [(0, p.numel())], loggra, info, clamped)
         for w, (p, _) in enumerate(pairs)
-        if info.sketched(p, config)
+        if info.sketched(p, loggra)
     }
     return pairs, [(0, p.numel()) for p, _ in pairs], layouts, None
 

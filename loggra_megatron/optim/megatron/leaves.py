@@ -3,7 +3,9 @@
 ``get_loggra_optimizer`` builds Megatron's own
 optimizers, puts ``ShardedLoGRAAdamW`` inside each leaf and re-classes the leaf (and a
 ``ChainedOptimizer`` over leaves) to the matching class here. The classes add no slots, so
-they share the instance layout of the Megatron class they derive from; what they add:
+they share the instance layout of the Megatron class they derive from; the factory sets two
+attributes on each leaf, ``loggra`` (the ``LoGRAConfig``, beside Megatron's ``config``) and
+``loggra_params`` (the sketched weights' keys and shards). What the classes add:
 
 * ``LoGRACheckpointMixin``: ``dist_checkpointing``
   of sketch state (every leaf);

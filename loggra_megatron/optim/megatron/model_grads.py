@@ -42,7 +42,7 @@ class ModelGradsMixin(MegatronOptimizer):
     def _keeps_model_grads(self) -> bool:
         config = self.config
         return not (
-            getattr(config, "loggra_fp32_grad_copy", True)
+            self.loggra.loggra_fp32_grad_copy
             or self.grad_scaler is not None
             or config.log_num_zeros_in_grad
             or config.use_precision_aware_optimizer

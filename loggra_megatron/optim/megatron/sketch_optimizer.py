@@ -39,6 +39,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm
+from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
@@ -52,14 +53,17 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     """RowAdam on this rank's rows of the backward-sketched targets (module docstring).
 
     Args:
-        config: the chain's ``LoGRAOptimizerConfig`` (lr, betas, eps, weight decay, clip,
-            ``loggra_row_optimizer``, ``loggra_param_remainders``).
+        config: the chain's Megatron ``OptimizerConfig`` (lr, betas, eps, weight decay,
+            clipping, precision).
+        loggra: LoGRA's settings (``loggra_row_optimizer``, ``loggra_param_remainders``).
         sites: the ``SketchSites`` of each model chunk.
         model_chunks: the DDP-wrapped chunks.
         grad_stats_group: the dense leaves' grad-stats group (one norm all-reduce).
     """
 
-    def __init__(self, config, sites: list[SketchSites], model_chunks, grad_stats_group):
+    def __init__(
+        self, config, loggra: LoGRAConfig, sites: list[SketchSites], model_chunks, grad_stats_group
+    ):
         if config.fp16:
             raise ValueError("--loggra-sketch backward supports bf16 and fp32 models, not fp16")
         self.sites = sites
@@ -72,7 +76,8 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             1.0 if model_chunks[0].config.calculate_per_token_loss else 1 / self.dp_size
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        remainders = config.loggra_param_remainders
+        self.row_optimizer = loggra.loggra_row_optimizer
+        remainders = loggra.loggra_param_remainders
         self.rows_of: dict[torch.Tensor, tuple[SketchSites, SketchSite, int, int]] = {}
         masters, param_remainders = [], {}
         for chunk_sites in sites:
@@ -96,7 +101,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
-            row_optimizer=config.loggra_row_optimizer,
+            row_optimizer=self.row_optimizer,
             param_remainders=param_remainders,
         )
         super().__init__(inner, config)
@@ -249,7 +254,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
-        s, config = self.sites[0], self.config
+        s = self.sites[0]
         return {
             "format": FORMAT_VERSION,
             "sketch": "backward",
@@ -258,7 +263,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             "seed": s.seed,
             "rank": s.rank,
             "targets": sorted({site.name.partition(".")[2] for site in s}),
-            "row_optimizer": config.loggra_row_optimizer,
+            "row_optimizer": self.row_optimizer,
             "num_steps": self.optimizer.num_steps,
         }
 

@@ -143,7 +143,9 @@ def test_optimizer_state_exact_for_plain_torch_modules():
 
 
 def _zero1_rank(rank: int) -> dict:
-    from loggra_megatron.optim import LoGRAOptimizerConfig, get_loggra_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
 
     model = tiny_gpt_model(
         num_layers=2,
@@ -155,15 +157,8 @@ def _zero1_rank(rank: int) -> dict:
         use_cpu_initialization=True,
     )
     ddp = wrap_ddp(model, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
-    config = LoGRAOptimizerConfig(
-        optimizer="adam",
-        lr=1e-3,
-        bf16=True,
-        use_distributed_optimizer=True,
-        loggra_rank=8,
-        loggra_min_dim=16,
-    )
-    opt = get_loggra_optimizer(config, [ddp])
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True)
+    opt = get_loggra_optimizer(config, [ddp], LoGRAConfig(loggra_rank=8, loggra_min_dim=16))
     tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(rank))
     train_step(ddp, opt, tokens)
     leaves = getattr(opt, "chained_optimizers", [opt])

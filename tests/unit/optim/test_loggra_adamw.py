@@ -41,6 +41,7 @@ def test_identity_projection_equals_torch_adamw():
         betas=(0.9, 0.95),
         eps=1e-8,
         weight_decay=0.1,
+        rank=8,  # unused: the identity projection keeps every column
         projection="identity",
         min_dim=1,
     )
@@ -291,13 +292,23 @@ def test_nonfinite_gradient_skips_and_counts_without_touching_state():
 )
 def test_bad_input_names_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=rf"\b{name}="):
-        LoGRAAdamW(_params(), **kwargs)
+        LoGRAAdamW(_params(), **{"rank": 4, **kwargs})
+
+
+def test_the_rank_has_no_default_here():
+    """The rank depends on the model: its one default is ``LoGRAConfig.rank_for``
+    (hidden size / 8), which a bare torch optimizer cannot know."""
+    with pytest.raises(TypeError, match="rank"):
+        LoGRAAdamW(_params())
+    from loggra_megatron.optim.config import LoGRAConfig
+
+    assert LoGRAConfig().rank_for(1024) == 128 and LoGRAConfig(loggra_rank=7).rank_for(1024) == 7
 
 
 def test_bad_input_in_a_param_group_is_rejected():
     p = _params()
     with pytest.raises(ValueError, match="rank="):
-        LoGRAAdamW([{"params": p[:2]}, {"params": p[2:], "rank": 0}])
+        LoGRAAdamW([{"params": p[:2]}, {"params": p[2:], "rank": 0}], rank=4)
 
 
 def test_rank_larger_than_matrix_is_clamped_with_one_warning():
