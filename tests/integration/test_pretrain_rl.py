@@ -257,17 +257,31 @@ def test_grpo_steps_end_to_end(tokenizer, tmp_path, parallel):
     assert all(r["kl/probe_skipped"] in (0.0, 1.0, 2.0) for r in rows)  # of 2 updates
 
 
+GREEDY = {"temperature": 0, "kl-coef": 0.01}
+"""The flags of the shared one-process baseline run (``greedy_run``)."""
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tokenizer, tmp_path_factory):
+    """One greedy, one-process run with a reference model: the baseline that the recompute,
+    bounded-rollout and importance-sampling tests each compare a variant with (one launch
+    for the three)."""
+    out = tmp_path_factory.mktemp("greedy") / "run"
+    torchrun(tiny_argv(tokenizer, **GREEDY, **{"output-dir": out}), nproc=1)
+    return out
+
+
 def _same_numbers(a_dir, b_dir, keys, rel=0.0):
     for a, b in zip(read_metrics(a_dir), read_metrics(b_dir), strict=True):
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=rel, abs=rel), (a["step"], key)
 
 
-def test_activation_recompute_changes_no_number(tokenizer, tmp_path):
+def test_activation_recompute_changes_no_number(tokenizer, tmp_path, greedy_run):
     """--recompute-granularity full (uniform, every layer) and selective (core attention)
-    train exactly as without recompute: same losses, KL and rewards (1 process, fp32)."""
+    train exactly as without recompute (``greedy_run``): same losses, KL and rewards (1
+    process, fp32)."""
     runs = {
-        "plain": {},
         "full": {
             "recompute-granularity": "full",
             "recompute-method": "uniform",
@@ -277,54 +291,51 @@ def test_activation_recompute_changes_no_number(tokenizer, tmp_path):
     }
     for name, flags in runs.items():
         torchrun(
-            tiny_argv(tokenizer, **flags, **{"kl-coef": 0.01, "output-dir": tmp_path / name}),
-            nproc=1,
+            tiny_argv(tokenizer, **GREEDY, **flags, **{"output-dir": tmp_path / name}), nproc=1
         )
     keys = ("loss/total", "loss/policy", "kl/ref", "reward/mean", "grad/norm")
-    for name in ("full", "selective"):
-        _same_numbers(tmp_path / "plain", tmp_path / name, keys, rel=1e-6)
+    for name in runs:
+        _same_numbers(greedy_run, tmp_path / name, keys, rel=1e-6)
 
 
-def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(tokenizer, tmp_path):
+def test_bounded_rollouts_and_micro_batched_log_probs_change_no_number(
+    tokenizer, tmp_path, greedy_run
+):
     """Greedy rollouts: a KV budget of 2 rows (--inference-max-tokens) and reference
     log-probs one sequence at a time (--log-prob-micro-batch-size 1) give the rollouts,
-    rewards and KL of one big batch; the logged KV cache shrinks from 16 rows to 4 (rows of
-    32 tokens: the longest prompt, 20, plus 12 new)."""
-    common = {"temperature": 0, "kl-coef": 0.01}
-    torchrun(tiny_argv(tokenizer, **common, **{"output-dir": tmp_path / "whole"}), nproc=1)
+    rewards and KL of one big batch (``greedy_run``); the logged KV cache shrinks from 16
+    rows to 4 (rows of 32 tokens: the longest prompt, 20, plus 12 new)."""
     bounded = {"inference-max-tokens": 2 * 64, "log-prob-micro-batch-size": 1}
-    torchrun(tiny_argv(tokenizer, **common, **bounded, **{"output-dir": tmp_path / "b"}), nproc=1)
-    _same_numbers(tmp_path / "whole", tmp_path / "b", ("reward/mean", "response/length_mean"))
-    _same_numbers(tmp_path / "whole", tmp_path / "b", ("kl/ref", "loss/total"), rel=1e-5)
-    for whole, b in zip(
-        read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "b"), strict=True
-    ):
+    torchrun(tiny_argv(tokenizer, **GREEDY, **bounded, **{"output-dir": tmp_path / "b"}), nproc=1)
+    _same_numbers(greedy_run, tmp_path / "b", ("reward/mean", "response/length_mean"))
+    _same_numbers(greedy_run, tmp_path / "b", ("kl/ref", "loss/total"), rel=1e-5)
+    for whole, b in zip(read_metrics(greedy_run), read_metrics(tmp_path / "b"), strict=True):
         assert b["memory/kv_cache_bytes"] * 4 == whole["memory/kv_cache_bytes"]
         assert b["throughput/rollout_tokens_per_s"] > 0 and b["time/rollout_s"] > 0
 
 
-def test_truncated_importance_sampling_and_on_policy_old_log_probs(tokenizer, tmp_path):
+def test_truncated_importance_sampling_and_on_policy_old_log_probs(tokenizer, tmp_path, greedy_run):
     """Greedy rollouts, fp32: the static engine's log-probs are within 1e-3 of the trainer's
     (``rollout/logprob_mismatch``), so ``--tis-cap 2`` weights every token by about 1 and
-    trains as without it, with π_old recomputed (2 updates per RL step) or, with one update
-    per step (global batch = rollout batch), the training forward's own: ratio 1."""
-    common = {"temperature": 0}
+    trains as without it (``greedy_run``), with π_old recomputed (2 updates per RL step) or,
+    with one update per step (global batch = rollout batch), the training forward's own:
+    ratio 1."""
     runs = {
-        "base": {},
         "tis": {"tis-cap": 2},  # 16 rollouts, global batch 8: π_old recomputed
         "on_policy": {"tis-cap": 2, "global-batch-size": 16},  # π_old: the forward's own
     }
     for name, flags in runs.items():
-        argv = tiny_argv(tokenizer, **common, **flags, **{"output-dir": tmp_path / name})
+        argv = tiny_argv(tokenizer, **GREEDY, **flags, **{"output-dir": tmp_path / name})
         torchrun(argv, nproc=1)
-    base, tis, on_policy = (read_metrics(tmp_path / name) for name in runs)
+    base = read_metrics(greedy_run)
+    tis, on_policy = (read_metrics(tmp_path / name) for name in runs)
     for row in base:
         assert 0 <= row["rollout/logprob_mismatch"] < 1e-3 and "tis/weight_mean" not in row
     for row in tis + on_policy:
         assert row["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert 0 <= row["rollout/logprob_mismatch"] < 1e-3
-    _same_numbers(tmp_path / "base", tmp_path / "tis", ("reward/mean",))
-    _same_numbers(tmp_path / "base", tmp_path / "tis", ("loss/total", "grad/norm"), rel=1e-3)
+    _same_numbers(greedy_run, tmp_path / "tis", ("reward/mean",))
+    _same_numbers(greedy_run, tmp_path / "tis", ("loss/total", "grad/norm"), rel=1e-3)
     assert all(r["ratio/mean"] == 1.0 and r["clip/fraction"] == 0.0 for r in on_policy)
 
 
