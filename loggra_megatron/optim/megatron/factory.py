@@ -16,7 +16,9 @@ pinned to (0.16–0.19): docs/optimizer.md#inside-megatron-cores-distributed-opt
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -140,10 +142,11 @@ def get_loggra_optimizer(
         if isinstance(leaf, DistributedOptimizer):
             if loggra.loggra_param_remainders:
                 remainders = keep_masters_as_remainders(leaf)
-            pairs, ranges, layouts, dp_group = _distributed_layouts(leaf, loggra, info, clamped)
+            weights = _distributed_layouts(leaf, loggra, info, clamped)
         else:
-            pairs, ranges, layouts, dp_group = _replicated_layouts(leaf, loggra, info, clamped)
-        held = {w: main for w, (model_param, main) in enumerate(pairs) if w in layouts}
+            weights = _replicated_layouts(leaf, loggra, info, clamped)
+        layouts, dp_group = weights.layouts, weights.dp_group
+        held = {w: main for w, (_, main) in enumerate(weights.pairs) if w in layouts}
         all_layouts = [layouts[w] for w in sorted(layouts)]
         index = {w: i for i, w in enumerate(sorted(layouts))}
         leaf.optimizer = ShardedLoGRAAdamW(
@@ -166,8 +169,8 @@ def get_loggra_optimizer(
         )
         leaf.loggra = loggra  # LoGRA's settings, beside Megatron's leaf.config
         leaf.loggra_params = [
-            (info.key(mp), mp, main, ranges[w])
-            for w, (mp, main) in enumerate(pairs)
+            (info.key(mp), mp, main, weights.own_ranges[w])
+            for w, (mp, main) in enumerate(weights.pairs)
             if main is not None
         ]
         leaf.__class__ = loggra_class_for(type(leaf))
@@ -180,6 +183,20 @@ def get_loggra_optimizer(
             stacklevel=2,
         )
     return optimizer
+
+
+@dataclass
+class _LeafWeights:
+    """A leaf optimizer's weights in Megatron's grad-buffer order, as LoGRA lays them out."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]]
+    """``(model param, this rank's main shard or None)`` of each weight."""
+    own_ranges: list[tuple[int, int]]
+    """This rank's ``[start, end)`` of each weight (flat; ``(0, 0)``: none of it)."""
+    layouts: dict[int, WeightLayout]
+    """The sketched weights' layouts, by index into ``pairs``."""
+    dp_group: torch.distributed.ProcessGroup | None
+    """The group the weights are sharded over (None: replicated)."""
 
 
 class _ParamInfo:
@@ -239,8 +256,8 @@ def _layout(p, dp_ranges, loggra: LoGRAConfig, info, clamped) -> WeightLayout:
     )
 
 
-def _distributed_layouts(leaf, loggra: LoGRAConfig, info, clamped):
-    """(model, main-shard) pairs in Megatron's grad-buffer order, layouts of sketched ones."""
+def _distributed_layouts(leaf, loggra: LoGRAConfig, info, clamped) -> _LeafWeights:
+    """A distributed optimizer leaf's weights: slices over DP as Megatron's buffers cut them."""
     main_of = {model: (main, start, end) for main, model, start, end in main_params_of(leaf)}
     dp = leaf.data_parallel_group.size()
     dp_rank = leaf.data_parallel_group.rank()
@@ -263,17 +280,18 @@ def _distributed_layouts(leaf, loggra: LoGRAConfig, info, clamped):
                 layouts[len(pairs)] = _layout(p, ranges, loggra, info, clamped)
             pairs.append((p, main))
             own_ranges.append(ranges[dp_rank])
-    return pairs, own_ranges, layouts, leaf.data_parallel_group
+    return _LeafWeights(pairs, own_ranges, layouts, leaf.data_parallel_group)
 
 
-def _replicated_layouts(leaf, loggra: LoGRAConfig, info, clamped):
+def _replicated_layouts(leaf, loggra: LoGRAConfig, info, clamped) -> _LeafWeights:
+    """A replicated leaf's weights: every rank holds each whole."""
     pairs = [(model, main) for main, model, _, _ in main_params_of(leaf)]
     layouts = {
         w: _layout(p, [(0, p.numel())], loggra, info, clamped)
         for w, (p, _) in enumerate(pairs)
         if info.sketched(p, loggra)
     }
-    return pairs, [(0, p.numel()) for p, _ in pairs], layouts, None
+    return _LeafWeights(pairs, [(0, p.numel()) for p, _ in pairs], layouts, None)
 
 
 def _tp_dp_group(dp_group):
