@@ -7,7 +7,15 @@ import math
 
 import pytest
 import torch
-from test_kl_control import TOKENS, _backward, _build, _controller, _count_forwards, _local, _params
+from test_kl_control_ranks import (
+    TOKENS,
+    _backward,
+    _build,
+    _controller,
+    _count_forwards,
+    _local,
+    _params,
+)
 
 from loggra_megatron.config import settings_that_do_not_apply
 from loggra_megatron.rl.config import KLControlConfig

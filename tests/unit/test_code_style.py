@@ -32,3 +32,14 @@ def test_no_sphinx_roles():
         if SPHINX_ROLE.search(line) and p.name != "test_code_style.py"
     ]
     assert not found, f"plain ``name`` instead of a Sphinx role: {found[:10]}"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (the test tree has no packages), so two
+    ``test_x.py`` in different folders break collection of the whole run, though each folder
+    alone collects (``tests/unit`` is the fast tier)."""
+    seen: dict[str, list[str]] = {}
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each: {clashes}"
