@@ -100,22 +100,15 @@ def backward(ddp, opt, tokens, mask, update=None):
 
 
 def controller(ddp, opt, **cfg):
-    from megatron.core import parallel_state as ps
-
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.rl.config import KLControlConfig
     from loggra_megatron.rl.kl_control import PredictedKLController
-    from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
+    from loggra_megatron.rl.kl_probe import gpt_probe_forward
+    from loggra_megatron.train.build import probe_kl
 
     config = KLControlConfig(**cfg)
-    measure = ProbeKL(
-        gpt_probe_forward(ddp),
-        config.kl_estimator,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        device=next(ddp.parameters()).device,
-    )
+    device = next(ddp.parameters()).device
+    measure = probe_kl(gpt_probe_forward(ddp), config.kl_estimator, device=device)
     return PredictedKLController(config, MegatronStepper(opt), measure)
 
 

@@ -138,9 +138,7 @@ def kl_controller(
 ) -> PredictedKLController | None:
     """Predicted-KL step control through the run's ``stepper`` (None without
     ``--kl-target``)."""
-    from megatron.core import parallel_state as ps
-
-    from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
+    from loggra_megatron.rl.kl_probe import gpt_probe_forward
 
     if not cfg.kl_control.enabled:
         return None
@@ -150,16 +148,26 @@ def kl_controller(
     forward = gpt_probe_forward(
         policy, rows, log_probs=not full, group=cfg.training.length_grouping
     )
-    measure = ProbeKL(
+    device = next(policy.parameters()).device
+    measure = probe_kl(forward, estimator, device=device, forward_rows=rows if full else None)
+    return PredictedKLController(cfg.kl_control, stepper, measure)
+
+
+def probe_kl(forward, estimator: str, *, device=None, forward_rows: int | None = None):
+    """``rl.kl_probe.ProbeKL`` of ``forward`` over Megatron's TP, DP and PP groups."""
+    from megatron.core import parallel_state as ps
+
+    from loggra_megatron.rl.kl_probe import ProbeKL
+
+    return ProbeKL(
         forward,
         estimator,
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        device=next(policy.parameters()).device,
-        forward_rows=rows if full else None,
+        device=device,
+        forward_rows=forward_rows,
     )
-    return PredictedKLController(cfg.kl_control, stepper, measure)
 
 
 def experience_maker(cfg: RunConfig, host, policy, reference, *, tis=False, on_policy=False):

@@ -13,6 +13,7 @@ from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl_control import PredictedKLController
 from loggra_megatron.rl.kl_probe import ProbeKL, gpt_probe_forward
 from loggra_megatron.testing import run_distributed, tiny_gpt_model, wrap_ddp
+from loggra_megatron.train.build import probe_kl
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -99,23 +100,11 @@ def _backward(ddp, opt, tokens):
         opt.step = step
 
 
-def _measure(forward, estimator="full"):
-    from megatron.core import parallel_state as ps
-
-    return ProbeKL(
-        forward,
-        estimator,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-    )
-
-
 def _controller(ddp, opt, **cfg):
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
     config = KLControlConfig(**{"kl_realized_interval": 1, **cfg})  # kl/realized every step
-    measure = _measure(gpt_probe_forward(ddp), config.kl_estimator)
+    measure = probe_kl(gpt_probe_forward(ddp), config.kl_estimator)
     return PredictedKLController(config, MegatronStepper(opt), measure)
 
 
@@ -317,7 +306,7 @@ def _kept_vs_probe_forward(rank, estimator, pad_to=1):
     )
     k = estimator != "full"  # the trainer's forward: micro-batched log-probs for k1/k2/k3
     forward = gpt_probe_forward(ddp, micro_batch_size=1 if k else None, log_probs=k)
-    ctl = PredictedKLController(config, MegatronStepper(opt), _measure(forward, estimator))
+    ctl = PredictedKLController(config, MegatronStepper(opt), probe_kl(forward, estimator))
     tokens = _local(TOKENS)
     gen = torch.Generator().manual_seed(5)
     mask = torch.ones(len(tokens), SEQ, dtype=torch.bool)
