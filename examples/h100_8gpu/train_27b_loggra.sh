@@ -68,6 +68,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 # releases' larger ones (docs/memory.md); NCCL_NVLS_ENABLE=1.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# CUDA graphs (the rollout's decode steps) beside expandable segments need NCCL's buffer
+# registration off (Megatron-Core's graph manager: an illegal memory access before Blackwell)
+export NCCL_GRAPH_REGISTER=0
 # Relaunching resumes this run; the first launch starts from the converted model.
 LOAD="$CKPT"
 [ -f "$OUT/latest_checkpointed_iteration.txt" ] && LOAD="$OUT"

@@ -23,9 +23,11 @@ class RolloutConfig:
     DynamicInferenceEngine: paged KV cache, continuous batching; GPU only) | auto (dynamic
     where it can run, else static; see loggra_megatron.rollout.registry)."""
     rollout_cuda_graphs: bool = True
-    """The static engine captures each decode step (per attention width) in a CUDA graph on a
-    GPU and replays it (rollout/decoder.py); FP8 decodes eagerly. Off: eager decode steps (to
-    profile or debug). On CPU the same step runs through the graph stand-in."""
+    """Decode steps as CUDA graphs on a GPU: the static engine captures each step (per
+    attention width, rollout/decoder.py), the dynamic engine Megatron-Core's layer graphs per
+    decode batch size (rollout/mcore_engine.decode_graphs); FP8 decodes eagerly. Off: eager
+    decode steps (to profile or debug). On CPU the static step runs through the graph
+    stand-in."""
     inference_max_tokens: int | None = None
     """Bound on the rollout KV cache, in tokens: the static engine generates in chunks of
     rows with rows × (longest prompt + --max-new-tokens) ≤ this; the dynamic engine sizes its

@@ -16,7 +16,9 @@ model state kept around generation (eval mode, RoPE cache, FP8 casts): ``docs/ro
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -38,6 +40,10 @@ from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 
 DEFAULT_BLOCK_SIZE = 256
+DECODE_GRAPHS = 16
+"""Decode batch sizes captured as CUDA graphs (Megatron's ``num_cuda_graphs``; Megatron-LM's
+``--inference-dynamic-batching-num-cuda-graphs`` default): a decode step runs the smallest
+captured size that holds its requests."""
 
 
 def refusal(target: EngineTarget) -> str | None:
@@ -220,6 +226,25 @@ def _inference_state(model) -> Iterator[None]:
             inner.set_is_first_microbatch()  # drop casts made under inference_mode
 
 
+def _decode_graphs(model, config, wanted: bool):
+    """``mcore_engine.decode_graphs`` when the decode steps are to be CUDA graphs
+    (``--rollout-cuda-graphs``, no FP8: Transformer Engine's FP8 weight casts inside
+    Megatron's captured layers are unverified here, as for the static engine), else a no-op;
+    a launch environment that makes the capture unsafe is said once and decodes eagerly."""
+    if not wanted or config.fp8:
+        return contextlib.nullcontext()
+    hazard = mcore_engine.graph_register_hazard()
+    if hazard is not None:
+        _warn_once(hazard)
+        return contextlib.nullcontext()
+    return mcore_engine.decode_graphs(model, config)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _generate(
     model,
     prompts,
@@ -234,7 +259,8 @@ def _generate(
     step,
     max_tokens,
     block_size,
-) -> list[list[int]]:
+    cuda_graphs,
+) -> tuple[list[list[int]], int]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.utils import get_model_config
@@ -252,6 +278,7 @@ def _generate(
         step_tokens=step_tokens,
         max_seq=max(lens) + max_new_tokens,
         block_size=block_size,
+        cuda_graphs=DECODE_GRAPHS if cuda_graphs else None,
     )
     generator = None
     if temperature > 0:
@@ -272,8 +299,10 @@ def _generate(
         num_tokens_to_generate=max_new_tokens,
         termination_id=sampler.termination_id,
     )
-    with generation_mode(model), _inference_state(model):
-        engine = mcore_engine.build_engine(model, get_model_config(model), plan, sampler, seed)
+    config = get_model_config(model)
+    graphs = _decode_graphs(model, config, cuda_graphs)
+    with generation_mode(model), _inference_state(model), graphs:
+        engine = mcore_engine.build_engine(model, config, plan, sampler, seed)
         try:
             for i, p in enumerate(lens):
                 engine.add_request(i, prompts[i, :p].tolist(), params)
@@ -365,6 +394,7 @@ def generate_rollout_dynamic(
             step=r.step,
             max_tokens=r.max_tokens,
             block_size=block_size_tokens,
+            cuda_graphs=r.cuda_graphs,
         )
     cut = [truncate_at_stop(resp, stop_ids) for resp in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], r.pad_id)

@@ -12,9 +12,13 @@ buffer). The table of differences and what moves when 0.16 support is dropped:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import importlib.util
+import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +26,7 @@ import torch
 __all__ = [
     "EnginePlan",
     "build_engine",
+    "decode_graphs",
     "fp8_inference_wrapped_modules",
     "has_inference_config",
     "kv_block_count",
@@ -69,6 +74,9 @@ class EnginePlan:
     """Longest prompt + ``max_new_tokens``."""
     block_size: int
     """Tokens per KV block."""
+    cuda_graphs: int | None = None
+    """Decode batch sizes captured as CUDA graphs (Megatron's ``num_cuda_graphs``), inside
+    ``decode_graphs``; ``None``: every step eager."""
 
 
 class _NoTokenizer:
@@ -133,7 +141,7 @@ def _context_0_16(config, plan: EnginePlan, layers: int, block_bytes: int, tp: i
         max_tokens=DynamicInferenceContext.round_up_tokens(plan.step_tokens, tp),
         block_size_tokens=plan.block_size,
         materialize_only_last_token_logits=True,
-        num_cuda_graphs=None,
+        num_cuda_graphs=_graph_sizes(config, plan, tp),
         use_cuda_graphs_for_non_decode_steps=False,
         use_flashinfer_fused_rope=False,
         unified_memory_level=0,
@@ -153,7 +161,7 @@ def _context_0_17(config, plan: EnginePlan, block_bytes: int, tp: int):
         max_tokens=DynamicInferenceContext.round_up_tokens(max(plan.step_tokens, requests), tp),
         max_sequence_length=plan.max_seq,
         materialize_only_last_token_logits=True,
-        num_cuda_graphs=None,
+        num_cuda_graphs=_graph_sizes(config, plan, tp),
         use_cuda_graphs_for_non_decode_steps=False,
         use_flashinfer_fused_rope=False,
         unified_memory_level=0,
@@ -165,9 +173,98 @@ def _context_0_17(config, plan: EnginePlan, block_bytes: int, tp: int):
     return DynamicInferenceContext(config, inference_config)
 
 
+def _graph_sizes(config, plan: EnginePlan, tp: int) -> int | None:
+    """``num_cuda_graphs`` for the context: the plan's inside ``decode_graphs``, else none
+    (graph-sized batches without managers to capture them would only pad). On 0.16 the
+    sizes are multiples of TP up to ``max_requests`` rounded down: fewer requests than TP
+    would make a graph of 0 tokens, so those rollouts decode eagerly (0.17+ rounds
+    ``max_requests`` up to TP)."""
+    if config.cuda_graph_impl != "local":
+        return None
+    if not has_inference_config() and plan.max_requests < tp:
+        return None
+    return plan.cuda_graphs
+
+
+def graph_register_hazard(env=os.environ) -> str | None:
+    """Why Megatron's graph manager refuses to start here (``None``: it starts): expandable
+    segments without ``NCCL_GRAPH_REGISTER=0`` (an illegal memory access on GPUs before
+    Blackwell; megatron-core 0.16 asserts it at each manager, 0.19 in its TE helper only, the
+    hazard being the same)."""
+    if "expandable_segments:True" not in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return None
+    blackwell = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+    if env.get("NCCL_GRAPH_REGISTER", "") == "0" or blackwell:
+        return None
+    return (
+        "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True but NCCL_GRAPH_REGISTER is not 0: "
+        "export NCCL_GRAPH_REGISTER=0 (as the launch scripts do) for the dynamic engine's "
+        "CUDA graphs; its decode steps run eagerly"
+    )
+
+
+@contextlib.contextmanager
+def decode_graphs(model, config) -> Iterator[None]:
+    """Megatron-Core's local CUDA graphs for the engines built inside: decode-only steps
+    (``EnginePlan.cuda_graphs`` batch sizes) are captured at the engine's construction and
+    replayed; prefill and mixed steps stay eager. The model is built without graphs
+    (``cuda_graph_impl="none"``) and so trains without them: for the rollout only, every
+    ``TransformerLayer`` gets an inference-only ``CudaGraphManager`` (``need_backward=False``;
+    routing reads ``hasattr(layer, "cudagraph_manager")``, as ``toggle_cuda_graphs`` does),
+    ``cuda_graph_impl`` reads ``"local"`` (0.17+: ``inference_cuda_graph_scope`` ``layer``,
+    first and last layers annotated), and the RNG tracker is Megatron's inference tracker
+    (no RNG in an eval forward; the manager asserts a graph-safe one). On exit, whatever
+    happened: the managers are removed (a training forward would be routed through any left
+    attached), ``delete_cuda_graphs()`` frees the graphs and their pool, and the config, the
+    RNG tracker and the current CUDA stream (which the first manager switches) are restored.
+    Why each, by megatron-core release: ``docs/rollouts.md``."""
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.utils import unwrap_model
+
+    layers = list(unwrap_model(model).decoder.layers)
+    if any(hasattr(layer, "cudagraph_manager") for layer in layers):
+        raise RuntimeError(
+            "the model has CUDA graph managers (built with --cuda-graph-impl local?): rollouts "
+            "attach their own for generation only; build the model without them"
+        )
+    saved = {"cuda_graph_impl": config.cuda_graph_impl}
+    if has_inference_config():
+        saved["inference_cuda_graph_scope"] = config.inference_cuda_graph_scope
+    tracker = random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    stream = torch.cuda.current_stream()
+    try:
+        config.cuda_graph_impl = "local"
+        if has_inference_config():
+            from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+            config.inference_cuda_graph_scope = InferenceCudaGraphScope.layer
+            cuda_graphs.annotate_first_last_layer(layers)
+        random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        for layer in layers:
+            layer.cudagraph_manager = cuda_graphs.CudaGraphManager(config, need_backward=False)
+        yield
+    finally:
+        for layer in layers:
+            for name in ("cudagraph_manager", "is_first_layer", "is_last_layer"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+        cuda_graphs.delete_cuda_graphs()
+        pool = getattr(cuda_graphs, "TensorReusePool", None)  # 0.16: class-level references
+        for name in ("pool", "tensor_strong_refs", "tensor_strong_refs_dataptrs"):
+            if pool is not None and hasattr(pool, name):
+                getattr(pool, name).clear()
+        for name, value in saved.items():
+            setattr(config, name, value)
+        random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
+        torch.cuda.set_stream(stream)
+        gc.collect()
+
+
 def build_engine(model, config, plan: EnginePlan, sampler, seed: int):
     """A ``DynamicInferenceEngine`` on ``model`` (the training model object, DDP-wrapped or
-    not) whose controller samples with ``sampler``; no CUDA graphs. Release it with
+    not) whose controller samples with ``sampler``; it captures ``plan.cuda_graphs`` decode
+    graphs when built inside ``decode_graphs`` (else none). Release it with
     ``release_engine``."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -208,12 +305,12 @@ def build_engine(model, config, plan: EnginePlan, sampler, seed: int):
         raise RuntimeError(f"KV cache has {kv_block_count(context)} blocks, wanted {plan.blocks}")
     if has_inference_config():
         return DynamicInferenceEngine(controller, context)
-    with warnings.catch_warnings():  # enable_cuda_graph is deprecated, but it is the off switch
+    with warnings.catch_warnings():  # enable_cuda_graph is deprecated, but it is the switch
         warnings.simplefilter("ignore")
         return DynamicInferenceEngine(
             controller,
             context,
-            enable_cuda_graph=False,
+            enable_cuda_graph=config.cuda_graph_impl == "local",
             random_seed=int(seed),
             enable_chunked_prefill=True,
         )

@@ -80,7 +80,7 @@ class RolloutRequest:
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
     cuda_graphs: bool = True
-    """The static engine's decode steps are CUDA graphs on a GPU (``--rollout-cuda-graphs``)."""
+    """Decode steps are CUDA graphs on a GPU, in either engine (``--rollout-cuda-graphs``)."""
 
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:

@@ -55,7 +55,7 @@ MASK_INDEXED = frozenset({"aten::index", "aten::index_put", "aten::index_put_"})
 """Indexing that reads a boolean mask on the host (``t[mask]``, ``t[mask] = v``)."""
 
 
-def _reads_host(name: str, args) -> bool:
+def reads_host(name: str, args) -> bool:
     if name in HOST_READS:
         return True
     if name in MASK_INDEXED:
@@ -70,7 +70,7 @@ class HostReadError(RuntimeError):
 class _RefuseHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if _reads_host(name, args):
+        if reads_host(name, args):
             raise HostReadError(
                 f"{name} inside a captured decode step: a CUDA graph cannot capture a host "
                 "read; keep the value on the device (rollout/step_graph.py)"

@@ -484,15 +484,28 @@ def kvcache_attention(
     softmax_scale=None,
     window_size=(-1, -1),
 ):
-    """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, 1, h, d]``)."""
+    """``flash_attn_with_kvcache`` with a block table (decode-only steps, ``q [n, sq, h, d]``),
+    as its kernel runs: every row at once over its whole block table, the keys at and past
+    ``cache_seqlens`` masked on the device, so it reads nothing on the host and a CUDA graph
+    (``cuda_graph_standin``) can capture it. Rows past ``cache_seqlens``/``block_table``
+    (a graph's padding) are zeros."""
     _check_flash_inputs(q, k_cache, v_cache, block_table, seqlens_k=cache_seqlens)
     assert causal and tuple(window_size) == (-1, -1)
-    out, scale = torch.zeros_like(q), softmax_scale or q.shape[-1] ** -0.5
-    for i in range(min(q.shape[0], len(cache_seqlens))):
-        n = int(cache_seqlens[i])
-        if n > 0:
-            kv = [_paged(c, block_table[i], n) for c in (k_cache, v_cache)]
-            out[i] = _attend(q[i], *kv, scale)
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    out = torch.zeros_like(q)
+    n = min(q.shape[0], len(cache_seqlens), len(block_table))
+    sq, hq = q.shape[1], q.shape[2]
+    rows = block_table[:n].long()  # [n, blocks]; unused entries are masked below
+    k, v = (c[rows].flatten(1, 2) for c in (k_cache, v_cache))  # [n, S, hk, d]
+    k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
+    lengths = cache_seqlens[:n].long()
+    key = torch.arange(k.shape[1], device=q.device)
+    v = torch.where((key[None, :] < lengths[:, None])[..., None, None], v, 0)  # no stale NaN
+    query = torch.arange(sq, device=q.device)
+    visible = key[None, None, :] <= lengths[:, None, None] - sq + query[None, :, None]
+    scores = torch.einsum("nqhd,nkhd->nhqk", q[:n].float(), k.float()) * scale
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    out[:n] = torch.einsum("nhqk,nkhd->nqhd", probs, v.float()).to(q.dtype)
     return out
 
 

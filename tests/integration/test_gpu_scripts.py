@@ -284,6 +284,7 @@ def test_single_node_script_takes_pretrain_rl_from_the_repository(tmp_path):
     env = _read(tmp_path / "torchrun.env").splitlines()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in env and "NCCL_NVLS_ENABLE=0" in env
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    assert "NCCL_GRAPH_REGISTER=0" in env  # the rollout's CUDA graphs beside expandable segments
 
 
 def test_slurm_script_submits_itself_recording_the_repository(tmp_path):
@@ -349,6 +350,7 @@ def test_slurm_job_runs_in_a_container_from_the_repository(tmp_path, image):
     env = _read(tmp_path / "srun.env").splitlines()
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in env and "NCCL_NVLS_ENABLE=0" in env
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    assert "NCCL_GRAPH_REGISTER=0" in env  # the rollout's CUDA graphs beside expandable segments
 
 
 def test_slurm_script_refuses_an_unknown_repository(tmp_path):

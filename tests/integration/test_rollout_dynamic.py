@@ -84,8 +84,8 @@ def _failure_worker(rank: int) -> dict:
         if key == "generator_redirected":
             gpu_standins.install_generator_redirect()
         try:
-            generate_rollout_dynamic(
-                model, PROMPTS, RolloutRequest(max_new_tokens=2, temperature=0.0)
+            generate_rollout_dynamic(  # (with graphs: torch.cuda.graph_pool_handle first)
+                model, PROMPTS, RolloutRequest(max_new_tokens=2, temperature=0.0, cuda_graphs=False)
             )
             out[key] = None
         except Exception as exc:
@@ -157,14 +157,37 @@ def _load_pp_stage(model, full_state: dict) -> None:
     model.load_state_dict(state, strict=True)
 
 
+def _graph_facts(model, streams, stream, tracker) -> dict:
+    """What a rollout with CUDA graphs must leave behind: nothing of them."""
+    import cuda_graph_standin
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudagraphGlobalRecord
+    from megatron.core.utils import get_model_config, unwrap_model
+
+    layers = unwrap_model(model).decoder.layers
+    return {
+        "managers": sum(hasattr(layer, "cudagraph_manager") for layer in layers),
+        "live_graphs": len(cuda_graph_standin.live_graphs()),
+        "records": len(_CudagraphGlobalRecord.cudagraph_inference_record),
+        "pool": CudaGraphManager.global_mempool,
+        "impl": get_model_config(model).cuda_graph_impl,
+        "tracker": random.get_cuda_rng_tracker() is tracker,
+        "stream": streams.current is stream,
+    }
+
+
 def _worker(rank: int, full_state: dict | None = None) -> dict:
+    import cuda_graph_standin
     import gpu_standins
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random
 
     import loggra_megatron.rollout.dynamic_generate as dynamic
     import loggra_megatron.rollout.mcore_engine as mcore_engine
 
     gpu_standins.install_flash_attn()
+    streams = cuda_graph_standin.install()  # every case decodes through CUDA graphs
+    stream, tracker = streams.current, random.get_cuda_rng_tracker()
     dynamic.dynamic_engine_unavailable = lambda model=None: None  # CPU, with the stand-ins
     log_prob_rows = []
     compute = dynamic.compute_log_probs
@@ -207,12 +230,16 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     def dyn(key, prompts=PROMPTS, **kwargs):
         last_run.clear()
         log_prob_rows.clear()
+        before = dict(cuda_graph_standin.COUNTS)
         out[key] = generate_rollout_dynamic(
             model, prompts, RolloutRequest(**{**gen, **kwargs}), block_size_tokens=BLOCK
         )
-        out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows))
+        graphs = {k: v - before[k] for k, v in cuda_graph_standin.COUNTS.items()}
+        facts = _graph_facts(model, streams, stream, tracker)
+        out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows), **graphs, **facts)
 
     dyn("greedy", temperature=0.0)
+    dyn("greedy_eager", temperature=0.0, cuda_graphs=False)
     for m in (1, 12, 16):  # 1: raised to one sequence (3 blocks)
         dyn(f"bounded{m}", temperature=0.0, max_tokens=m)
     long = [PROMPTS[0], [(7 * i) % VOCAB for i in range(70)]]  # > the 64-token step budget
@@ -234,6 +261,7 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     dyn("log_prob_rows3", temperature=0.0, log_prob_micro_batch_size=3)
     dyn("no_log_probs", temperature=0.0, log_probs=False)  # π_old: the training forward's
     out["training"] = model.training
+    out["layers"] = len(getattr(model, "module", model).decoder.layers)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out["request_multiple"] = tp if mcore_engine.has_inference_config() else 1
     greedy = out["greedy"]
@@ -368,6 +396,34 @@ def test_no_recompute_where_pi_old_is_the_training_forward(layout):
         assert r["runs"]["no_log_probs"]["log_prob_rows"] == []
         assert torch.equal(r["no_log_probs"].tokens, r["greedy"].tokens)
         assert not r["no_log_probs"].log_probs.any()
+
+
+def test_decode_steps_are_cuda_graph_replays_and_leave_nothing_behind(layout):
+    """Each decode-only step replays the layers' captured graphs (Megatron's own
+    ``CudaGraphManager`` over ``tests/helpers/cuda_graph_standin.py``'s recorded graphs, which
+    read what a GPU's graph would: stale memory stays stale), with the tokens and log-probs of
+    eager decoding; after every rollout no manager, graph, record or pool is left, and the
+    config, the RNG tracker and the current stream are the training ones again."""
+    for r in layout:
+        runs = r["runs"]
+        _assert_same(r["greedy"], r["greedy_eager"], atol=0.0)
+        graphed, eager = runs["greedy"], runs["greedy_eager"]
+        assert graphed["captures"] >= r["layers"]
+        # Megatron replays each graph once right after capturing it; then the decode steps
+        # (all but the first token, which the eager prefill step samples) replay
+        assert graphed["replays"] - graphed["captures"] == (NEW - 1) * r["layers"]
+        assert eager["captures"] == 0 == eager["replays"]
+        assert runs["sampled"]["replays"] > 0
+        for key, run in runs.items():
+            left = {k: run[k] for k in ("managers", "live_graphs", "records", "pool", "impl")}
+            assert left == {
+                "managers": 0,
+                "live_graphs": 0,
+                "records": 0,
+                "pool": None,
+                "impl": "none",
+            }, key
+            assert run["tracker"] and run["stream"], key
 
 
 def test_model_state_restored_and_trainable_after(layout):
