@@ -210,6 +210,7 @@ class ExperienceMaker:
             row_multiple=self.row_multiple,
             log_probs=self.old_log_probs != "training",
             cuda_graphs=r.rollout_cuda_graphs,
+            decode_graph_sizes=r.inference_dynamic_batching_num_cuda_graphs,
         )
         self.engine.sync_weights(self.policy)
         prompts = [self.renderer.ids(e["prompt"]) for e in examples]

@@ -28,6 +28,14 @@ class RolloutConfig:
     decode batch size (rollout/mcore_engine.decode_graphs); FP8 decodes eagerly. Off: eager
     decode steps (to profile or debug). On CPU the static step runs through the graph
     stand-in."""
+    inference_dynamic_batching_num_cuda_graphs: int = applies(
+        16,
+        "with --rollout-engine dynamic or auto and --rollout-cuda-graphs",
+        lambda s: s["rollout_engine"] != "static" and s["rollout_cuda_graphs"],
+    )
+    """Decode batch sizes the dynamic engine captures as CUDA graphs (Megatron-LM's flag and
+    default; Megatron-Core's ``num_cuda_graphs``): a decode step runs the smallest captured
+    size that holds its requests. More sizes pad less and capture longer at each rollout."""
     inference_max_tokens: int | None = None
     """Bound on the rollout KV cache, in tokens: the static engine generates in chunks of
     rows with rows × (longest prompt + --max-new-tokens) ≤ this; the dynamic engine sizes its
@@ -44,6 +52,7 @@ class RolloutConfig:
                 ("temperature", at_least(0), ">= 0 (0: greedy)"),
                 ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
                 ("rollout_engine", one_of(*engines), f"one of {', '.join(engines)}"),
+                ("inference_dynamic_batching_num_cuda_graphs", positive, ">= 1"),
                 ("inference_max_tokens", positive, ">= 1"),
             ],
         )

@@ -40,10 +40,6 @@ from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 
 DEFAULT_BLOCK_SIZE = 256
-DECODE_GRAPHS = 16
-"""Decode batch sizes captured as CUDA graphs (Megatron's ``num_cuda_graphs``; Megatron-LM's
-``--inference-dynamic-batching-num-cuda-graphs`` default): a decode step runs the smallest
-captured size that holds its requests."""
 
 
 def refusal(target: EngineTarget) -> str | None:
@@ -260,6 +256,7 @@ def _generate(
     max_tokens,
     block_size,
     cuda_graphs,
+    graph_sizes,
 ) -> tuple[list[list[int]], int]:
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
@@ -278,7 +275,7 @@ def _generate(
         step_tokens=step_tokens,
         max_seq=max(lens) + max_new_tokens,
         block_size=block_size,
-        cuda_graphs=DECODE_GRAPHS if cuda_graphs else None,
+        cuda_graphs=graph_sizes if cuda_graphs else None,
     )
     generator = None
     if temperature > 0:
@@ -395,6 +392,7 @@ def generate_rollout_dynamic(
             max_tokens=r.max_tokens,
             block_size=block_size_tokens,
             cuda_graphs=r.cuda_graphs,
+            graph_sizes=r.decode_graph_sizes,
         )
     cut = [truncate_at_stop(resp, stop_ids) for resp in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], r.pad_id)

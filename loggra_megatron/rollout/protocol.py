@@ -81,6 +81,9 @@ class RolloutRequest:
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
     cuda_graphs: bool = True
     """Decode steps are CUDA graphs on a GPU, in either engine (``--rollout-cuda-graphs``)."""
+    decode_graph_sizes: int = 16
+    """Decode batch sizes the dynamic engine captures
+    (``--inference-dynamic-batching-num-cuda-graphs``)."""
 
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:

@@ -240,6 +240,7 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
 
     dyn("greedy", temperature=0.0)
     dyn("greedy_eager", temperature=0.0, cuda_graphs=False)
+    dyn("one_graph_size", temperature=0.0, decode_graph_sizes=1)
     for m in (1, 12, 16):  # 1: raised to one sequence (3 blocks)
         dyn(f"bounded{m}", temperature=0.0, max_tokens=m)
     long = [PROMPTS[0], [(7 * i) % VOCAB for i in range(70)]]  # > the 64-token step budget
@@ -413,6 +414,9 @@ def test_decode_steps_are_cuda_graph_replays_and_leave_nothing_behind(layout):
         # (all but the first token, which the eager prefill step samples) replay
         assert graphed["replays"] - graphed["captures"] == (NEW - 1) * r["layers"]
         assert eager["captures"] == 0 == eager["replays"]
+        _assert_same(r["one_graph_size"], r["greedy_eager"], atol=0.0)
+        assert runs["one_graph_size"]["captures"] == r["layers"]  # one size: the largest
+        assert graphed["captures"] >= runs["one_graph_size"]["captures"]
         assert runs["sampled"]["replays"] > 0
         for key, run in runs.items():
             left = {k: run[k] for k in ("managers", "live_graphs", "records", "pool", "impl")}

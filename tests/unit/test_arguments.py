@@ -114,6 +114,7 @@ def test_every_setting_that_does_not_apply_is_refused(tokenizer, tmp_path, capsy
         "format_reward",
         "wandb_run_name",
         "top_p",
+        "inference_dynamic_batching_num_cuda_graphs",
     ):
         assert expected in names, expected
     for f, rule in declared:
