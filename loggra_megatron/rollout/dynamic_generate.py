@@ -275,7 +275,7 @@ def _generate(
         step_tokens=step_tokens,
         max_seq=max(lens) + max_new_tokens,
         block_size=block_size,
-        cuda_graphs=graph_sizes if cuda_graphs else None,
+        cuda_graphs=graph_sizes,  # captured only inside _decode_graphs
     )
     generator = None
     if temperature > 0:

@@ -75,8 +75,8 @@ class EnginePlan:
     block_size: int
     """Tokens per KV block."""
     cuda_graphs: int | None = None
-    """Decode batch sizes captured as CUDA graphs (Megatron's ``num_cuda_graphs``), inside
-    ``decode_graphs``; ``None``: every step eager."""
+    """Decode batch sizes captured as CUDA graphs (Megatron's ``num_cuda_graphs``) when the
+    engine is built inside ``decode_graphs`` (elsewhere every step is eager)."""
 
 
 class _NoTokenizer:
@@ -251,8 +251,8 @@ def decode_graphs(model, config) -> Iterator[None]:
                     delattr(layer, name)
         cuda_graphs.delete_cuda_graphs()
         pool = getattr(cuda_graphs, "TensorReusePool", None)  # 0.16: class-level references
-        for name in ("pool", "tensor_strong_refs", "tensor_strong_refs_dataptrs"):
-            if pool is not None and hasattr(pool, name):
+        if pool is not None:
+            for name in ("pool", "tensor_strong_refs", "tensor_strong_refs_dataptrs"):
                 getattr(pool, name).clear()
         for name, value in saved.items():
             setattr(config, name, value)

@@ -27,6 +27,7 @@ graph-safe state calls, memory statistics); ``live_graphs()`` counts graphs not 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import weakref
 
@@ -84,7 +85,6 @@ class RecordedGraph:
     def __init__(self, keep_graph: bool = False):
         self.ops: list = []
         self.captured = False
-        self.replays = 0
         self._pool = None
         self._mode: _Recorder | None = None
         _LIVE.add(self)
@@ -120,7 +120,6 @@ class RecordedGraph:
             for new, old in zip(tree_leaves(fresh), tree_leaves(out), strict=True):
                 if isinstance(new, torch.Tensor) and new is not old:
                     old.copy_(new)
-        self.replays += 1
         COUNTS["replays"] += 1
 
     def reset(self) -> None:
@@ -168,11 +167,7 @@ class _GraphSafeGenerator:
     def graphsafe_set_state(self, state) -> None:
         torch.default_generator.set_state(state)
 
-    def get_state(self):
-        return torch.default_generator.get_state()
-
-    def set_state(self, state) -> None:
-        torch.default_generator.set_state(state)
+    get_state, set_state = graphsafe_get_state, graphsafe_set_state
 
 
 class _Streams:
@@ -180,7 +175,6 @@ class _Streams:
 
     def __init__(self):
         self.current = torch.cuda.current_stream()
-        self.default = self.current
 
     def current_stream(self, device=None):
         return self.current
@@ -223,7 +217,5 @@ def install() -> _Streams:
 
 def live_graphs() -> list[RecordedGraph]:
     """Graphs captured and not yet freed (``gc`` first: a cycle may hold a runner)."""
-    import gc
-
     gc.collect()
     return [g for g in _LIVE if g.captured]
