@@ -75,7 +75,11 @@ def run(args, kind: str, device: torch.device) -> dict:
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     else:
-        loggra = LoGRAConfig(loggra_rank=args.rank, loggra_update_interval=args.update_interval)
+        loggra = LoGRAConfig(
+            loggra_sketch="gradient",
+            loggra_rank=args.rank,
+            loggra_update_interval=args.update_interval,
+        )
         opt = get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)

@@ -81,7 +81,9 @@ def build(args):
     config = OptimizerConfig(
         optimizer="adam", lr=args.lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0
     )
-    return ddp, get_loggra_optimizer(config, [ddp], LoGRAConfig())  # rank: hidden / 8
+    return ddp, get_loggra_optimizer(
+        config, [ddp], LoGRAConfig(loggra_sketch="gradient")
+    )  # rank: hidden / 8
 
 
 def backward(ddp, opt, tokens, mask, update=None):

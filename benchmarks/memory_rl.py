@@ -166,7 +166,9 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
     loggra = LoGRAConfig(
-        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy, loggra_param_remainders=remainders
+        loggra_sketch="gradient",
+        loggra_fp32_grad_copy=args.loggra_fp32_grad_copy,
+        loggra_param_remainders=remainders,
     )
     return policy, reference, get_loggra_optimizer(OptimizerConfig(**base), [policy], loggra)
 

@@ -42,23 +42,21 @@ def rl_flags(flags: list[str]) -> list[str]:
     return with_flags(flags, sft_iters=None, sft_lr=None, save_interval=None)
 
 
+GRADIENT = {"loggra_sketch": "gradient", "loggra_min_dim": 32, "loggra_update_interval": 50}
+"""The gradient sketch's settings of the rank configurations (the tiny example's before the
+backward sketch became the default)."""
+
+
 def run_flags(config: str, flags: list[str], sketch: str = "gradient") -> list[str]:
     if config == "adam":  # Megatron's dense Adam: the --loggra-* flags do not apply (refused)
         names = {f[2:].replace("-", "_"): None for f in LOGGRA_FLAGS}
         return with_flags(flags, optimizer="adam", **names)
     if config == "identity":  # rank and refresh interval do not apply (refused)
-        return with_flags(
-            flags, loggra_projection="identity", loggra_rank=None, loggra_update_interval=None
-        )
-    if sketch == "backward":  # the gradient sketch's settings do not apply (refused)
-        return with_flags(
-            flags,
-            loggra_rank=config,
-            loggra_sketch="backward",
-            loggra_min_dim=None,
-            loggra_update_interval=None,
-        )
-    return with_flags(flags, loggra_rank=config)
+        identity = {**GRADIENT, "loggra_update_interval": None}
+        return with_flags(flags, **identity, loggra_projection="identity", loggra_rank=None)
+    if sketch == "backward":  # the default mode
+        return with_flags(flags, loggra_rank=config)
+    return with_flags(flags, loggra_rank=config, **GRADIENT)
 
 
 def run_dir(out: str, config: str, seed: int, sketch: str = "gradient") -> str:

@@ -1,12 +1,13 @@
-"""Reward parity and stability: dense Adam, LoGRA (the gradient sketch, and the backward
-sketch as published), LoGRA + predicted-KL control and the GaLore-style ``svd`` projection
-over several seeds, and a 10x-learning-rate stress test.
+"""Reward parity and stability: dense Adam, LoGRA (the backward sketch as published, the
+default, and the gradient sketch), LoGRA + predicted-KL control and the GaLore-style ``svd``
+projection over several seeds, and a 10x-learning-rate stress test.
 
     python benchmarks/reward_parity.py --out runs/parity            # runs + table
     python benchmarks/reward_parity.py --out runs/parity --summarize  # table only
     python benchmarks/reward_parity.py --out runs/parity --configs LoGRA  # a subset
 
-One shared supervised warm-up (200 steps, LoGRA) is saved first (and reused if present);
+One shared supervised warm-up (200 steps, its own dense Adam: ``--sft-optimizer``'s
+default) is saved first (and reused if present);
 every run then loads those weights (``--no-load-optim``) and runs the tiny CPU example's
 GRPO job (2 processes, DP=2, bf16, 1-digit arithmetic) with only the optimizer settings
 changed. ``--kl-target`` (default 1e-4) is chosen so that the controller binds on a
@@ -28,12 +29,15 @@ import sys
 from tiny_example import example_flags, with_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOGRA = ["--optimizer", "loggra", "--loggra-rank", "16", "--loggra-min-dim", "32"]
-BACKWARD = ["--optimizer", "loggra", "--loggra-sketch", "backward", "--loggra-rank", "16"]
+LOGRA = [  # the gradient sketch
+    *("--optimizer", "loggra", "--loggra-sketch", "gradient"),
+    *("--loggra-rank", "16", "--loggra-min-dim", "32"),
+]
+BACKWARD = ["--optimizer", "loggra", "--loggra-rank", "16"]  # the default: as published
 CONFIGS = {
     "dense Adam": ["--optimizer", "adam"],
+    "LoGRA backward": BACKWARD,
     "LoGRA": LOGRA,
-    "LoGRA backward": BACKWARD,  # LoGRA as published (--loggra-sketch backward)
     "LoGRA backward, bf16 grads, remainders": [
         *BACKWARD,
         "--grad-reduce-in-bf16",
@@ -134,11 +138,11 @@ def warm_up(launch: list[str], out: str) -> str:
         subprocess.run(
             [
                 *launch,
-                *LOGRA,
+                *BACKWARD,
                 "--sft-iters",
                 "200",
                 "--sft-lr",
-                "3e-3",
+                "1e-3",  # the tiny example's, for its own dense Adam (--sft-optimizer)
                 "--train-iters",
                 "0",
                 "--save",

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from loggra_megatron.checkpointing.resume import check_resume, plan_start
+from loggra_megatron.checkpointing.resume import adopt_saved_settings, check_resume, plan_start
 from loggra_megatron.config import (
     ConfigError,
     add_flags,
@@ -31,6 +31,7 @@ from loggra_megatron.config import (
     settings_that_do_not_apply,
 )
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 from loggra_megatron.rollout.protocol import EngineTarget
 from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, select_engine
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
@@ -116,10 +117,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = RunConfig(**sections, world_size=world_size)
+    adopted = _adopt_saved_settings(cfg, sections, explicit)
     for problem in settings_that_do_not_apply(SECTIONS.values(), cfg.flags(), explicit):
         parser.error(problem)
     try:
         cfg.start = plan_start(cfg.checkpoint, cfg.logging, cfg.model, explicit)
+        cfg.start.notes += adopted
         fill_derived_defaults(cfg)
         check_resume(cfg.flags(), cfg.start)
     except ConfigError as e:
@@ -127,13 +130,27 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     problem = validate(cfg)
     if problem:
         parser.error(problem)
-    if cfg.rollout.temperature == 0:  # every completion of a group alike: advantages all 0
+    group_relative = ADVANTAGE_ESTIMATORS[cfg.grpo.advantage_estimator].min_generations > 1
+    if cfg.rollout.temperature == 0 and group_relative:  # a group's completions alike: A = 0
         cfg.start.notes.append(
             f"warning: --temperature 0 samples the {cfg.grpo.num_generations} completions of "
             "a prompt greedily, so they are identical, every GRPO advantage is 0 and the "
             "policy gradient vanishes; use --temperature > 0 for training"
         )
     return cfg
+
+
+def _adopt_saved_settings(cfg: RunConfig, sections: dict, explicit: set[str]) -> list[str]:
+    """A resume's settings that follow its checkpoint unless given (``ADOPTED_ON_RESUME``),
+    taken before the settings are checked; the notes saying so. A ``--load`` that cannot be
+    planned is refused later, in its turn (``plan_start``)."""
+    if cfg.checkpoint.load is None:
+        return []
+    try:
+        plan = plan_start(cfg.checkpoint, cfg.logging, cfg.model, explicit)
+        return adopt_saved_settings(sections, plan, explicit)
+    except ConfigError:
+        return []
 
 
 def validate(cfg: RunConfig) -> str | None:

@@ -97,6 +97,13 @@ METRICS: dict[str, Metric] = _declare(
     Metric("reward/mean", "mean reward over the rollout batch", PER_RANK),
     Metric("reward/std", "standard deviation of the reward over the rollout batch", PER_RANK),
     Metric(
+        "reward/baseline",
+        "b, the running baseline this step's advantages r − b subtracted (--advantage-estimator "
+        "reinforce-baseline): the mean rewards of the earlier steps, decayed by "
+        "--baseline-decay (0 on the first step); the same on every rank",
+        PER_RANK,
+    ),
+    Metric(
         "reward/accuracy",
         "fraction of responses judged correct by the task (or, with --reward-fn, by the "
         "function's verdict or reward ≥ --accuracy-threshold)",
@@ -104,6 +111,12 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "kl/ref", "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model", TOKEN_MEAN
+    ),
+    Metric(
+        "kl/target",
+        "the per-update KL target of predicted-KL control at this RL step: --kl-target, or its "
+        "cosine schedule to --kl-target-final over --kl-target-decay-iters",
+        PER_UPDATE,
     ),
     Metric(
         "kl/predicted",
@@ -126,15 +139,17 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "kl/step_scale",
-        "η, the scale applied to the update (1 = full step, 0 = skipped)",
+        "η, the scale applied to the update (1 = full step, 0 = skipped; above 1, up to "
+        "--kl-max-step-scale, a grown step)",
         PER_UPDATE,
     ),
     Metric("kl/backtracks", "number of times η was halved by the backtracking check", PER_UPDATE),
     Metric(
         "kl/probe_skipped",
-        "number of this step's optimizer updates committed without a probe trial (η = 1: the "
-        "last measured full-step KL, carried to this update's norm, was below "
-        "kl_probe_skip_below × kl_target; their kl/predicted is that extrapolation)",
+        "number of this step's optimizer updates committed without a probe trial (η = "
+        "kl_max_step_scale, 1 by default: the last measured KL, carried to this update's norm "
+        "and scaled by kl_max_step_scale², was below kl_probe_skip_below × the target; their "
+        "kl/predicted is the full step's extrapolation)",
         TOTAL_PER_UPDATE,
     ),
     Metric("kl/coef", "β, the (adaptive) coefficient of the KL-to-reference loss"),
@@ -164,6 +179,13 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric("grad/norm", "global gradient L2 norm before clipping", PER_UPDATE),
     Metric(
+        "grad/clipped",
+        "fraction of the step's optimizer updates whose gradient norm was clipped "
+        "(--clip-grad; the backward sketch counts its targets by ‖S‖, an estimate of the "
+        "dense gradient's norm)",
+        PER_UPDATE,
+    ),
+    Metric(
         "optimizer/skipped_steps",
         "number of this step's optimizer updates that were skipped (non-finite gradient norm "
         "or predicted KL; weights, state and LR schedule unchanged)",
@@ -184,8 +206,15 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "loggra/sketch_norm",
-        "global norm ‖S·A‖ of the backward sketches' reconstructed gradients before clipping "
-        "(--loggra-sketch backward)",
+        "global norm ‖S‖ of the backward sketches before clipping, the targets' part of "
+        "grad/norm: an unbiased estimate of their dense gradient's norm, E‖S‖² = ‖G‖² "
+        "(--loggra-sketch backward; until this version the Gram-form norm ‖S·A‖)",
+        PER_UPDATE,
+    ),
+    Metric(
+        "loggra/step_size",
+        "the rate of the backward sketch's update, ρ·‖W‖/‖D·A‖ over all targets rounded to "
+        "bf16, before predicted-KL control's η (with --loggra-update-ratio)",
         PER_UPDATE,
     ),
     Metric(

@@ -19,7 +19,7 @@ The run modelled is the one ``pretrain_rl.py`` would start on GPUs with these fl
 exits with status 2 naming the flag. LoGRA's column is the run's sketch: ``--loggra-sketch
 backward`` (LoGRA as published: no grad buffer for the ``--loggra-targets``, masters and
 ``--loggra-row-optimizer`` state of a rank's own rows, the fp32 sketch buffer S;
-``memory.backward_sketch``) or the gradient sketch (the default), with
+``memory.backward_sketch``, the default) or the gradient sketch, with
 ``--fit`` too. Sizes are GiB (2^30 B); ``--gpu-memory-gb 79.1`` is what
 PyTorch can allocate of an 80 GB A100/H100. The model and every assumption: docs/memory.md.
 """

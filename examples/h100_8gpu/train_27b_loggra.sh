@@ -46,7 +46,7 @@
 # segment, pinned by one tensor, is counted again ("rollout: fragmentation").
 # With --nccl-nvls (NCCL_NVLS_ENABLE=1) it prints 0.75 of NCCL NVLS buffers and LoGRA 42.72
 # ("yes (36.38 free)").
-# With --loggra-sketch gradient (the default: the dense gradient in the fp32 grad buffer,
+# With --loggra-sketch gradient (the older mode: the dense gradient in the fp32 grad buffer,
 # 12.57, then sketched; optimizer state 2.67) it prints LoGRA r=128 54.84 ("yes (24.26
 # free)"), static 36.65.
 # tests/integration/test_gpu_scripts.py re-runs these on the flags of this file. Not measured on GPUs

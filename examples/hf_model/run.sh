@@ -23,7 +23,7 @@ torchrun --nproc-per-node 2 pretrain_rl.py \
     --eval-data-path "$OUT/data/eval.parquet" --eval-interval 5 \
     --seq-length 128 --max-new-tokens 48 --sft-iters 150 --sft-lr 3e-3 \
     --prompts-per-step 8 --num-generations 4 --global-batch-size 16 --micro-batch-size 8 \
-    --train-iters 10 --lr 1e-4 --optimizer loggra --loggra-rank 8 --loggra-min-dim 16 "$@"
+    --train-iters 10 --lr 1e-4 --optimizer loggra --loggra-rank 8 "$@"
 
 rm -rf "$OUT/hf_out"
 python tools/convert_checkpoint.py --direction megatron-to-hf --load "$OUT/run" --save "$OUT/hf_out"

@@ -54,9 +54,21 @@ of the generated tasks among them)."""
 
 SKETCH_DEFINING = ("loggra_sketch", "loggra_rank", "loggra_projection", "loggra_min_dim")
 """Flags the shapes of a sketching optimizer's saved state depend on."""
-BACKWARD_SKETCH_DEFINING = ("loggra_seed", "loggra_targets", "loggra_row_optimizer")
+BACKWARD_SKETCH_DEFINING = (
+    "loggra_seed",
+    "loggra_targets",
+    "loggra_row_optimizer",
+    "loggra_sketch_matrix",
+    "loggra_refresh_interval",
+    "freeze_non_targets",
+)
 """Flags the backward sketch's state depends on besides: its projection is drawn again from
-the seed (never saved), the targets own the state, and RowAdam's state is SGD's (none)."""
+the seed, the matrix kind and the refresh interval (never saved), the targets own the state,
+RowAdam's state is SGD's (none), and frozen non-targets have no dense optimizer state."""
+
+ADOPTED_ON_RESUME = ("loggra_sketch",)
+"""Settings a resume takes from the checkpoint where the command line does not give them:
+the mode its optimizer state was written in, whatever the default is now."""
 
 SCHEDULE = (
     "train_iters",
@@ -207,6 +219,28 @@ def check_resume(now: dict, plan: StartPlan) -> None:
         return
     _check_state_settings(now, saved["flags"])
     plan.notes += _changed_settings(now, saved["flags"])
+
+
+def adopt_saved_settings(sections: dict, plan: StartPlan, explicit: set[str]) -> list[str]:
+    """On a full resume: each of ``ADOPTED_ON_RESUME`` that was not given takes the
+    checkpoint's value (in whichever section of ``sections`` owns it); returns a note for
+    each. Raises ``ConfigError`` for an unreadable ``run_config.json``."""
+    try:
+        saved = plan.checkpoint.run_config() if plan.resumes else None
+    except ValueError as e:
+        raise ConfigError(f"--load: {e}; resume an earlier iteration with --ckpt-step") from None
+    notes = []
+    for name in ADOPTED_ON_RESUME if saved is not None else ():
+        if name in explicit or name not in saved["flags"]:
+            continue
+        for settings in sections.values():
+            if hasattr(settings, name) and getattr(settings, name) != saved["flags"][name]:
+                setattr(settings, name, saved["flags"][name])
+                notes.append(
+                    f"resume: {_flag(name)} {saved['flags'][name]} (the checkpoint's; give "
+                    f"{_flag(name)} to choose)"
+                )
+    return notes
 
 
 def _check_metrics_file(metrics_dir: str, continues: bool) -> None:

@@ -53,9 +53,9 @@ class DataConfig:
     )
     """Generated tasks (arithmetic, word_problems, mixed)."""
     reward_fn: str | None = None
-    """Replace the task's reward: exact_match_numeric | format | default | module:function |
-    file.py:function (a response is then correct when the function says so, or its reward is
-    at least --accuracy-threshold)."""
+    """Replace the task's reward: exact_match_numeric | format | default | last_number |
+    module:function | file.py:function (a response is then correct when the function says
+    so, or its reward is at least --accuracy-threshold)."""
     reward_timeout: float = 60.0
     """Seconds one reward call (the task's or --reward-fn's) may take; a call still running
     then stops the run, naming the sample, instead of hanging it (0: no limit)."""

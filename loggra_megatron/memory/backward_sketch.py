@@ -202,12 +202,17 @@ class SketchTerms:
     backward hook at a time."""
     activation_saving: int = 0
     """Saved activations of the held layers that the frozen targets no longer need."""
+    frozen_rest: bool = False
+    """Every parameter but the targets is frozen too (``--freeze-non-targets``)."""
 
     def masters(self, bytes_per_master: int) -> int:
         return master_bytes(self.targets, self.dp, bytes_per_master)
 
     def dense_of(self, params: list) -> list:
-        """``params`` less the targets: what the dense leaves update."""
+        """``params`` less the targets: what the dense leaves update (nothing with
+        ``frozen_rest``)."""
+        if self.frozen_rest:
+            return []
         frozen = {id(s) for s in self.targets}
         return [s for s in params if id(s) not in frozen] if frozen else params
 
@@ -234,4 +239,5 @@ def sketch_terms(
         step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward),
         projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward),
         activation_saving=layers * frozen_input_bytes_per_layer(model, plan),
+        frozen_rest=plan.freeze_non_targets,
     )

@@ -13,6 +13,8 @@ _EXPORTS = {
     "LoGRAAdamW": "loggra_megatron.optim.loggra_adamw",
     "state_bytes": "loggra_megatron.optim.megatron.optimizer_state",
     "LoGRAConfig": "loggra_megatron.optim.config",
+    "OptimConfig": "loggra_megatron.optim.config",
+    "prepare_model": "loggra_megatron.optim.megatron.sketch_sites",
     "get_loggra_optimizer": "loggra_megatron.optim.megatron.factory",
     "OPTIMIZERS": "loggra_megatron.optim.registry",
 }

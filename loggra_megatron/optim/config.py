@@ -34,6 +34,10 @@ def _backward(s: dict) -> bool:
     return _sketched(s) and s["loggra_sketch"] == "backward"
 
 
+def _row_adam(s: dict) -> bool:
+    return _backward(s) and s["loggra_row_optimizer"] == "adam"
+
+
 def _range_finder(s: dict) -> bool:
     return _gradient(s) and s["loggra_projection"] == "range_finder"
 
@@ -118,10 +122,11 @@ class LoGRAConfig:
     """LoGRA's settings, declared once: the ``--loggra-*`` flags, and what
     ``get_loggra_optimizer`` takes beside Megatron's ``OptimizerConfig``."""
 
-    loggra_sketch: str = loggra_setting("gradient")
-    """gradient (sketch the dense gradient: range-finder basis, Adam moments, captured energy)
-    | backward (LoGRA as published: the sketch is formed in the backward pass, no dense
-    gradient of a target exists, RowAdam; docs/optimizer.md#the-backward-sketch)."""
+    loggra_sketch: str = loggra_setting("backward")
+    """backward (LoGRA as published, the default: the sketch is formed in the backward pass,
+    no dense gradient of a target exists, RowAdam; docs/optimizer.md#the-backward-sketch) |
+    gradient (sketch the dense gradient: range-finder basis, Adam moments, captured energy).
+    A resume keeps its checkpoint's unless this is given."""
     loggra_rank: int | None = loggra_setting(None)
     """Sketch rank per weight matrix (default: hidden size / 8; clamped to min(m, n), or to
     the narrowest target's input width with --loggra-sketch backward)."""
@@ -146,6 +151,26 @@ class LoGRAConfig:
     loggra_row_optimizer: str = backward_setting("adam")
     """The backward sketch's update: adam (RowAdam, one second moment per output row) | sgd
     (the reconstructed sketch itself)."""
+    loggra_row_beta2: float = applies(
+        0.95, "to --loggra-sketch backward with --loggra-row-optimizer adam", _row_adam
+    )
+    """RowAdam's β₂, its only time constant (0.95 as in the published recipe; Adam's
+    --adam-beta2 is the dense parameters')."""
+    loggra_row_relative_eps: bool = applies(
+        False, "to --loggra-sketch backward with --loggra-row-optimizer adam", _row_adam
+    )
+    """RowAdam's ε relative to the weight's rows: ε·mean_i √v̂_i instead of ε (the published
+    recipe's)."""
+    loggra_row_restore_norm: bool = backward_setting(False)
+    """Scale each weight's direction back to its sketch's norm, D ← D·‖S‖/‖D‖: the second
+    moment reweights rows without changing a weight's step length (the published recipe's)."""
+    loggra_update_ratio: float | None = backward_setting(None)
+    """Instead of --lr for the targets: one rate for all of them such that ‖ΔW‖_F/‖W‖_F over
+    all targets together equals this (the published recipe: 6e-5), rounded to bf16; predicted-KL
+    control then scales it. None: --lr."""
+    freeze_non_targets: bool = backward_setting(False)
+    """Train the --loggra-targets only: embeddings, output layer, norms and biases are frozen
+    (no gradient, no grad buffer, no optimizer state), as in the published RL recipe."""
     loggra_update_interval: int = applies(
         200,
         "to --optimizer loggra --loggra-sketch gradient with a --loggra-projection that "
@@ -202,6 +227,8 @@ class LoGRAConfig:
                     one_of(*ROW_OPTIMIZERS),
                     f"one of {', '.join(ROW_OPTIMIZERS)}",
                 ),
+                ("loggra_row_beta2", lambda b: 0 <= b < 1, "in [0, 1)"),
+                ("loggra_update_ratio", positive, "> 0 (omit it to use --lr)"),
                 ("loggra_rank", positive, ">= 1"),
                 ("loggra_update_interval", positive, ">= 1"),
                 ("loggra_projection", one_of(*PROJECTIONS), f"one of {', '.join(PROJECTIONS)}"),

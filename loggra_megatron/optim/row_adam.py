@@ -5,16 +5,28 @@ rank's own rows, ``optim.megatron.sketch_sites``). Its gradient is never
 formed: the caller hands the optimizer the rows' sketch ``S = G Aᵀ`` (``[k, r]``, fp32, already
 reduced) and the projection's signs ``B`` (``A = B/√r``, or a function that draws them) with
 ``RowAdam.set_sketches`` before each step; ``model_grad_scale`` is the clip coefficient
-(Megatron's chained optimizer sets it, ``optim.megatron.model_grads``). With ``t`` the number of updates so far + 1:
+(Megatron's chained optimizer sets it, ``optim.megatron.model_grads``). With ``t`` the number
+of updates so far + 1:
 
     adam:  v_i ← β₂ v_i + (1 − β₂) · mean_j S_ij²       one fp32 second moment per row
-           D   = S / (√(v / (1 − β₂ᵗ)) + ε)              row by row; no first moment
+           D   = S / (√v̂ + ε)                           v̂ = v / (1 − β₂ᵗ), row by row
     sgd:   D   = S
     both:  W ← (1 − lr·λ) W − lr · D A                   decoupled weight decay
 
 A fresh ``A`` every update makes a first moment in sketch space meaningless, hence none
-(arXiv:2610.06647, "RowAdam"). State: ``exp_avg_sq`` (``[k]`` fp32) per parameter (adam);
+(arXiv:2610.06647, "RowAdam"). β₂ is RowAdam's own (``--loggra-row-beta2``, 0.95 as in the
+paper's recipe), not Adam's. State: ``exp_avg_sq`` (``[k]`` fp32) per parameter (adam);
 nothing per parameter (sgd).
+
+The paper's RL recipe adds three options, each a whole-weight or all-targets quantity (the
+caller sums the partial sums over the ranks that hold parts of it: ``sum_over_layer``,
+``sum_over_targets``):
+
+    relative_eps:  ε ← ε · mean_i √v̂_i                  over the rows of the whole weight
+    restore_norm:  D ← D · ‖S‖_F / ‖D‖_F                  per weight: RowAdam reweights rows,
+                                                          the weight's step length is the sketch's
+    update_ratio:  lr ← round_bf16(ρ · ‖W‖ / ‖D A‖)       over all targets together, so that
+                                                          ‖ΔW‖_F / ‖W‖_F = ρ (``--lr`` unused)
 
 Masters: a parameter is an fp32 master (its own tensor, or the fp32 weight rows), or, with
 ``param_remainders``, the bf16 weight rows whose exact fp32 master is ``weight + int16
@@ -22,12 +34,14 @@ remainder`` (``optim.param_remainders``).
 
 Predicted-KL control: ``write_candidate`` hands ``θ + η·Δθ`` of every parameter to a
 callback with nothing changed; it runs the very arithmetic of ``step`` at ``lr·η``, so a
-commit at η is the trial bit for bit. ``update_sq_norm`` is ``‖Δθ‖²`` in the Gram form.
+commit at η is the trial bit for bit. ``update_sq_norm`` is ``‖Δθ‖²`` in the Gram form. The
+directions are computed once per step (``_plan``) and reused by the trials and the commit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,25 +52,48 @@ ROW_OPTIMIZERS = ("adam", "sgd")
 """``--loggra-row-optimizer`` choices."""
 
 
+@dataclass
+class _Plan:
+    """What an update needs beyond each parameter's own rows: computed once per step."""
+
+    grad_scale: float
+    """The clip coefficient it was computed under."""
+    eps: dict
+    """``{p: ε}`` (relative ε: ``ε·mean √v̂`` of p's weight)."""
+    factor: dict
+    """``{p: ‖S‖/‖D‖}`` of p's weight (``restore_norm``), else 1."""
+    rate: float | None
+    """The update ratio's rate of every target, or None (each group's ``lr``)."""
+
+
+def _no_sum(x):
+    return x
+
+
 class RowAdam(torch.optim.Optimizer):
     """RowAdam (or row SGD) over row blocks of sketched weights (module docstring).
 
     Args:
         params: row blocks ``[k, n]`` (fp32 masters, or bf16 rows with ``param_remainders``).
-        lr, betas, eps, weight_decay: as AdamW (β₁ is unused: there is no first moment).
+        lr, betas, eps, weight_decay: as AdamW (β₁ is unused: there is no first moment; β₂
+            is RowAdam's own).
         row_optimizer: ``adam`` | ``sgd``.
         param_remainders: ``{bf16 row block: int16 remainder}`` of the same shape.
+        relative_eps, restore_norm, update_ratio: the paper's recipe (module docstring).
     """
 
     def __init__(
         self,
         params,
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         row_optimizer: str = "adam",
         param_remainders: dict[torch.Tensor, torch.Tensor] | None = None,
+        relative_eps: bool = False,
+        restore_norm: bool = False,
+        update_ratio: float | None = None,
     ):
         if row_optimizer not in ROW_OPTIMIZERS:
             raise ValueError(f"row_optimizer={row_optimizer!r}: one of {', '.join(ROW_OPTIMIZERS)}")
@@ -64,12 +101,25 @@ class RowAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.row_optimizer = row_optimizer
         self.param_remainders = param_remainders or {}
+        self.relative_eps, self.restore_norm = relative_eps, restore_norm
+        self.update_ratio = update_ratio
         self.num_steps = 0
         """Updates committed (bias correction; the projection's draw index)."""
         self.candidates_are_commits = True
         self.model_grad_scale = 1.0
         """The clip coefficient the sketches are scaled by (1: not clipped)."""
+        self.sum_over_layer: Callable[[dict], dict] = _no_sum
+        """``{p: [c] partial sums over p's rows}`` → the sums over the whole weight ``p`` is a
+        block of (the Megatron adapter adds the other DP / TP ranks' blocks)."""
+        self.sum_over_targets: Callable[[torch.Tensor], torch.Tensor] = _no_sum
+        """A tensor of partial sums over this rank's blocks → the sums over every target."""
+        self.rate_scale = 1.0
+        """η of a commit under ``update_ratio`` (``MegatronStepper.commit`` sets it, as it
+        scales each group's lr otherwise): the rate is ``η·ρ‖W‖/‖D A‖``."""
+        self.step_size = float("nan")
+        """The last step's rate of the targets (``lr``, or the update ratio's)."""
         self._sketches: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._planned: _Plan | None = None
 
     # ------------------------------------------------------------------ state
     def init_state_of(self, p: torch.Tensor) -> dict:
@@ -83,6 +133,7 @@ class RowAdam(torch.optim.Optimizer):
         """``{param: (S rows [k, r] fp32, signs B [r, n] or a function returning them)}`` of
         the coming step."""
         self._sketches = sketches
+        self._planned = None
 
     def master_of(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s fp32 master (a new tensor with remainders, else ``p`` itself)."""
@@ -98,37 +149,97 @@ class RowAdam(torch.optim.Optimizer):
             p.copy_(master.view_as(p))
 
     # ------------------------------------------------------------------ the update
-    def _direction(self, p: torch.Tensor, group: dict, sketch: torch.Tensor):
-        """``(D, new exp_avg_sq)`` of this update, computed aside."""
-        if self.model_grad_scale != 1.0:
-            sketch = sketch * self.model_grad_scale
+    def _scaled_sketches(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self._sketches:
+                    sketch, signs = self._sketches[p]
+                    if self.model_grad_scale != 1.0:
+                        sketch = sketch * self.model_grad_scale
+                    yield p, group, sketch, signs
+
+    def _direction(self, p, group, sketch, plan: _Plan):
+        """``(D, new exp_avg_sq)`` of ``p`` under ``plan``, computed aside."""
         if self.row_optimizer == "sgd":
-            return sketch, None
-        beta2, eps = group["betas"][1], group["eps"]
-        v = self.init_state_of(p)["exp_avg_sq"]
-        new_v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
-        correction = 1 - beta2 ** (self.num_steps + 1)
-        denom = (new_v / correction).sqrt_().add_(eps)
-        return sketch / denom.unsqueeze(1), new_v
+            new_v, direction = None, sketch
+        else:
+            beta2 = group["betas"][1]
+            v = self.init_state_of(p)["exp_avg_sq"]
+            new_v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
+            root = (new_v / (1 - beta2 ** (self.num_steps + 1))).sqrt_()
+            direction = sketch / root.add_(plan.eps.get(p, group["eps"])).unsqueeze(1)
+        factor = plan.factor.get(p, 1.0)
+        return (direction if factor == 1.0 else direction * factor), new_v
+
+    def _updates(self):
+        """``(p, group, signs, D, new v, rate)`` of every parameter with a sketch."""
+        plan = self._plan()
+        for p, group, sketch, signs in self._scaled_sketches():
+            signs = signs() if callable(signs) else signs
+            rate = group["lr"] if plan.rate is None else plan.rate * self.rate_scale
+            yield p, group, signs, *self._direction(p, group, sketch, plan), rate
+
+    def _plan(self) -> _Plan:
+        """The step's whole-weight and all-target quantities, computed once (collective with
+        ``relative_eps``, ``restore_norm`` or ``update_ratio``: every rank plans each step)."""
+        if self._planned is not None and self._planned.grad_scale == self.model_grad_scale:
+            return self._planned
+        plan = _Plan(self.model_grad_scale, {}, {}, None)
+        if self.relative_eps and self.row_optimizer == "adam":
+            plan.eps = self._relative_eps()
+        if self.restore_norm:
+            plan.factor = self._norm_factors(plan)
+        if self.update_ratio is not None:
+            plan.rate = self._ratio_rate(plan)
+        self._planned = plan
+        return plan
+
+    def _relative_eps(self) -> dict:
+        sums = {}
+        for p, group, sketch, _ in self._scaled_sketches():
+            beta2 = group["betas"][1]
+            v = self.init_state_of(p)["exp_avg_sq"]
+            v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
+            root = (v / (1 - beta2 ** (self.num_steps + 1))).sqrt()
+            sums[p] = torch.stack([root.sum(), root.new_tensor(float(root.numel()))])
+        sums = self.sum_over_layer(sums)
+        groups = {p: g for p, g, _, _ in self._scaled_sketches()}
+        return {p: groups[p]["eps"] * float(s[0] / s[1]) for p, s in sums.items()}
+
+    def _norm_factors(self, plan: _Plan) -> dict:
+        sums = {}
+        for p, group, sketch, _ in self._scaled_sketches():
+            direction, _ = self._direction(p, group, sketch, plan)
+            sums[p] = torch.stack([sketch.square().sum(), direction.square().sum()])
+        sums = self.sum_over_layer(sums)
+        return {p: float((s[0] / s[1]).sqrt()) if float(s[1]) > 0 else 1.0 for p, s in sums.items()}
+
+    def _ratio_rate(self, plan: _Plan) -> float:
+        """``ρ·‖W‖/‖D A‖`` over all targets, rounded to bf16 (0 when there is no update)."""
+        local = torch.zeros(2, dtype=torch.float32)
+        for p, group, sketch, signs in self._scaled_sketches():
+            direction, _ = self._direction(p, group, sketch, plan)
+            signs = signs() if callable(signs) else signs
+            local = local.to(direction.device)
+            local[0] += self.master_of(p).float().square().sum()
+            local[1] += gram_sq_norm(direction, signs)
+        total = self.sum_over_targets(local)
+        if not float(total[1]) > 0:
+            return 0.0
+        rate = self.update_ratio * float((total[0] / total[1]).sqrt())
+        return float(torch.tensor(rate).to(torch.bfloat16))
 
     def _target(self, p, group, lr: float, direction, signs) -> torch.Tensor:
         """``(1 − lr·λ)·master − lr·D·A``: a new fp32 tensor."""
         target = self.master_of(p).float().mul(1 - lr * group["weight_decay"])
         return target.sub_(reconstruct(direction, signs).mul_(lr))
 
-    def _updates(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p in self._sketches:
-                    sketch, signs = self._sketches[p]
-                    signs = signs() if callable(signs) else signs
-                    yield p, group, signs, *self._direction(p, group, sketch)
-
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One update of every parameter with a sketch; then the sketches are consumed."""
-        for p, group, signs, direction, new_v in self._updates():
-            target = self._target(p, group, group["lr"], direction, signs)
+        for p, group, signs, direction, new_v, rate in self._updates():
+            self.step_size = rate
+            target = self._target(p, group, rate, direction, signs)
             if new_v is not None:
                 self.state[p]["exp_avg_sq"].copy_(new_v)
             if p in self.param_remainders:
@@ -136,21 +247,21 @@ class RowAdam(torch.optim.Optimizer):
             else:
                 p.copy_(target)
         self.num_steps += 1
-        self._sketches = {}
+        self.set_sketches({})
 
     @torch.no_grad()
     def write_candidate(self, write: Callable, scale: float = 1.0) -> bool:
         """``write(p, θ_p + scale·Δθ_p)`` for every parameter; nothing changes."""
-        for p, group, signs, direction, _ in self._updates():
-            write(p, self._target(p, group, group["lr"] * scale, direction, signs))
+        for p, group, signs, direction, _, rate in self._updates():
+            write(p, self._target(p, group, rate * scale, direction, signs))
         return True
 
     @torch.no_grad()
     def update_sq_norm(self) -> torch.Tensor:
-        """``‖Δθ‖²`` at the group's lr, weight decay left out (local; Gram form)."""
+        """``‖Δθ‖²`` at the step's rate, weight decay left out (local; Gram form)."""
         total = torch.zeros((), dtype=torch.float32)
-        for _, group, signs, direction, _ in self._updates():
-            total = total.to(direction.device) + gram_sq_norm(direction, signs) * group["lr"] ** 2
+        for _, _, signs, direction, _, rate in self._updates():
+            total = total.to(direction.device) + gram_sq_norm(direction, signs) * rate**2
         return total
 
     def basis_refresh_due(self) -> bool:

@@ -1,14 +1,15 @@
-"""Settings of the RL algorithm: group sampling, the GRPO/PPO update and the reference model
-(``GRPOConfig``) and predicted-KL step control (``KLControlConfig``); the policy
-loss has its own (``PolicyLossConfig``)."""
+"""Settings of the RL algorithm: group sampling, advantages, the GRPO/PPO update and the
+reference model (``GRPOConfig``) and predicted-KL step control (``KLControlConfig``); the
+policy loss has its own (``PolicyLossConfig``)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, reject
 from loggra_megatron.model.vocab_parallel import ESTIMATORS
+from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 
 
 def _reference_model(s: dict) -> bool:
@@ -23,6 +24,20 @@ def _probe_skipping(s: dict) -> bool:
     return _kl_control(s) and s["kl_probe_skip_below"] > 0
 
 
+def _target_schedule(s: dict) -> bool:
+    return _kl_control(s) and s["kl_target_final"] is not None
+
+
+def _estimator_reads(setting: str) -> tuple[str, object]:
+    """``applies``'s words and condition for a ``GRPOConfig`` field that the advantage
+    estimators listing it in their ``settings`` read (and no other)."""
+    names = [n for n, e in ADVANTAGE_ESTIMATORS.items() if setting in e.settings]
+    return (
+        f"with --advantage-estimator {' or '.join(names)}",
+        lambda s: setting in ADVANTAGE_ESTIMATORS[s["advantage_estimator"]].settings,
+    )
+
+
 @dataclass
 class GRPOConfig:
     """Group sampling, PPO epochs, advantages and the KL penalty's coefficient β."""
@@ -30,11 +45,22 @@ class GRPOConfig:
     prompts_per_step: int = 4
     """Prompts per RL step, over all data-parallel ranks."""
     num_generations: int = 4
-    """Completions sampled per prompt (the GRPO group size)."""
+    """Completions sampled per prompt (the GRPO group size; 1 is enough for
+    ``--advantage-estimator reinforce-baseline``)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    no_advantage_std_normalization: bool = False
+    advantage_estimator: str = "grpo"
+    """grpo: each completion against its prompt's group, (r − mean) / (std + eps);
+    reinforce-baseline: REINFORCE with a running baseline, r − b with b the running mean
+    reward of the earlier RL steps (``--baseline-decay``), one completion per prompt allowed
+    (docs/losses.md#advantages)."""
+    no_advantage_std_normalization: bool = applies(
+        False, *_estimator_reads("no_advantage_std_normalization")
+    )
     """Dr.GRPO advantages: subtract the group mean only."""
+    baseline_decay: float = applies(0.9, *_estimator_reads("baseline_decay"))
+    """d of the running baseline, updated after each RL step's advantages:
+    b ← d·b + (1 − d)·(the step's mean reward over all data-parallel ranks); b starts at 0."""
     kl_coef: float = 0.0
     """β of the KL-to-reference loss (0: no reference model)."""
     kl_ref_target: float | None = applies(None, "with --kl-coef > 0", _reference_model)
@@ -56,12 +82,35 @@ class GRPOConfig:
             self,
             [
                 ("prompts_per_step", positive, ">= 1"),
-                ("num_generations", at_least(2), ">= 2 (GRPO compares completions of a prompt)"),
+                ("num_generations", positive, ">= 1"),
                 ("ppo_epochs", positive, ">= 1"),
+                (
+                    "advantage_estimator",
+                    one_of(*ADVANTAGE_ESTIMATORS),
+                    f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+                ),
+                ("baseline_decay", lambda d: 0 <= d < 1, "in [0, 1)"),
                 ("kl_coef", at_least(0), ">= 0 (0: no reference model)"),
                 ("kl_ref_target", positive, "> 0"),
                 ("kl_coef_horizon", positive, "> 0"),
             ],
+        )
+        self._check_group_size()
+
+    def _check_group_size(self) -> None:
+        """``--num-generations`` against what the advantage estimator needs, naming the
+        estimators that take that many."""
+        name, n = self.advantage_estimator, self.num_generations
+        needs = ADVANTAGE_ESTIMATORS[name]
+        if n >= needs.min_generations:
+            return
+        able = [k for k, e in ADVANTAGE_ESTIMATORS.items() if e.min_generations <= n]
+        fix = f"; or use --advantage-estimator {' or '.join(able)}" if able else ""
+        reject(
+            "num_generations",
+            n,
+            f"must be >= {needs.min_generations} with --advantage-estimator {name} "
+            f"({needs.why_min_generations}){fix}",
         )
 
     @property
@@ -75,7 +124,21 @@ class KLControlConfig:
     """Settings of predicted-KL step control (``--kl-*`` flags)."""
 
     kl_target: float | None = None
-    """Target KL(π_θ ‖ π_new) per probe token of each optimizer step; None turns it off."""
+    """Target KL(π_θ ‖ π_new) per probe token of each optimizer step (the first RL step's
+    with ``--kl-target-final``); None turns it off."""
+    kl_target_final: float | None = applies(None, "with --kl-target", _kl_control)
+    """A cosine schedule of the target over the RL steps: from ``--kl-target`` at the
+    first RL step to this at ``--kl-target-decay-iters`` and after,
+    ``final + (kl_target − final)·(1 + cos(π·min(s, N)/N))/2`` at RL step s (0-based;
+    docs/kl_control.md#the-target-schedule). None: the target stays ``--kl-target``."""
+    kl_target_decay_iters: int | None = applies(None, "with --kl-target-final", _target_schedule)
+    """N, the RL steps over which the target goes from ``--kl-target`` to
+    ``--kl-target-final``; None: ``--train-iters``."""
+    kl_max_step_scale: float = applies(1.0, "with --kl-target", _kl_control)
+    """α_max, the largest step scale η = min(α_max, sqrt(target / KL̂)). 1: a step is only
+    ever shrunk; above 1 a step whose predicted KL is below the target is grown, up to
+    α_max times, tried on the probe (and halved while its KL exceeds the tolerance) before
+    it is committed (docs/kl_control.md#growing-a-step)."""
     kl_probe_fraction: float = applies(0.125, "with --kl-target", _kl_control)
     """Fraction of each step's sequences used as probe (at least one sequence)."""
     kl_estimator: str = applies("full", "with --kl-target", _kl_control)
@@ -90,9 +153,10 @@ class KLControlConfig:
     (docs/benchmarks.md) and, next to the probe cycle of at most 5 steps, lands mostly on
     steps that skipped the probe, whose extrapolation it checks."""
     kl_probe_skip_below: float = applies(0.1, "with --kl-target", _kl_control)
-    """Skip the probe trial and commit the full step (η = 1) when the quadratic model's
-    extrapolation of the last measured full-step KL, ``KL·‖Δθ‖²/‖Δθ_then‖²``, is below
-    this × ``kl_target`` (docs/kl_control.md#skipping-the-probe); 0: probe every step."""
+    """Skip the probe trial and commit the largest step (η = ``--kl-max-step-scale``, 1 by
+    default) when the quadratic model's extrapolation of the last measured KL to that step,
+    ``α_max²·KL·‖Δθ‖²/‖Δθ_then‖²``, is below this × the target
+    (docs/kl_control.md#skipping-the-probe); 0: probe every step."""
     kl_probe_max_skips: int = applies(4, "with --kl-probe-skip-below > 0", _probe_skipping)
     """At most this many consecutive steps skip the probe; the next one probes."""
 
@@ -101,6 +165,9 @@ class KLControlConfig:
             self,
             [
                 ("kl_target", positive, "a positive number (omit it to disable)"),
+                ("kl_target_final", positive, "a positive number (omit it: a constant target)"),
+                ("kl_target_decay_iters", positive, ">= 1 RL step"),
+                ("kl_max_step_scale", at_least(1), ">= 1 (1: steps are never grown; 3 is typical)"),
                 ("kl_probe_fraction", lambda f: 0 < f <= 0.5, "in (0, 0.5]"),
                 ("kl_estimator", one_of(*ESTIMATORS), f"one of {', '.join(ESTIMATORS)}"),
                 ("kl_max_backtracks", at_least(0), ">= 0"),

@@ -10,7 +10,9 @@ takes part in the generation and the log-prob forwards with the same tokens):
    vocabulary row; the sampling log-probs are the PPO "old" log-probs);
 2. completions are decoded and scored: the task's reward and verdict, or ``--reward-fn``
    (``compute_rewards``);
-3. group-relative advantages (each prompt's group lives on one rank);
+3. advantages, by ``--advantage-estimator`` (``rl.advantages``): group-relative (each
+   prompt's group lives on one rank) or against a running baseline of the global batch's
+   mean reward (all-reduced over DP);
 4. the frozen reference model's log-probs, when there is one (``--kl-coef`` > 0).
 
 The result is an ``Experience``, the batch ``Actor``
@@ -29,8 +31,8 @@ import torch
 from loggra_megatron.data.prompts import PromptRenderer, prompt_text
 from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.model.batching import PaddingStats, needed_lengths
+from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 from loggra_megatron.rl.config import GRPOConfig
-from loggra_megatron.rl.losses import group_advantages
 from loggra_megatron.rollout.config import RolloutConfig
 from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 from loggra_megatron.rollout.registry import select_engine
@@ -60,13 +62,14 @@ class Experience:
     """``[B, L - 1]`` the log-probs the rollout engine sampled with (None: an engine that does
     not sample its own); with ``--tis-cap`` the weights' denominator."""
     advantages: torch.Tensor
-    """``[B]`` group-relative advantages."""
+    """``[B]`` advantages (``--advantage-estimator``)."""
     ref_log_probs: torch.Tensor | None
     """``[B, L - 1]`` reference log-probs (last pipeline stage; None without a reference)."""
     num_tokens: torch.Tensor
     """Prompt + response tokens of this rank's batch (0-d)."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """``reward/mean``, ``reward/std``, ``reward/accuracy``, ``response/length_mean``."""
+    """``reward/mean``, ``reward/std``, ``reward/accuracy``, ``response/length_mean`` and the
+    advantage estimator's (``reward/baseline``)."""
 
     def training_batch(self, device) -> dict[str, torch.Tensor]:
         """The tensors the GRPO loss reads, on ``device``."""
@@ -102,6 +105,7 @@ class ExperienceMaker:
         length_grouping: bool = True,
         tis: bool = False,
         on_policy: bool = False,
+        dp_group=None,
     ):
         from megatron.core.utils import get_model_config
 
@@ -127,6 +131,11 @@ class ExperienceMaker:
         """Where π_old comes from (``rollout.protocol.OLD_LOG_PROB_SOURCES``): ``--tis-cap``
         (``tis``) or not, one optimizer update per RL step (``on_policy``) or several."""
         self.row_multiple = fp8_alignment(get_model_config(policy))
+        self.advantages = ADVANTAGE_ESTIMATORS[grpo.advantage_estimator](
+            grpo, dp_group, self.device
+        )
+        """``--advantage-estimator`` over the DP group ``dp_group`` (None: this rank alone);
+        a checkpointed component where it keeps state (the running baseline)."""
         self.last_stats: dict[str, float] = {}
         """``time/rollout_s``, ``memory/kv_cache_bytes`` and the generated tokens of the
         last ``generate``."""
@@ -143,9 +152,7 @@ class ExperienceMaker:
             rollout = self.generate(group, step, self.rollout.temperature)
             generated = self.last_stats
             rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
-        advantages = group_advantages(
-            rewards, n, normalize_std=not self.grpo.no_advantage_std_normalization
-        )
+        advantages = self.advantages(rewards)  # collective over DP (the running baseline)
         sampled = None if self.engine.recomputes_log_probs else rollout.log_probs
         old = None  # "training": the training forward's own
         if self.old_log_probs == "rollout" or (self.old_log_probs, sampled) == ("recompute", None):
@@ -172,6 +179,7 @@ class ExperienceMaker:
                 "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
                 "reward/accuracy": sum(correct) / len(correct),
                 "response/length_mean": rollout.response_lengths.float().mean().item(),
+                **self.advantages.metrics(),
                 **generated,
                 **padding,
             },

@@ -3,9 +3,11 @@
 After the gradients are ready, the controller writes the inner optimizer's candidate
 ``θ + Δθ`` into the 16-bit model weights only (masters and optimizer state untouched),
 estimates ``KL̂ = E_tokens KL(π_θ ‖ π_{θ+Δθ})`` on probe rows, predicts
-``KL(η·Δθ) ≈ η²·KL̂`` and commits ``θ + η·Δθ`` with ``η = min(1, sqrt(kl_target / KL̂))``
-(ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015), halving η while the scaled candidate's
-probe KL exceeds the tolerance. With ``η = 1`` the commit is Megatron's step, bit for bit.
+``KL(η·Δθ) ≈ η²·KL̂`` and commits ``θ + η·Δθ`` with ``η = min(α_max, sqrt(target / KL̂))``
+(ACKTR, Wu et al. 2017; TRPO, Schulman et al. 2015; ``α_max`` is ``--kl-max-step-scale``,
+1 by default), halving η while the scaled candidate's probe KL exceeds the tolerance. With
+``η = 1`` the commit is Megatron's step, bit for bit. The target may follow a cosine
+schedule over the RL steps (``rl.kl_schedule``).
 
 One update, as ``PredictedKLController.step`` runs it; a ``KLUpdate`` records each phase:
 
@@ -13,10 +15,10 @@ One update, as ``PredictedKLController.step`` runs it; a ``KLUpdate`` records ea
                is due; the training forward may keep their π_θ (KLUpdate.keep_reference)
     gradients  Megatron's prepare_grads and clipping (LoGRA also projects); a non-finite
                norm skips the update here
-    skip?      far below target the probe could only confirm η = 1 (rl.kl_probe_skip)
+    skip?      far below target the probe could only confirm η = α_max (rl.kl_probe_skip)
     reference  π_θ of the rows the KL is measured on: kept, or one forward here
     probe      KL̂ of the full step θ + Δθ, tried on the model weights only
-    scale      η from the quadratic model, then TRPO's backtracking
+    scale      η from the quadratic model (grown up to α_max), then TRPO's backtracking
     commit     Megatron's step with lr·η (a non-finite KL restores θ and skips instead)
     realized   kl/realized on the held-out rows at the committed weights: the last
                trial's forward when trials are commits (LoGRA's), else a forward after
@@ -35,6 +37,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,7 @@ import torch
 from loggra_megatron.rl.config import KLControlConfig
 from loggra_megatron.rl.kl_probe import ProbeBatch, ProbeKL, ProbeOutput, ReferenceCollector
 from loggra_megatron.rl.kl_probe_skip import ProbeSkipRule
+from loggra_megatron.rl.kl_schedule import KLTargetSchedule
 
 if TYPE_CHECKING:  # imports Megatron
     from loggra_megatron.optim.megatron.stepper import MegatronStepper, PreparedGrads
@@ -61,6 +65,8 @@ class KLUpdate:
     """How many of ``rows`` are probe rows."""
     keep_logits: bool
     """The reference is the logits (the ``full`` estimator), not token log-probs."""
+    target: float = math.nan
+    """The KL target of this update (``--kl-target``, or its schedule at the RL step)."""
     collector: ReferenceCollector | None = None
     """Set by ``keep_reference``: π_θ of ``rows`` from the mini-batch's training forward."""
 
@@ -113,9 +119,14 @@ class KLUpdate:
         return self.skip_bound is not None
 
     @property
-    def full_step_kl(self) -> float | None:
-        """The KL measured at η = 1 on this update (None: none was)."""
-        return self.kl_realized if self.skipped else self.kl_predicted
+    def measured(self) -> tuple[float | None, float | None]:
+        """``(KL, ‖update‖²)`` of the update whose KL this step measured, the skip rule's
+        anchor: the probe's full step ``Δθ``, or on a skipped step the committed ``η·Δθ``
+        (its ``kl/realized``; None when not due)."""
+        if not self.skipped:
+            return self.kl_predicted, self.sq_norm
+        sq_norm = None if self.sq_norm is None else self.sq_norm * self.eta**2
+        return self.kl_realized, sq_norm
 
     def keep_reference(self, loss_fn):
         """``loss_fn`` wrapped to keep π_θ of ``rows`` from the mini-batch's training
@@ -134,9 +145,10 @@ class KLUpdate:
     def metrics(self) -> dict[str, float]:
         """The ``kl/*`` keys of this update (``metric_keys.py``); NaN where not measured."""
         if self.prepared is None or not self.prepared.ok:
-            return {"kl/step_scale": 0.0, "time/kl_control_s": 0.0}
+            return {"kl/step_scale": 0.0, "kl/target": self.target, "time/kl_control_s": 0.0}
         kept = (r.nbytes for r in (self.reference, self.holdout_reference) if r is not None)
         metrics = {
+            "kl/target": self.target,
             "kl/predicted": self.kl_predicted,
             "kl/step_scale": self.eta if self.committed else 0.0,
             "kl/predicted_committed": self.kl_committed,
@@ -163,17 +175,34 @@ class PredictedKLController:
         stepper: the run's ``MegatronStepper`` over a Megatron-Core optimizer (LoGRA's or
             dense Adam) with 16-bit model weights.
         measure: the KL of a batch against a reference, and the reference (``ProbeKL``).
+        schedule: the target by RL step (default: ``config``'s, read at each update, which
+            must then be constant or set ``--kl-target-decay-iters``).
+        rl_step: the RL step of the next update (0-based; the trainer's step counter, which
+            its checkpoint carries); needed when the target is scheduled.
     """
 
-    def __init__(self, config: KLControlConfig, stepper: MegatronStepper, measure: ProbeKL):
+    def __init__(
+        self,
+        config: KLControlConfig,
+        stepper: MegatronStepper,
+        measure: ProbeKL,
+        schedule: KLTargetSchedule | None = None,
+        rl_step: Callable[[], int] | None = None,
+    ):
         if not config.enabled:
             raise ValueError("PredictedKLController needs --kl-target")
+        self.schedule = schedule
+        if not (schedule or KLTargetSchedule.of(config)).constant and rl_step is None:
+            raise ValueError("a scheduled KL target (--kl-target-final) needs the RL step")
         stepper.require_separate_model_weights()
         self.config, self.stepper, self.measure = config, stepper, measure
+        self.rl_step = rl_step or (lambda: 0)
         self.num_steps = 0
         """Committed steps (drives the kl/realized interval). Skipped steps are the caller's
         to count (``train.steps.SkipCounter``)."""
-        self.skip_rule = ProbeSkipRule(config.kl_probe_skip_below, config.kl_probe_max_skips)
+        self.skip_rule = ProbeSkipRule(
+            config.kl_probe_skip_below, config.kl_probe_max_skips, config.kl_max_step_scale
+        )
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "probe_skip": self.skip_rule.state_dict()}
@@ -181,6 +210,11 @@ class PredictedKLController:
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = state["num_steps"]
         self.skip_rule.load_state_dict(state.get("probe_skip", {}))
+
+    def target(self) -> float:
+        """The KL target of the next update: the schedule's at the RL step."""
+        schedule = self.schedule or KLTargetSchedule.of(self.config)
+        return schedule(self.rl_step())
 
     def begin(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> KLUpdate:
         """The update of a mini-batch ``tokens [B, s+1]`` (``mask [B, s]``): its probe rows
@@ -192,7 +226,8 @@ class PredictedKLController:
         due = holdout.stop > holdout.start and bool(interval) and self.num_steps % interval == 0
         stop = holdout.stop if due else probe.stop
         full = self.config.kl_estimator == "full"
-        return KLUpdate(_take((tokens, mask), slice(0, stop)), probe.stop, keep_logits=full)
+        rows = _take((tokens, mask), slice(0, stop))
+        return KLUpdate(rows, probe.stop, keep_logits=full, target=self.target())
 
     def step(self, u: KLUpdate) -> KLUpdate:
         """Megatron's ``optimizer.step()`` with the update scaled to the KL target, phase by
@@ -211,19 +246,22 @@ class PredictedKLController:
             self._check_realized(u)  # kl/realized on the held-out rows
         else:
             self._reject(u)  # θ restored; no state changed
-        self.skip_rule.update(u.skipped, u.full_step_kl, u.sq_norm)  # its anchor
+        self.skip_rule.update(u.skipped, *u.measured)  # its anchor
         return u
 
     # ------------------------------------------------------------------ the phases
     def _decide_skip(self, u: KLUpdate) -> None:
-        """skip?: commit the full step without a trial when the last measured KL, carried to
-        this update's norm, is far below the target."""
+        """skip?: commit the largest step (η = α_max) without a trial when the last measured
+        KL, carried to this update's norm and scaled by α_max², is far below the target:
+        the probe would choose α_max too."""
         rule = self.skip_rule
         u.sq_norm = self.stepper.update_sq_norm() if rule.skip_below > 0 else None
         refresh = self.stepper.basis_refresh_due
-        u.skip_bound = rule.bound(u.sq_norm, self.config.kl_target, refresh)
+        u.skip_bound = rule.bound(u.sq_norm, u.target, refresh)
         if u.skipped:
-            u.kl_predicted = u.kl_committed = u.skip_bound
+            u.eta = self.config.kl_max_step_scale
+            u.kl_predicted = u.skip_bound
+            u.kl_committed = u.skip_bound * u.eta**2
 
     def _collect_reference(self, u: KLUpdate) -> None:
         """reference: π_θ of the trials' rows and of the held-out rows for a forward after
@@ -252,15 +290,21 @@ class PredictedKLController:
         u.kl_committed = u.kl_predicted
 
     def _scale(self, u: KLUpdate) -> None:
-        """scale: η from the quadratic model, then halved while the probe KL at η exceeds
-        the tolerance; the last trial is at the η that is committed."""
-        cfg = self.config
-        if not (math.isfinite(u.kl_predicted) and u.kl_predicted > cfg.kl_target):
+        """scale: η = min(α_max, sqrt(target / KL̂)) from the quadratic model, then halved
+        while the probe KL at η exceeds the tolerance; the last trial is at the η that is
+        committed. The full step (η = 1) needs no trial: the probe was it."""
+        cfg, alpha = self.config, self.config.kl_max_step_scale
+        if not math.isfinite(u.kl_predicted):
             return
-        u.eta = math.sqrt(cfg.kl_target / u.kl_predicted)
+        if u.kl_predicted <= u.target / alpha**2:  # also KL̂ ≤ 0 (a k1 estimate may be)
+            if alpha == 1.0:
+                return
+            u.eta = alpha
+        else:
+            u.eta = math.sqrt(u.target / u.kl_predicted)
         while True:
             u.kl_committed, u.kl_holdout, _ = self._trial(u, u.eta)
-            within = u.kl_committed <= cfg.kl_backtrack_tolerance * cfg.kl_target
+            within = u.kl_committed <= cfg.kl_backtrack_tolerance * u.target
             if (math.isfinite(u.kl_committed) and within) or u.backtracks == cfg.kl_max_backtracks:
                 return
             u.eta, u.backtracks = 0.5 * u.eta, u.backtracks + 1

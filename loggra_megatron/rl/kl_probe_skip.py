@@ -1,12 +1,15 @@
 """When predicted-KL control may skip its probe trial: the quadratic model's extrapolation.
 
-The KL of an update is ``KL(Δθ) ≈ ½ Δθᵀ F Δθ``, so the last measured full-step KL, carried
-to this step's update norm, ``KL_then · ‖Δθ‖² / ‖Δθ_then‖²``, predicts this step's KL. Far
-below ``--kl-target`` (under ``--kl-probe-skip-below`` × target) the probe could only
-confirm η = 1, so ``ProbeSkipRule`` lets the controller commit the full step without
-it. Every input is the same on every rank (all-reduced norms and KLs, step counters), so
-every rank decides alike and the collectives never diverge. The rule, its safety valves and
-why it is safe: docs/kl_control.md#skipping-the-probe.
+The KL of an update is ``KL(Δθ) ≈ ½ Δθᵀ F Δθ``, so the last measured KL of an update,
+carried to this step's update norm, ``KL_then · ‖Δθ‖² / ‖Δθ_then‖²``, predicts this step's
+full-step KL, and ``α_max²`` times it the KL of the largest step the controller may commit
+(``--kl-max-step-scale``; 1 by default). When even that is far below the target (under
+``--kl-probe-skip-below`` × target) the probe could only confirm η = α_max, so
+``ProbeSkipRule`` lets the controller commit that step without it: the committed step's
+predicted KL keeps the same margin below the target whatever α_max is. Every input is the
+same on every rank (all-reduced norms and KLs, step counters), so every rank decides alike
+and the collectives never diverge. The rule, its safety valves and why it is safe:
+docs/kl_control.md#skipping-the-probe.
 """
 
 from __future__ import annotations
@@ -27,19 +30,22 @@ class ProbeSkipRule:
     """Skip when the extrapolated KL is below this × the target (0: never skip)."""
     max_skips: int
     """At most this many consecutive skipped probes; the next step probes."""
+    max_step_scale: float = 1.0
+    """α_max, the η a skipped step commits (``--kl-max-step-scale``)."""
     anchor_kl: float | None = None
-    """The last measured KL of a full step (η = 1): the probe's ``KL̂`` or, on a skipped
-    step, ``kl/realized`` (measured at the committed full step). None: probe next."""
+    """The last measured KL of an update: the probe's ``KL̂`` of the full step or, on a
+    skipped step, ``kl/realized`` (measured at the committed step). None: probe next."""
     anchor_sq_norm: float | None = None
-    """``‖Δθ‖²`` of the update whose KL is ``anchor_kl``."""
+    """``‖update‖²`` of the update whose KL is ``anchor_kl`` (a skipped step's: η²·‖Δθ‖²)."""
     skips_in_row: int = 0
     """Consecutive steps that skipped the probe, up to the last one."""
 
     def bound(self, sq_norm: float | None, target: float, basis_refresh: bool) -> float | None:
-        """This step's extrapolated KL if the probe may be skipped, else None: never without
-        a measured anchor (the first step, after a non-finite KL), after ``max_skips``
-        skips in a row, on a basis-refresh step (its update lies in a new subspace), or
-        without this step's update norm."""
+        """This step's extrapolated full-step KL if the probe may be skipped (α_max² times
+        it is below ``skip_below × target``), else None: never without a measured anchor
+        (the first step, after a non-finite KL), after ``max_skips`` skips in a row, on a
+        basis-refresh step (its update lies in a new subspace), or without this step's
+        update norm."""
         if self.skip_below <= 0 or basis_refresh or self.skips_in_row >= self.max_skips:
             return None
         if not (_finite(sq_norm) and _finite(self.anchor_kl) and _finite(self.anchor_sq_norm)):
@@ -47,16 +53,18 @@ class ProbeSkipRule:
         if self.anchor_sq_norm <= 0:  # a zero update (lr 0) says nothing about the next one
             return None
         extrapolated = self.anchor_kl * sq_norm / self.anchor_sq_norm
-        return extrapolated if extrapolated < self.skip_below * target else None
+        committed = extrapolated * self.max_step_scale**2
+        return extrapolated if committed < self.skip_below * target else None
 
-    def update(self, skipped: bool, full_step_kl: float | None, sq_norm: float | None) -> None:
-        """After a step: ``full_step_kl`` is the KL measured at η = 1 on this step (the
-        probe's ``KL̂``, or ``kl/realized`` of a skipped step; None: none measured)."""
+    def update(self, skipped: bool, kl: float | None, sq_norm: float | None) -> None:
+        """After a step: ``kl`` is the KL this step measured of an update of ``‖update‖²
+        = sq_norm`` (the probe's ``KL̂`` of the full step, or ``kl/realized`` of a skipped
+        step's committed one; None: none measured)."""
         self.skips_in_row = self.skips_in_row + 1 if skipped else 0
-        if full_step_kl is None and skipped:
+        if kl is None and skipped:
             return  # the anchor stays that of the last measurement
-        if _finite(full_step_kl) and _finite(sq_norm) and full_step_kl >= 0:
-            self.anchor_kl, self.anchor_sq_norm = full_step_kl, sq_norm
+        if _finite(kl) and _finite(sq_norm) and kl >= 0:
+            self.anchor_kl, self.anchor_sq_norm = kl, sq_norm
         else:  # nothing trustworthy measured: probe next
             self.anchor_kl = self.anchor_sq_norm = None
 

@@ -5,8 +5,10 @@ A reward function is ``fn(prompt, completion, answer, metadata) -> float | dict`
 question, the generated text, the dataset's answer and metadata; it returns a finite real
 number, or ``{"reward": r, "correct": bool}``. Built-ins (answer format ``#### <number>``):
 ``exact_match_numeric``, ``format_reward`` and ``default_reward``
-(``0.9·exact_match + 0.1·format``). ``load_reward_fn`` takes a built-in name or
-``"module:function"`` (a ``RewardSpecError`` if it cannot be loaded);
+(``0.9·exact_match + 0.1·format``); for a model that answers in its own words,
+``last_number_reward`` (``\\boxed{}``, else ``####``, else the last number in the text).
+``load_reward_fn`` takes a built-in name or ``"module:function"`` (a ``RewardSpecError`` if
+it cannot be loaded);
 ``compute_rewards`` applies a function to a batch and turns any failure (an exception,
 ``sys.exit``, ``os._exit``, a non-finite value) into a ``RewardFunctionError`` naming the
 sample: a broken reward is never a silent zero, nor a silent end of the run.
@@ -82,12 +84,17 @@ def exact_match_numeric(
     atol: float = 1e-9,
 ) -> float:
     """1.0 if the completion's ``#### <number>`` equals ``answer`` numerically, else 0.0."""
-    predicted = extract_answer(completion)
-    if predicted is None:
-        return 0.0
+    return _matches(extract_answer(completion), answer, rtol, atol)
+
+
+def _matches(predicted: str | None, answer: str, rtol: float, atol: float) -> float:
+    """1.0 if the number ``predicted`` equals ``answer`` within the tolerances, 0.0 if it
+    does not or is None; a reference answer that is not a number is an error."""
     expected = parse_number(str(answer))
     if expected is None:
         raise ValueError(f"reference answer {answer!r} is not a number")
+    if predicted is None:
+        return 0.0
     return float(abs(parse_number(predicted) - expected) <= atol + rtol * abs(expected))
 
 
@@ -103,10 +110,66 @@ def default_reward(prompt: str, completion: str, answer: str, metadata: dict) ->
     )
 
 
+# a number anywhere in free text: digits (thousands groups of exactly 3), an optional
+# decimal part, and a minus sign unless it follows a letter, digit, closing bracket or dot
+# ("7-2" is 7 and 2; "x-1" is 1)
+_FREE_NUMBER_RE = re.compile(
+    r"(?:(?<![\w)\]}.])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)?(?:\.\d+)?(?<=\d)"
+)
+BOXED = "\\boxed{"
+
+
+def boxed_contents(text: str) -> list[str]:
+    """The contents of every ``\\boxed{...}`` in ``text`` whose braces close, left to right
+    (a nested one is part of its enclosing one)."""
+    out, start = [], text.find(BOXED)
+    while start >= 0:
+        depth, i = 1, start + len(BOXED)
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                out.append(text[i:j])
+                start = text.find(BOXED, j + 1)
+                break
+        else:  # never closed (a truncated completion): nothing after it is boxed either
+            break
+    return out
+
+
+def final_number(completion: str) -> str | None:
+    """The final answer of a completion written freely, as ``last_number`` reads it: the last
+    ``\\boxed{...}`` (its whole content, which must be a plain number), else the number after
+    the first ``####``, else the last number in the text; None if there is none."""
+    boxed = boxed_contents(completion)
+    if boxed:
+        content = boxed[-1].strip().strip("$").strip()
+        return content if parse_number(content) is not None else None
+    marked = extract_answer(completion)
+    if marked is not None:
+        return marked
+    numbers = _FREE_NUMBER_RE.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def last_number_reward(
+    prompt: str,
+    completion: str,
+    answer: str,
+    metadata: dict,
+    *,
+    rtol: float = 1e-6,
+    atol: float = 1e-9,
+) -> float:
+    """1.0 if the completion's ``final_number`` equals ``answer`` numerically, else 0.0: for
+    models that answer in their own words (no ``####`` needed)."""
+    return _matches(final_number(completion), answer, rtol, atol)
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "default": default_reward,
     "exact_match_numeric": exact_match_numeric,
     "format": format_reward,
+    "last_number": last_number_reward,
 }
 
 
@@ -189,7 +252,7 @@ def _os_exit_raises():
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Resolve ``--reward-fn``: a built-in name (``default``, ``exact_match_numeric``,
-    ``format``) or ``"module:function"`` / ``"path/to/file.py:function"``."""
+    ``format``, ``last_number``) or ``"module:function"`` / ``"path/to/file.py:function"``."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:

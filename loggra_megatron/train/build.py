@@ -4,7 +4,10 @@ component; none keeps state of its own. Megatron's parallel state must be initia
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +16,7 @@ from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.model.args import GPTModelArgs
 from loggra_megatron.optim.registry import OPTIMIZERS, resolve
 from loggra_megatron.rl.kl_control import PredictedKLController
+from loggra_megatron.rl.kl_schedule import KLTargetSchedule
 from loggra_megatron.rl.losses import AdaptiveKLCoefficient
 from loggra_megatron.rl.policy_loss import POLICY_LOSSES, PolicyLoss
 from loggra_megatron.train.run_config import RunConfig
@@ -98,6 +102,31 @@ def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimi
     return build_optimizer(spec, cfg.optimizer, cfg.loggra, [policy])
 
 
+def warmup_phase(cfg: RunConfig, args: GPTModelArgs, device: torch.device, dp_group):
+    """The supervised warm-up's own policy, ``--sft-optimizer`` over it, its stepper and the
+    actor that trains it (``train.warmup.WarmupPhase``)."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+    from loggra_megatron.rl.actor import Actor
+    from loggra_megatron.train.warmup import WarmupPhase
+
+    sft = copy.copy(cfg)
+    sft.optimizer = dataclasses.replace(cfg.optimizer, optimizer=cfg.training.sft_optimizer)
+    policy = gpt_model(sft, args, device, trainable=True)
+    sft_optimizer = optimizer(sft, policy)
+    t = cfg.training
+    actor = Actor(
+        policy=policy,
+        optimizer=sft_optimizer,
+        optimizer_step=None,  # the warm-up steps through its stepper (train_on only)
+        loss=None,
+        dp_group=dp_group,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        length_grouping=t.length_grouping,
+    )
+    return WarmupPhase(policy, sft_optimizer, MegatronStepper(sft_optimizer), actor)
+
+
 def policy_loss(cfg: RunConfig, kl_coef: AdaptiveKLCoefficient) -> PolicyLoss:
     """``--policy-loss`` from the registry (β: ``kl_coef``, read at each call;
     ``--max-new-tokens``: the Dr.GRPO constant)."""
@@ -134,10 +163,15 @@ def lr_scheduler(
 
 
 def kl_controller(
-    cfg: RunConfig, stepper: MegatronStepper, policy: DistributedDataParallel
+    cfg: RunConfig,
+    stepper: MegatronStepper,
+    policy: DistributedDataParallel,
+    rl_step: Callable[[], int] | None = None,
 ) -> PredictedKLController | None:
     """Predicted-KL step control through the run's ``stepper`` (None without
-    ``--kl-target``)."""
+    ``--kl-target``); ``rl_step()``: the RL steps done (the trainer's checkpointed counter),
+    which the target's schedule follows (``--kl-target-final``; unset decay iterations:
+    ``--train-iters``)."""
     from loggra_megatron.rl.kl_probe import gpt_probe_forward
 
     if not cfg.kl_control.enabled:
@@ -150,7 +184,8 @@ def kl_controller(
     )
     device = next(policy.parameters()).device
     measure = probe_kl(forward, estimator, device=device, forward_rows=rows if full else None)
-    return PredictedKLController(cfg.kl_control, stepper, measure)
+    schedule = KLTargetSchedule.of(cfg.kl_control, cfg.training.train_iters)
+    return PredictedKLController(cfg.kl_control, stepper, measure, schedule, rl_step)
 
 
 def probe_kl(forward, estimator: str, *, device=None, forward_rows: int | None = None):
@@ -173,7 +208,11 @@ def probe_kl(forward, estimator: str, *, device=None, forward_rows: int | None =
 def experience_maker(cfg: RunConfig, host, policy, reference, *, tis=False, on_policy=False):
     """The ``ExperienceMaker`` of a run: ``policy`` (and ``reference``, or None), ``host``'s
     tokenizer, renderer and scoring, and its sections of ``cfg``; ``tis``: ``--tis-cap`` is
-    set; ``on_policy``: one optimizer update per RL step (π_old is the training forward's)."""
+    set; ``on_policy``: one optimizer update per RL step (π_old is the training forward's).
+    The advantages' batch mean (``--advantage-estimator reinforce-baseline``) is over
+    Megatron's DP group."""
+    from megatron.core import parallel_state as ps
+
     from loggra_megatron.rl.experience import ExperienceMaker
 
     t = cfg.training
@@ -190,4 +229,5 @@ def experience_maker(cfg: RunConfig, host, policy, reference, *, tis=False, on_p
         length_grouping=t.length_grouping,
         tis=tis,
         on_policy=on_policy,
+        dp_group=ps.get_data_parallel_group(),
     )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import applies, at_least, check_fields, positive, valid_seed
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive, valid_seed
+from loggra_megatron.optim.registry import OPTIMIZERS
 from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES
 
 
@@ -47,6 +48,11 @@ class TrainingConfig:
     """Supervised warm-up steps on the tasks' reference solutions before RL."""
     sft_lr: float | None = applies(None, "with --sft-iters > 0", lambda s: s["sft_iters"] > 0)
     """Learning rate of the warm-up (default: --lr)."""
+    sft_optimizer: str = applies("adam", "with --sft-iters > 0", lambda s: s["sft_iters"] > 0)
+    """The warm-up's own optimizer, over a policy of its own (every weight with a dense
+    gradient; its weights become the RL policy's when it ends): adam (Megatron's dense Adam,
+    the default: a from-scratch policy learns slowly through the backward sketch's fresh
+    random projections) | loggra (the --loggra-* settings of RL)."""
 
     def __post_init__(self):
         check_fields(
@@ -60,6 +66,7 @@ class TrainingConfig:
                 ("max_consecutive_skipped_steps", at_least(0), ">= 0 (0: never stop)"),
                 ("sft_iters", at_least(0), ">= 0"),
                 ("sft_lr", at_least(0), ">= 0"),
+                ("sft_optimizer", one_of(*OPTIMIZERS), f"one of {', '.join(OPTIMIZERS)}"),
             ],
         )
 

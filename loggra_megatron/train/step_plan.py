@@ -104,6 +104,8 @@ class StepPlan:
     loggra_sketch_reduce: str
     loggra_fp32_grad_copy: bool
     loggra_param_remainders: bool
+    freeze_non_targets: bool = False
+    """Only the backward sketch's targets train (no dense gradient or optimizer state)."""
 
     @classmethod
     def of(cls, cfg: RunConfig, cuda: bool) -> StepPlan:
@@ -171,6 +173,7 @@ class StepPlan:
             loggra_sketch_reduce=lg.loggra_sketch_reduce,
             loggra_fp32_grad_copy=lg.loggra_fp32_grad_copy,
             loggra_param_remainders=lg.loggra_param_remainders,
+            freeze_non_targets=lg.freeze_non_targets,
         )
 
     @property

@@ -104,4 +104,5 @@ class OptimizerStep:
         metrics["lr"] = lr
         if grad_norm is not None:
             metrics["grad/norm"] = float(grad_norm)
+            metrics["grad/clipped"] = float(self.stepper.clips(float(grad_norm)))
         return metrics

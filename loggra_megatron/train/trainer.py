@@ -112,7 +112,9 @@ class RLTrainer:
         self.scheduler = build.lr_scheduler(cfg, self.plan, self.optimizer)
         stepper = MegatronStepper(self.optimizer)
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
-        self.kl_controller = build.kl_controller(cfg, stepper, self.policy)
+        self.kl_controller = build.kl_controller(
+            cfg, stepper, self.policy, rl_step=lambda: self.step
+        )
         self.skips = SkipCounter(cfg.training.max_consecutive_skipped_steps)
         self.energy_watch = EnergyWatch(cfg.loggra.loggra_energy_warn_threshold)
         return stepper
@@ -179,8 +181,8 @@ class RLTrainer:
                 cfg.grpo.rollout_batch_size,
                 self.dp_group,
             )
-        self.warmup = SupervisedWarmup(
-            self.actor, stepper, self.skips, host, cfg, self.device, ps.get_data_parallel_rank()
+        self.warmup = SupervisedWarmup(  # its phase is built when a step is ahead (_load)
+            None, self.skips, host, cfg, self.device, ps.get_data_parallel_rank()
         )
 
     def _metrics_logger(self):
@@ -205,6 +207,7 @@ class RLTrainer:
             "kl_coef": self.kl_coef,
             "skipped_steps": self.skips,
             "warmup": self.warmup,
+            "advantages": self.experience.advantages,  # the running baseline, if any
         }
         if self.kl_controller is not None:
             parts["kl_controller"] = self.kl_controller
@@ -216,6 +219,8 @@ class RLTrainer:
         saved_at = self._progress() if resumed else None
         if not self.warmup.done:
             self.warmup.run(self._stop_requested, self._log)
+            if self.warmup.done:
+                self._end_warmup()
         if self.warmup.done and (self.cfg.training.sft_iters or not resumed) and self.step == 0:
             self._copy_policy_to_reference()  # the reference is the policy as RL starts
         while self.warmup.done and self.step < cfg.training.train_iters:
@@ -315,6 +320,40 @@ class RLTrainer:
         if self.reference is not None:
             release_device_weights(self.reference)
 
+    def _start_warmup_from_policy(self) -> None:
+        """A warm-up still ahead trains from the RL policy's weights (the same
+        initialisation, or the loaded model)."""
+        from loggra_megatron.train.warmup import copy_weights
+
+        if not self.warmup.done:
+            phase = self._warmup_phase()
+            copy_weights(self.policy, phase.policy, phase.optimizer)
+
+    def _warmup_phase(self):
+        """The warm-up's phase, built now if it was not (a checkpoint that fell back to an
+        older one, taken during the warm-up)."""
+        if self.warmup.phase is None:
+            self.warmup.phase = build.warmup_phase(
+                self.cfg, self.model_args, self.device, self.dp_group
+            )
+        return self.warmup.phase
+
+    def _end_warmup(self) -> None:
+        """The warm-up's weights become the RL policy's (and its masters'); the warm-up's
+        policy and optimizer are freed."""
+        from loggra_megatron.train.warmup import copy_weights
+
+        copy_weights(self.warmup.phase.policy, self.policy, self.optimizer)
+        self.warmup.phase = None
+
+    def _training_models(self):
+        """``(policy, optimizer)`` that train now and that a checkpoint holds: the warm-up's
+        while it runs, else the RL policy's."""
+        phase = self.warmup.phase
+        if phase is not None:
+            return phase.policy, phase.optimizer
+        return self.policy, self.optimizer
+
     def _copy_policy_to_reference(self) -> None:
         from loggra_megatron.model.offload import host_weights
 
@@ -346,15 +385,17 @@ class RLTrainer:
         run = {
             "flags": self.cfg.flags(),
             "step": self.step,
+            "warmup_step": self.warmup.step,
             "data": self.dataset.state_dict(),
             "tokenizer": self._tokenizer_fingerprint,
         }
+        policy, optimizer = self._training_models()
         try:
             save_checkpoint(
                 root,
                 self.step,
-                [self.policy],
-                self.optimizer,
+                [policy],
+                optimizer,
                 common,
                 self._extra_models(),
                 files={RUN_CONFIG: json.dumps(run, indent=1, default=str) + "\n"},
@@ -371,12 +412,15 @@ class RLTrainer:
         return {"reference": [self.reference]} if self.reference is not None else None
 
     def _load(self) -> None:
-        """Load what ``cfg.start`` says: a full resume, or the policy's weights only."""
+        """Load what ``cfg.start`` says: a full resume (into the warm-up's policy and
+        optimizer when it was taken during the warm-up), or the policy's weights only. A
+        warm-up still ahead starts from the RL policy's weights otherwise."""
         from loggra_megatron.checkpointing import CheckpointError, load_checkpoint
         from loggra_megatron.checkpointing.integrity import verified_checkpoint
 
         start = self.cfg.start
         if start.mode not in ("resume", "weights"):
+            self._start_warmup_from_policy()
             return
         try:
             ref = start.checkpoint
@@ -387,9 +431,16 @@ class RLTrainer:
             if start.mode == "weights":  # the fp32 masters must follow the loaded weights
                 load_checkpoint(ref, [self.policy], None, verify=False)
                 self.optimizer.reload_model_params()
+                self._start_warmup_from_policy()
                 return
+            sft_iters = self.cfg.training.sft_iters
+            in_warmup = (ref.run_config() or {}).get("warmup_step", sft_iters) < sft_iters
+            phase = self._warmup_phase() if in_warmup else None
+            policy, optimizer = (
+                (phase.policy, phase.optimizer) if in_warmup else (self.policy, self.optimizer)
+            )
             common = load_checkpoint(
-                ref, [self.policy], self.optimizer, extra_models=self._extra_models(), verify=False
+                ref, [policy], optimizer, extra_models=self._extra_models(), verify=False
             )
         except (CheckpointError, ValueError) as e:
             raise TrainingStopped(str(e)) from None
@@ -399,4 +450,8 @@ class RLTrainer:
                 component.load_state_dict(common[name])
         if "warmup" not in common:  # older checkpoints: always taken after the warm-up
             self.warmup.step = self.cfg.training.sft_iters
+        if self.warmup.done:
+            self.warmup.phase = None
+        elif not in_warmup:  # written before checkpoints said where the warm-up was
+            self._start_warmup_from_policy()
         self._log(f" resumed from {ref.path} at step {self.step}")

@@ -236,7 +236,7 @@ def resume(rank, root, bf16=False, **kw):
     return {"straight": straight, "resumed": resumed}
 
 
-def kl_trial(rank):
+def kl_trial(rank, scale=0.5, **recipe):
     """bf16 weights, bf16 grads, remainders: through ``MegatronStepper`` the trial at η is the
     commit at η bit for bit, and a trial that is not committed restores θ bit for bit."""
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
@@ -245,7 +245,11 @@ def kl_trial(rank):
         optimizer="loggra", lr=3e-2, weight_decay=0.1, clip_grad=0.5, grad_reduce_in_bf16=True
     )
     loggra = LoGRAConfig(
-        loggra_sketch="backward", loggra_rank=RANK, loggra_seed=7, loggra_param_remainders=True
+        loggra_sketch="backward",
+        loggra_rank=RANK,
+        loggra_seed=7,
+        loggra_param_remainders=True,
+        **recipe,
     )
     ddp, opt = build_sketched(optim, loggra, bf16=True, grad_reduce_in_fp32=False)
     stepper = MegatronStepper(opt)
@@ -261,10 +265,10 @@ def kl_trial(rank):
             full = full_params(ddp)
         stepper.restore_model_weights()
         restored = full_params(ddp)
-        with stepper.try_candidate(0.5):
+        with stepper.try_candidate(scale):
             half = full_params(ddp)
         sq_norm = stepper.update_sq_norm()
-        stepper.commit(0.5)
+        stepper.commit(scale)
         committed = full_params(ddp)
         out[step] = {
             "restored_equal": all(torch.equal(restored[k], theta[k]) for k in theta),
@@ -296,3 +300,14 @@ def nonfinite_skip(rank):
         "num_steps": leaf.optimizer.num_steps,
         "state": leaf.optimizer.state_dict()["state"],
     }
+
+
+def mismatched_projection(rank):
+    """Rank 1 draws its projections from another generator stream (as another torch build
+    or device type would): building the backward sketch must fail on every rank."""
+    from loggra_megatron.optim.megatron import sketch_sites
+
+    if rank == 1:
+        draw = sketch_sites.draw_signs
+        sketch_sites.draw_signs = lambda *a, **k: -draw(*a, **k)
+    build_sketched(*settings())

@@ -30,7 +30,9 @@ def build_bf16_clipped(**loggra):
     config = OptimizerConfig(
         optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=0.05
     )
-    settings = LoGRAConfig(loggra_min_dim=1, loggra_oversample=2, **loggra)
+    settings = LoGRAConfig(
+        loggra_sketch="gradient", loggra_min_dim=1, loggra_oversample=2, **loggra
+    )
     return ddp, get_loggra_optimizer(config, [ddp], settings)
 
 
@@ -62,7 +64,9 @@ def build(kind: str, use_dist: bool = True, overlap: bool = False, **loggra):
     if kind == "dense":
         return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     loggra = {"loggra_min_dim": 1, "loggra_rank": 4, "loggra_oversample": 2, **loggra}
-    return ddp, get_loggra_optimizer(OptimizerConfig(**base), [ddp], LoGRAConfig(**loggra))
+    return ddp, get_loggra_optimizer(
+        OptimizerConfig(**base), [ddp], LoGRAConfig(**{"loggra_sketch": "gradient", **loggra})
+    )
 
 
 def local_batch(tokens):

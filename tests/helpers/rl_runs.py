@@ -15,7 +15,8 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
 def tiny_argv(tokenizer, **overrides) -> list[str]:
     """Flags of a tiny run; ``overrides`` by flag name (None/False drops a flag, True sets a
     switch). With a dense ``optimizer`` (adam) LoGRA's flags are left out (they would not
-    apply)."""
+    apply); with LoGRA the mode is ``--loggra-sketch gradient`` unless ``loggra-sketch`` is
+    given (``None``: the default mode, the backward sketch)."""
     flags = {
         "tokenizer-model": tokenizer,
         "num-layers": 2,
@@ -37,6 +38,10 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
     spec = OPTIMIZERS.get(overrides.get("optimizer", "loggra"))
     if spec is not None and not spec.sketched:
         del flags["loggra-rank"], flags["loggra-min-dim"]
+    elif "loggra-sketch" not in overrides:
+        flags["loggra-sketch"] = "gradient"  # named: these runs were written for it
+    elif overrides["loggra-sketch"] != "gradient":
+        del flags["loggra-min-dim"]  # the gradient sketch's only
     flags.update(overrides)
     argv = []
     for key, value in flags.items():

@@ -1,6 +1,6 @@
 """``pretrain_rl.py --loggra-sketch backward`` end to end: DP=2 with KL control, bf16 grads
 and remainders; save → resume equals the uninterrupted run in every metric; a changed seed,
-rank, target set, row optimizer or sketch mode is refused on resume (exit 2); the trained
+rank, target set, row optimizer, projection matrix, refresh interval or sketch mode is refused on resume (exit 2); the trained
 weights export to Hugging Face."""
 
 import subprocess
@@ -58,6 +58,8 @@ def test_changed_sketch_settings_are_refused_on_resume(tokenizer, runs, capsys):
         ({"loggra-rank": 4}, "--loggra-rank: the checkpoint was saved with --loggra-rank 8"),
         ({"loggra-targets": "linear_qkv,linear_fc1"}, "--loggra-targets: the checkpoint"),
         ({"loggra-row-optimizer": "sgd"}, "--loggra-row-optimizer: the checkpoint"),
+        ({"loggra-sketch-matrix": "gaussian"}, "--loggra-sketch-matrix: the checkpoint"),
+        ({"loggra-refresh-interval": 2}, "--loggra-refresh-interval: the checkpoint"),
         (
             {"loggra-sketch": "gradient", "loggra-min-dim": 16},
             "--loggra-sketch: the checkpoint was saved with --loggra-sketch backward",

@@ -150,6 +150,34 @@ def test_reward_parity_configurations_pass_validation(tokenizer):
         assert cfg.optimizer.optimizer in ("adam", "loggra"), name
 
 
+def test_pretrained_rl_arms_pass_validation(tokenizer, tmp_path):
+    """Every arm of benchmarks/pretrained_rl.py is a valid pretrain_rl.py command on the
+    example's flags (a sentencepiece tokenizer and a tiny architecture standing in for the
+    converted model), and the recipe arm takes the documented config's settings."""
+    from loggra_megatron.arguments import parse_args
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrained_rl", os.path.join(ROOT, "benchmarks", "pretrained_rl.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "data").mkdir()
+    for split in ("train", "eval"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text('{"prompt": "1+2", "answer": "3"}\n')
+    argv = bench.common(str(tmp_path), 2, 16)
+    argv[argv.index("--tokenizer-model") + 1] = tokenizer
+    tiny = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"]
+    optimizers = {}
+    for name, flags in bench.ARMS.items():
+        cfg = parse_args([*argv, *tiny, *flags], world_size=1)
+        assert cfg.grpo.rollout_batch_size == 32, name
+        optimizers[name] = cfg
+    recipe = optimizers["LoGRA, paper recipe"]
+    assert recipe.loggra.loggra_update_ratio == 6e-5 and recipe.loggra.freeze_non_targets
+    assert recipe.loggra.loggra_rank == 64 and recipe.kl_control.kl_max_step_scale == 3
+    assert optimizers["LoGRA"].loggra.loggra_sketch == "backward"
+
+
 def test_rank_sweep_arms_are_the_tiny_example_and_pass_validation(tokenizer):
     """Every arm of benchmarks/rank_sweep.py is the tiny example's command (read from
     examples/tiny_cpu/run.sh) with only the optimizer settings changed, and valid."""

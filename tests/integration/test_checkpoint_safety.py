@@ -34,7 +34,9 @@ def _build():
     model = tiny_gpt_model(hidden_size=32, vocab=64, seq=8, use_cpu_initialization=True)
     ddp = wrap_ddp(model, use_distributed_optimizer=True)
     config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
-    return ddp, get_loggra_optimizer(config, [ddp], LoGRAConfig(loggra_rank=4, loggra_min_dim=8))
+    return ddp, get_loggra_optimizer(
+        config, [ddp], LoGRAConfig(loggra_sketch="gradient", loggra_rank=4, loggra_min_dim=8)
+    )
 
 
 def _params(ddp) -> dict[str, torch.Tensor]:

@@ -70,7 +70,7 @@ def _estimate(cli, capsys, argv) -> dict:
 
 
 def _gradient(argv: list[str]) -> list[str]:
-    """``argv`` with LoGRA's gradient sketch (the default) instead of the backward sketch."""
+    """``argv`` with LoGRA's gradient sketch instead of the backward sketch (the default)."""
     return [*without(argv, "--loggra-sketch", 1), "--loggra-sketch", "gradient"]
 
 
@@ -521,7 +521,7 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     rl = (
         "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
         "--num-query-groups 2 --seq-length 128 --max-new-tokens 16 --loggra-rank 8 "
-        "--loggra-min-dim 16 --inference-max-tokens 512"
+        "--inference-max-tokens 512"
     )
     mem = "--device cpu --layers 2 --hidden 64 --ffn 128 --heads 4 --vocab 128 --seq 16 --new-tokens 8 --timed-steps 1"
     kl = "--layers 1 --hidden 64 --heads 4 --vocab 128 --seq 16 --batch 8 --steps 1 --run-steps 3"

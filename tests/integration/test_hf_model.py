@@ -149,8 +149,6 @@ def _grpo_flags(hf_dir, mcore, run) -> list[str]:
         3e-3,
         "--loggra-rank",
         8,
-        "--loggra-min-dim",
-        16,
         "--sft-iters",
         2,
         "--sft-lr",
@@ -232,8 +230,6 @@ def test_text_answers_with_a_custom_reward_train(tokenizer, tmp_path):
             "1",
             "--loggra-rank",
             "8",
-            "--loggra-min-dim",
-            "16",
         ],
         nproc=1,
     )

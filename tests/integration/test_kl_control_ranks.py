@@ -84,7 +84,9 @@ def _build(kind="loggra", lr=1e-2):
     base = dict(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     if kind == "dense":
         return ddp, get_megatron_optimizer(OptimizerConfig(**base), [ddp])
-    loggra = LoGRAConfig(loggra_rank=4, loggra_min_dim=1, loggra_update_interval=2)
+    loggra = LoGRAConfig(
+        loggra_sketch="gradient", loggra_rank=4, loggra_min_dim=1, loggra_update_interval=2
+    )
     return ddp, get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
 
 

@@ -162,7 +162,9 @@ def _bf16_identity_vs_dense(rank, kind):
     if kind == "dense":
         opt = get_megatron_optimizer(OptimizerConfig(**base), [ddp])
     else:
-        loggra = LoGRAConfig(loggra_min_dim=1, loggra_projection="identity")
+        loggra = LoGRAConfig(
+            loggra_sketch="gradient", loggra_min_dim=1, loggra_projection="identity"
+        )
         opt = get_loggra_optimizer(OptimizerConfig(**base), [ddp], loggra)
     batch, micro = local_batch(TOKENS[:2])
     mains = [p for g in opt.optimizer.param_groups for p in g["params"]]

@@ -264,9 +264,23 @@ def test_cli_reads_the_backward_flags_as_pretrain_rl_does(cli, capsys):
     assert "backward sketch of linear_fc1,linear_qkv (row adam)" in out
     for bad in (["--loggra-targets", "linear_qkv"], ["--loggra-refresh-interval", "2"]):
         with pytest.raises(SystemExit) as e:  # a backward-only setting without the mode
-            cli.main([*EXAMPLE, *bad])
+            cli.main([*EXAMPLE, "--loggra-sketch", "gradient", *bad])
         assert e.value.code == 2
     capsys.readouterr()
+
+
+def test_frozen_non_targets_have_no_gradient_master_or_optimizer_state(cli, capsys):
+    """``--freeze-non-targets``: the dense rest (embeddings, output layer, norms) keeps its
+    bf16 weights only; what is left is the targets' masters and row moments."""
+    totals = {}
+    for frozen in (False, True):
+        assert cli.main([*EXAMPLE, *(["--freeze-non-targets"] if frozen else []), "--json"]) == 0
+        totals[frozen] = json.loads(capsys.readouterr().out)["loggra"]
+    free, frozen = totals[False], totals[True]
+    assert free["grads"] > 0 == frozen["grads"]
+    assert frozen["weights"] == free["weights"] and frozen["sketch_buffer"] == free["sketch_buffer"]
+    assert frozen["master_params"] < free["master_params"]
+    assert frozen["optimizer_state"] < free["optimizer_state"]
 
 
 FIT = [
@@ -295,8 +309,10 @@ def test_fit_searches_with_the_backward_sketch(cli, capsys):
     backward = ["--loggra-sketch", "backward"]
     assert cli.main([*FIT, *backward, "--json"]) == 0
     bwd = json.loads(capsys.readouterr().out)
-    assert cli.main([*FIT, "--json"]) == 0
+    assert cli.main([*FIT, "--loggra-sketch", "gradient", "--json"]) == 0
     grad = json.loads(capsys.readouterr().out)
+    assert cli.main([*FIT, "--json"]) == 0  # the default mode is the backward sketch
+    assert json.loads(capsys.readouterr().out)["loggra"] == bwd["loggra"]
     assert bwd["loggra_sketch"] == "backward" and grad["loggra_sketch"] == "gradient"
     assert bwd["loggra"]["fit"] >= grad["loggra"]["fit"] > 0
     assert bwd["adam"] == grad["adam"]  # the dense column ignores the mode

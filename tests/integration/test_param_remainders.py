@@ -71,6 +71,7 @@ def _optimizer(ddp, remainders: bool, clip_grad: float, projection="range_finder
         clip_grad=clip_grad,
     )
     loggra = LoGRAConfig(
+        loggra_sketch="gradient",
         loggra_min_dim=min_dim,
         loggra_rank=4,
         loggra_oversample=2,

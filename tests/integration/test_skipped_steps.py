@@ -96,7 +96,9 @@ def _stepper_skips(rank, kind):
     )
     opt = (
         get_loggra_optimizer(
-            OptimizerConfig(**base), [ddp], LoGRAConfig(loggra_rank=4, loggra_min_dim=8)
+            OptimizerConfig(**base),
+            [ddp],
+            LoGRAConfig(loggra_sketch="gradient", loggra_rank=4, loggra_min_dim=8),
         )
         if kind == "loggra"
         else get_megatron_optimizer(OptimizerConfig(**base), [ddp])

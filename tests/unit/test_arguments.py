@@ -24,18 +24,22 @@ BASES = [
     {"loggra-projection": "identity"},
     {"temperature": 0},
     {"rollout-engine": "static"},  # no old-log-prob recompute
+    {"advantage-estimator": "reinforce-baseline"},  # no group-relative advantages
 ]
 """Configurations under which the declared conditions fail (each flag is tried in the first
 base where its own condition is false)."""
 CHOICES = {
     "loggra_projection": "random",
-    "loggra_sketch": "backward",
+    "loggra_sketch": "gradient",
     "loggra_targets": "linear_qkv",
     "loggra_sketch_matrix": "gaussian",
     "loggra_row_optimizer": "sgd",
     "loggra_sketch_reduce": "microbatch",
+    "loggra_row_beta2": 0.9,
+    "sft_optimizer": "loggra",
     "kl_estimator": "k3",
     "kl_ref_estimator": "k1",
+    "baseline_decay": 0.5,
     "recompute_method": "uniform",
     "fp8_recipe": "delayed",
     "task_operators": "+",

@@ -96,10 +96,9 @@ def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
 
 def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
     """Megatron's optimizer with LoGRA inside (the ``loggra`` entry of the registry)."""
-    config = megatron_optimizer_config(optim, model_chunks)
-    if loggra.loggra_sketch == "backward":
-        return build_backward_sketch(config, loggra, model_chunks)
-    return get_loggra_optimizer(config, model_chunks, loggra)
+    return get_loggra_optimizer(
+        megatron_optimizer_config(optim, model_chunks), model_chunks, loggra
+    )
 
 
 def build_backward_sketch(config, loggra: LoGRAConfig, model_chunks) -> LoGRAChainedOptimizer:
@@ -108,15 +107,30 @@ def build_backward_sketch(config, loggra: LoGRAConfig, model_chunks) -> LoGRACha
     sites = find_sites(model_chunks)
     if not sites:
         raise ValueError(
-            "--loggra-sketch backward: the model was wrapped in DDP without prepare_model "
-            "(optim.megatron.sketch_sites): its targets would get dense gradients"
+            "--loggra-sketch backward (loggra_sketch='backward', the default): the model was "
+            "wrapped in DDP without optim.megatron.sketch_sites.prepare_model, so its targets "
+            "would get dense gradients; call prepare_model(model, optim, loggra) before DDP "
+            "wraps it, or choose loggra_sketch='gradient'"
         )
-    dense = get_loggra_optimizer(config, model_chunks, loggra)
-    leaves = list(getattr(dense, "chained_optimizers", [dense]))
+    leaves = []
+    if any(p.requires_grad for chunk in model_chunks for p in chunk.parameters()):
+        dense = _megatron_optimizer_with_loggra(config, model_chunks, loggra)
+        leaves = list(getattr(dense, "chained_optimizers", [dense]))
     sketch = BackwardSketchOptimizer(
-        config, loggra, sites, model_chunks, leaves[0].get_grad_stats_parallel_group()
+        config, loggra, sites, model_chunks, _grad_stats_group(leaves, config)
     )
     return LoGRAChainedOptimizer([*leaves, sketch])
+
+
+def _grad_stats_group(leaves, config: OptimizerConfig):
+    """The dense leaves' grad-stats group, or, with every non-target frozen
+    (``--freeze-non-targets``: no dense leaf), the group Megatron would give them: DP × model
+    parallel under the distributed optimizer, else model parallel."""
+    if leaves:
+        return leaves[0].get_grad_stats_parallel_group()
+    if config.use_distributed_optimizer:
+        return parallel_state.get_intra_distributed_optimizer_instance_group()
+    return parallel_state.get_model_parallel_group()
 
 
 def get_loggra_optimizer(
@@ -126,11 +140,22 @@ def get_loggra_optimizer(
 
     ``config`` is Megatron's own (``optimizer="adam"``: lr, betas, eps, weight decay,
     clipping, precision, sharding), ``loggra`` LoGRA's settings (default ``LoGRAConfig()``:
-    rank hidden size / 8). ``kwargs`` go to ``megatron.core.optimizer.get_megatron_optimizer``.
-    Returns what it returns (a leaf optimizer or a ``ChainedOptimizer``), with each leaf's
-    inner optimizer replaced by ``ShardedLoGRAAdamW`` over Megatron's own param groups.
+    the backward sketch, rank hidden size / 8). The backward sketch
+    (``loggra_sketch="backward"``) needs ``sketch_sites.prepare_model`` on the model before
+    DDP wraps it, and returns the chain of ``build_backward_sketch``. The gradient sketch
+    returns what ``megatron.core.optimizer.get_megatron_optimizer`` returns (``kwargs`` go to
+    it: a leaf optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer replaced
+    by ``ShardedLoGRAAdamW`` over Megatron's own param groups.
     """
     loggra = loggra or LoGRAConfig()
+    if loggra.loggra_sketch == "backward":
+        return build_backward_sketch(config, loggra, model_chunks)
+    return _megatron_optimizer_with_loggra(config, model_chunks, loggra, **kwargs)
+
+
+def _megatron_optimizer_with_loggra(config: OptimizerConfig, model_chunks, loggra, **kwargs):
+    """Megatron's optimizer with ``ShardedLoGRAAdamW`` inside each leaf (nothing sketched
+    with the backward sketch: its targets are in no leaf)."""
     check_loggra_settings(config, loggra)
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
     info = _ParamInfo(model_chunks, loggra)

@@ -38,7 +38,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from loggra_megatron.optim.backward_sketch import gram_sq_norm
 from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
@@ -47,6 +46,9 @@ from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.row_adam import RowAdam
 
 FORMAT_VERSION = 1
+LEGACY_META = {"sketch_matrix": "rademacher", "refresh_interval": 1}
+"""What a checkpoint written before its meta carried these keys was saved with (the only
+values the backward sketch had then)."""
 
 
 class BackwardSketchOptimizer(MegatronOptimizer):
@@ -98,12 +100,17 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         inner = RowAdam(
             [{"params": masters}],  # may be empty: more DP ranks than rows
             lr=config.lr if config.lr is not None else 0.0,
-            betas=(config.adam_beta1, config.adam_beta2),
+            betas=(config.adam_beta1, loggra.loggra_row_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
             row_optimizer=self.row_optimizer,
             param_remainders=param_remainders,
+            relative_eps=loggra.loggra_row_relative_eps,
+            restore_norm=loggra.loggra_row_restore_norm,
+            update_ratio=loggra.loggra_update_ratio,
         )
+        inner.sum_over_layer = self._sum_over_layer
+        inner.sum_over_targets = self._sum_over_targets
         super().__init__(inner, config)
         self.is_stub_optimizer = False
         self._reduced = False
@@ -113,28 +120,72 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     def get_parameters(self) -> list:
         return []  # the sketches are clipped through RowAdam.model_grad_scale
 
-    def _gram_norms(self) -> list[torch.Tensor]:
-        """``[‖S A‖]`` of this rank's rows (Gram form); also keeps the global value for
-        ``loggra/sketch_norm`` (one scalar all-reduce over the grad-stats group)."""
+    def _sketch_norms(self) -> list[torch.Tensor]:
+        """``[‖S‖]`` of this rank's rows: the norm the clip counts for the targets, an
+        unbiased estimate of the dense gradient's (``E‖S‖² = ‖G‖²`` for ``E[AᵀA] = I``; the
+        Gram form ``‖S A‖`` is ``√(1 + (n−1)/r)`` times larger). A row-parallel target's
+        rows are the same on every TP rank (summed in ``prepare_grads``): TP rank 0 counts
+        them. Also keeps the global value for ``loggra/sketch_norm`` (one scalar all-reduce)."""
         total = torch.zeros((), dtype=torch.float32, device=self.sites[0].buffer.device)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         for chunk_sites, site, _, _ in self.rows_of.values():
-            total += gram_sq_norm(
-                chunk_sites.rows_view(site, self.segment), chunk_sites.signs(site)
-            )
+            if site.column_parallel or tp_rank == 0:
+                total += chunk_sites.rows_view(site, self.segment).square().sum()
         overall = total.clone()
         dist.all_reduce(overall, group=self.grad_stats_parallel_group)
         self.sketch_norm = float(overall.sqrt())
         return [total.sqrt().reshape(1)]
 
+    def _layer_index(self) -> dict[str, int]:
+        """Every target's position among all targets of this stage (the same on every DP and
+        TP rank)."""
+        names = [site.name for chunk_sites in self.sites for site in chunk_sites]
+        return {name: i for i, name in enumerate(names)}
+
+    @torch.no_grad()
+    def _sum_over_layer(self, partial: dict) -> dict:
+        """RowAdam's per-weight sums: ``{main: [c]}`` over this rank's rows → over the whole
+        weight (all-reduced over DP when the rows are split there, and over TP for a
+        column-parallel target, whose rows TP splits; a row-parallel target's rows are whole
+        and equal on every TP rank)."""
+        width = 2  # every caller's sums are pairs (the same on every rank, rows or none)
+        index = self._layer_index()
+        device = self.sites[0].buffer.device
+        table = torch.zeros(len(index), width, dtype=torch.float32, device=device)
+        column = torch.zeros(len(index), 1, dtype=torch.bool, device=device)
+        for main, value in partial.items():
+            site = self.rows_of[main][1]
+            table[index[site.name]] = value.to(table)
+            column[index[site.name]] = site.column_parallel
+        if self.sites[0].segments > 1:
+            dist.all_reduce(table, group=self.dp_group)
+        if dist.get_world_size(self.tp_group) > 1:
+            summed = table * column
+            dist.all_reduce(summed, group=self.tp_group)
+            table = torch.where(column, summed, table)
+        return {main: table[index[self.rows_of[main][1].name]] for main in partial}
+
+    @torch.no_grad()
+    def _sum_over_targets(self, partial: torch.Tensor) -> torch.Tensor:
+        """Partial sums over this rank's rows → over every target of the model (the
+        grad-stats group: DP when the rows are split there, TP and PP)."""
+        total = partial.to(self.sites[0].buffer.device, torch.float32).clone()
+        dist.all_reduce(total, group=self.grad_stats_parallel_group)
+        return total
+
     def step_metrics(self) -> dict[str, float]:
-        """``loggra/sketch_norm`` of the last norm computed."""
-        return {"loggra/sketch_norm": self.sketch_norm}
+        """``loggra/sketch_norm`` of the last norm computed, and the targets' rate under the
+        update ratio (``loggra/step_size``)."""
+        metrics = {"loggra/sketch_norm": self.sketch_norm}
+        if self.optimizer.update_ratio is not None:
+            metrics["loggra/step_size"] = self.optimizer.step_size
+        return metrics
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:  # megatron-core ≤ 0.18
-        return self._gram_norms()
+        return self._sketch_norms()
 
     def get_grads_for_grad_norm(self, grad_norm_group=None) -> list[torch.Tensor]:  # ≥ 0.19
-        return self._gram_norms() if grad_norm_group is None else []
+        return self._sketch_norms() if grad_norm_group is None else []
 
     def count_zeros(self) -> float:
         return 0.0
@@ -264,6 +315,8 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             "rank": s.rank,
             "targets": sorted({site.name.partition(".")[2] for site in s}),
             "row_optimizer": self.row_optimizer,
+            "sketch_matrix": s.kind,
+            "refresh_interval": s.refresh_interval,
             "num_steps": self.optimizer.num_steps,
         }
 
@@ -283,7 +336,10 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             "rank": "--loggra-rank",
             "targets": "--loggra-targets",
             "row_optimizer": "--loggra-row-optimizer",
+            "sketch_matrix": "--loggra-sketch-matrix",
+            "refresh_interval": "--loggra-refresh-interval",
         }
+        saved = {**LEGACY_META, **saved}
         for name, flag in flags.items():
             if saved.get(name) != mine[name]:
                 raise ValueError(

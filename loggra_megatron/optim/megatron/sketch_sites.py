@@ -202,7 +202,7 @@ class SketchSites:
         def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
             if not (torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad):
-                return  # no backward follows (rollouts, log-probs, a checkpointed forward)
+                return None  # no backward follows (rollouts, log-probs, a checkpointed forward)
             with torch.no_grad():
                 x = layer_input(module, args[0].detach())
                 p = x.reshape(-1, site.cols) @ self.signs(site, x.dtype).t()  # [tokens, r]
@@ -213,7 +213,8 @@ class SketchSites:
                         if site.column_parallel
                         else _scatter_sum(p, tp_group)
                     )
-            out.register_hook(lambda grad: self._accumulate(site, grad, p))
+            tapped = _SketchTap.apply(out, p, lambda grad, kept: self._accumulate(site, grad, kept))
+            return (tapped, *output[1:]) if isinstance(output, tuple) else tapped
 
         return hook
 
@@ -222,6 +223,25 @@ class SketchSites:
 
     def __iter__(self) -> Iterator[SketchSite]:
         return iter(self.sites)
+
+
+class _SketchTap(torch.autograd.Function):
+    """The identity on a target's output whose backward hands the output gradient ``H`` and
+    the kept ``P`` to ``accumulate``. ``P`` is one of the function's saved tensors, so autograd
+    frees it with the graph (after this node's backward, or when the graph is dropped
+    unused), never later."""
+
+    @staticmethod
+    def forward(ctx, out, p, accumulate):
+        ctx.save_for_backward(p)
+        ctx.accumulate = accumulate
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p,) = ctx.saved_tensors
+        ctx.accumulate(grad, p)
+        return grad, None, None
 
 
 def layer_input(module, x: torch.Tensor) -> torch.Tensor:
@@ -329,6 +349,53 @@ def prepare_model(model, optim, loggra) -> None:
         segments,
         loggra.loggra_sketch_reduce,
     )
+    check_same_projection(sites)
+    if loggra.freeze_non_targets:
+        model.requires_grad_(False)
+        embedding = getattr(model, "embedding", None)  # the first pipeline stage's
+        if embedding is not None:
+            embedding.register_forward_hook(_output_requires_grad)
     for site in sites:
         site.weight.requires_grad_(False)
     setattr(model, SITES_ATTR, sites)
+
+
+def _output_requires_grad(module, args, output):
+    """A frozen embedding's output, made to require grad in a forward that builds a graph:
+    with every weight before the first target frozen, nothing else would make the targets'
+    outputs require grad, and no sketch would be formed."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
+@torch.no_grad()
+def check_same_projection(sites: SketchSites) -> None:
+    """Every rank draws the first projection of the run (draw 0 of ``layer1``'s first target
+    at ``sites``' width and rank) and compares it with every other rank's: the projections
+    are never communicated, so ranks whose generators disagree (another torch build, another
+    device type) would sum sketches of different matrices. One all-reduce of 2 numbers."""
+    site = sites.sites[0]
+    signs = draw_signs(
+        sites.kind,
+        sites.seed,
+        0,
+        f"layer1.{site.name.partition('.')[2]}",
+        sites.rank,
+        site.full_cols,
+        site.weight.device,
+        torch.float64,
+    )
+    weights = torch.arange(1, signs.numel() + 1, dtype=torch.float64, device=signs.device)
+    digest = (signs.reshape(-1) * weights.remainder(977)).sum()
+    extremes = torch.stack([digest, -digest])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if float(extremes[0]) != -float(extremes[1]):
+        raise RuntimeError(
+            f"--loggra-sketch backward: rank {dist.get_rank()} drew another first projection "
+            "than other ranks (its digest "
+            f"{float(digest)!r}, the ranks' range [{-float(extremes[1])!r}, "
+            f"{float(extremes[0])!r}]): every rank must run the same torch build on the same "
+            "device type, since the projections are drawn, never sent"
+        )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from loggra_megatron.optim.candidate import update_sq_norm, write_candidate
+from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import main_params_of, shares_storage
 from loggra_megatron.optim.param_remainders import weight_of
 
@@ -108,14 +109,29 @@ class MegatronStepper:
         both scale with lr, so this commits ``θ + η·Δθ``), then main → model params."""
         groups = [g for leaf in self.leaves for g in leaf.param_groups]
         lrs = [g["lr"] for g in groups]
+        rated = [  # a rate of their own (RowAdam's update ratio) scales by η too
+            leaf.optimizer
+            for leaf in self.leaves
+            if hasattr(getattr(leaf, "optimizer", None), "rate_scale")
+        ]
         try:
             if lr_scale != 1.0:
                 for g in groups:
                     g["lr"] = g["lr"] * lr_scale
+                for inner in rated:
+                    inner.rate_scale = lr_scale
             self.optimizer.step_with_ready_grads()
         finally:
             for g, lr in zip(groups, lrs, strict=True):
                 g["lr"] = lr
+            for inner in rated:
+                inner.rate_scale = 1.0
+
+    def clips(self, grad_norm: float) -> bool:
+        """Whether a step of norm ``grad_norm`` is clipped (``--clip-grad``), by Megatron's
+        rule: the coefficient ``clip_grad / (norm + 1e-6)`` is below 1."""
+        clip = self.leaves[0].config.clip_grad if self.leaves else 0.0
+        return clip > 0 and clip_coefficient(clip, grad_norm) < 1.0
 
     def step(self) -> PreparedGrads:
         """``prepare`` then ``commit`` unless the step must be skipped."""

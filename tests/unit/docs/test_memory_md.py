@@ -123,12 +123,13 @@ def test_sensitivity_rank_layout_and_variant_tables(cli, capsys):
         d, lg = res["adam"], res["loggra"]
         assert cells == [_total(d), _total(lg), _saved(d, lg), lg["peak_phase"]], seq
     dense = _json(cli, capsys, base)["adam"]
-    for name, state, static, total, saved in _rows("| optimizer | optimizer state |"):
+    for name, state, sketch, static, total, saved in _rows("| optimizer | optimizer state |"):
         rank = re.fullmatch(r"LoGRA r=(\d+)|dense Adam", name)[1]
         res = _json(cli, capsys, _set(base, "--loggra-rank", rank) if rank else base)
         mine = res["loggra"] if rank else dense
-        want = [f"{mine['optimizer_state']:.2f}", f"{_static(mine):.2f}", _total(mine)]
-        assert [state, static, total] == want, name
+        want = [f"{mine['optimizer_state']:.2f}", f"{mine['sketch_buffer']:.2f}"]
+        want += [f"{_static(mine):.2f}", _total(mine)]
+        assert [state, sketch, static, total] == want, name
         assert saved == (_saved(dense, mine) if rank else "–")
     for name, *cells in _rows("| layout | dense static |"):
         t, p, d = re.fullmatch(r"TP(\d) PP(\d) DP(\d)", name).groups()

@@ -3,7 +3,7 @@
 * Parameter names/shapes per TP rank and PP stage: the real Megatron-Core ``GPTModel``
   (GQA, QKV bias, QK-norm, tied embeddings with PP=2) on CPU/gloo ranks.
 * Optimizer state: ``state_bytes`` of a real ``LoGRAAdamW`` and ``torch.optim.AdamW`` after
-  one step on those Megatron params (exact), and of LoGRA inside Megatron's
+  one step on those Megatron params (exact), and of LoGRA's gradient sketch inside Megatron's
   ``DistributedOptimizer`` at DP=2 (even-split ZeRO-1 model, within 10 %), together with
   the real grad buffer, param buffer and fp32 master shards.
 * Closed forms: Korthikanti et al.'s GPT activation formula, Llama-3-8B's 128 KiB/token KV
@@ -158,7 +158,10 @@ def _zero1_rank(rank: int) -> dict:
     )
     ddp = wrap_ddp(model, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
     config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True)
-    opt = get_loggra_optimizer(config, [ddp], LoGRAConfig(loggra_rank=8, loggra_min_dim=16))
+    # The gradient sketch: a dense-gradient LoGRA whose state ZeRO-1 shards (the default
+    # backward sketch's accounting is tests/integration/test_memory_backward_sketch.py's).
+    loggra = LoGRAConfig(loggra_sketch="gradient", loggra_rank=8, loggra_min_dim=16)
+    opt = get_loggra_optimizer(config, [ddp], loggra)
     tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(rank))
     train_step(ddp, opt, tokens)
     leaves = getattr(opt, "chained_optimizers", [opt])
@@ -347,8 +350,9 @@ def test_cli_prints_table_for_a_config_file_and_reproduces_docs(capsys):
     cli = _cli_module()
     assert cli.main(HEADLINE) == 0
     out = capsys.readouterr().out
-    for text in ("dense Adam", "LoGRA r=128*", "optimizer state", "TOTAL per GPU", "fits 80 GiB"):
-        assert text in out
+    for text in ("dense Adam", "LoGRA bwd r=128*", "optimizer state", "sketch buffer S"):
+        assert text in out  # the default: LoGRA's backward sketch
+    assert "TOTAL per GPU" in out and "fits 80 GiB" in out
     assert "% saved" in out and "NO (over by" in out and "yes (" in out
     assert cli.main([*HEADLINE, "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
