@@ -202,6 +202,7 @@ def plot(args, before: float) -> None:
     ax_acc.axhline(before, color="gray", linestyle="--", label="base model")
     ax_reward.set(xlabel="RL step", ylabel="reward/mean (mean over seeds)")
     ax_acc.set(ylabel="held-out greedy accuracy after", ylim=(0, 1))
+    plt.setp(ax_acc.get_xticklabels(), rotation=20, ha="right")
     ax_reward.legend()
     ax_acc.legend()
     fig.tight_layout()
