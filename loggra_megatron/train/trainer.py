@@ -435,10 +435,10 @@ class RLTrainer:
                 return
             sft_iters = self.cfg.training.sft_iters
             in_warmup = (ref.run_config() or {}).get("warmup_step", sft_iters) < sft_iters
-            phase = self._warmup_phase() if in_warmup else None
-            policy, optimizer = (
-                (phase.policy, phase.optimizer) if in_warmup else (self.policy, self.optimizer)
-            )
+            policy, optimizer = self.policy, self.optimizer
+            if in_warmup:
+                phase = self._warmup_phase()
+                policy, optimizer = phase.policy, phase.optimizer
             common = load_checkpoint(
                 ref, [policy], optimizer, extra_models=self._extra_models(), verify=False
             )
@@ -450,8 +450,6 @@ class RLTrainer:
                 component.load_state_dict(common[name])
         if "warmup" not in common:  # older checkpoints: always taken after the warm-up
             self.warmup.step = self.cfg.training.sft_iters
-        if self.warmup.done:
-            self.warmup.phase = None
-        elif not in_warmup:  # written before checkpoints said where the warm-up was
+        if not in_warmup:  # a warm-up ahead of a checkpoint that did not say so (older)
             self._start_warmup_from_policy()
         self._log(f" resumed from {ref.path} at step {self.step}")
