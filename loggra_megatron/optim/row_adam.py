@@ -158,15 +158,19 @@ class RowAdam(torch.optim.Optimizer):
                         sketch = sketch * self.model_grad_scale
                     yield p, group, sketch, signs
 
+    def _second_moment(self, p, group, sketch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new exp_avg_sq, √v̂)`` of ``p``'s rows, computed aside."""
+        beta2 = group["betas"][1]
+        v = self.init_state_of(p)["exp_avg_sq"]
+        new_v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
+        return new_v, (new_v / (1 - beta2 ** (self.num_steps + 1))).sqrt_()
+
     def _direction(self, p, group, sketch, plan: _Plan):
         """``(D, new exp_avg_sq)`` of ``p`` under ``plan``, computed aside."""
         if self.row_optimizer == "sgd":
             new_v, direction = None, sketch
         else:
-            beta2 = group["betas"][1]
-            v = self.init_state_of(p)["exp_avg_sq"]
-            new_v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
-            root = (new_v / (1 - beta2 ** (self.num_steps + 1))).sqrt_()
+            new_v, root = self._second_moment(p, group, sketch)
             direction = sketch / root.add_(plan.eps.get(p, group["eps"])).unsqueeze(1)
         factor = plan.factor.get(p, 1.0)
         return (direction if factor == 1.0 else direction * factor), new_v
@@ -195,16 +199,13 @@ class RowAdam(torch.optim.Optimizer):
         return plan
 
     def _relative_eps(self) -> dict:
-        sums = {}
+        sums, eps = {}, {}
         for p, group, sketch, _ in self._scaled_sketches():
-            beta2 = group["betas"][1]
-            v = self.init_state_of(p)["exp_avg_sq"]
-            v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
-            root = (v / (1 - beta2 ** (self.num_steps + 1))).sqrt()
+            _, root = self._second_moment(p, group, sketch)
             sums[p] = torch.stack([root.sum(), root.new_tensor(float(root.numel()))])
+            eps[p] = group["eps"]
         sums = self.sum_over_layer(sums)
-        groups = {p: g for p, g, _, _ in self._scaled_sketches()}
-        return {p: groups[p]["eps"] * float(s[0] / s[1]) for p, s in sums.items()}
+        return {p: eps[p] * float(s[0] / s[1]) for p, s in sums.items()}
 
     def _norm_factors(self, plan: _Plan) -> dict:
         sums = {}
