@@ -217,6 +217,7 @@ def install(audit: DeviceAudit) -> None:
     for name in ("isend", "irecv"):  # P2POp checks its op against c10d's own functions
         setattr(dist.distributed_c10d, name, getattr(dist, name))
     _step_graphs_on_the_host()
+    _no_capture_on_the_host()
     audit.__enter__()
 
 
@@ -232,6 +233,23 @@ def _step_graphs_on_the_host() -> None:
         init(self, torch.device("cpu"), False)
 
     step_graph.StepGraphs.__init__ = standin
+
+
+class _HostStream:
+    """The simulated device's one stream: it never captures a graph."""
+
+    def is_capturing(self) -> bool:
+        return False
+
+
+def _no_capture_on_the_host() -> None:
+    """torch's optimizers ask the current accelerator stream whether a CUDA graph is being
+    captured (torch 2.14's ``_accelerator_graph_capture_health_check``); with CUDA reported
+    available, a CUDA build of torch would initialise the driver to answer. The simulated
+    device answers itself: nothing is captured on the host."""
+    torch.cuda.is_current_stream_capturing = lambda: False
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.current_stream = lambda device=None: _HostStream()  # noqa: ARG005
 
 
 def audit_model(audit: DeviceAudit, model, what: str) -> None:
