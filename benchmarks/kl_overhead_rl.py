@@ -6,7 +6,7 @@
     python benchmarks/kl_overhead_rl.py --arms plain,probing  # without probe skipping only
 
 Four arms: plain; ``--kl-target`` probing every update (``--kl-probe-skip-below 0``) with
-``kl/realized`` every update (the controller before issue 25); with probe skipping; and
+``kl/realized`` every update (the controller before probe skipping); with probe skipping; and
 with the defaults (probe skipping, ``kl/realized`` every 4th update). The method
 (ABBA-style repeats of ``examples/tiny_cpu/run.sh``'s command) and what is reported:
 ``docs/benchmarks.md``, "Predicted-KL step control".
@@ -60,7 +60,7 @@ def run(workdir: str, tokenizer: str, name: str, train_iters: int, extra: list[s
 
 ARMS = {
     "plain": [],
-    "probing": ["--kl-probe-skip-below", "0", "--kl-realized-interval", "1"],  # before issue 25
+    "probing": ["--kl-probe-skip-below", "0", "--kl-realized-interval", "1"],  # no probe skipping
     "skipping": ["--kl-realized-interval", "1"],  # probe skipping, kl/realized every update
     "realized4": [],  # the defaults: probe skipping, kl/realized every 4th update
 }

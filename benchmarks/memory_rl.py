@@ -180,9 +180,10 @@ def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.
     """Rollout (KV-cached sampling), the reference's log-probs, then forward + backward of
     the policy (one micro-batch at a time, the actor's own schedule and chunked log-probs)
     and the optimizer step. ``phase(name)`` wraps each phase."""
+    from loggra_megatron.model.log_probs import compute_log_probs
     from loggra_megatron.model.offload import release_device_weights
     from loggra_megatron.rl.actor import forward_backward, sft_loss_fn
-    from loggra_megatron.rollout import RolloutRequest, compute_log_probs, generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
 
     with phase("rollout"):
         generate_rollout(

@@ -112,10 +112,10 @@ def _worker(rank, args, tokenizer_path: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from loggra_megatron.model.batching import PaddingStats, needed_lengths
+    from loggra_megatron.model.log_probs import compute_log_probs
     from loggra_megatron.rl.actor import Actor
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
-    from loggra_megatron.rollout import compute_log_probs
     from loggra_megatron.testing import tiny_gpt_model, wrap_ddp
 
     batch, budget, real, vocab, lengths, answer_median = make_batch(args, tokenizer_path)

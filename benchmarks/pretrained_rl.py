@@ -1,6 +1,7 @@
 """A real pretrained model, side by side: SmolLM2-135M-Instruct trained with GRPO on
 single-digit sums by dense Adam, LoGRA (the default: the backward sketch), both in fp32 and in
-bf16 weights, and LoGRA's published RL recipe (bf16), over seeds, each from the same
+bf16 weights, LoGRA's published RL recipe (bf16), and, where ``trl`` is installed, TRL's
+GRPOTrainer as the peer (``benchmarks/trl_grpo.py``), over seeds, each from the same
 converted checkpoint.
 
     bash examples/pretrained_smollm2/run.sh runs/smol   # once: packages, model, data, base
@@ -12,8 +13,7 @@ sequences per step, lr 1e-5 where an arm has a learning rate, fp32 or bf16 weigh
 ``last_number`` reward, ``--eval-data-path`` on the 32 held-out questions after the last
 step) with its optimizer flags, from ``MODEL/mcore``; the recipe arm reads
 ``examples/paper_recipe/loggra_rl.yaml`` (one response per prompt, so 32 prompts per step).
-Each run is then exported to Hugging
-Face and scored greedily with transformers (``evaluate.py``), as the base model was
+Each run is then exported to Hugging Face and scored greedily with transformers (``evaluate.py``), as the base model was
 (``MODEL/eval_before.json``). Peak memory is the training process's largest resident set,
 polled every 0.1 s; step time and tokens/s are medians over the run's steps after the first
 (``time/step_s``, ``throughput/tokens_per_s``). The summary is a Markdown table (mean ± std
@@ -46,6 +46,16 @@ ARMS = {
 """Each arm's flags over ``common``'s: fp32 weights as the example trains, or bf16 weights
 (the recipe's: its config, a rank for hidden 576, and as many sequences per step as the
 others)."""
+PEER = "TRL GRPOTrainer"
+"""The peer arm (``benchmarks/trl_grpo.py``, where ``trl`` is installed): fp32 weights; its
+accuracy is also scored with the weights rounded to bf16."""
+
+
+def all_arms() -> list[str]:
+    """Our arms, and the peer's where ``trl`` is installed."""
+    import importlib.util
+
+    return [*ARMS, *([PEER] if importlib.util.find_spec("trl") else [])]
 
 
 def common(model: str, steps: int, max_new_tokens: int) -> list[str]:
@@ -79,26 +89,26 @@ def _peak_rss(proc: subprocess.Popen) -> int:
     return peak
 
 
-def train(args, arm: str, seed: int) -> None:
-    """One arm and seed: train, export, score the export; ``result.json`` in its folder."""
-    out = run_dir(args.out, arm, seed)
-    if os.path.exists(os.path.join(out, "result.json")):
-        return
-    os.makedirs(out, exist_ok=True)
-    cmd = [
+def _command(args, arm: str, seed: int, out: str) -> list[str]:
+    """The training command of one arm and seed: ``pretrain_rl.py`` with the arm's flags, or
+    the peer's script (which writes its own Hugging Face export)."""
+    if arm == PEER:
+        return [
+            *(sys.executable, os.path.join(ROOT, "benchmarks", "trl_grpo.py")),
+            *("--model", args.model, "--out", out, "--seed", str(seed)),
+            *("--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens)),
+        ]
+    return [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"),
         os.path.join(ROOT, "pretrain_rl.py"),
         *common(args.model, args.steps, args.max_new_tokens),
         *ARMS[arm],
         *("--load", f"{args.model}/mcore", "--save", f"{out}/run", "--seed", str(seed)),
     ]
-    t0 = time.perf_counter()
-    with open(os.path.join(out, "train.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        peak = _peak_rss(proc)
-    if proc.returncode:
-        raise SystemExit(f"{arm}, seed {seed}: training failed, see {out}/train.log")
-    wall = time.perf_counter() - t0
+
+
+def _export(args, out: str) -> None:
+    """The run's last checkpoint as a Hugging Face directory with the model's tokenizer."""
     hf = os.path.join(out, "hf_out")
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
@@ -110,13 +120,37 @@ def train(args, arm: str, seed: int) -> None:
         src = os.path.join(args.model, "hf", name)
         if os.path.exists(src):
             subprocess.run(["cp", src, hf], check=True)
+
+
+def _score(args, hf: str, path: str) -> None:
     subprocess.run(
         [sys.executable, os.path.join(EXAMPLE, "evaluate.py"), "--model", hf]
-        + ["--data", f"{args.model}/data/eval.jsonl", "--out", f"{out}/eval_after.json"]
+        + ["--data", f"{args.model}/data/eval.jsonl", "--out", path]
         + ["--max-new-tokens", str(args.max_new_tokens), "--show", "0"],
         check=True,
         stdout=subprocess.DEVNULL,
     )
+
+
+def train(args, arm: str, seed: int) -> None:
+    """One arm and seed: train, export, score the export; ``result.json`` in its folder."""
+    out = run_dir(args.out, arm, seed)
+    if os.path.exists(os.path.join(out, "result.json")):
+        return
+    os.makedirs(out, exist_ok=True)
+    cmd = _command(args, arm, seed, out)
+    t0 = time.perf_counter()
+    with open(os.path.join(out, "train.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        peak = _peak_rss(proc)
+    if proc.returncode:
+        raise SystemExit(f"{arm}, seed {seed}: training failed, see {out}/train.log")
+    wall = time.perf_counter() - t0
+    if arm == PEER:
+        _score(args, os.path.join(out, "hf_out_bf16"), f"{out}/eval_after_bf16.json")
+    else:
+        _export(args, out)
+    _score(args, os.path.join(out, "hf_out"), f"{out}/eval_after.json")
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"peak_rss_bytes": peak, "wall_s": wall, "cmd": cmd}, f, indent=1)
 
@@ -134,6 +168,9 @@ def arm_results(args, arm: str) -> list[dict]:
             result = json.load(f)
         with open(os.path.join(out, "eval_after.json")) as f:
             result["accuracy"] = json.load(f)["accuracy"]
+        if os.path.exists(os.path.join(out, "eval_after_bf16.json")):
+            with open(os.path.join(out, "eval_after_bf16.json")) as f:
+                result["accuracy_bf16"] = json.load(f)["accuracy"]
         result["rows"] = read_metrics(os.path.join(out, "run"))
         found.append(result)
     return found
@@ -155,7 +192,7 @@ def summarize(args) -> None:
         "| updates clipped | peak RSS (GiB) | step time (s) | tokens/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for arm in ARMS:
+    for arm in [*ARMS, PEER]:
         results = arm_results(args, arm)
         if not results:
             continue
@@ -176,6 +213,9 @@ def summarize(args) -> None:
             f"| {_fmt([r['peak_rss_bytes'] for r in results], 2**-30, 2)} "
             f"| {_fmt(step, digits=2)} | {_fmt(tps, digits=0)} |"
         )
+        if "accuracy_bf16" in results[0]:
+            accuracy = _fmt([r["accuracy_bf16"] for r in results])
+            print(f"| {arm}, its weights rounded to bf16 | {len(results)} | {accuracy} |||||")
     if args.plot:
         plot(args, before)
 
@@ -187,7 +227,7 @@ def plot(args, before: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for arm in ARMS:
+    for arm in [*ARMS, PEER]:
         results = arm_results(args, arm)
         if not results:
             continue
@@ -217,7 +257,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM")
+    p.add_argument("--arms", nargs="+", default=all_arms(), choices=[*ARMS, PEER], metavar="ARM")
     p.add_argument("--summarize", action="store_true", help="only print the table")
     p.add_argument("--plot", metavar="PNG", help="also draw the curves into this file")
     args = p.parse_args()

@@ -92,8 +92,8 @@ class Pass:
         return weight_bytes(self.model, self.offload)
 
     def run(self) -> None:
+        from loggra_megatron.model.log_probs import compute_log_probs
         from loggra_megatron.model.offload import release_device_weights
-        from loggra_megatron.rollout import compute_log_probs
 
         cuda = self.args.device == "cuda"
         if cuda:

@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="hf-to-megatron: pad the vocabulary to a multiple of this times TP",
     )
     p.add_argument(
+        "--export-masters",
+        action="store_true",
+        help="megatron-to-hf: write the optimizer's fp32 master weights (float32) instead of "
+        "the model's weights: exact where training kept bf16 weights (--bf16), whose "
+        "rounding hides updates below a bf16 step; needs a LoGRA checkpoint with its "
+        "optimizer state, converted at the training's TP and PP sizes",
+    )
+    p.add_argument(
         "--max-shard-size",
         type=_parse_size,
         default=_parse_size("5GB"),
@@ -187,19 +195,26 @@ def _preflight(opts) -> None:
     from loggra_megatron.convert.hf_config import gpt_args_from_hf
     from loggra_megatron.convert.hf_io import HFCheckpointReader
     from loggra_megatron.convert.hf_to_megatron import validate_hf_checkpoint
+    from loggra_megatron.convert.masters import check_masters
 
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ValueError("parallel sizes must be >= 1")
     if opts.direction == "hf-to-megatron":
-        if opts.ckpt_step is not None:
-            raise ValueError("--ckpt-step applies to --direction megatron-to-hf")
+        for flag, given in (
+            ("--ckpt-step", opts.ckpt_step is not None),
+            ("--export-masters", opts.export_masters),
+        ):
+            if given:
+                raise ValueError(f"{flag} applies to --direction megatron-to-hf")
         args = gpt_args_from_hf(opts.load)  # refuses unsupported architectures
         with HFCheckpointReader(opts.load) as reader:  # every shard's header, tensor shapes
             validate_hf_checkpoint(reader, args)
     else:
-        select_model_checkpoint(opts.load, opts.ckpt_step)  # its warnings: when it is loaded
+        ref = select_model_checkpoint(opts.load, opts.ckpt_step)  # warnings: when loaded
         args = read_model_args(opts.load)
+        if opts.export_masters:
+            check_masters(ref.path, tp, pp)
     if args.num_layers % pp:
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} does not divide the model's "
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 use_te=use_te,
                 log=log,
                 iteration=opts.ckpt_step,
+                masters=opts.export_masters,
             )
         if rank == 0:
             print(

@@ -10,6 +10,7 @@ Global rank 0 then names the files, writes the index and ``config.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +31,7 @@ from loggra_megatron.convert.mapping import (
     hf_tensors_from_megatron,
     param_mapping,
 )
+from loggra_megatron.convert.masters import load_masters
 from loggra_megatron.model.args import GPTModelArgs
 from loggra_megatron.model.build import build_gpt_model
 
@@ -133,13 +135,15 @@ def convert_megatron_to_hf(
     use_te: bool = False,
     log: Callable[[str], None] | None = None,
     iteration: int | None = None,
+    masters: bool = False,
 ) -> GPTModelArgs:
     """Convert the Megatron checkpoint ``load_dir`` (written by
     ``convert_hf_to_megatron`` or by training)
     into a HF checkpoint in ``save_dir``. Collective; any TP/PP the architecture allows.
     The iteration is chosen and verified as ``pretrain_rl.py --load`` does (``iteration``:
     as ``--ckpt-step``; a corrupted or incomplete one falls back to an older complete one,
-    with a warning in ``log``; a non-finite weight is refused)."""
+    with a warning in ``log``; a non-finite weight is refused). ``masters``: write the
+    optimizer's fp32 master weights, in float32 (``convert/masters.py``)."""
     args = read_model_args(load_dir)
     model = build_gpt_model(
         args, use_te=use_te, use_cpu_initialization=True, perform_initialization=False
@@ -151,6 +155,12 @@ def convert_megatron_to_hf(
     if log is not None:
         for warning in ref.warnings:
             log(f"warning: {warning}")
+    if masters:
+        args = dataclasses.replace(args, params_dtype="float32")
+        replaced, kept = load_masters(model.float(), ref.path)
+        if log is not None:
+            log(f"fp32 masters of {replaced} weights; {kept} without one (never trained) as saved")
+    if log is not None:
         log(f"writing HF checkpoint to {os.fspath(save_dir)}")
     export_megatron_to_hf(
         model,

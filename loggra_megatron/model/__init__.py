@@ -1,6 +1,6 @@
 """The policy model: its architecture (``.args``), the Megatron-Core builder
-(``.build``), its command-line settings (``.config``) and the shared forward passes
-(``.forward``)."""
+(``.build``), its command-line settings (``.config``), the shared forward passes
+(``.forward``) and the log-probs of given sequences (``.log_probs``)."""
 
 from loggra_megatron.model.args import GPTModelArgs, pad_vocab_size
 

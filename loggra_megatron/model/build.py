@@ -122,6 +122,19 @@ def _layer_spec(args: GPTModelArgs, use_te: bool):
     return spec
 
 
+def _stage_ends(pre_process, post_process, vp_stage) -> tuple[bool, bool]:
+    """Whether this chunk owns the embeddings and the output layer (default: the first and
+    the last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    virtual = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(**virtual)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(**virtual)
+    return pre_process, post_process
+
+
 def build_gpt_model(
     args: GPTModelArgs,
     pre_process: bool | None = None,
@@ -169,14 +182,7 @@ def build_gpt_model(
             "in Transformer Engine's attention (Megatron-Core's local DotProductAttention "
             "refuses packed_seq_params)"
         )
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(
-            ignore_virtual=vp_stage is None, vp_stage=vp_stage
-        )
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(
-            ignore_virtual=vp_stage is None, vp_stage=vp_stage
-        )
+    pre_process, post_process = _stage_ends(pre_process, post_process, vp_stage)
     config = transformer_config_from_args(args, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(

@@ -188,7 +188,7 @@ class ExperienceMaker:
     def log_probs(self, model, rollout, padding: PaddingStats | None = None):
         """``model``'s log-probs ``[B, L − 1]`` of the rollout's tokens (None off the last
         pipeline stage), in forwards of ``--log-prob-micro-batch-size`` rows."""
-        from loggra_megatron.rollout import compute_log_probs
+        from loggra_megatron.model.log_probs import compute_log_probs
 
         return compute_log_probs(
             model,

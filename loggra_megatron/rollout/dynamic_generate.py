@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.model.batching import needed_lengths
+from loggra_megatron.model.log_probs import compute_log_probs
 from loggra_megatron.rollout import mcore_engine
 from loggra_megatron.rollout.generate import (
     Rollout,
     _check_sampling,
     _pack_prompts,
-    compute_log_probs,
     sample_tokens,
     sampling_generator,
 )

@@ -1,4 +1,4 @@
-"""KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``, and log-prob recompute.
+"""KV-cached autoregressive sampling from a Megatron-Core ``GPTModel``.
 
 ``generate_rollout`` is Megatron's static-batch scheme: right-padded prompts, one prefill
 of the shortest prompt (once per distinct prompt), then one token per step (finished rows
@@ -7,8 +7,8 @@ decode step (``rollout/decoder.py``), with the log-probs of the temperature-1 po
 every sampled token. TP rank 0 samples from the TP-gathered last-token logits and broadcasts
 the ``[B]`` ids over TP, the log-prob is vocab-parallel (three ``[B]`` all-reduces); under
 PP each step runs stage by stage (one send/recv of ``[s, B, H]``) and the last stage
-broadcasts the ids over PP. ``compute_log_probs`` recomputes the same log-probs with a
-forward-only schedule. Layout, sampling, the communication per step and why:
+broadcasts the ids over PP. ``model.log_probs.compute_log_probs`` recomputes the same
+log-probs with a forward-only schedule. Layout, sampling, the communication per step and why:
 ``docs/rollouts.md#the-static-engine``.
 """
 
@@ -23,13 +23,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.model.batching import (
-    PaddingStats,
-    micro_batches,
-    row_indices,
-    scatter_rows,
-)
-from loggra_megatron.model.forward import forward_map, unpadded_length
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
 from loggra_megatron.rollout.decoder import StaticDecoder, stage_hidden_dtype
 from loggra_megatron.rollout.generation_mode import generation_mode
@@ -37,7 +30,6 @@ from loggra_megatron.rollout.protocol import RolloutRequest
 
 __all__ = [
     "Rollout",
-    "compute_log_probs",
     "generate_rollout",
     "sample_tokens",
     "sampling_generator",
@@ -400,51 +392,3 @@ def _decode(model, state: _DecodeState, sample, stop_ids, decoder, pp_group) -> 
             dist.broadcast(next_ids, src=pp_last_rank, group=pp_group)
         state.record(t, next_ids, lp, stop_ids)
         start, t = t, t + 1
-
-
-@torch.no_grad()
-def compute_log_probs(
-    model,
-    tokens: torch.Tensor,
-    *,
-    micro_batch_size: int | None = None,
-    lengths: torch.Tensor | None = None,
-    group: bool = True,
-    padding: PaddingStats | None = None,
-) -> torch.Tensor | None:
-    """``log π(tokens[:, t + 1] | tokens[:, :t + 1])`` as ``[B, L - 1]`` float32.
-
-    A no-cache, no-grad, eval-mode forward of ``tokens [B, L]`` (log-probs in token chunks,
-    ``model.output_head``) in micro-batches of
-    ``micro_batch_size`` (default: the whole batch) through Megatron's forward-only schedule.
-    Right padding is harmless (causal attention); mask the result with the rollout's
-    ``response_mask``. ``lengths [B]``: the positions each row needs (e.g. up to its last
-    response target); with ``group`` rows of similar length then share a micro-batch cut to
-    its longest row (``micro_batches``; log-probs past
-    that width are 0). ``padding`` counts the slots fed (real: within
-    ``lengths``). Returns the log-probs on the last
-    pipeline stage, ``None`` on others.
-    """
-    device = next(model.parameters()).device
-    tokens = tokens.to(device=device, dtype=torch.long)
-    batch, length = tokens.shape
-    if length < 2:
-        raise ValueError("need sequences of length >= 2")
-    mbs = min(micro_batch_size or batch, batch)
-    num_micro = -(-batch // mbs)
-    padded = tokens.new_zeros(num_micro * mbs, length)  # the schedule pads the length
-    padded[:batch] = tokens
-    needed = torch.full((len(padded),), length - 1, dtype=torch.long, device=device)
-    if lengths is not None:
-        needed[batch:] = 1  # rows that fill the last micro-batch (PP: equal micro-batches)
-        needed[:batch] = lengths.to(device).clamp(1, length - 1)
-    micro = micro_batches({"tokens": padded}, mbs, needed, group and lengths is not None)
-
-    def log_probs(b, out):  # the schedule may pad the length (FP8, SP): cut back
-        return out.log_probs()[:, : unpadded_length(b)]
-
-    out = forward_map(model, micro, log_probs, padding)
-    if out is None:
-        return None
-    out = scatter_rows(out, row_indices(micro), len(padded), length - 1)
-    return out[:batch, : length - 1].contiguous()

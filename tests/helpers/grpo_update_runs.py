@@ -59,10 +59,10 @@ def one_update(rank, layout: str, aggregation: str = "token_mean", te: bool = Fa
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from loggra_megatron.model.log_probs import compute_log_probs
     from loggra_megatron.rl.actor import Actor
     from loggra_megatron.rl.losses import AdaptiveKLCoefficient
     from loggra_megatron.rl.policy_loss import PolicyLossConfig, PPOClipLoss
-    from loggra_megatron.rollout import compute_log_probs
 
     if te:
         gpu_standins.install_transformer_engine()

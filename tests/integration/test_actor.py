@@ -111,7 +111,7 @@ def test_padding_for_fp8_and_sequence_parallel_changes_no_update():
 
 def test_sequence_multiple():
     """TP under sequence parallelism, 16 under FP8 (32 for MXFP8), TP × 16 together: the
-    local sequence shard TE checks under SP must be aligned itself (issue 21, item 3)."""
+    local sequence shard TE checks under SP must be aligned itself."""
     from types import SimpleNamespace
 
     from loggra_megatron.model.forward import fp8_alignment, sequence_multiple

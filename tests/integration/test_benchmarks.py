@@ -1,7 +1,7 @@
 """The RL-step memory benchmark's accounting, and the GPU check script's flags.
 
 ``benchmarks/memory_rl.py`` is what ``docs/results.md`` quotes, and
-``benchmarks/gpu/h200_check.sh`` can only run on a lent GPU: these tests keep both from
+``benchmarks/gpu/h200_check.sh`` can only run on a GPU: these tests keep both from
 rotting on CPU (a flag the script passes that the benchmark no longer accepts fails here).
 """
 

@@ -488,7 +488,7 @@ def _cli(*argv, timeout=300):
 
 
 def test_an_interrupted_conversion_is_cleaned_up_by_the_rerun(hf_models, tmp_path):
-    """Issue 34, item 8: kill -9 left --save holding only release.tmp, which the rerun
+    """kill -9 used to leave --save holding only release.tmp, which the rerun
     refused as "exists and is not empty" without saying why; its leftovers are removed now
     (a directory holding anything else is still refused, naming what it holds)."""
     hf_dir = hf_models["llama_tied"][0]
@@ -525,8 +525,8 @@ def full_disk(tmp_path):
 
 
 def test_a_full_disk_fails_in_one_line_and_leaves_nothing(hf_models, tmp_path, full_disk):
-    """Issue 34, item 8: a full disk gave a SafetensorError traceback (megatron-to-hf) or
-    "unexpected pos" (hf-to-megatron) and left an empty directory."""
+    """A full disk used to give a SafetensorError traceback (megatron-to-hf) or
+    "unexpected pos" (hf-to-megatron) and leave an empty directory."""
     hf_dir = hf_models["llama_tied"][0]
     mg = tmp_path / "mg"
     assert _cli("--direction", "hf-to-megatron", "--load", hf_dir, "--save", mg).returncode == 0
@@ -541,7 +541,7 @@ def test_a_full_disk_fails_in_one_line_and_leaves_nothing(hf_models, tmp_path, f
 
 
 def test_kill_9_during_a_conversion_leaves_no_process_behind(tmp_path):
-    """Issue 34, item 8: kill -9 of the converter while it writes must not leave its
+    """kill -9 of the converter while it writes must not leave its
     helper processes (the dist-checkpoint writer's queue manager, the resource tracker)
     running; the rerun then cleans up and converts."""
     import signal

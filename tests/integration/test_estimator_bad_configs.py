@@ -1,4 +1,4 @@
-"""tools/estimate_memory.py on garbage Hugging Face configs (issue 34, item 9): each exits 2
+"""tools/estimate_memory.py on garbage Hugging Face configs: each exits 2
 in about a second with a message naming the field, never a traceback or a table."""
 
 import json

@@ -1,6 +1,6 @@
 """The GPU path on CPU through ``tests/helpers/gpu_standins.py`` (what Transformer Engine and flash-attn
-enforce): the 27B example's flag set end to end, and the first-step failures of issue 21,
-each of which fails here without its fix."""
+enforce): the 27B example's flag set end to end, and the failures real GPU runs hit at
+the first step, each of which fails here without its fix."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
     """Two RL steps with the example's flags (``--fp8-recipe`` delayed: the recompute writes
     into TE's FP8 meta in place; tensorwise, the default: it does not) on the simulated CUDA
     device: the dynamic engine is chosen and runs, every FP8 GEMM meets TE's shape rule, the
-    FP8 state is made outside inference mode (issue 21, item 1: the first recompute backward
+    FP8 state is made outside inference mode (otherwise the first recompute backward
     raised "Inplace update to inference tensor outside InferenceMode"), every tensor is on
     the device, and the step is trained and controlled. Under current scaling TE's amax
     all-reduce over TP runs in the training forwards and never while generating."""
@@ -87,7 +87,7 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
 
 def test_fp32_run_on_a_gpu_chooses_the_static_engine(tokenizer, tmp_path):
     """flash-attn takes fp16/bf16 only: without --bf16, ``--rollout-engine auto`` is the
-    static engine (issue 21, item 4: the dynamic engine was chosen and its attention
+    static engine (the dynamic engine used to be chosen, and its attention
     raised)."""
     argv = tiny_argv(tokenizer, **{"rollout-engine": "auto", "output-dir": tmp_path / "out"})
     _, proc = _run(tmp_path, argv)
@@ -132,7 +132,7 @@ def _sp_fp8_step(rank, seq: int):
 def test_sp_fp8_pads_the_local_shard_to_te_shape_rule_at_tp4():
     """Under sequence parallelism TE checks the local [s/TP, b, h] shard a column-parallel
     linear receives: at TP=4, micro-batch 1, 10 tokens padded to 16 left 4 rows per rank
-    (issue 21, item 3: 16 = lcm(TP, 16)); padded to TP × 16 they are 16."""
+    (16 = lcm(TP, 16)); padded to TP × 16 they are 16."""
     results = run_distributed(_sp_fp8_step, 4, 10, tp=4)
     for tp, record in results:
         assert tp == 4 and record["fp8_forwards"] > 0

@@ -1,5 +1,5 @@
 """Every entry point's ``--help`` exits 0 (the first command a Megatron user types), and the
-generated help escapes ``%`` once, centrally (issue 34, item 1)."""
+generated help escapes ``%`` once, centrally."""
 
 import argparse
 import dataclasses

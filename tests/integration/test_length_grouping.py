@@ -1,4 +1,4 @@
-"""Length-grouped micro-batches (``--length-grouping``, issue 25): rows of similar length share
+"""Length-grouped micro-batches (``--length-grouping``): rows of similar length share
 a micro-batch cut to its longest row; the loss, the gradients, the update and the log-probs
 are those of the micro-batches in row order, to float round-off."""
 

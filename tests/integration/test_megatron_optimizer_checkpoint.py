@@ -29,7 +29,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_reshards_over_dp(tmp_path):
 def test_overlap_param_gather_saves_the_updated_weights(tmp_path, kind):
     """With --overlap-param-gather the all-gather of the updated weights waits for the next
     forward, so a rank's copy of the shards other DP ranks own is one step old: the save
-    gathers first (issue 21, risk 3), and save -> resume equals never stopping."""
+    gathers first, and save -> resume equals never stopping."""
     full = run_distributed(train, 2, kind, 4, overlap=True)
     ckpt = str(tmp_path / "ckpt")
     run_distributed(train, 2, kind, 2, overlap=True, save=(ckpt, 2))
@@ -88,7 +88,7 @@ def _dense_with_nan_padding(rank, steps, save=None, load=None):
 def test_dense_adam_saves_and_resumes_with_garbage_in_megatron_padding(tmp_path):
     """Megatron's dp_reshardable buckets pad the gaps between params with ``torch.empty``;
     NaN there (uninitialised memory) must neither refuse the save nor the load, and resume
-    stays exact (megatron-core 0.19 refused: issue 22)."""
+    stays exact (megatron-core 0.19 refused)."""
     full = run_distributed(train, 2, "dense", 4)
     ckpt = str(tmp_path / "ckpt")
     saved = run_distributed(_dense_with_nan_padding, 2, 2, save=(ckpt, 2))

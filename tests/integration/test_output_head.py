@@ -161,8 +161,8 @@ def _pipelined(rank):
     from megatron.core import parallel_state as ps
 
     from loggra_megatron.model.forward import positions_like, run_schedule
+    from loggra_megatron.model.log_probs import compute_log_probs
     from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
-    from loggra_megatron.rollout.generate import compute_log_probs
 
     model = tiny_gpt_model(vocab=VOCAB, seq=SEQ, use_cpu_initialization=True, log_prob_chunk_size=5)
     tokens = _tokens()

@@ -177,8 +177,8 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
 
 
 def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer, tmp_path):
-    """Issue 34, item 3: Ctrl-C (SIGINT) on one rank inside a save raised KeyboardInterrupt
-    in the writer start and hung the other rank in a collective; SIGINT is now SIGTERM's
+    """Ctrl-C (SIGINT) on one rank inside a save used to raise KeyboardInterrupt
+    in the writer start and hang the other rank in a collective; SIGINT is now SIGTERM's
     agreed save and exit. Every step saves here, so the signal lands in or near a save."""
     save = tmp_path / "ckpt"
     flags = {"train-iters": 1000, "save": save, "save-interval": 1}
@@ -339,7 +339,7 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(ConfigError, match=f'in use by another live run .*"pid": {holder.pid}'):
         RunLock.acquire(str(tmp_path), "--save")
-    # issue 34, item 4: a cleanup script deletes the lock file under the live run; a second
+    # a cleanup script deletes the lock file under the live run; a second
     # run then locked a new file and both ran in the directory. The directory is locked too.
     (tmp_path / "pretrain_rl.lock").unlink()
     with pytest.raises(ConfigError, match="its lock file .* was deleted, the directory itself"):
@@ -359,7 +359,7 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
 
 
 def test_a_resume_onto_another_vocabulary_of_the_same_size_is_refused(tokenizer, saved, tmp_path):
-    """Issue 34, item 6: 160 of 256 pieces differed and training went on with scrambled ids;
+    """With 160 of 256 pieces different, training used to go on with scrambled ids;
     run_config.json records the vocabulary's SHA-256 and a mismatch stops the resume before
     any process group, unless --override-tokenizer-check."""
     from loggra_megatron.config import ConfigError

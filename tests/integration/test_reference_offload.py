@@ -30,7 +30,7 @@ def _tokens() -> torch.Tensor:
 
 
 def _log_probs(model, tokens):
-    from loggra_megatron.rollout import compute_log_probs
+    from loggra_megatron.model.log_probs import compute_log_probs
 
     return compute_log_probs(model, tokens, micro_batch_size=2)  # 3 forwards
 

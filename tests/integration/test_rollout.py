@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loggra_megatron.model.log_probs import compute_log_probs
 from loggra_megatron.rollout import (
     RolloutRequest,
-    compute_log_probs,
     generate_rollout,
     sample_tokens,
     sampling_generator,

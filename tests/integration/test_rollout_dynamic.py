@@ -381,8 +381,8 @@ def test_dynamic_log_probs_are_the_policy_recompute(layout):
 
 def test_log_prob_recompute_runs_in_log_prob_micro_batches(layout):
     """The old log-probs are recomputed in forwards of ``--log-prob-micro-batch-size`` rows,
-    bounded or not (the whole rollout at once would hold ``B × L × V/TP`` fp32 logits:
-    issue 21, item 2), with the same result."""
+    bounded or not (the whole rollout at once would hold ``B × L × V/TP`` fp32 logits),
+    with the same result."""
     for r in layout:
         runs = r["runs"]
         assert runs["greedy"]["log_prob_rows"] == [1] and runs["bounded12"]["log_prob_rows"] == [1]

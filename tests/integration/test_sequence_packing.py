@@ -1,4 +1,4 @@
-"""Packed sequences (``--sequence-packing``, THD, issue 25): each micro-batch fed as one row of
+"""Packed sequences (``--sequence-packing``, THD): each micro-batch fed as one row of
 its rows laid end to end. The loss, the gradients, the update and the log-probs are those of
 the padded micro-batches, to float round-off, at DP=2, PP=2 and TP=2 with sequence
 parallelism, through Transformer Engine's THD contract as ``gpu_standins`` enforces it; and

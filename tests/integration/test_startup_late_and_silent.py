@@ -1,4 +1,4 @@
-"""Mistakes that used to pass start-up and fail late or never (issue 34, item 7): each is
+"""Mistakes that used to pass start-up and fail late or never: each is
 refused or warned about before any process group (exit 2, the flag named)."""
 
 import os
@@ -95,7 +95,7 @@ def test_flag_prefixes_are_not_accepted(tokenizer, capsys):
     ],
 )
 def test_the_tokenizer_tool_refuses_bad_input_in_one_line(tmp_path, argv, needle):
-    """Found looking for item 7's class of defect in the other tools: these were
+    """The same class of defect in the other tools: these were
     sentencepiece or generator tracebacks."""
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), *argv]

@@ -94,7 +94,7 @@ def test_truncate_after_matches_uninterrupted_run(tmp_path):
 
 
 def test_resume_moves_lines_without_a_step_aside_and_names_them(tmp_path, capsys):
-    """Issue 34, item 10: a malformed line in the middle and a record without ``step`` were
+    """A malformed line in the middle and a record without ``step`` used to be
     dropped without a word at resume; they are kept in metrics.rejected.jsonl now."""
     run = tmp_path / "run"
     with MetricsLogger(run) as log:

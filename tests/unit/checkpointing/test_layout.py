@@ -150,7 +150,7 @@ def test_a_tracker_without_an_iteration_is_reported_as_it_is(tokenizer, tmp_path
 
 
 def test_a_converted_model_without_its_manifest_is_refused(tokenizer, tmp_path, capsys):
-    """Issue 34, item 5: it loaded unverified (flipped bytes included) with only a warning;
+    """It used to load unverified (flipped bytes included) with only a warning;
     a lost manifest cannot be told from a conversion older than manifests, so it is refused
     by --load and by the converter alike (both resolve it with select_model_checkpoint)."""
     from loggra_megatron.checkpointing.layout import select_model_checkpoint

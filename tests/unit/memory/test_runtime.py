@@ -1,8 +1,8 @@
-"""The memory model's terms of issue 21 and 32: the output head's bytes (measured on the real
-chunked log-prob code and the full-vocabulary KL), the dynamic engine's prefill step and its
-old-log-prob recompute, NCCL's communicator buffers (NVLS included), the allocator's
-fragmentation, and the CLI flags that select them (``--bf16``, ``--rollout-engine auto``,
-``--nccl-nvls``, ``--expandable-segments``, ``--gpus-per-node``)."""
+"""The memory model's terms that real GPU runs showed it needed: the output head's bytes
+(measured on the real chunked log-prob code and the full-vocabulary KL), the dynamic
+engine's prefill step and its old-log-prob recompute, NCCL's communicator buffers (NVLS
+included), the allocator's fragmentation, and the CLI flags that select them (``--bf16``,
+``--rollout-engine auto``, ``--nccl-nvls``, ``--expandable-segments``, ``--gpus-per-node``)."""
 
 from __future__ import annotations
 

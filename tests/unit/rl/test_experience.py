@@ -15,7 +15,7 @@ pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 def _experiences(rank, tokenizer):
     from rl_runs import tiny_argv, tiny_policy
 
-    from loggra_megatron.rollout import compute_log_probs
+    from loggra_megatron.model.log_probs import compute_log_probs
     from loggra_megatron.train.build import experience_maker
 
     argv = tiny_argv(tokenizer, temperature=0, **{"rollout-engine": "static"})

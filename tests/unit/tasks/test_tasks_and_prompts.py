@@ -200,7 +200,7 @@ def test_adversarial_final_answers_are_judged_once_quickly_and_quietly(capfd):
 
 
 def test_big_integer_metadata_is_read_exactly(tmp_path):
-    """Issue 34, item 10: integers above 2^53 in metadata (a top-level column or a nested
+    """Integers above 2^53 in metadata (a top-level column or a nested
     object) were rounded like the answers used to be."""
     path = tmp_path / "meta.jsonl"
     rows = [
