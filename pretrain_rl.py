@@ -10,12 +10,16 @@ See README.md and `python pretrain_rl.py --help`.
 import os
 import sys
 
-from loggra_megatron.arguments import parse_args
-from loggra_megatron.checkpointing.run_lock import claim_run_directories
-from loggra_megatron.config import ConfigError
-from loggra_megatron.memory.kv_budget import kv_budget
-from loggra_megatron.train.preflight import preflight
-from loggra_megatron.train.trainer import RLTrainer, TrainingStopped
+from loggra_megatron.library_notes import quiet_benign_warnings
+
+quiet_benign_warnings()  # before Megatron-Core is imported: it warns on import
+
+from loggra_megatron.arguments import parse_args  # noqa: E402
+from loggra_megatron.checkpointing.run_lock import claim_run_directories  # noqa: E402
+from loggra_megatron.config import ConfigError  # noqa: E402
+from loggra_megatron.memory.kv_budget import kv_budget  # noqa: E402
+from loggra_megatron.train.preflight import preflight  # noqa: E402
+from loggra_megatron.train.trainer import RLTrainer, TrainingStopped  # noqa: E402
 
 
 def _rank() -> int:

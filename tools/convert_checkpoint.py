@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 
+    from loggra_megatron.library_notes import quiet_benign_warnings
+
+    quiet_benign_warnings()  # before Megatron-Core is imported: it warns on import
     import torch
     from megatron.core import parallel_state
 

@@ -44,6 +44,7 @@ VERSION_SENSITIVE = (
 (in ``pyproject.toml``) and the modules that tell Megatron-Core releases apart."""
 COVERAGE_RC = """\
 [run]
+core = sysmon
 source_pkgs = megatron.core
 parallel = true
 patch = subprocess

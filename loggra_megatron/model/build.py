@@ -11,6 +11,7 @@ argument*, not from ``TransformerConfig``; it is passed explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -90,6 +91,9 @@ def transformer_config_from_args(args: GPTModelArgs, **overrides: Any):
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
     )
+    scope = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    if scope.get("cuda_graph_scope") == "full":  # megatron-core 0.16: a default it deprecates
+        kwargs["cuda_graph_scope"] = []  # the same (the whole layer), without the warning
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

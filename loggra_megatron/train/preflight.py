@@ -36,6 +36,7 @@ from loggra_megatron.config import ConfigError
 from loggra_megatron.data.config import DataConfig
 from loggra_megatron.data.prompts import PromptDataset, PromptRenderer
 from loggra_megatron.data.tokenizer import Tokenizer
+from loggra_megatron.library_notes import missing_extras_note
 from loggra_megatron.megatron_version import untested_version_note
 from loggra_megatron.tasks import TASKS, Task
 from loggra_megatron.tasks.rewards import Scoring
@@ -83,6 +84,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     renderer = PromptRenderer(tokenizer, task, chat, d.system_prompt)
     scoring = _scoring(d, task)
     notes = list(cfg.start.notes)
+    extras_note = missing_extras_note()
+    if extras_note is not None:
+        notes.append(extras_note)
     version_note = untested_version_note()
     if version_note is not None:
         notes.insert(0, version_note)

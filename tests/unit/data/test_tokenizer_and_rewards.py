@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from itertools import islice
 from pathlib import Path
@@ -384,32 +383,7 @@ def test_tokenizer_errors_name_the_flag(tmp_path):
         SentencePieceTokenizer(tmp_path / "garbage.model")
 
 
-def test_train_tokenizer_cli(tmp_path):
-    prefix = tmp_path / "out" / "math"
-    cmd = [
-        sys.executable,
-        os.path.join(REPO, "tools", "train_tokenizer.py"),
-        "--builtin-tasks",
-        "500",
-        "--seed",
-        "1",
-        "--vocab-size",
-        "256",
-        "--model-type",
-        "unigram",
-        "--output-prefix",
-        str(prefix),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert f"wrote {prefix}.model" in result.stdout
-    tok = SentencePieceTokenizer(f"{prefix}.model")
-    assert 100 < tok.vocab_size <= 256
-    assert tok.detokenize(tok.tokenize("What is 12 + 7?")) == "What is 12 + 7?"
-
-
 def _exits(prompt, completion, answer, metadata):
-    import sys
 
     sys.exit(3)
 

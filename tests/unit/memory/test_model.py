@@ -1,11 +1,8 @@
 """The per-GPU memory model against real objects, and its CLI.
 
-* Parameter names/shapes per TP rank and PP stage: the real Megatron-Core ``GPTModel``
-  (GQA, QKV bias, QK-norm, tied embeddings with PP=2) on CPU/gloo ranks.
 * Optimizer state: ``state_bytes`` of a real ``LoGRAAdamW`` and ``torch.optim.AdamW`` after
-  one step on those Megatron params (exact), and of LoGRA's gradient sketch inside Megatron's
-  ``DistributedOptimizer`` at DP=2 (even-split ZeRO-1 model, within 10 %), together with
-  the real grad buffer, param buffer and fp32 master shards.
+  one step on plain torch parameters of the model's shapes (exact); on Megatron-Core's own
+  ranks: ``tests/integration/test_memory_model_ranks.py``.
 * Closed forms: Korthikanti et al.'s GPT activation formula, Llama-3-8B's 128 KiB/token KV
   cache, exact published parameter counts.
 """
@@ -16,15 +13,13 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from launch_flags import names_flag
 from memory_plans import plan
+from optimizer_state import MIN_DIM, RANK, SMALL, step_optimizers
 
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
 from loggra_megatron.memory.model import (
@@ -38,26 +33,18 @@ from loggra_megatron.memory.model import (
     grad_bytes,
     kv_cache_bytes,
     main_grad_copy_bytes,
-    master_param_bytes,
     max_rollout_batch_size,
     num_parameters,
     optimizer_state_bytes,
     stage_parameters,
     weight_bytes,
 )
-from loggra_megatron.optim import LoGRAAdamW, state_bytes
-from loggra_megatron.testing import run_distributed, tiny_gpt_model, train_step, wrap_ddp
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 REPO = str(Path(__file__).resolve().parents[3])
 CLI = os.path.join(REPO, "tools", "estimate_memory.py")
 CONFIGS = os.path.join(REPO, "tools", "configs")
-
-# hidden 64, 4 heads / 2 groups of 16, ffn 96, vocab 200 (padded to 256 at TP=2).
-SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4)
-SMALL.update(num_query_groups=2, vocab_size=200)
-RANK, MIN_DIM = 56, 40  # at TP=2: linear_proj [64, 32] dense; linear_fc2 [64, 48] clamped to 48
 
 
 def _hf_shape(name: str) -> TransformerShape:
@@ -66,72 +53,11 @@ def _hf_shape(name: str) -> TransformerShape:
     return TransformerShape.from_model_args(args)
 
 
-def _step_optimizers(named_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, int]:
-    """state_bytes of LoGRAAdamW (embeddings/output layer dense) and AdamW after one step."""
-    out = {}
-    for kind in ("loggra", "adam"):
-        params = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named_params]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        if kind == "adam":
-            opt = torch.optim.AdamW(params, lr=1e-3)
-        else:
-            dense = [
-                p
-                for (n, _), p in zip(named_params, params, strict=True)
-                if "embedding" in n or "output_layer" in n
-            ]
-            rest = [p for p in params if all(p is not q for q in dense)]
-            groups = [{"params": dense, "sketch": False}, {"params": rest}]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the intended rank clamp of linear_fc2
-                opt = LoGRAAdamW(groups, lr=1e-3, rank=RANK, min_dim=MIN_DIM)
-        opt.step()
-        out[kind] = state_bytes(opt)
-    return out
-
-
-def _megatron_stage(rank: int, tie: bool) -> dict:
-    from loggra_megatron.model.args import GPTModelArgs
-    from loggra_megatron.model.build import build_gpt_model
-
-    args = GPTModelArgs(
-        **SMALL,
-        add_qkv_bias=True,
-        qk_layernorm=True,
-        untie_embeddings_and_output_weights=not tie,
-    )
-    model = build_gpt_model(args, use_cpu_initialization=True)
-    named = list(model.named_parameters())
-    return {"shapes": {n: tuple(p.shape) for n, p in named}, "state": _step_optimizers(named)}
-
-
-@pytest.mark.parametrize("tp,pp,tie", [(2, 1, False), (1, 2, True)])
-def test_parameters_and_optimizer_state_match_megatron_gptmodel(tp, pp, tie):
-    model = TransformerShape(
-        **SMALL,
-        add_qkv_bias=True,
-        qk_layernorm=True,
-        untie_embeddings_and_output_weights=not tie,
-    )
-    parallel = plan(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    results = run_distributed(_megatron_stage, 2, tie, tp=tp, pp=pp)
-    for rank, res in enumerate(results):
-        specs = stage_parameters(model, parallel, stage=rank if pp > 1 else 0)
-        assert {s.name: s.shape for s in specs} == res["shapes"]
-        # Exact: same tensors, same rank clamping and min_dim rule, scalars included.
-        loggra = optimizer_state_bytes(specs, "loggra", rank=RANK, min_dim=MIN_DIM)
-        assert res["state"]["loggra"] == loggra
-        assert res["state"]["adam"] == optimizer_state_bytes(specs, "adam")
-    if pp == 2:  # tied embeddings: the last stage trains its own copy of the output layer
-        assert "output_layer.weight" in results[1]["shapes"]
-
-
 def test_optimizer_state_exact_for_plain_torch_modules():
     model = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
     specs = stage_parameters(model, plan())
     named = [(s.name, torch.nn.Parameter(torch.zeros(s.shape))) for s in specs]
-    got = _step_optimizers(named)
+    got = step_optimizers(named)
     assert got["loggra"] == optimizer_state_bytes(specs, "loggra", rank=RANK, min_dim=MIN_DIM)
     assert got["adam"] == optimizer_state_bytes(specs, "adam")
     # weights and grads of a bf16 copy, one backward pass
@@ -140,64 +66,6 @@ def test_optimizer_state_exact_for_plain_torch_modules():
     spec = [dataclasses.replace(specs[1], shape=(96, 64))]
     assert lin.weight.numel() * lin.weight.element_size() == weight_bytes(spec, 2)
     assert lin.weight.grad.numel() * lin.weight.grad.element_size() == grad_bytes(spec, 2)
-
-
-def _zero1_rank(rank: int) -> dict:
-    from megatron.core.optimizer import OptimizerConfig
-
-    from loggra_megatron.optim import LoGRAConfig, get_loggra_optimizer
-
-    model = tiny_gpt_model(
-        num_layers=2,
-        hidden_size=40,
-        heads=4,
-        vocab=64,
-        seq=8,
-        bf16=True,
-        use_cpu_initialization=True,
-    )
-    ddp = wrap_ddp(model, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=1000)
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True)
-    # The gradient sketch: a dense-gradient LoGRA whose state ZeRO-1 shards (the default
-    # backward sketch's accounting is tests/integration/test_memory_backward_sketch.py's).
-    loggra = LoGRAConfig(loggra_sketch="gradient", loggra_rank=8, loggra_min_dim=16)
-    opt = get_loggra_optimizer(config, [ddp], loggra)
-    tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(rank))
-    train_step(ddp, opt, tokens)
-    leaves = getattr(opt, "chained_optimizers", [opt])
-    shards = [p for o in leaves for g in o.shard_fp32_from_float16_groups for p in g]
-    return {
-        "grad_buffer": sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers),
-        "param_buffer": sum(b.param_data.numel() * 2 for b in ddp.buffers),
-        "master": sum(p.numel() * p.element_size() for p in shards),
-        "state": state_bytes(opt),
-    }
-
-
-def test_zero1_accounting_matches_megatron_distributed_optimizer_dp2():
-    model = TransformerShape(  # tiny_gpt_model: SwiGLU with ffn = 2·hidden, untied, no padding
-        num_layers=2,
-        hidden_size=40,
-        ffn_hidden_size=80,
-        num_attention_heads=4,
-        vocab_size=64,
-        untie_embeddings_and_output_weights=True,
-        make_vocab_size_divisible_by=64,
-    )
-    specs = stage_parameters(model, plan(data_parallel_size=2))
-    numel = sum(s.numel for s in specs)
-    res = run_distributed(_zero1_rank, 2)
-    padding = 2 * 64 * len(specs) + 2 * 128 * 10  # Megatron's param alignment, bucket padding
-    for r in res:  # replicated over DP: bf16 params, fp32 grads (grad_reduce_in_fp32)
-        assert 0 <= r["param_buffer"] - weight_bytes(specs, 2) <= padding
-        assert 0 <= r["grad_buffer"] - grad_bytes(specs, 4) <= 2 * padding
-        assert abs(r["master"] - master_param_bytes(specs, dp=2)) <= 0.02 * 4 * numel
-        est = optimizer_state_bytes(specs, "loggra", rank=8, min_dim=16, dp=2)
-        assert 0.9 * est <= r["state"] <= 1.1 * est
-    assert sum(r["master"] for r in res) == 4 * numel  # fp32 masters: an exact DP partition
-    assert sum(r["state"] for r in res) <= 2 * optimizer_state_bytes(
-        specs, "loggra", rank=8, min_dim=16, dp=2
-    )
 
 
 # ---------------------------------------------------------------------- closed forms
@@ -380,17 +248,6 @@ def test_cli_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
         _cli_module().main([x for kv in base.items() for x in kv])
     assert e.value.code == 2
     assert names_flag(capsys.readouterr().err, flag)
-
-
-def test_cli_missing_config_file_exits_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, CLI, "--hf-config", str(tmp_path / "nope.json")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert names_flag(proc.stderr, "--hf-config") and "no such file" in proc.stderr
 
 
 def test_optimizer_step_phase_counts_megatrons_fp32_grad_copies_only_for_16_bit_grads():
