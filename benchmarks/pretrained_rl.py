@@ -33,11 +33,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pretrained_smollm2")
 RECIPE = os.path.join(ROOT, "examples", "paper_recipe", "loggra_rl.yaml")
+RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+RECOMPUTE += ("--recompute-num-layers", "1")
+"""Every layer's activations recomputed in the backward, as TRL's GRPOTrainer does by default
+(``gradient_checkpointing=True``)."""
 ARMS = {
     "dense Adam": ["--optimizer", "adam"],
     "LoGRA": ["--optimizer", "loggra"],
     "dense Adam, bf16": ["--optimizer", "adam", "--bf16"],
     "LoGRA, bf16": ["--optimizer", "loggra", "--bf16"],
+    "LoGRA, activation recompute": ["--optimizer", "loggra", *RECOMPUTE],
+    "dense Adam, activation recompute": ["--optimizer", "adam", *RECOMPUTE],
     "LoGRA, paper recipe": [  # bf16 (its config): predicted-KL control tries 16-bit weights
         *("--config", RECIPE, "--loggra-rank", "64"),
         *("--num-generations", "1", "--prompts-per-step", "32"),
@@ -45,7 +51,7 @@ ARMS = {
 }
 """Each arm's flags over ``common``'s: fp32 weights as the example trains, or bf16 weights
 (the recipe's: its config, a rank for hidden 576, and as many sequences per step as the
-others)."""
+others); with activation recompute, as the peer runs."""
 PEER = "TRL GRPOTrainer"
 """The peer arm (``benchmarks/trl_grpo.py``, where ``trl`` is installed): fp32 weights; its
 accuracy is also scored with the weights rounded to bf16."""

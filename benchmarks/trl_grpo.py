@@ -8,8 +8,8 @@ train.jsonl``, chat messages rendered by the model's own template), the same rew
 (``last_number``), 8 prompts × 4 generations per step, one AdamW update per step
 (per-device batch 8, 4 accumulation steps), lr 1e-5 held constant as the other arms hold it,
 gradient clipping at 1, temperature 1, no reference model (``beta=0``), on the CPU; TRL's
-defaults otherwise (its ``dapo`` token-mean loss, group-scaled rewards), as a new user
-would run it. Writes the trained model (fp32) to ``OUT/hf_out``, the same weights rounded to
+defaults otherwise (its ``dapo`` token-mean loss, group-scaled rewards, activation
+checkpointing of every layer), as a new user would run it. Writes the trained model (fp32) to ``OUT/hf_out``, the same weights rounded to
 bf16 to ``OUT/hf_out_bf16``, and one row per step to ``OUT/run/metrics.jsonl`` under the keys
 ``pretrain_rl.py`` writes (``reward/mean``, ``time/step_s``, ``throughput/tokens_per_s``,
 ``grad/clipped``).

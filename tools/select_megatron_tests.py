@@ -5,7 +5,9 @@ reach.
     python tools/select_megatron_tests.py --plan                      # what .ci/run runs
 
 ``--measure`` runs every test file that holds tests marked ``megatron`` on its own, under
-coverage.py restricted to ``megatron.core`` (every rank and subprocess measured), and keeps
+coverage.py restricted to ``megatron.core`` (every rank and subprocess measured: a
+``sitecustomize`` on ``PYTHONPATH`` starts coverage in every Python process, the test
+harness's forkserver and its forked ranks included), and keeps
 the set of Megatron-Core lines each file reaches and its time. A greedy cover then picks
 files until their union reaches every line the whole set reaches, taking first the file
 that adds the most new lines per second. The record, ``tests/megatron_lines.json``, holds
@@ -77,6 +79,17 @@ def marked_files() -> list[str]:
     return sorted({line.split("::")[0] for line in out.splitlines() if "::" in line})
 
 
+def _settle(work: str, quiet_s: float = 3.0, limit_s: float = 60.0) -> None:
+    """Wait until no new coverage data file appears in ``work`` for ``quiet_s``: processes
+    that outlive pytest (the test harness's forkserver) write theirs when they exit."""
+    deadline, last, seen = time.monotonic() + limit_s, time.monotonic(), set(os.listdir(work))
+    while time.monotonic() < deadline and time.monotonic() - last < quiet_s:
+        time.sleep(0.5)
+        now = set(os.listdir(work))
+        if now != seen:
+            seen, last = now, time.monotonic()
+
+
 def measure_file(path: str, work: str) -> tuple[set[str], float, int]:
     """The Megatron-Core lines ``path``'s megatron-marked tests reach (``file:line``), its
     seconds, and pytest's exit code."""
@@ -85,8 +98,17 @@ def measure_file(path: str, work: str) -> tuple[set[str], float, int]:
     rc = os.path.join(work, ".coveragerc")
     with open(rc, "w") as f:
         f.write(COVERAGE_RC)
+    with open(os.path.join(work, "sitecustomize.py"), "w") as f:
+        f.write("import coverage\n\ncoverage.process_startup()\n")
     data = os.path.join(work, path.replace("/", "_"))
-    env = {**os.environ, "COVERAGE_FILE": data, "COVERAGE_RCFILE": rc}
+    path_before = os.environ.get("PYTHONPATH")
+    env = {
+        **os.environ,
+        "COVERAGE_FILE": data,
+        "COVERAGE_RCFILE": rc,
+        "COVERAGE_PROCESS_START": rc,  # every Python process started: ranks forked from
+        "PYTHONPATH": os.pathsep.join(filter(None, [work, path_before])),  # a forkserver too
+    }
     t0 = time.perf_counter()
     code = subprocess.run(
         [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-m", MARK, path],
@@ -94,8 +116,10 @@ def measure_file(path: str, work: str) -> tuple[set[str], float, int]:
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     ).returncode
     seconds = time.perf_counter() - t0
+    _settle(work)
     cov = coverage.Coverage(data_file=data, config_file=rc)
     cov.combine(data_paths=[work], keep=False)
     measured = cov.get_data()

@@ -1,0 +1,78 @@
+"""CI runs on the newest Megatron-Core line the test files chosen by the Megatron-Core lines
+they reach (``tools/select_megatron_tests.py``, its record ``tests/megatron_lines.json``);
+these checks keep the record fresh: it knows every file holding megatron-marked tests, its
+selection exists, and a changed version-sensitive input (the pin, a module that tells
+releases apart) makes CI run every megatron-marked test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SPEC = importlib.util.spec_from_file_location(
+    "select_megatron_tests", os.path.join(ROOT, "tools", "select_megatron_tests.py")
+)
+select = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(select)
+MARKED = re.compile(r"^(pytestmark = .*|\s*@)pytest\.mark\.megatron\b", re.MULTILINE)
+"""A module-level mark or a decorator (not a mention in a string, as the marks rule has)."""
+
+
+def _record() -> dict:
+    with open(select.RECORD) as f:
+        return json.load(f)
+
+
+def _files_with_marked_tests() -> set[str]:
+    found = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(path) as f:
+                    if MARKED.search(f.read()):
+                        found.add(os.path.relpath(path, ROOT))
+    return found
+
+
+def test_the_record_knows_every_file_with_megatron_marked_tests():
+    unknown = sorted(_files_with_marked_tests() - set(_record()["files"]))
+    assert not unknown, (
+        f"{unknown} hold megatron-marked tests the selection has not measured: run "
+        "`.ci-venv312/bin/python tools/select_megatron_tests.py --measure`, or add each to "
+        "tests/megatron_lines.json's `selected` and `files` by hand (selected: it then runs)"
+    )
+
+
+def test_every_selected_file_exists_and_the_selection_is_smaller():
+    record = _record()
+    assert record["selected"] and set(record["selected"]) <= set(record["files"])
+    for name in record["selected"]:
+        assert os.path.exists(os.path.join(ROOT, name)), name
+    assert len(record["selected"]) < len(record["files"])
+
+
+def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch):
+    record = {**_record(), "inputs_sha256": select.inputs_digest()}
+    assert select.plan(record) == ["-m", select.MARK, *record["selected"]]
+    for path in select.VERSION_SENSITIVE:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+    monkeypatch.setattr(select, "inputs_digest", lambda: "changed")
+    assert select.plan(record) == ["-m", select.MARK, "tests"]
+
+
+@pytest.mark.parametrize(
+    ("lines", "seconds", "chosen"),
+    [
+        ({"a": {1, 2}, "b": {2, 3}, "c": {1, 2, 3}}, {"a": 1, "b": 1, "c": 1}, {"c": 3}),
+        ({"a": {1, 2}, "b": {2, 3}, "c": {1, 2, 3}}, {"a": 1, "b": 1, "c": 9}, {"a": 2, "b": 1}),
+    ],
+    ids=["most-lines", "most-lines-per-second"],
+)
+def test_the_greedy_cover_reaches_every_line(lines, seconds, chosen):
+    assert select.greedy_cover(lines, seconds) == chosen
