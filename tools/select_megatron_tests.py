@@ -180,7 +180,7 @@ def measure(cache: str) -> dict:
     for name, new in chosen.items():
         files[name]["adds"] = new
     return {
-        "megatron_core": megatron.core.__version__,
+        "megatron_core": megatron.core.__version__.split("+")[0],  # no local build tag
         "measured": time.strftime("%Y-%m-%d"),
         "inputs_sha256": inputs_digest(),
         "lines": len(set().union(*lines.values())),
