@@ -37,6 +37,7 @@ from loggra_megatron.parallel import free_port, initialize_megatron
 __all__ = [
     "free_port",
     "run_distributed",
+    "tensor_bytes_left_in_cycles",
     "tiny_gpt_model",
     "train_step",
     "wrap_ddp",
@@ -335,3 +336,23 @@ def train_step(
     out = run_schedule(model, _gpt_forward_step, micro, forward_only=forward_only)
     loss = torch.stack([d["lm loss"] for d in out]).mean().item() if out else None
     return loss, None if forward_only else optimizer.step()
+
+
+def tensor_bytes_left_in_cycles(run: Callable[[], Any]) -> int:
+    """Bytes of the tensors that ``run()`` leaves in reference cycles: garbage that only
+    Python's cyclic collector frees, at a time of its choosing (a KV cache in such a cycle
+    outlives its rollout into the training phase, and piles up step after step)."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+        return sum(t.untyped_storage().nbytes() for t in found if t.layout == torch.strided)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

@@ -179,7 +179,9 @@ class StaticDecoder:
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[StaticDecoder]:
-        """The layers' core attention is this decoder's cache for the block, restored after."""
+        """The layers' core attention is this decoder's cache for the block, restored after;
+        the step graphs are released at the end of the block (``StepGraphs.release``), so the
+        decoder and its cache are freed as soon as the caller drops it."""
         layers = [layer.self_attention for layer in self.inner.decoder.layers]
         saved = [attention.core_attention for attention in layers]
         try:
@@ -189,6 +191,8 @@ class StaticDecoder:
         finally:
             for attention, core in zip(layers, saved, strict=True):
                 attention.core_attention = core
+            if self.graphs is not None:
+                self.graphs.release()
 
     def forward(self, tokens: torch.Tensor | None, start: int, length: int):
         """``length`` new positions from ``start`` for the first rows, eagerly: ``tokens

@@ -88,6 +88,7 @@ class StepGraphs:
         self._steps: dict[object, tuple[object, Callable[[], torch.Tensor], torch.Tensor]] = {}
         self._pool = None
         self.captures = 0  # graphs captured (CUDA) or steps checked at "capture" (stand-in)
+        self.keys: list = []  # the keys captured, in order (kept after ``release``)
 
     def run(self, key, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The output of ``step`` (a function of static tensors only) under ``key``: its
@@ -96,6 +97,7 @@ class StepGraphs:
         if key not in self._steps:
             self._steps[key] = self._capture(step)
             self.captures += 1
+            self.keys.append(key)
         graph, captured, out = self._steps[key]
         with torch.profiler.record_function(GRAPH_RANGE):
             if graph is not None:
@@ -103,6 +105,14 @@ class StepGraphs:
             else:
                 out.copy_(captured())
         return out
+
+    def release(self) -> None:
+        """Drops every captured graph, its step and its memory pool. A step usually holds its
+        owner (a bound method or a closure over it) while the owner holds these graphs: a
+        reference cycle that only Python's cyclic collector would free, long after the rollout,
+        with the owner's KV cache in it. Releasing at the end of a rollout frees them at once."""
+        self._steps.clear()
+        self._pool = None
 
     def _capture(self, step):
         if not self.capture:

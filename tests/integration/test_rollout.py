@@ -18,7 +18,7 @@ from loggra_megatron.rollout import (
     sample_tokens,
     sampling_generator,
 )
-from loggra_megatron.testing import run_distributed, tiny_gpt_model
+from loggra_megatron.testing import run_distributed, tensor_bytes_left_in_cycles, tiny_gpt_model
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -94,7 +94,7 @@ def _narrow_widths(model) -> tuple:
         )
     finally:
         decoder.MIN_WIDTH, generate.StaticDecoder = saved
-    return rollout, sorted(made[0].graphs._steps)
+    return rollout, sorted(made[0].graphs.keys)
 
 
 def _worker(rank: int, full_state: dict | None = None) -> dict:
@@ -154,6 +154,9 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         out["naive"] = [_naive_greedy(model, p) for p in PROMPTS]
         out["megatron_kv"] = [_megatron_kv_greedy(model, p) for p in PROMPTS]
         out["narrow_widths"] = _narrow_widths(model)
+        out["bytes_left_in_cycles"] = tensor_bytes_left_in_cycles(
+            lambda: generate_rollout(model, PROMPTS, RolloutRequest(temperature=1.0, **gen))
+        )
         padded = torch.full((len(PROMPTS), 7), 99)  # a [B, P] tensor with junk past each prompt
         for i, p in enumerate(PROMPTS):
             padded[i, : len(p)] = torch.tensor(p)
@@ -242,6 +245,12 @@ def test_decode_steps_through_the_graph_standin_equal_eager_ones(layout):
     results, _ = layout
     for r in results:
         _assert_same(r["sampled"], r["sampled_eager"])
+
+
+def test_a_rollout_leaves_no_tensor_in_a_reference_cycle(tp1):
+    """Its KV cache and step graphs are freed when the rollout returns, not by a later
+    cyclic collection (which let each step's cache pile up in the training phase)."""
+    assert tp1[0]["bytes_left_in_cycles"] == 0
 
 
 def test_decode_widths_grow_with_the_position(tp1):

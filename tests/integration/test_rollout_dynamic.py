@@ -41,7 +41,12 @@ from loggra_megatron.rollout.dynamic_generate import (
     restore_forwards,
     truncate_at_stop,
 )
-from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, tiny_gpt_model
+from loggra_megatron.testing import (
+    run_distributed,
+    tensor_bytes_left_in_cycles,
+    tiny_bf16_gpt_model,
+    tiny_gpt_model,
+)
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
@@ -261,6 +266,11 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     dyn("no_new", max_new_tokens=0)
     dyn("log_prob_rows3", temperature=0.0, log_prob_micro_batch_size=3)
     dyn("no_log_probs", temperature=0.0, log_probs=False)  # π_old: the training forward's
+    out["bytes_left_in_cycles"] = tensor_bytes_left_in_cycles(
+        lambda: generate_rollout_dynamic(
+            model, PROMPTS, RolloutRequest(**{**gen, **sample}), block_size_tokens=BLOCK
+        )
+    )
     out["training"] = model.training
     out["layers"] = len(getattr(model, "module", model).decoder.layers)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -428,6 +438,12 @@ def test_decode_steps_are_cuda_graph_replays_and_leave_nothing_behind(layout):
                 "impl": "none",
             }, key
             assert run["tracker"] and run["stream"], key
+
+
+def test_a_rollout_leaves_no_tensor_in_a_reference_cycle(layout):
+    """The engine, its context and its KV blocks are freed when the rollout returns, not by a
+    later cyclic collection."""
+    assert [r["bytes_left_in_cycles"] for r in layout] == [0] * len(layout)
 
 
 def test_model_state_restored_and_trainable_after(layout):
