@@ -18,8 +18,17 @@ from loggra_megatron.arguments import parse_args  # noqa: E402
 from loggra_megatron.checkpointing.run_lock import claim_run_directories  # noqa: E402
 from loggra_megatron.config import ConfigError  # noqa: E402
 from loggra_megatron.memory.kv_budget import kv_budget  # noqa: E402
+from loggra_megatron.placement import Placement, Role, start_placement  # noqa: E402
+from loggra_megatron.placement.channel import GenerationStopped  # noqa: E402
+from loggra_megatron.train.generation_worker import GenerationWorker  # noqa: E402
 from loggra_megatron.train.preflight import preflight  # noqa: E402
 from loggra_megatron.train.trainer import RLTrainer, TrainingStopped  # noqa: E402
+
+
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _rank() -> int:
@@ -42,9 +51,21 @@ def main(argv=None) -> None:
             locks = claim_run_directories(cfg.checkpoint, cfg.logging, cfg.start.seen, host.notes)
     except ConfigError as e:
         _fail(str(e), 2)
+    placement = Placement.of(cfg.placement.generation_ranks)
+    channel = None
+    if cfg.placement.disaggregated:  # each role's own world, and the leaders' channel
+        timeout_s = 60 * cfg.placement.generation_timeout_minutes
+        channel = start_placement(placement, cfg.parallel.uses_cuda(cuda_visible()), timeout_s)
+    if placement.role is Role.GENERATION:
+        try:
+            GenerationWorker(cfg, host, channel).setup().serve()
+        except GenerationStopped as e:
+            print(f"pretrain_rl.py: {placement.name}: error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        return
     try:
-        RLTrainer(cfg, host, size_kv_budget=kv_budget).setup().train()
-    except TrainingStopped as e:  # raised on every rank alike; checkpoints untouched
+        RLTrainer(cfg, host, size_kv_budget=kv_budget, channel=channel).setup().train()
+    except (TrainingStopped, GenerationStopped) as e:  # on every rank alike; checkpoints untouched
         _fail(str(e), 1)
     for lock in locks:
         lock.release()

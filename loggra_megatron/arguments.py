@@ -176,10 +176,15 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
     capability, the engine's kernels)."""
     m, p, lg, opt = cfg.model, cfg.parallel, cfg.loggra, cfg.optimizer
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if cfg.world_size % (tp * pp):
+    placement = next(_placement_problems(cfg, tp, pp), None)
+    if placement:
+        yield placement
+        return
+    if cfg.training_world_size % (tp * pp):
         yield (
-            f"--tensor-model-parallel-size: TP×PP = {tp * pp} must divide the world size "
-            f"{cfg.world_size} (torchrun --nproc-per-node)"
+            f"--tensor-model-parallel-size: TP×PP = {tp * pp} must divide the "
+            f"{cfg.training_world_size} training ranks (torchrun --nproc-per-node"
+            + (" less --generation-ranks)" if cfg.placement.disaggregated else ")")
         )
         return
     yield from _model_split_problems(cfg, tp, pp)
@@ -208,6 +213,39 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
         )
     yield from _gpu_only_problems(cfg, tp, here)
     yield from _rollout_engine_problems(cfg, here)
+
+
+def _placement_problems(cfg: RunConfig, tp: int, pp: int):
+    """``--generation-ranks`` leaves training ranks, and the generation TP size splits the
+    generation ranks and the model."""
+    pl = cfg.placement
+    if not pl.disaggregated:
+        return
+    if pl.generation_ranks >= cfg.world_size:
+        yield (
+            f"--generation-ranks: {pl.generation_ranks} of a world of {cfg.world_size} ranks "
+            "leaves none to train; use fewer, or launch more ranks (torchrun --nproc-per-node)"
+        )
+        return
+    if pp > 1:
+        yield (
+            "--generation-ranks: the weight sync to generation ranks reads a training policy "
+            "of one pipeline stage; use --pipeline-model-parallel-size 1 with it"
+        )
+    gen_tp = pl.generation_tp(tp)
+    if pl.generation_ranks % gen_tp:
+        yield (
+            f"--generation-tensor-model-parallel-size: {gen_tp} must divide --generation-ranks "
+            f"{pl.generation_ranks}"
+        )
+    m = cfg.model
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % gen_tp or m.ffn_size % gen_tp or groups % gen_tp:
+        yield (
+            f"--generation-tensor-model-parallel-size: {gen_tp} must divide the attention "
+            f"heads ({m.num_attention_heads}), query groups ({groups}) and FFN width "
+            f"({m.ffn_size})"
+        )
 
 
 def _model_split_problems(cfg: RunConfig, tp: int, pp: int):

@@ -316,6 +316,30 @@ METRICS: dict[str, Metric] = _declare(
         "wall time of the experience: rollout generation, rewards and reference log-probs, seconds",
     ),
     Metric(
+        "time/training_idle_s",
+        "with --generation-ranks: seconds the trainer waited for the rollouts",
+        PER_RANK,
+    ),
+    Metric(
+        "time/generation_idle_s",
+        "with --generation-ranks: seconds the generation ranks waited for the trainer since "
+        "their last rollout (weight syncs included)",
+        PER_RANK,
+    ),
+    Metric(
+        "sync/bytes",
+        "with --generation-ranks: bytes of the weight sync before this step's rollout (each "
+        "generation rank receives them all; 0: no sync)",
+        PEAK_OVER_RANKS,
+    ),
+    Metric("sync/seconds", "wall time of that weight sync, seconds", PEAK_OVER_RANKS),
+    Metric(
+        "sync/checksum_ok",
+        "1 when the generation ranks' weights, read back at the last checked sync (every "
+        "--weight-sync-check-interval), matched the trainer's (a mismatch ends the run)",
+        LEAST_OVER_RANKS,
+    ),
+    Metric(
         "time/rollout_s",
         "wall time of rollout generation (sampling) alone, seconds (until this version it "
         "also held the rewards and reference log-probs, now `time/experience_s`)",

@@ -253,6 +253,7 @@ def _generate(
     vocab_size,
     seed,
     step,
+    stream,
     max_tokens,
     block_size,
     cuda_graphs,
@@ -279,7 +280,7 @@ def _generate(
     )
     generator = None
     if temperature > 0:
-        generator = sampling_generator(seed, step, ps.get_data_parallel_rank(), prompts.device)
+        generator = sampling_generator(seed, step, stream, prompts.device)
     sampler = StepSampler(
         temperature=temperature,
         top_p=top_p,
@@ -389,6 +390,7 @@ def generate_rollout_dynamic(
             vocab_size=r.vocab_size,
             seed=r.seed,
             step=r.step,
+            stream=r.stream(),
             max_tokens=r.max_tokens,
             block_size=block_size_tokens,
             cuda_graphs=r.cuda_graphs,

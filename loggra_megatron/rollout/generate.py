@@ -231,8 +231,7 @@ def generate_rollout(
     last = pp_group.rank() == pp_group.size() - 1
     generator = None
     if last and dist.get_rank(tp_group) == 0 and r.temperature > 0:
-        dp_rank = ps.get_data_parallel_rank()
-        generator = sampling_generator(r.seed, r.step, dp_rank, device, chunk)
+        generator = sampling_generator(r.seed, r.step, r.stream(), device, chunk)
     sample = partial(
         _next_tokens,
         temperature=r.temperature,

@@ -84,6 +84,18 @@ class RolloutRequest:
     decode_graph_sizes: int = 16
     """Decode batch sizes the dynamic engine captures
     (``--inference-dynamic-batching-num-cuda-graphs``)."""
+    sampling_stream: int | None = None
+    """The index that seeds the sampling generators with ``(seed, step)`` (None: this rank's
+    DP rank). Ranks that generate another DP rank's prompts name that rank, so that they
+    sample what it would have sampled."""
+
+    def stream(self) -> int:
+        """``sampling_stream``, or this rank's DP rank."""
+        if self.sampling_stream is not None:
+            return self.sampling_stream
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
 
 
 def rollout_stats(rollout, seconds: float, kv_cache_bytes: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """Every setting of a ``pretrain_rl.py`` run, by section (``RunConfig``): ``model``,
-``parallel``, ``training``, ``optimizer``, ``loggra``, ``rollout``, ``grpo``, ``loss``,
+``parallel``, ``placement``, ``training``, ``optimizer``, ``loggra``, ``rollout``, ``grpo``, ``loss``,
 ``kl_control``, ``data``, ``task`` (generated from the tasks' own knob declarations),
 ``checkpoint`` and ``logging``, each the settings dataclass of the component that owns it.
 
@@ -22,6 +22,7 @@ from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ModelConfig
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
 from loggra_megatron.parallel import ParallelConfig
+from loggra_megatron.placement.config import PlacementConfig
 from loggra_megatron.rl.config import GRPOConfig, KLControlConfig
 from loggra_megatron.rl.policy_loss import PolicyLossConfig
 from loggra_megatron.rollout.config import RolloutConfig
@@ -35,6 +36,7 @@ TaskFlags = task_flags_section(TASKS)
 SECTIONS = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
+    "placement": PlacementConfig,
     "training": TrainingConfig,
     "optimizer": OptimConfig,
     "loggra": LoGRAConfig,
@@ -55,6 +57,7 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimConfig = field(default_factory=OptimConfig)
     loggra: LoGRAConfig = field(default_factory=LoGRAConfig)
@@ -73,9 +76,15 @@ class RunConfig:
     ``parse_args`` from --load/--save, not a flag."""
 
     @property
+    def training_world_size(self) -> int:
+        """The ranks that train: the world less ``--generation-ranks``."""
+        return self.world_size - self.placement.generation_ranks
+
+    @property
     def data_parallel_size(self) -> int:
         p = self.parallel
-        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        return self.training_world_size // model_parallel
 
     @property
     def metrics_dir(self) -> str:

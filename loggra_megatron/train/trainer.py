@@ -29,6 +29,7 @@ import torch.distributed as dist
 from loggra_megatron.data.tokenizer import fingerprint
 from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
+from loggra_megatron.placement.remote import generate_remotely
 from loggra_megatron.train import build
 from loggra_megatron.train.memory_phases import PHASE_PEAKS
 from loggra_megatron.train.preflight import Preflight
@@ -49,8 +50,20 @@ is unset (``memory.kv_budget.kv_budget``, a layer above the trainer)."""
 class RLTrainer:
     """Builds the components of a run (``setup``) and runs the RL loop (``train``)."""
 
-    def __init__(self, cfg: RunConfig, host: Preflight, size_kv_budget: KVBudgetFn | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        host: Preflight,
+        size_kv_budget: KVBudgetFn | None = None,
+        channel=None,
+    ):
         self.cfg, self.host = cfg, host
+        self.channel = channel
+        """With ``--generation-ranks``: the training leader's end of the channel to the
+        generation leader (``placement.channel``; None on the other ranks)."""
+        self.remote = None
+        """With ``--generation-ranks``: the engine on the generation ranks
+        (``placement.remote.RemoteEngine``), in place of the experience maker's."""
         self.size_kv_budget = size_kv_budget
         """Sizes the rollout's KV budget on CUDA where ``--inference-max-tokens`` is unset
         (``memory.kv_budget.kv_budget``; None: not sized)."""
@@ -80,6 +93,11 @@ class RLTrainer:
         self._tokenizer_fingerprint = fingerprint(host.tokenizer)
         stepper = self._build_models()
         self._build_rl(stepper)
+        if cfg.placement.disaggregated:  # rollouts from the generation ranks
+            self.remote, note = generate_remotely(
+                self.experience, stepper, self.channel, self.model_args, cfg, lambda: self.step
+            )
+            self._log(note)
         self._size_kv_budget()
         self._load()
         for model in (self.policy, self.reference):  # before any inference-mode forward
@@ -215,6 +233,18 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
+        """The RL loop; with generation ranks, they are stopped at its end, with the reason
+        where it failed."""
+        try:
+            self._train()
+        except BaseException as e:
+            if self.remote is not None:
+                self.remote.stop(f"the trainer stopped: {e}")
+            raise
+        if self.remote is not None:
+            self.remote.stop()
+
+    def _train(self) -> None:
         cfg, resumed = self.cfg, self.cfg.start.resumes
         saved_at = self._progress() if resumed else None
         if not self.warmup.done:

@@ -1,0 +1,9 @@
+"""Generation on ranks of its own (``--generation-ranks``): the roles and their process
+groups (``groups``), the channel between the two leaders (``channel``), the weight sync
+(``weights``), the trainer's side (``remote``) and the generation ranks' loop (``worker``).
+docs/placement.md."""
+
+from loggra_megatron.placement.config import PlacementConfig
+from loggra_megatron.placement.groups import Placement, Role, start_placement
+
+__all__ = ["Placement", "PlacementConfig", "Role", "start_placement"]

@@ -1,0 +1,194 @@
+"""The trainer's side of generation on ranks of its own: an engine that sends each DP rank's
+prompts to the generation ranks and the weights after every committed update.
+
+``RemoteEngine`` stands in for the ``--rollout-engine`` in ``rl.experience`` (the same
+``sync_weights`` / ``generate`` calls, and the engine's own answers about π_old), so the
+experience, the actor and the loop run unchanged. Every call is collective over the training
+world: the training leader talks to the generation leader over the channel and shares the
+answer with its world, one failure included (every training rank then ends with the same
+message, naming the generation side).
+
+The weights the generation ranks sample with are the trainer's weights after its last
+committed update: ``sync_weights`` runs before each rollout and sends them when an update
+was committed since the last sync (a trial of predicted-KL control that is not committed
+leaves the weights, and so the version, as they were).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch.distributed as dist
+
+from loggra_megatron.placement.channel import (
+    Bucket,
+    Channel,
+    Generate,
+    GenerationStopped,
+    PeerLost,
+    Rollouts,
+    Stop,
+    Weights,
+    WeightsEnd,
+    rollout_on,
+)
+from loggra_megatron.placement.weights import digest, pack_buckets
+
+__all__ = ["RemoteEngine", "generate_remotely"]
+
+
+class RemoteEngine:
+    """The ``--rollout-engine`` run on the generation ranks (``engine``: the one they run,
+    chosen for the same policy)."""
+
+    def __init__(
+        self,
+        engine,
+        channel: Channel | None,
+        model_args,
+        placement_cfg,
+        weights_version,
+        gather_weights,
+    ):
+        self.engine, self.channel, self.model_args = engine, channel, model_args
+        self.cfg = placement_cfg
+        self.weights_version = weights_version
+        """``() -> int``: the version of the trainer's weights (its RL steps done: weights
+        change only in a step's update)."""
+        self.gather_weights = gather_weights
+        """``() -> None``: make every rank's model weights the committed ones (collective;
+        the optimizer may leave their all-gather to the next forward)."""
+        self.synced_version: int | None = None
+        self.syncs = 0
+        self.last_sync: dict[str, float] = {}
+        self.name = engine.name
+        self.recomputes_log_probs = engine.recomputes_log_probs
+
+    def old_log_probs(self, tis: bool, on_policy: bool) -> str:
+        return self.engine.old_log_probs(tis, on_policy)
+
+    def sync_weights(self, policy) -> None:
+        """Send the weights if an update was committed since the last sync (collective)."""
+        version = self.weights_version()
+        if version == self.synced_version:
+            return
+        t0 = time.perf_counter()
+        self.gather_weights()
+        sent = self._send_weights(policy, version, check=self._check_due())
+        self.synced_version, self.syncs = version, self.syncs + 1
+        self.last_sync = {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - t0}
+
+    def _check_due(self) -> bool:
+        return self.syncs % self.cfg.weight_sync_check_interval == 0
+
+    def _send_weights(self, policy, version: int, check: bool) -> int:
+        """Gathers the weights on data-parallel replica 0 (TP collective) and the leader
+        sends them; returns the bytes sent (0 off the leader)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import unwrap_model
+
+        from loggra_megatron.convert.megatron_to_hf import iter_hf_tensors
+
+        failure = None
+        sent = 0
+        if ps.get_data_parallel_rank() == 0:
+            tensors = iter_hf_tensors(unwrap_model(policy), self.model_args)
+            if self.channel is None:
+                for _ in tensors:  # the TP collective; TP rank 0 of replica 0 is the leader
+                    pass
+            else:
+                failure = self._stream(tensors, version, check)
+                sent = self.channel.bytes_sent - self._bytes_before
+        _share_failure(failure)
+        return sent
+
+    def _stream(self, tensors, version: int, check: bool) -> str | None:
+        channel, kept = self.channel, []
+        self._bytes_before = channel.bytes_sent
+        bucket_bytes = self.cfg.weight_sync_bucket_mb * 2**20
+        try:
+            channel.send(Weights(version))
+            for specs, raw in pack_buckets(_keep(tensors, kept, check), bucket_bytes):
+                channel.send(Bucket(specs, raw.numel()))
+                channel.send_tensor(raw)
+            channel.send(WeightsEnd(digest(kept) if check else None))
+        except PeerLost as e:
+            return str(e)
+        return None
+
+    def generate(self, policy, prompts: list[list[int]], request):
+        """This DP rank's rollout of ``prompts``, made on the generation ranks (collective:
+        the leader sends every DP rank's prompts at once)."""
+        from megatron.core import parallel_state as ps
+
+        dp_rank, world = ps.get_data_parallel_rank(), dist.get_world_size()
+        gathered = [None] * world if dist.get_rank() == 0 else None
+        dist.gather_object((dp_rank, prompts), gathered, dst=0)
+        answer = [None]
+        if self.channel is not None:
+            shards = dict(gathered)
+            t0 = time.perf_counter()
+            try:
+                self.channel.send(Generate(request, [shards[j] for j in range(len(shards))]))
+                reply: Rollouts = self.channel.recv()
+                reply.stats["time/training_idle_s"] = time.perf_counter() - t0
+                answer = [reply]
+            except PeerLost as e:
+                answer = [Stop(str(e))]
+        dist.broadcast_object_list(answer, src=0)
+        reply = answer[0]
+        if isinstance(reply, Stop):
+            raise _stopped(reply.reason)
+        rollout, stats = reply.rollouts[dp_rank]
+        stats = {**stats, **reply.stats, **self.last_sync}
+        device = next(policy.parameters()).device
+        return rollout_on(rollout, device), stats
+
+    def stop(self, reason: str | None = None) -> None:
+        """Tell the generation ranks the run ends (the leader; a lost peer is not waited
+        for)."""
+        if self.channel is not None:
+            with contextlib.suppress(PeerLost):
+                self.channel.send(Stop(reason))
+
+
+def _keep(tensors, kept: list, check: bool):
+    for name, t in tensors:
+        if check:
+            kept.append((name, t))
+        yield name, t
+
+
+def _share_failure(failure: str | None) -> None:
+    """Every training rank learns the leader's failure (collective); raises it."""
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise _stopped(box[0])
+
+
+def _stopped(reason: str) -> GenerationStopped:
+    return GenerationStopped(f"generation ranks: {reason}")
+
+
+def generate_remotely(experience, stepper, channel, model_args, cfg, weights_version):
+    """Puts a ``RemoteEngine`` in place of ``experience``'s engine (``cfg``: the run's
+    ``RunConfig``); returns it and the line to print. The generation ranks sample with the
+    weights of the last RL step, gathered first where the optimizer leaves that to the next
+    forward (``stepper``: the trainer's ``MegatronStepper``)."""
+
+    def gather_weights() -> None:
+        if not stepper.commit_syncs_weights:
+            stepper.sync_model_weights()
+
+    remote = RemoteEngine(
+        experience.engine, channel, model_args, cfg.placement, weights_version, gather_weights
+    )
+    experience.engine = remote
+    gen_tp = cfg.placement.generation_tp(cfg.parallel.tensor_model_parallel_size)
+    note = (
+        f" placement: {cfg.placement.generation_ranks} generation ranks (TP {gen_tp}), "
+        f"{cfg.training_world_size} training ranks"
+    )
+    return remote, note

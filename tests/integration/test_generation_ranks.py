@@ -1,0 +1,132 @@
+"""``pretrain_rl.py --generation-ranks``: generation on ranks of its own, end to end.
+
+* Lock-step on 2 training ranks + 1 generation rank equals the colocated run on 2 ranks bit
+  for bit (every metric, the trained weights), with the backward sketch, bf16 weights,
+  predicted-KL control and a reference.
+* The weight sync reshards between TP sizes (training TP 2 → generation TP 1, and TP 1 → 2):
+  the generation ranks' weights read back equal the trainer's at every sync.
+* A generation rank killed mid-run ends the run, non-zero, within 60 s, naming it.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from convert_cli import CLI, load_hf_dir
+from rl_runs import ENV, ROOT, tiny_argv, torchrun
+
+from loggra_megatron.metrics import read_metrics
+
+pytestmark = pytest.mark.megatron
+
+LOCKSTEP = {
+    "loggra-sketch": None,  # the default: the backward sketch
+    "train-iters": 3,
+    "bf16": True,
+    "kl-coef": 0.01,
+    "kl-target": 0.002,  # below the predicted KL of every step: each is shrunk
+}
+PLACEMENT_KEYS = ("sync/", "time/training_idle_s", "time/generation_idle_s")
+VOLATILE = ("time/", "throughput/", "memory/peak")
+
+
+def _export(run, out) -> dict:
+    subprocess.run(
+        [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(run)]
+        + ["--save", str(out)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    return load_hf_dir(out)
+
+
+@pytest.fixture(scope="module")
+def lockstep(tokenizer, tmp_path_factory):
+    root = tmp_path_factory.mktemp("placement")
+    torchrun(tiny_argv(tokenizer, **LOCKSTEP, save=root / "colocated"))
+    torchrun(
+        tiny_argv(tokenizer, **LOCKSTEP, save=root / "split", **{"generation-ranks": 1}),
+        nproc=3,
+    )
+    return root
+
+
+def test_lockstep_generation_ranks_equal_the_colocated_run(lockstep, tmp_path):
+    colocated, split = read_metrics(lockstep / "colocated"), read_metrics(lockstep / "split")
+    assert len(colocated) == len(split) == 3
+    for a, b in zip(colocated, split, strict=True):
+        assert {k for k in b if not k.startswith(PLACEMENT_KEYS)} == set(a)
+        for key in a:
+            if not key.startswith(VOLATILE):
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert b["sync/checksum_ok"] == 1.0 and b["sync/bytes"] > 0
+        assert b["time/training_idle_s"] > 0 and b["time/generation_idle_s"] > 0
+    assert any(r["kl/step_scale"] < 1 for r in colocated)  # KL control shrank a step
+    ours, theirs = (_export(lockstep / n, tmp_path / n) for n in ("colocated", "split"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize(
+    "train_tp, gen_tp, nproc", [(2, 1, 3), (1, 2, 3)], ids=["tp2-to-tp1", "tp1-to-tp2"]
+)
+def test_weight_sync_reshards_between_tp_sizes(tokenizer, tmp_path, train_tp, gen_tp, nproc):
+    gen_ranks = nproc - train_tp
+    flags = {
+        **LOCKSTEP,
+        "kl-target": None,
+        "tensor-model-parallel-size": train_tp,
+        "generation-ranks": gen_ranks,
+        "generation-tensor-model-parallel-size": gen_tp,
+        "weight-sync-check-interval": 1,  # a checksum at every sync
+        "prompts-per-step": 2,
+        "global-batch-size": 8,
+        "micro-batch-size": 4 // (2 // train_tp),
+        "save": tmp_path / "run",
+    }
+    torchrun(tiny_argv(tokenizer, **flags), nproc=nproc)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["sync/checksum_ok"] for r in rows] == [1.0] * 3
+    assert all(r["sync/bytes"] > 0 for r in rows)
+
+
+def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):
+    argv = tiny_argv(
+        tokenizer, **{**LOCKSTEP, "train-iters": 200, "generation-ranks": 1}, save=tmp_path
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--standalone"]
+    proc = subprocess.Popen(
+        [*cmd, os.path.join(ROOT, "pretrain_rl.py"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"step +2/200", line):
+            break
+    assert proc.poll() is None, "".join(lines)[-3000:]
+    victim = next(
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if p.environ().get("RANK") == "2"
+    )
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - killed
+    text = "".join(lines) + out
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "generation" in text and "global rank 2" in text, text[-3000:]
