@@ -238,6 +238,12 @@ def _placement_problems(cfg: RunConfig, tp: int, pp: int):
             f"--generation-tensor-model-parallel-size: {gen_tp} must divide --generation-ranks "
             f"{pl.generation_ranks}"
         )
+    if pl.max_policy_lag and cfg.loss.tis_cap is None:
+        yield (
+            f"--max-policy-lag: rollouts up to {pl.max_policy_lag} steps old need the "
+            "importance weights against the generating policy; add --tis-cap (2 is usual; "
+            "docs/losses.md)"
+        )
     m = cfg.model
     groups = m.num_query_groups or m.num_attention_heads
     if m.num_attention_heads % gen_tp or m.ffn_size % gen_tp or groups % gen_tp:

@@ -317,26 +317,27 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "time/training_idle_s",
-        "with --generation-ranks: seconds the trainer waited for the rollouts",
+        "with --generation-ranks (docs/placement.md): the trainer's wait for the rollouts, s",
+        PER_RANK,
+    ),
+    Metric("time/generation_idle_s", "the generation ranks' wait between rollouts, s", PER_RANK),
+    Metric(
+        "time/generation_hidden_fraction",
+        "the share of the generation time the trainer did not wait for (0: lock-step)",
         PER_RANK,
     ),
     Metric(
-        "time/generation_idle_s",
-        "with --generation-ranks: seconds the generation ranks waited for the trainer since "
-        "their last rollout (weight syncs included)",
-        PER_RANK,
-    ),
-    Metric(
-        "sync/bytes",
-        "with --generation-ranks: bytes of the weight sync before this step's rollout (each "
-        "generation rank receives them all; 0: no sync)",
+        "rollout/policy_lag",
+        "RL steps between the weights that generated this step's rollouts and the step that "
+        "trains on them (at most --max-policy-lag)",
         PEAK_OVER_RANKS,
     ),
+    Metric("sync/bytes", "bytes of the weight sync before this rollout", PEAK_OVER_RANKS),
     Metric("sync/seconds", "wall time of that weight sync, seconds", PEAK_OVER_RANKS),
     Metric(
         "sync/checksum_ok",
-        "1 when the generation ranks' weights, read back at the last checked sync (every "
-        "--weight-sync-check-interval), matched the trainer's (a mismatch ends the run)",
+        "1: the generation ranks' weights, read back at the last checked sync (every "
+        "--weight-sync-check-interval), equal the trainer's (a mismatch ends the run)",
         LEAST_OVER_RANKS,
     ),
     Metric(

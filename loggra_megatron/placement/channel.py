@@ -41,8 +41,10 @@ class GenerationStopped(RuntimeError):
 
 @dataclass
 class Generate:
-    """Generate ``shards[j]`` (training DP rank ``j``'s prompts) with ``request``."""
+    """Generate ``shards[j]`` (training DP rank ``j``'s prompts) with ``request``; the reply
+    carries ``request_id``."""
 
+    request_id: int
     request: object
     shards: list[list[list[int]]]
 
@@ -73,10 +75,15 @@ class WeightsEnd:
 
 @dataclass
 class Rollouts:
-    """The reply to ``Generate``: one rollout per shard (CPU tensors) and the generation
-    side's numbers (``stats``: ``metric_keys``)."""
+    """The reply to ``Generate`` ``request_id``: one ``(rollout, stats)`` per shard (CPU
+    tensors), the version of the weights that generated them (the trainer's RL steps done
+    at their sync), the seconds the generation took, and the generation side's numbers
+    (``stats``: ``metric_keys``)."""
 
+    request_id: int
     rollouts: list
+    version: int
+    seconds: float
     stats: dict[str, float] = field(default_factory=dict)
 
 

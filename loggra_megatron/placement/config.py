@@ -24,6 +24,10 @@ class PlacementConfig:
     )
     """Tensor-parallel size of the generation ranks' policy (default: the training
     --tensor-model-parallel-size); it must divide --generation-ranks."""
+    max_policy_lag: int = applies(0, "with --generation-ranks > 0", _disaggregated)
+    """The generation ranks may generate up to this many RL steps ahead of training, with the
+    weights of up to this many steps ago (0: lock-step). The loss corrects for the lag with
+    --tis-cap's importance weights against the generating policy (docs/losses.md)."""
     weight_sync_check_interval: int = applies(10, "with --generation-ranks > 0", _disaggregated)
     """Every this many weight syncs, the generation ranks compare a checksum of their weights
     with the trainer's and the run stops on a mismatch (``sync/checksum_ok``)."""
@@ -39,6 +43,7 @@ class PlacementConfig:
             [
                 ("generation_ranks", at_least(0), ">= 0 (0: generation on the training ranks)"),
                 ("generation_tensor_model_parallel_size", positive, ">= 1"),
+                ("max_policy_lag", at_least(0), ">= 0 (0: lock-step)"),
                 ("weight_sync_check_interval", positive, ">= 1"),
                 ("weight_sync_bucket_mb", positive, ">= 1"),
                 ("generation_timeout_minutes", lambda v: v > 0, "> 0"),

@@ -62,6 +62,12 @@ class RemoteEngine:
         self.synced_version: int | None = None
         self.syncs = 0
         self.last_sync: dict[str, float] = {}
+        self.policy = None
+        self.in_flight: dict[object, int] = {}
+        """Requests sent ahead (``submit``) by request, their ids."""
+        self.replies: dict[int, Rollouts] = {}
+        """Replies received while waiting for another, by request id (the leader's)."""
+        self.next_id = 0
         self.name = engine.name
         self.recomputes_log_probs = engine.recomputes_log_probs
 
@@ -69,13 +75,17 @@ class RemoteEngine:
         return self.engine.old_log_probs(tis, on_policy)
 
     def sync_weights(self, policy) -> None:
+        """Noted: the weights are sent right before the next request that needs them."""
+        self.policy = policy
+
+    def _sync_if_stale(self) -> None:
         """Send the weights if an update was committed since the last sync (collective)."""
         version = self.weights_version()
         if version == self.synced_version:
             return
         t0 = time.perf_counter()
         self.gather_weights()
-        sent = self._send_weights(policy, version, check=self._check_due())
+        sent = self._send_weights(self.policy, version, check=self._check_due())
         self.synced_version, self.syncs = version, self.syncs + 1
         self.last_sync = {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - t0}
 
@@ -117,33 +127,65 @@ class RemoteEngine:
             return str(e)
         return None
 
+    def submit(self, policy, prompts: list[list[int]], request) -> None:
+        """Send this DP rank's ``prompts`` ahead, with the current weights (collective); a
+        later ``generate`` of the same request receives the rollout."""
+        self.policy = policy
+        self.in_flight[request] = self._send(prompts, request)
+
     def generate(self, policy, prompts: list[list[int]], request):
-        """This DP rank's rollout of ``prompts``, made on the generation ranks (collective:
-        the leader sends every DP rank's prompts at once)."""
+        """This DP rank's rollout of ``prompts``, made on the generation ranks: the one sent
+        ahead for ``request``, else sent now (collective)."""
         from megatron.core import parallel_state as ps
 
-        dp_rank, world = ps.get_data_parallel_rank(), dist.get_world_size()
-        gathered = [None] * world if dist.get_rank() == 0 else None
-        dist.gather_object((dp_rank, prompts), gathered, dst=0)
+        self.policy = policy
+        request_id = self.in_flight.pop(request, None)
+        if request_id is None:
+            request_id = self._send(prompts, request)
         answer = [None]
         if self.channel is not None:
-            shards = dict(gathered)
             t0 = time.perf_counter()
             try:
-                self.channel.send(Generate(request, [shards[j] for j in range(len(shards))]))
-                reply: Rollouts = self.channel.recv()
-                reply.stats["time/training_idle_s"] = time.perf_counter() - t0
-                answer = [reply]
+                reply = self._receive(request_id)
+                answer = [(reply, _timing(reply, request.step, time.perf_counter() - t0))]
             except PeerLost as e:
                 answer = [Stop(str(e))]
         dist.broadcast_object_list(answer, src=0)
-        reply = answer[0]
-        if isinstance(reply, Stop):
-            raise _stopped(reply.reason)
-        rollout, stats = reply.rollouts[dp_rank]
-        stats = {**stats, **reply.stats, **self.last_sync}
-        device = next(policy.parameters()).device
-        return rollout_on(rollout, device), stats
+        if isinstance(answer[0], Stop):
+            raise _stopped(answer[0].reason)
+        reply, timing = answer[0]
+        rollout, stats = reply.rollouts[ps.get_data_parallel_rank()]
+        stats = {**stats, **reply.stats, **timing, **self.last_sync}
+        self.last_sync = {"sync/bytes": 0.0, "sync/seconds": 0.0}
+        return rollout_on(rollout, next(policy.parameters()).device), stats
+
+    def _send(self, prompts, request) -> int:
+        """Every DP rank's prompts to the leader, and from it a ``Generate`` after the
+        weights it needs (collective); the request's id."""
+        from megatron.core import parallel_state as ps
+
+        self._sync_if_stale()
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((ps.get_data_parallel_rank(), prompts), gathered, dst=0)
+        failure = None
+        if self.channel is not None:
+            shards = dict(gathered)
+            try:
+                self.channel.send(
+                    Generate(request_id, request, [shards[j] for j in range(len(shards))])
+                )
+            except PeerLost as e:
+                failure = str(e)
+        _share_failure(failure)
+        return request_id
+
+    def _receive(self, request_id: int) -> Rollouts:
+        """The leader's reply to ``request_id``, keeping the others that come first."""
+        while request_id not in self.replies:
+            reply = self.channel.recv()
+            self.replies[reply.request_id] = reply
+        return self.replies.pop(request_id)
 
     def stop(self, reason: str | None = None) -> None:
         """Tell the generation ranks the run ends (the leader; a lost peer is not waited
@@ -151,6 +193,18 @@ class RemoteEngine:
         if self.channel is not None:
             with contextlib.suppress(PeerLost):
                 self.channel.send(Stop(reason))
+
+
+def _timing(reply: Rollouts, step: int, waited: float) -> dict[str, float]:
+    """The lag of the reply's rollouts (RL steps between the weights that generated them and
+    the step that trains on them), the trainer's wait, and the share of the generation time
+    it did not wait for."""
+    hidden = 1.0 - min(waited, reply.seconds) / reply.seconds if reply.seconds > 0 else 0.0
+    return {
+        "rollout/policy_lag": float(step - reply.version),
+        "time/training_idle_s": waited,
+        "time/generation_hidden_fraction": hidden,
+    }
 
 
 def _keep(tensors, kept: list, check: bool):

@@ -146,8 +146,7 @@ class ExperienceMaker:
         """Experience of RL step ``step + 1`` from this rank's ``examples``; the rollout
         (generation, rewards) and the reference log-probs run in ``memory_phase("rollout")``
         and ``memory_phase("log_probs")``, as does π_old's recompute (``old_log_probs``)."""
-        n = self.grpo.num_generations
-        group = [e for e in examples for _ in range(n)]
+        group = self.group(examples)
         with memory_phase("rollout"):
             rollout = self.generate(group, step, self.rollout.temperature)
             generated = self.last_stats
@@ -202,8 +201,25 @@ class ExperienceMaker:
     def generate(self, examples: list[dict], step: int, temperature: float):
         """One completion of each example (a ``Rollout``) from
         the ``--rollout-engine``, its KV cache bounded by ``--inference-max-tokens``."""
+        self.engine.sync_weights(self.policy)
+        request = self.request(step, temperature)
+        rollout, self.last_stats = self.engine.generate(
+            self.policy, self.prompt_ids(examples), request
+        )
+        return rollout
+
+    def group(self, examples: list[dict]) -> list[dict]:
+        """Each of an RL step's examples ``--num-generations`` times (its GRPO group)."""
+        return [e for e in examples for _ in range(self.grpo.num_generations)]
+
+    def prompt_ids(self, examples: list[dict]) -> list[list[int]]:
+        """The rendered prompt of each example, as token ids."""
+        return [self.renderer.ids(e["prompt"]) for e in examples]
+
+    def request(self, step: int, temperature: float) -> RolloutRequest:
+        """The rollout request of RL step ``step + 1`` at ``temperature``."""
         tok, r = self.tokenizer, self.rollout
-        request = RolloutRequest(
+        return RolloutRequest(
             max_new_tokens=r.max_new_tokens,
             temperature=temperature,
             top_p=r.top_p,
@@ -220,10 +236,6 @@ class ExperienceMaker:
             cuda_graphs=r.rollout_cuda_graphs,
             decode_graph_sizes=r.inference_dynamic_batching_num_cuda_graphs,
         )
-        self.engine.sync_weights(self.policy)
-        prompts = [self.renderer.ids(e["prompt"]) for e in examples]
-        rollout, self.last_stats = self.engine.generate(self.policy, prompts, request)
-        return rollout
 
     def score(self, rollout, group: list[dict], where: str) -> tuple[torch.Tensor, list[bool]]:
         """``(rewards [B], correct)`` of the rollout's completions of ``group``'s examples."""

@@ -47,6 +47,8 @@ class GenerationWorker:
         self.cfg, self.host, self.channel, self.log = cfg, host, channel, log
         self.checksum_ok: float | None = None
         self.idle_since = time.perf_counter()
+        self.version = -1
+        """The trainer's RL steps done when the weights held here were synced."""
 
     def setup(self) -> GenerationWorker:
         from megatron.core import parallel_state as ps
@@ -76,6 +78,7 @@ class GenerationWorker:
                 return
             if isinstance(message, Weights):
                 self._load_weights()
+                self.version = message.version
             elif isinstance(message, Generate):
                 self._generate(message)
 
@@ -133,6 +136,7 @@ class GenerationWorker:
 
     def _generate(self, message: Generate) -> None:
         idle = time.perf_counter() - self.idle_since
+        t0 = time.perf_counter()
         mine = []
         for j, prompts in enumerate(message.shards):
             if j % self.replicas != self.replica:
@@ -149,8 +153,11 @@ class GenerationWorker:
             stats = {"time/generation_idle_s": idle}
             if self.checksum_ok is not None:
                 stats["sync/checksum_ok"] = self.checksum_ok
+            rollouts = [results[j] for j in range(len(results))]
+            seconds = time.perf_counter() - t0
+            reply = Rollouts(message.request_id, rollouts, self.version, seconds, stats)
             try:
-                self.channel.send(Rollouts([results[j] for j in range(len(results))], stats))
+                self.channel.send(reply)
             except PeerLost as e:
                 raise GenerationStopped(str(e)) from None
         self.idle_since = time.perf_counter()

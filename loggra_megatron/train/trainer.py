@@ -31,6 +31,7 @@ from loggra_megatron.optim.megatron.energy import captured_energy, discard_captu
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.placement.remote import generate_remotely
 from loggra_megatron.train import build
+from loggra_megatron.train.lookahead import PromptLookahead
 from loggra_megatron.train.memory_phases import PHASE_PEAKS
 from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
@@ -90,6 +91,7 @@ class RLTrainer:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self._log(*(f" {note}" for note in host.notes))
         self.dataset = host.dataset
+        self.prompts = PromptLookahead(self.dataset, self._next_prompts, cfg.grpo.prompts_per_step)
         self._tokenizer_fingerprint = fingerprint(host.tokenizer)
         stepper = self._build_models()
         self._build_rl(stepper)
@@ -220,7 +222,7 @@ class RLTrainer:
     def stateful(self) -> dict:
         """The components whose state a checkpoint carries, by name."""
         parts = {
-            "data": self.dataset,
+            "data": self.prompts,
             "scheduler": self.scheduler,
             "kl_coef": self.kl_coef,
             "skipped_steps": self.skips,
@@ -272,7 +274,8 @@ class RLTrainer:
     def rl_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
         PHASE_PEAKS.start_step(self.device)
-        exp = self.experience.make(self._next_prompts(), self.step, PHASE_PEAKS.phase)
+        exp = self.experience.make(self.prompts.take(), self.step, PHASE_PEAKS.phase)
+        self._submit_ahead()
         self._release_reference()
         t_experience = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -318,6 +321,17 @@ class RLTrainer:
                 dp_size=dist.get_world_size(self.dp_group),
             )
         return next(self._batches)
+
+    def _submit_ahead(self) -> None:
+        """With ``--max-policy-lag K``: the next steps' prompts (up to K, none past the last
+        step) go to the generation ranks now, with the weights of this step's start."""
+        lag = self.cfg.placement.max_policy_lag if self.remote is not None else 0
+        ahead = min(lag, self.cfg.training.train_iters - self.step - 1)
+        exp, temperature = self.experience, self.cfg.rollout.temperature
+        first = self.step + 1 + len(self.prompts.queue)
+        for i, examples in enumerate(self.prompts.extend_to(ahead)):
+            request = exp.request(first + i, temperature)
+            self.remote.submit(self.policy, exp.prompt_ids(exp.group(examples)), request)
 
     def _progress(self) -> tuple[int, int]:
         return self.step, self.warmup.step
@@ -416,7 +430,7 @@ class RLTrainer:
             "flags": self.cfg.flags(),
             "step": self.step,
             "warmup_step": self.warmup.step,
-            "data": self.dataset.state_dict(),
+            "data": self.prompts.state_dict(),
             "tokenizer": self._tokenizer_fingerprint,
         }
         policy, optimizer = self._training_models()

@@ -47,6 +47,13 @@ def test_data_parallel_size_counts_the_training_ranks_only(tokenizer):
             "of one pipeline stage",
         ),
         ({"weight-sync-check-interval": 5}, 2, "--weight-sync-check-interval=5: applies with"),
+        ({"max-policy-lag": 1}, 2, "--max-policy-lag=1: applies with --generation-ranks > 0"),
+        (
+            {"generation-ranks": 1, "max-policy-lag": 1},
+            3,
+            "--max-policy-lag: rollouts up to 1 steps old need the importance weights against "
+            "the generating policy; add --tis-cap",
+        ),
     ],
 )
 def test_bad_placements_are_refused_naming_the_flag(tokenizer, capsys, flags, world, needle):
