@@ -43,8 +43,13 @@ from loggra_megatron.config import ConfigError, flag, settings_that_do_not_apply
 from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.fit import search
 from loggra_megatron.memory.fit_report import fit_json, fit_report
-from loggra_megatron.memory.model import GiB, MemoryConfigError, estimate_rl_step_memory
-from loggra_megatron.memory.report import report
+from loggra_megatron.memory.model import (
+    GiB,
+    MemoryConfigError,
+    estimate_generation_memory,
+    estimate_rl_step_memory,
+)
+from loggra_megatron.memory.report import generation_report, report
 from loggra_megatron.memory.run_step import adopt_architecture, modelled_step
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
@@ -84,7 +89,8 @@ def settings(
     sections, given = read_sections(parser, argv, ESTIMATE, host_files=False)
     est = sections.pop("estimate")
     p = sections["parallel"]
-    world = est.world(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    generation = sections["placement"].generation_ranks
+    world = est.world(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, generation)
     cfg = RunConfig(**sections, world_size=world)
     settings = {**cfg.flags(), **vars(est)}
     for problem in settings_that_do_not_apply(ESTIMATE.values(), settings, given):
@@ -159,10 +165,19 @@ def main(argv: list[str] | None = None) -> int:
             }
             for opt, b in results.items()
         }
+        if plan.generation_ranks:
+            gen = estimate_generation_memory(model, plan, est)
+            out["generation"] = {
+                **{k: v / GiB for k, v in gen.terms().items()},
+                "total": gen.total_bytes / GiB,
+                "fits": gen.fits(gpu_bytes),
+            }
         print(json.dumps({"unit": "GiB", **out}, indent=2))
         return 0
     source = est.hf_config or "flags"
     print(report(model, plans, results, est, source, plan.optimizer))
+    if plan.generation_ranks:
+        print(generation_report(plan, estimate_generation_memory(model, plan, est)))
     if cfg.model.sequence_packing:
         print(PACKING_NOTE)
     return 0

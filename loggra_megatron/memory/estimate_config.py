@@ -110,10 +110,10 @@ class EstimateConfig:
         if self.num_nodes is not None and self.world_size is not None:
             reject("num_nodes", self.num_nodes, "give --world-size or --num-nodes, not both")
 
-    def world(self, tensor_parallel: int, pipeline_parallel: int) -> int:
+    def world(self, tensor_parallel: int, pipeline_parallel: int, generation: int = 0) -> int:
         """The world size: ``--world-size``, else ``--num-nodes`` (with ``--fit``: 1) ×
-        ``--gpus-per-node``, else TP × PP (one replica)."""
+        ``--gpus-per-node``, else TP × PP (one replica) and the ``generation`` ranks."""
         nodes = self.num_nodes or (1 if self.fit else None)
         if self.world_size or not nodes:
-            return self.world_size or tensor_parallel * pipeline_parallel
+            return self.world_size or tensor_parallel * pipeline_parallel + generation
         return nodes * self.gpus_per_node

@@ -76,6 +76,7 @@ __all__ = [
     "activation_bytes",
     "activation_bytes_per_layer",
     "bytes_per_master",
+    "estimate_generation_memory",
     "estimate_rl_step_memory",
     "forward_activation_bytes",
     "full_kl_logits_bytes",
@@ -97,9 +98,11 @@ __all__ = [
 ]
 
 
-def _rollout_terms(model, plan: StepPlan, est, last: bool, kv_bytes: int) -> dict[str, int]:
-    """The rollout phase, and the policy's log-prob recompute after it (π_old from a forward:
-    ``StepPlan.old_log_probs``)."""
+def _rollout_terms(
+    model, plan: StepPlan, est, last: bool, kv_bytes: int, generates: bool = True
+) -> dict[str, int]:
+    """The rollout phase (none on a GPU that does not generate: ``generates``), and the
+    policy's log-prob recompute after it (π_old from a forward: ``StepPlan.old_log_probs``)."""
     rows, seq, t = rollout_rows(plan), plan.seq_length, plan.tensor_model_parallel_size
     kv = rollout_kv_cache_bytes(model, plan, kv_bytes)
     # prompts of at most s − N tokens, SP off (generation switches it off); the dynamic
@@ -111,6 +114,8 @@ def _rollout_terms(model, plan: StepPlan, est, last: bool, kv_bytes: int) -> dic
     # batches of --log-prob-micro-batch-size sequences; else sampled or the training forward's
     recompute = rows and plan.old_log_probs == "recompute"
     lp_rows = plan.forward_micro_batch_size if recompute else 0
+    if not generates:
+        kv = prefill = rows = 0
     return {
         "kv_cache": kv,
         # last-position logits, gathered over TP (full vocabulary), fp32 + softmax
@@ -198,7 +203,7 @@ def _stage_breakdown(
         runtime_overhead=int(est.runtime_overhead_gb * GiB),
         nccl_buffers=nccl_buffer_bytes(plan, est),
         nvls_buffers=nvls_buffer_bytes(plan, est),
-        **_rollout_terms(model, plan, est, last, w),
+        **_rollout_terms(model, plan, est, last, w, generates=not plan.generation_ranks),
         **_reference_terms(model, plan, params, last),
         activations=activation_bytes(model, plan, stage) - sk.activation_saving,
         sketch_projections=sk.projections,
@@ -233,6 +238,36 @@ def estimate_rl_step_memory(
     return max(
         (_stage_breakdown(model, plan, est, s) for s in stages),
         key=lambda b: b.total_bytes,
+    )
+
+
+def estimate_generation_memory(
+    model: TransformerShape, plan: StepPlan, est: EstimateConfig | None = None
+) -> MemoryBreakdown:
+    """Per-GPU memory of a generation GPU (``--generation-ranks``): the policy's weights at
+    the generation TP size (and TE's FP8 weight cache under FP8), the runtime, and the
+    rollout phase of its share of the rollout (``StepPlan.generation_plan``); no gradient,
+    master, optimizer state, reference or activation of training. The weight sync arrives in
+    host memory and is copied into the weights one parameter at a time."""
+    est = est or EstimateConfig()
+    gen = plan.generation_plan()
+    check_layout(model, gen)
+    params = stage_parameters(model, gen, 0)
+    linear = [s for s in params if s.kind == "linear"]
+    w = param_dtype_bytes(gen)
+    return MemoryBreakdown(
+        stage=0,
+        num_parameters=sum(p.numel for p in params),
+        weights=weight_bytes(params, w),
+        fp8_weight_cache=weight_bytes(linear, 1) if gen.precision == "fp8" else 0,
+        grads=0,
+        master_params=0,
+        optimizer_state=0,
+        runtime_overhead=int(est.runtime_overhead_gb * GiB),
+        nccl_buffers=nccl_buffer_bytes(gen, est),
+        activations=0,
+        logits=0,
+        **_rollout_terms(model, gen, est, True, w),
     )
 
 

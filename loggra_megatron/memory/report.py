@@ -82,6 +82,20 @@ def report(model, plans, results, est: EstimateConfig, source, selected) -> str:
     return "\n".join(lines)
 
 
+def generation_report(plan: StepPlan, gen) -> str:
+    """The lines of a generation GPU (``--generation-ranks``; ``gen``: its
+    ``MemoryBreakdown``), under the training GPUs' table (which then holds no rollout)."""
+    g = plan.generation_plan()
+    terms = {k: v for k, v in gen.terms().items() if v}
+    parts = ", ".join(f"{LABELS.get(k, k)} {_gib(v)}" for k, v in terms.items())
+    return (
+        f"generation GPUs  {plan.generation_ranks} (TP {g.tensor_model_parallel_size} x "
+        f"{g.data_parallel_size} replicas, {g.rollout_batch_size} rollouts each): "
+        f"{_gib(gen.total_bytes)} GiB per GPU (peak phase: {gen.peak_phase}; {parts}); the "
+        "training GPUs above hold no KV cache"
+    )
+
+
 def _loggra_label(plan: StepPlan) -> str:
     """``LoGRA r=128``, or ``LoGRA bwd r=128`` with ``--loggra-sketch backward``."""
     mode = " bwd" if plan.loggra_sketch == "backward" else ""
@@ -191,20 +205,26 @@ def _verdicts(model, plans, results, est, selected, shown) -> list[str]:
 
     gb = gpu_bytes / GiB
     lines = [f"{f'fits {gb:g} GiB':<28}{verdict(dense):>20}{verdict(loggra):>20}"]
+    if plans["loggra"].generation_ranks:  # these GPUs do not generate
+        return lines + _selected_line(results, selected, shown, verdict)
     cap = {k: max_rollout_batch_size(model, plans[k], est, gpu_bytes) for k in shown}
     cap_s = {k: "none" if v is None else str(v) for k, v in cap.items()}
     lines.append(f"{'max rollout rows at once':<28}{cap_s['adam']:>20}{cap_s['loggra']:>20}")
     seq = plans["loggra"].seq_length
     budget = {k: "none" if v is None else str(v * seq) for k, v in cap.items()}
     lines.append(f"{'  = KV budget (tokens)':<28}{budget['adam']:>20}{budget['loggra']:>20}")
-    if selected not in shown:
-        own = results[selected]
-        lines.append(
-            f"{selected}*: optimizer state {_gib(own.optimizer_state)}, masters "
-            f"{_gib(own.master_params)}, TOTAL per GPU {_gib(own.total_bytes)}, fits "
-            f"{gb:g} GiB: {verdict(own)}"
-        )
-    return lines
+    return lines + _selected_line(results, selected, shown, verdict)
+
+
+def _selected_line(results, selected, shown, verdict) -> list[str]:
+    """The selected optimizer's own summary if it is neither of the ``shown`` ones."""
+    if selected in shown:
+        return []
+    own = results[selected]
+    return [
+        f"{selected}*: optimizer state {_gib(own.optimizer_state)}, masters "
+        f"{_gib(own.master_params)}, TOTAL per GPU {_gib(own.total_bytes)}: {verdict(own)}"
+    ]
 
 
 def _recompute(step: StepPlan) -> str:

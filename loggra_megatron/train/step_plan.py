@@ -28,6 +28,7 @@ plan is what one RL step then is on each GPU, every number derived in one place
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from loggra_megatron.rollout.protocol import EngineTarget
@@ -106,6 +107,10 @@ class StepPlan:
     loggra_param_remainders: bool
     freeze_non_targets: bool = False
     """Only the backward sketch's targets train (no dense gradient or optimizer state)."""
+    generation_ranks: int = 0
+    """GPUs that only generate (``--generation-ranks``; not in the TP × PP × DP grid)."""
+    generation_tensor_model_parallel_size: int = 1
+    """Their TP size (``--generation-tensor-model-parallel-size``)."""
 
     @classmethod
     def of(cls, cfg: RunConfig, cuda: bool) -> StepPlan:
@@ -174,6 +179,10 @@ class StepPlan:
             loggra_fp32_grad_copy=lg.loggra_fp32_grad_copy,
             loggra_param_remainders=lg.loggra_param_remainders,
             freeze_non_targets=lg.freeze_non_targets,
+            generation_ranks=cfg.placement.generation_ranks,
+            generation_tensor_model_parallel_size=cfg.placement.generation_tp(
+                cfg.parallel.tensor_model_parallel_size
+            ),
         )
 
     @property
@@ -187,4 +196,23 @@ class StepPlan:
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.data_parallel_size
+        )
+
+    def generation_plan(self) -> StepPlan:
+        """The step of one generation GPU (``--generation-ranks``): the policy at the
+        generation TP size, one stage, the rollout split over the generation replicas, and
+        nothing of training (no reference, no trial, no optimizer)."""
+        tp = self.generation_tensor_model_parallel_size
+        replicas = self.generation_ranks // tp
+        rows = self.rollout_batch_size * self.data_parallel_size
+        return dataclasses.replace(
+            self,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=1,
+            data_parallel_size=replicas,
+            rollout_batch_size=-(-rows // replicas),
+            reference_model=False,
+            reference_offload=False,
+            kl_trial_rows=0,
+            generation_ranks=0,
         )

@@ -603,3 +603,32 @@ def test_gpu_benchmarks_take_a_device_and_run_on_cpu(script, flags):
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("# bench"))
     assert header.endswith(", cpu")
+
+
+# ---------------------------------------------------------------------- the 4 + 4 split
+SPLIT = os.path.join(EXAMPLES, "train_27b_loggra_split.sh")
+
+
+def test_27b_split_header_quotes_its_estimate_command(cli, estimator_flags, capsys):
+    """The split script's header command has its flags and environment; its paragraphs quote
+    what that command (and its colocated variant on the 4 training GPUs) prints; the
+    training GPUs hold no KV cache, and LoGRA fits where dense Adam does not."""
+    text = _read(SPLIT)
+    argv = _header_command(text)
+    script = dict(flag_list(script_argv(SPLIT, 8, estimator_flags)))
+    script["--hf-config"] = ["tools/configs/llama-style-27b.json"]
+    assert dict(flag_list(argv)) == script
+    argv[argv.index("--hf-config") + 1] = CONFIG_27B
+    colocated = without(
+        without(argv, "--generation-ranks", 1), "--generation-tensor-model-parallel-size", 1
+    )
+    colocated = [*without(colocated, "--world-size", 1), "--world-size", "4"]
+    comment = text.split("prints (GiB per training GPU)", 1)[1].split("\n#\n# Inputs", 1)[0]
+    split, together = comment.split("\n# Colocated", 1)
+    assert_quotes(split, printed(cli, capsys, argv), "split header")
+    assert_quotes(together, printed(cli, capsys, colocated), "colocated variant")
+    res = _estimate(cli, capsys, argv)
+    assert res["loggra"]["fits"] and not res["adam"]["fits"]
+    assert res["loggra"]["kv_cache"] == 0 and res["generation"]["kv_cache"] > 0
+    assert res["generation"]["fits"] and res["generation"]["master_params"] == 0
+    assert _estimate(cli, capsys, colocated)["loggra"]["total"] > res["loggra"]["total"]
