@@ -85,6 +85,9 @@ class Rollouts:
     version: int
     seconds: float
     stats: dict[str, float] = field(default_factory=dict)
+    stop_requested: bool = False
+    """SIGTERM or SIGINT reached a generation rank: the trainer saves and exits at its next
+    step boundary, as for a signal on one of its own ranks."""
 
 
 @dataclass

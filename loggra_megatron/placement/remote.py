@@ -68,6 +68,9 @@ class RemoteEngine:
         self.replies: dict[int, Rollouts] = {}
         """Replies received while waiting for another, by request id (the leader's)."""
         self.next_id = 0
+        self.stop_requested = False
+        """A generation rank was signalled (SIGTERM, SIGINT): the run's agreed save-and-exit
+        (the same on every training rank: it comes with a reply)."""
         self.name = engine.name
         self.recomputes_log_probs = engine.recomputes_log_probs
 
@@ -154,6 +157,7 @@ class RemoteEngine:
         if isinstance(answer[0], Stop):
             raise _stopped(answer[0].reason)
         reply, timing = answer[0]
+        self.stop_requested |= reply.stop_requested
         rollout, stats = reply.rollouts[ps.get_data_parallel_rank()]
         stats = {**stats, **reply.stats, **timing, **self.last_sync}
         self.last_sync = {"sync/bytes": 0.0, "sync/seconds": 0.0}
@@ -192,6 +196,9 @@ class RemoteEngine:
         for)."""
         if self.channel is not None:
             with contextlib.suppress(PeerLost):
+                if reason is None:  # the replies in flight first: they are being sent
+                    for request_id in self.in_flight.values():
+                        self._receive(request_id)
                 self.channel.send(Stop(reason))
 
 

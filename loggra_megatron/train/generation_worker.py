@@ -18,6 +18,7 @@ shares it with its world:
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 
 import torch
@@ -49,6 +50,8 @@ class GenerationWorker:
         self.idle_since = time.perf_counter()
         self.version = -1
         """The trainer's RL steps done when the weights held here were synced."""
+        self.signalled = False
+        """SIGTERM or SIGINT reached this rank (passed to the trainer with the next reply)."""
 
     def setup(self) -> GenerationWorker:
         from megatron.core import parallel_state as ps
@@ -71,7 +74,11 @@ class GenerationWorker:
         return self
 
     def serve(self) -> None:
-        """Answer the trainer until it stops; raises ``GenerationStopped`` on a failure."""
+        """Answer the trainer until it stops; raises ``GenerationStopped`` on a failure.
+        SIGTERM or SIGINT here is the run's agreed save-and-exit: the trainer learns it with
+        the next rollout and stops the generation ranks after its save."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
         while True:
             message = self._next()
             if isinstance(message, Stop):
@@ -81,6 +88,11 @@ class GenerationWorker:
                 self.version = message.version
             elif isinstance(message, Generate):
                 self._generate(message)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        print(f" {name} on a generation rank: the trainer saves and exits", flush=True)
+        self.signalled = True
 
     def _next(self):
         """The trainer's next message, shared with this world (collective)."""
@@ -146,6 +158,8 @@ class GenerationWorker:
             mine.append((j, rollout_on(rollout, "cpu"), stats))
         if self.tp_rank != 0:
             mine = []
+        signalled = torch.tensor([float(self.signalled)])
+        dist.all_reduce(signalled, op=dist.ReduceOp.MAX)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.channel is not None:
@@ -156,6 +170,7 @@ class GenerationWorker:
             rollouts = [results[j] for j in range(len(results))]
             seconds = time.perf_counter() - t0
             reply = Rollouts(message.request_id, rollouts, self.version, seconds, stats)
+            reply.stop_requested = bool(signalled)
             try:
                 self.channel.send(reply)
             except PeerLost as e:

@@ -323,8 +323,7 @@ class RLTrainer:
         return next(self._batches)
 
     def _submit_ahead(self) -> None:
-        """With ``--max-policy-lag K``: the next steps' prompts (up to K, none past the last
-        step) go to the generation ranks now, with the weights of this step's start."""
+        """``--max-policy-lag K``: the next K steps' prompts go to the generation ranks."""
         lag = self.cfg.placement.max_policy_lag if self.remote is not None else 0
         ahead = min(lag, self.cfg.training.train_iters - self.step - 1)
         exp, temperature = self.experience, self.cfg.rollout.temperature
@@ -340,7 +339,8 @@ class RLTrainer:
         """Whether SIGTERM reached any rank; every rank learns it at the same step boundary
         (one all-reduce), so all of them save and exit together. The answer is the agreed
         one: a signal that lands during the all-reduce counts at the next boundary."""
-        flag = torch.tensor([float(self._sigterm)], device=self.device)
+        signalled = self._sigterm or (self.remote is not None and self.remote.stop_requested)
+        flag = torch.tensor([float(signalled)], device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = flag.item() > 0

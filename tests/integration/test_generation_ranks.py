@@ -75,7 +75,9 @@ def test_lockstep_generation_ranks_equal_the_colocated_run(lockstep, tmp_path):
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):
+def _signal_generation_rank(tokenizer, tmp_path, signum) -> tuple[int, float, str]:
+    """Signal the generation rank (global rank 2) once step 2 is printed: the exit status,
+    the seconds from the signal to the end, and everything printed."""
     argv = tiny_argv(
         tokenizer, **{**LOCKSTEP, "train-iters": 200, "generation-ranks": 1}, save=tmp_path
     )
@@ -99,11 +101,22 @@ def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):
         for p in psutil.Process(proc.pid).children(recursive=True)
         if p.environ().get("RANK") == "2"
     )
-    victim.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
+    victim.send_signal(signum)
+    signalled = time.monotonic()
     out, _ = proc.communicate(timeout=120)
-    elapsed = time.monotonic() - killed
-    text = "".join(lines) + out
-    assert proc.returncode != 0
+    return proc.returncode, time.monotonic() - signalled, "".join(lines) + out
+
+
+def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):
+    status, elapsed, text = _signal_generation_rank(tokenizer, tmp_path, signal.SIGKILL)
+    assert status != 0
     assert elapsed < 60, elapsed
     assert "generation" in text and "global rank 2" in text, text[-3000:]
+
+
+def test_sigterm_on_a_generation_rank_is_the_agreed_save_and_exit(tokenizer, tmp_path):
+    status, _, text = _signal_generation_rank(tokenizer, tmp_path, signal.SIGTERM)
+    assert status == 0, text[-3000:]
+    assert "SIGTERM on a generation rank" in text
+    saved = int((tmp_path / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < 200 and len(read_metrics(tmp_path)) == saved
