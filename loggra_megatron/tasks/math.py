@@ -15,6 +15,7 @@ answer.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 from loggra_megatron.config import check_fields
@@ -47,21 +48,27 @@ def extract_final_answer(completion: str) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def equivalent(predicted: str, answer: str) -> bool:
     """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``; a
-    time-out or a parse failure (never printed) is not equivalent."""
+    time-out or a parse failure (never printed) is not equivalent. math-verify times out
+    with ``signal.alarm``, which only the main thread may set: off it (rewards under
+    ``--reward-timeout`` run in a worker thread) its own time-out is off, and the reward's
+    time-out bounds the call instead (math-verify refuses a time-out there, which read as
+    "not equivalent": every answer scored wrong)."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
+
+    timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
     def as_math(text: str):
         text = text.strip()
         text = text if text.startswith("$") else f"${text}$"
-        return parse(text, parsing_timeout=TIMEOUT_S, raise_on_error=True)
+        return parse(text, parsing_timeout=timeout, raise_on_error=True)
 
     if len(predicted) > MAX_ANSWER_CHARS:
         return False
     try:
         gold = as_math(answer)
         target = as_math(predicted)
-        return bool(gold) and verify(gold, target, timeout_seconds=TIMEOUT_S, raise_on_error=True)
+        return bool(gold) and verify(gold, target, timeout_seconds=timeout, raise_on_error=True)
     except (Exception, TimeoutException):  # sympy failing on the text, or a time-out
         return False
 

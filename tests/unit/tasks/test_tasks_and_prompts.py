@@ -212,3 +212,41 @@ def test_big_integer_metadata_is_read_exactly(tmp_path):
     assert first["metadata"]["id"] == 9007199254740993
     assert first["metadata"]["seed"] == 2**63 + 1
     assert second["metadata"]["id"] == 0.5 and second["metadata"]["seed"] == 1.25
+
+
+# ---------------------------------------------------------------- rewards as the trainer calls them
+def _examples(name: str) -> list[dict]:
+    from loggra_megatron.tasks import TASKS
+
+    if not TASKS[name].needs_data:
+        return TASKS[name]().generate(4, seed=0)
+    return [  # the tasks that read --data-path: numbers every such reward reads
+        {"prompt": "What is 3/4 of 2?", "answer": "1.5", "metadata": {"solution": "3/4 * 2"}},
+        {"prompt": "Half of 9?", "answer": "4.5", "metadata": {"solution": "9/2"}},
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(__import__("loggra_megatron.tasks").tasks.TASKS))
+def test_every_task_scores_its_reference_completions_under_the_default_reward_timeout(name):
+    """``compute_rewards`` with the default ``--reward-timeout`` runs each reward in a worker
+    thread, where math-verify refuses its own (signal-based) time-out: that refusal once read
+    as a wrong answer, so the math task scored every correct answer 0."""
+    from loggra_megatron.data.config import DataConfig
+    from loggra_megatron.tasks import TASKS
+    from loggra_megatron.tasks.math import equivalent
+    from loggra_megatron.tasks.rewards import compute_rewards
+
+    equivalent.cache_clear()  # a main-thread verdict must not answer for the thread
+    task, examples = TASKS[name](), _examples(name)
+    completions = [task.reference_completion(e) for e in examples]
+    rewards, correct = compute_rewards(
+        task.reward,
+        [e["prompt"] for e in examples],
+        completions,
+        [e["answer"] for e in examples],
+        [e["metadata"] for e in examples],
+        is_correct=task.is_correct,
+        timeout=DataConfig().reward_timeout,
+    )
+    assert DataConfig().reward_timeout > 0
+    assert rewards == [1.0] * len(examples) and all(correct), (rewards, completions)
