@@ -40,6 +40,19 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+_COUNT_LIMITS = {
+    "hidden_size": 2**20,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "head_dim": 2**14,
+    "num_hidden_layers": 2**14,
+    "intermediate_size": 2**22,
+    "vocab_size": 2**24,
+    "max_position_embeddings": 2**27,
+}
+"""Bounds of the whole-number fields of a config: far above any released model, far below
+sizes whose totals mean nothing."""
+
 # Megatron-Core's RotaryEmbedding._apply_scaling constants (Llama 3.x).
 _MCORE_LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -68,6 +81,18 @@ def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
             raise ValueError(f"HF config ({model_type}): required field {key!r} is missing")
         return d[key]
 
+    def count(key: str, default: Any = None) -> int:
+        """A required (or defaulted) whole number within ``_COUNT_LIMITS``."""
+        value = need(key) if default is None else d.get(key, default)
+        if value is None:
+            value = default
+        upper = _COUNT_LIMITS[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= upper:
+            raise ValueError(
+                f"HF config ({model_type}): {key}={value!r} must be a whole number in [1, {upper}]"
+            )
+        return value
+
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"HF config: hidden_act={d['hidden_act']!r} is not supported (only 'silu')"
@@ -87,26 +112,40 @@ def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
 
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    hidden, heads = count("hidden_size"), count("num_attention_heads")
+    groups = count("num_key_value_heads", heads)
+    if heads % groups:
+        raise ValueError(
+            f"HF config ({model_type}): num_attention_heads={heads} is not a multiple of "
+            f"num_key_value_heads={groups}"
+        )
+    if d.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"HF config ({model_type}): hidden_size={hidden} is not divisible by "
+            f"num_attention_heads={heads} (and no head_dim is given)"
+        )
+    tied = d.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ValueError(
+            f"HF config ({model_type}): tie_word_embeddings={tied!r} must be true or false"
+        )
     rope = _parse_rope(d, model_type)
     dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     args = dict(
-        num_layers=need("num_hidden_layers"),
+        num_layers=count("num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=need("intermediate_size"),
+        ffn_hidden_size=count("intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=heads
-        if d.get("num_key_value_heads") is None
-        else d["num_key_value_heads"],
-        kv_channels=d.get("head_dim") or hidden // heads,
-        vocab_size=need("vocab_size"),
-        max_position_embeddings=need("max_position_embeddings"),
+        num_query_groups=groups,
+        kv_channels=count("head_dim", hidden // heads),
+        vocab_size=count("vocab_size"),
+        max_position_embeddings=count("max_position_embeddings"),
         norm_epsilon=float(need("rms_norm_eps")),
         normalization="RMSNorm",
         swiglu=True,
         add_qkv_bias=model_type == "qwen2",
         qk_layernorm=model_type == "qwen3",
-        untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
+        untie_embeddings_and_output_weights=not tied,
         params_dtype=str(dtype).replace("torch.", ""),
         attention_dropout=float(d.get("attention_dropout", 0.0)),
         hidden_dropout=0.0,
@@ -188,7 +227,7 @@ def _as_dict(config: Any) -> dict[str, Any]:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{config} has no config.json: not a Hugging Face model")
         with open(path) as f:
-            cfg = json.load(f)
+            cfg = json.load(f, object_pairs_hook=_refuse_duplicate_keys(path))
         if not isinstance(cfg, dict):
             raise ValueError(
                 f"{path}: a Hugging Face config.json holds a JSON object, not a "
@@ -200,6 +239,18 @@ def _as_dict(config: Any) -> dict[str, Any]:
     raise TypeError(
         f"expected a dict, a config.json path or a PretrainedConfig, got {type(config)}"
     )
+
+
+def _refuse_duplicate_keys(path: str):
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise ValueError(f"{path}: key {key!r} appears twice (which one is meant?)")
+            seen[key] = value
+        return seen
+
+    return pairs
 
 
 def _check_architecture(cfg: dict[str, Any]) -> str:
