@@ -40,7 +40,7 @@ def group_advantages(
         raise ValueError(
             f"group_size must be >= 2 (a group of one has no baseline), got {group_size}"
         )
-    r = rewards.float()
+    r = rewards.double()  # a group of rewards near float32's range overflows its own sums
     if r.dim() == 2 and r.shape[1] != group_size:
         raise ValueError(f"rewards of shape {tuple(r.shape)} do not have group_size={group_size}")
     if r.dim() not in (1, 2) or r.numel() % group_size:
@@ -51,7 +51,7 @@ def group_advantages(
     adv = r - r.mean(dim=1, keepdim=True)
     if normalize_std:
         adv = adv / (r.std(dim=1, correction=1, keepdim=True) + eps)
-    return adv.reshape(-1)  # [P*G]
+    return adv.reshape(-1).float()  # [P*G]
 
 
 def aggregate(

@@ -61,6 +61,17 @@ def test_identical_rewards_give_zero_advantages(normalize_std):
     assert adv[4:].abs().min() > 0
 
 
+def test_rewards_near_the_float32_limit_give_finite_grpo_advantages():
+    """A group of rewards of ±3e38 (each a finite float32) overflowed float32's own sum, and
+    the NaN advantages skipped every step; the group's statistics are float64."""
+    rewards = torch.tensor([3e38, 3e38, 0.0, 1.0, 3e38, -3e38, 0.0, 1.0])
+    adv = group_advantages(rewards, group_size=4)
+    assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
+    torch.testing.assert_close(
+        adv[:4], torch.tensor([1.0, 1.0, -1.0, -1.0]) * S3, rtol=1e-6, atol=0
+    )
+
+
 def test_group_advantages_rejects_bad_shapes():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(6), group_size=4)
