@@ -238,6 +238,14 @@ def _placement_problems(cfg: RunConfig, tp: int, pp: int):
             f"--generation-tensor-model-parallel-size: {gen_tp} must divide --generation-ranks "
             f"{pl.generation_ranks}"
         )
+    backward = (
+        OPTIMIZERS[cfg.optimizer.optimizer].sketched and cfg.loggra.loggra_sketch == "backward"
+    )
+    if pl.weight_sync == "lowrank" and not backward:
+        yield (
+            "--weight-sync: lowrank sends the backward sketch's row updates; it needs "
+            "--optimizer loggra --loggra-sketch backward (or use --weight-sync full)"
+        )
     if pl.max_policy_lag and cfg.loss.tis_cap is None:
         yield (
             f"--max-policy-lag: rollouts up to {pl.max_policy_lag} steps old need the "

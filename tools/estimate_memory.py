@@ -40,6 +40,7 @@ from loggra_megatron.arguments import (
     validate_settings,
 )
 from loggra_megatron.config import ConfigError, flag, settings_that_do_not_apply
+from loggra_megatron.memory.backward_sketch import applies as backward_sketch
 from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.fit import search
 from loggra_megatron.memory.fit_report import fit_json, fit_report
@@ -48,6 +49,7 @@ from loggra_megatron.memory.model import (
     MemoryConfigError,
     estimate_generation_memory,
     estimate_rl_step_memory,
+    weight_sync_bytes,
 )
 from loggra_megatron.memory.report import generation_report, report
 from loggra_megatron.memory.run_step import adopt_architecture, modelled_step
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     source = est.hf_config or "flags"
     print(report(model, plans, results, est, source, plan.optimizer))
     if plan.generation_ranks:
-        print(generation_report(plan, estimate_generation_memory(model, plan, est)))
+        sync = weight_sync_bytes(model, plan, plan.loggra_rank) if backward_sketch(plan) else None
+        print(generation_report(plan, estimate_generation_memory(model, plan, est), sync))
     if cfg.model.sequence_packing:
         print(PACKING_NOTE)
     return 0

@@ -50,9 +50,10 @@ def _gather_exact(t: torch.Tensor, group, world: int, rank: int) -> list[torch.T
 
 
 def iter_hf_tensors(
-    model: torch.nn.Module, args: GPTModelArgs
+    model: torch.nn.Module, args: GPTModelArgs, select: Callable[[str, Any], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for this model chunk, on TP rank 0 only.
+    """Yield ``(hf_name, tensor)`` for this model chunk, on TP rank 0 only; with ``select``,
+    of the parameters ``select(name, param)`` keeps only (the same on every TP rank).
 
     Collective over the TP group: every TP rank must exhaust the iterator. With tied
     embeddings the output layer (a copy on the last PP stage) is skipped.
@@ -65,6 +66,8 @@ def iter_hf_tensors(
     offset = layer_offset(model)
     for name, param in model.named_parameters():
         if args.tie_embeddings and name == "output_layer.weight":
+            continue
+        if select is not None and not select(name, param):
             continue
         mapping = param_mapping(name, args, offset)
         if mapping.kind == "replicated" or tp_size == 1:

@@ -95,6 +95,7 @@ __all__ = [
     "rollout_rows",
     "stage_parameters",
     "weight_bytes",
+    "weight_sync_bytes",
 ]
 
 
@@ -258,6 +259,7 @@ def estimate_generation_memory(
     return MemoryBreakdown(
         stage=0,
         num_parameters=sum(p.numel for p in params),
+        sync_state=_shadow_bytes(model, plan) if plan.weight_sync == "lowrank" else 0,
         weights=weight_bytes(params, w),
         fp8_weight_cache=weight_bytes(linear, 1) if gen.precision == "fp8" else 0,
         grads=0,
@@ -269,6 +271,46 @@ def estimate_generation_memory(
         logits=0,
         **_rollout_terms(model, gen, est, True, w),
     )
+
+
+def _shadow_bytes(model: TransformerShape, plan: StepPlan) -> int:
+    """``--weight-sync lowrank``'s state on every generation GPU (``placement.lowrank``):
+    every sketched weight of the whole model in the trainer's layout, in the model's dtype,
+    and its master (4 bytes with fp32 masters, 2 with remainders, none for fp32 weights)."""
+    from loggra_megatron.memory.backward_sketch import target_of
+
+    whole = dataclasses.replace(
+        plan, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False
+    )
+    names, w = set(plan.loggra_targets), param_dtype_bytes(plan)
+    numel = sum(
+        s.numel
+        for s in stage_parameters(model, whole, 0)
+        if s.kind == "linear" and target_of(s) in names
+    )
+    master = 0 if w == 4 else 2 if plan.loggra_param_remainders else 4
+    return numel * (w + master)
+
+
+def weight_sync_bytes(model: TransformerShape, plan: StepPlan, rank: int) -> dict[str, int]:
+    """Bytes of one weight sync after the first (``--generation-ranks``): ``full``, every
+    weight in the model's dtype; ``lowrank``, each sketched weight's row factor ``D``
+    (``rows × r`` fp32, rank ``rank``) and the other trained weights in full (none with
+    ``--freeze-non-targets``). The whole model: TP = PP = 1, every weight once."""
+    from loggra_megatron.memory.backward_sketch import target_of
+
+    whole = dataclasses.replace(
+        plan, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False
+    )
+    params, w = stage_parameters(model, whole, 0), param_dtype_bytes(plan)
+    names = set(plan.loggra_targets)
+    targets = [s for s in params if s.kind == "linear" and target_of(s) in names]
+    rest = [s for s in params if s not in targets]
+    dense = 0 if plan.freeze_non_targets else sum(s.numel for s in rest) * w
+    return {
+        "full": sum(s.numel for s in params) * w,
+        "lowrank": sum(s.shape[0] for s in targets) * rank * 4 + dense,
+    }
 
 
 def max_rollout_batch_size(

@@ -54,6 +54,9 @@ class MemoryBreakdown:
     sketch_step: int = 0
     adam_temporaries: int = 0
     checkpoint_save: int = 0
+    sync_state: int = 0
+    """A generation GPU's copy of the trainer's sketched weights and masters
+    (``--weight-sync lowrank``)."""
 
     STATIC = (
         "weights",
@@ -67,6 +70,7 @@ class MemoryBreakdown:
         "runtime_overhead",
         "nccl_buffers",
         "nvls_buffers",
+        "sync_state",
     )
     ROLLOUT = ("kv_cache", "rollout_logits", "prefill_activations", "allocator_fragmentation")
     OLD_LOG_PROBS = ("old_log_prob_activations", "old_log_prob_logits")

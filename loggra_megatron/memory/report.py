@@ -55,6 +55,7 @@ LABELS = {
     "adam_temporaries": "optimizer: Adam temporaries",
     "sketch_step": "optimizer: sketch step",
     "checkpoint_save": "checkpoint: fp32 of a bucket",
+    "sync_state": "low-rank sync: trainer's weights + masters",
 }
 
 
@@ -82,18 +83,26 @@ def report(model, plans, results, est: EstimateConfig, source, selected) -> str:
     return "\n".join(lines)
 
 
-def generation_report(plan: StepPlan, gen) -> str:
+def generation_report(plan: StepPlan, gen, sync: dict[str, int] | None = None) -> str:
     """The lines of a generation GPU (``--generation-ranks``; ``gen``: its
-    ``MemoryBreakdown``), under the training GPUs' table (which then holds no rollout)."""
+    ``MemoryBreakdown``), under the training GPUs' table (which then holds no rollout), and
+    with the backward sketch the bytes of a weight sync (``sync``: ``weight_sync_bytes``)."""
     g = plan.generation_plan()
     terms = {k: v for k, v in gen.terms().items() if v}
     parts = ", ".join(f"{LABELS.get(k, k)} {_gib(v)}" for k, v in terms.items())
-    return (
+    line = (
         f"generation GPUs  {plan.generation_ranks} (TP {g.tensor_model_parallel_size} x "
         f"{g.data_parallel_size} replicas, {g.rollout_batch_size} rollouts each): "
         f"{_gib(gen.total_bytes)} GiB per GPU (peak phase: {gen.peak_phase}; {parts}); the "
         "training GPUs above hold no KV cache"
     )
+    if sync:
+        ratio = sync["lowrank"] / sync["full"]
+        line += (
+            f"\nweight sync per step after the first: full {_gib(sync['full'])} GiB, "
+            f"--weight-sync lowrank {_gib(sync['lowrank'])} GiB ({ratio:.3f}x)"
+        )
+    return line
 
 
 def _loggra_label(plan: StepPlan) -> str:

@@ -48,6 +48,14 @@ import torch
 from loggra_megatron.optim.backward_sketch import gram_sq_norm, reconstruct
 from loggra_megatron.optim.param_remainders import join_master, store_master
 
+
+def row_target(master, rate: float, weight_decay: float, direction, signs) -> torch.Tensor:
+    """``(1 − rate·λ)·master − rate·D·A``: a row block's updated fp32 master (a new tensor),
+    the one arithmetic of every commit (``RowAdam.step``) and of its repetition elsewhere."""
+    target = master.float().mul(1 - rate * weight_decay)
+    return target.sub_(reconstruct(direction, signs).mul_(rate))
+
+
 ROW_OPTIMIZERS = ("adam", "sgd")
 """``--loggra-row-optimizer`` choices."""
 
@@ -120,6 +128,10 @@ class RowAdam(torch.optim.Optimizer):
         """The last step's rate of the targets (``lr``, or the update ratio's)."""
         self._sketches: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._planned: _Plan | None = None
+        self.recorded: list[tuple] | None = None
+        """A list (None: off): ``step`` appends ``(p, D, rate, weight decay, updates before
+        it)`` of each update it commits, what ``row_target`` needs to repeat it elsewhere
+        (the low-rank weight sync: ``placement.lowrank``)."""
 
     # ------------------------------------------------------------------ state
     def init_state_of(self, p: torch.Tensor) -> dict:
@@ -231,9 +243,7 @@ class RowAdam(torch.optim.Optimizer):
         return float(torch.tensor(rate).to(torch.bfloat16))
 
     def _target(self, p, group, lr: float, direction, signs) -> torch.Tensor:
-        """``(1 − lr·λ)·master − lr·D·A``: a new fp32 tensor."""
-        target = self.master_of(p).float().mul(1 - lr * group["weight_decay"])
-        return target.sub_(reconstruct(direction, signs).mul_(lr))
+        return row_target(self.master_of(p), lr, group["weight_decay"], direction, signs)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -243,6 +253,8 @@ class RowAdam(torch.optim.Optimizer):
             target = self._target(p, group, rate, direction, signs)
             if new_v is not None:
                 self.state[p]["exp_avg_sq"].copy_(new_v)
+            if self.recorded is not None:
+                self.recorded.append((p, direction, rate, group["weight_decay"], self.num_steps))
             if p in self.param_remainders:
                 store_master(p, self.param_remainders[p], target)
             else:

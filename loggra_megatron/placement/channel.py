@@ -67,10 +67,14 @@ class Bucket:
 
 @dataclass
 class WeightsEnd:
-    """The sync's last message: the trainer's digest of what it sent, when a checksum is
-    due (None: not this time)."""
+    """The sync's last message: the trainer's digest of all its weights, when a checksum is
+    due (None: not this time); with ``--weight-sync lowrank``, the masters of the sketched
+    weights (the first sync: ``row_masters``) or the row updates committed since the last
+    sync (``row_updates``; the buckets then held the other trained weights only)."""
 
     digest: str | None
+    row_masters: list | None = None
+    row_updates: list | None = None
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loggra_megatron.config import applies, at_least, check_fields, positive
+from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
 
 
 def _disaggregated(settings: dict) -> bool:
@@ -28,6 +28,11 @@ class PlacementConfig:
     """The generation ranks may generate up to this many RL steps ahead of training, with the
     weights of up to this many steps ago (0: lock-step). The loss corrects for the lag with
     --tis-cap's importance weights against the generating policy (docs/losses.md)."""
+    weight_sync: str = applies("full", "with --generation-ranks > 0", _disaggregated)
+    """full: every weight after each update (bucketed, resharded to the generation TP) |
+    lowrank (the backward sketch): the sketched weights as their row updates ``D`` and the
+    projection's draw, which the generation ranks apply to a copy of the masters; the other
+    trained weights in full (docs/placement.md)."""
     weight_sync_check_interval: int = applies(10, "with --generation-ranks > 0", _disaggregated)
     """Every this many weight syncs, the generation ranks compare a checksum of their weights
     with the trainer's and the run stops on a mismatch (``sync/checksum_ok``)."""
@@ -44,6 +49,7 @@ class PlacementConfig:
                 ("generation_ranks", at_least(0), ">= 0 (0: generation on the training ranks)"),
                 ("generation_tensor_model_parallel_size", positive, ">= 1"),
                 ("max_policy_lag", at_least(0), ">= 0 (0: lock-step)"),
+                ("weight_sync", one_of("full", "lowrank"), "one of full, lowrank"),
                 ("weight_sync_check_interval", positive, ">= 1"),
                 ("weight_sync_bucket_mb", positive, ">= 1"),
                 ("generation_timeout_minutes", lambda v: v > 0, "> 0"),

@@ -22,18 +22,15 @@ import time
 import torch.distributed as dist
 
 from loggra_megatron.placement.channel import (
-    Bucket,
     Channel,
     Generate,
     GenerationStopped,
     PeerLost,
     Rollouts,
     Stop,
-    Weights,
-    WeightsEnd,
     rollout_on,
 )
-from loggra_megatron.placement.weights import digest, pack_buckets
+from loggra_megatron.placement.weight_sender import WeightSender
 
 __all__ = ["RemoteEngine", "generate_remotely"]
 
@@ -46,12 +43,12 @@ class RemoteEngine:
         self,
         engine,
         channel: Channel | None,
-        model_args,
+        sender: WeightSender,
         placement_cfg,
         weights_version,
         gather_weights,
     ):
-        self.engine, self.channel, self.model_args = engine, channel, model_args
+        self.engine, self.channel, self.sender = engine, channel, sender
         self.cfg = placement_cfg
         self.weights_version = weights_version
         """``() -> int``: the version of the trainer's weights (its RL steps done: weights
@@ -88,47 +85,13 @@ class RemoteEngine:
             return
         t0 = time.perf_counter()
         self.gather_weights()
-        sent = self._send_weights(self.policy, version, check=self._check_due())
+        sent, failure = self.sender.send(self.policy, version, check=self._check_due())
+        _share_failure(failure)
         self.synced_version, self.syncs = version, self.syncs + 1
         self.last_sync = {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - t0}
 
     def _check_due(self) -> bool:
         return self.syncs % self.cfg.weight_sync_check_interval == 0
-
-    def _send_weights(self, policy, version: int, check: bool) -> int:
-        """Gathers the weights on data-parallel replica 0 (TP collective) and the leader
-        sends them; returns the bytes sent (0 off the leader)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.utils import unwrap_model
-
-        from loggra_megatron.convert.megatron_to_hf import iter_hf_tensors
-
-        failure = None
-        sent = 0
-        if ps.get_data_parallel_rank() == 0:
-            tensors = iter_hf_tensors(unwrap_model(policy), self.model_args)
-            if self.channel is None:
-                for _ in tensors:  # the TP collective; TP rank 0 of replica 0 is the leader
-                    pass
-            else:
-                failure = self._stream(tensors, version, check)
-                sent = self.channel.bytes_sent - self._bytes_before
-        _share_failure(failure)
-        return sent
-
-    def _stream(self, tensors, version: int, check: bool) -> str | None:
-        channel, kept = self.channel, []
-        self._bytes_before = channel.bytes_sent
-        bucket_bytes = self.cfg.weight_sync_bucket_mb * 2**20
-        try:
-            channel.send(Weights(version))
-            for specs, raw in pack_buckets(_keep(tensors, kept, check), bucket_bytes):
-                channel.send(Bucket(specs, raw.numel()))
-                channel.send_tensor(raw)
-            channel.send(WeightsEnd(digest(kept) if check else None))
-        except PeerLost as e:
-            return str(e)
-        return None
 
     def submit(self, policy, prompts: list[list[int]], request) -> None:
         """Send this DP rank's ``prompts`` ahead, with the current weights (collective); a
@@ -214,13 +177,6 @@ def _timing(reply: Rollouts, step: int, waited: float) -> dict[str, float]:
     }
 
 
-def _keep(tensors, kept: list, check: bool):
-    for name, t in tensors:
-        if check:
-            kept.append((name, t))
-        yield name, t
-
-
 def _share_failure(failure: str | None) -> None:
     """Every training rank learns the leader's failure (collective); raises it."""
     box = [failure]
@@ -243,8 +199,9 @@ def generate_remotely(experience, stepper, channel, model_args, cfg, weights_ver
         if not stepper.commit_syncs_weights:
             stepper.sync_model_weights()
 
+    sender = WeightSender(channel, model_args, cfg.placement, stepper.optimizer)
     remote = RemoteEngine(
-        experience.engine, channel, model_args, cfg.placement, weights_version, gather_weights
+        experience.engine, channel, sender, cfg.placement, weights_version, gather_weights
     )
     experience.engine = remote
     gen_tp = cfg.placement.generation_tp(cfg.parallel.tensor_model_parallel_size)

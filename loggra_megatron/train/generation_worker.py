@@ -36,6 +36,7 @@ from loggra_megatron.placement.channel import (
     WeightsEnd,
     rollout_on,
 )
+from loggra_megatron.placement.lowrank import Shadows
 from loggra_megatron.placement.weights import TensorDict, digest, unpack_buckets
 
 __all__ = ["GenerationWorker"]
@@ -71,6 +72,9 @@ class GenerationWorker:
         )
         self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.shadows = Shadows(
+            self.model_args, cfg.parallel.tensor_model_parallel_size, self.device
+        )
         return self
 
     def serve(self) -> None:
@@ -109,9 +113,10 @@ class GenerationWorker:
         return message
 
     def _load_weights(self) -> None:
+        """The buckets that follow, then ``WeightsEnd``: the weights they hold into the
+        model; with the low-rank sync, the shadows started (the first sync) or advanced and
+        the sketched weights they changed into the model too."""
         from megatron.core.utils import unwrap_model
-
-        from loggra_megatron.convert.hf_to_megatron import load_hf_into_megatron
 
         tensors = {}
         while True:
@@ -119,8 +124,12 @@ class GenerationWorker:
             if isinstance(message, WeightsEnd):
                 break
             tensors.update(unpack_buckets(message.specs, self._bucket(message)))
+        if message.row_masters is not None:
+            self.shadows.start(tensors, message.row_masters)
+        if message.row_updates is not None:
+            tensors.update(self.shadows.advance(message.row_updates))
         model = unwrap_model(self.policy)
-        load_hf_into_megatron(model, TensorDict(tensors), self.model_args)
+        _load_present(model, tensors, self.model_args)
         del tensors
         if message.digest is not None:
             self._check(model, message.digest)
@@ -176,3 +185,19 @@ class GenerationWorker:
             except PeerLost as e:
                 raise GenerationStopped(str(e)) from None
         self.idle_since = time.perf_counter()
+
+
+def _load_present(model, tensors: dict, args) -> None:
+    """This rank's shard of every parameter whose Hugging Face tensors are all in
+    ``tensors`` (a full sync holds them all; a low-rank one the trained weights)."""
+    from megatron.core import parallel_state as ps
+
+    from loggra_megatron.convert.mapping import megatron_local_from_hf, param_mapping
+
+    src = TensorDict(tensors)
+    tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            mapping = param_mapping(name, args)
+            if all(n in tensors for n in mapping.hf_names):
+                param.copy_(megatron_local_from_hf(mapping, src, args, tp, tp_size))

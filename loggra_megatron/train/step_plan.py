@@ -111,6 +111,8 @@ class StepPlan:
     """GPUs that only generate (``--generation-ranks``; not in the TP × PP × DP grid)."""
     generation_tensor_model_parallel_size: int = 1
     """Their TP size (``--generation-tensor-model-parallel-size``)."""
+    weight_sync: str = "full"
+    """``--weight-sync``: with ``lowrank`` the generation ranks keep the trainer's masters."""
 
     @classmethod
     def of(cls, cfg: RunConfig, cuda: bool) -> StepPlan:
@@ -183,6 +185,7 @@ class StepPlan:
             generation_tensor_model_parallel_size=cfg.placement.generation_tp(
                 cfg.parallel.tensor_model_parallel_size
             ),
+            weight_sync=cfg.placement.weight_sync,
         )
 
     @property

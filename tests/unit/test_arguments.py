@@ -27,6 +27,7 @@ BASES = [
 base where its own condition is false)."""
 CHOICES = {
     "loggra_projection": "random",
+    "weight_sync": "lowrank",
     "loggra_sketch": "gradient",
     "loggra_targets": "linear_qkv",
     "loggra_sketch_matrix": "gaussian",

@@ -49,6 +49,17 @@ def test_data_parallel_size_counts_the_training_ranks_only(tokenizer):
         ({"weight-sync-check-interval": 5}, 2, "--weight-sync-check-interval=5: applies with"),
         ({"max-policy-lag": 1}, 2, "--max-policy-lag=1: applies with --generation-ranks > 0"),
         (
+            {"generation-ranks": 1, "weight-sync": "lowrank", "optimizer": "adam"},
+            3,
+            "--weight-sync: lowrank sends the backward sketch's row updates; it needs "
+            "--optimizer loggra --loggra-sketch backward",
+        ),
+        (
+            {"generation-ranks": 1, "weight-sync": "lowrank"},  # tiny_argv: the gradient sketch
+            3,
+            "--weight-sync: lowrank sends the backward sketch's row updates",
+        ),
+        (
             {"generation-ranks": 1, "max-policy-lag": 1},
             3,
             "--max-policy-lag: rollouts up to 1 steps old need the importance weights against "

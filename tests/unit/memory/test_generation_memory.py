@@ -40,3 +40,32 @@ def test_a_generation_gpu_holds_weights_at_its_tp_and_its_share_of_the_rollout()
     assert gen.grads == gen.master_params == gen.optimizer_state == gen.activations == 0
     assert gen.kv_cache == kv_cache_bytes(MODEL, g, 16, g.seq_length)
     assert gen.peak_phase == "rollout"
+
+
+def test_a_lowrank_sync_sends_r_columns_of_fp32_per_sketched_row():
+    from loggra_megatron.memory.backward_sketch import target_of
+    from loggra_megatron.memory.model import weight_sync_bytes
+
+    step = plan(optimizer="loggra", loggra_sketch="backward", precision="bf16")
+    params = stage_parameters(MODEL, step, 0)
+    targets = [s for s in params if s.kind == "linear" and target_of(s) in step.loggra_targets]
+    rest = sum(s.numel for s in params if s not in targets)
+    sync = weight_sync_bytes(MODEL, step, rank=4)
+    assert sync["full"] == sum(s.numel for s in params) * 2
+    assert sync["lowrank"] == sum(s.shape[0] for s in targets) * 4 * 4 + rest * 2
+    frozen = weight_sync_bytes(MODEL, dataclasses.replace(step, freeze_non_targets=True), rank=4)
+    assert frozen["lowrank"] == sum(s.shape[0] for s in targets) * 4 * 4
+
+
+def test_the_lowrank_sync_state_is_counted_on_the_generation_gpu():
+    step = plan(
+        optimizer="loggra", loggra_sketch="backward", precision="bf16", rollout_batch_size=4
+    )
+    step = dataclasses.replace(step, generation_ranks=1, generation_tensor_model_parallel_size=1)
+    full = estimate_generation_memory(MODEL, step)
+    low = estimate_generation_memory(MODEL, dataclasses.replace(step, weight_sync="lowrank"))
+    rem = estimate_generation_memory(
+        MODEL, dataclasses.replace(step, weight_sync="lowrank", loggra_param_remainders=True)
+    )
+    assert full.sync_state == 0 and low.sync_state == 3 * rem.sync_state // 2 > 0
+    assert low.total_bytes == full.total_bytes + low.sync_state
