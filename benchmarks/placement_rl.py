@@ -1,7 +1,8 @@
 """Generation on ranks of its own against the colocated loop, on the tiny CPU example:
 colocated (2 ranks, DP = 2), lock-step generation ranks (2 training ranks + 1 generation rank,
-``--generation-ranks 1``) and one step ahead (``--max-policy-lag 1``), over seeds, side by
-side in one invocation.
+``--generation-ranks 1``), one step ahead (``--max-policy-lag 1``), and one step ahead with
+the low-rank weight sync (``--weight-sync lowrank``), over seeds, side by side in one
+invocation.
 
     python benchmarks/placement_rl.py --out runs/placement            # runs + table
     python benchmarks/placement_rl.py --out runs/placement --summarize
@@ -35,6 +36,10 @@ ARMS = {
     "colocated": (2, []),
     "generation ranks, lock-step": (3, ["--generation-ranks", "1"]),
     "generation ranks, one step ahead": (3, ["--generation-ranks", "1", "--max-policy-lag", "1"]),
+    "generation ranks, one step ahead, low-rank sync": (
+        3,
+        ["--generation-ranks", "1", "--max-policy-lag", "1", "--weight-sync", "lowrank"],
+    ),
 }
 """Each arm's processes and flags."""
 

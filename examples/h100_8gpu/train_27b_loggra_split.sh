@@ -2,9 +2,10 @@
 # The 27B GRPO run of train_27b_loggra.sh split as the LoGRA paper's own 27B run was: 4 GPUs
 # of the node train (TP=4, sequence parallelism) and the other 4 generate
 # (--generation-ranks 4 --generation-tensor-model-parallel-size 4: one replica), in lock-step,
-# with the trainer's weights synced to them after every update (docs/placement.md). The
-# training GPUs hold no KV cache; the generation GPUs hold no gradient, master or optimizer
-# state.
+# with the trainer's weights synced to them after every update as the backward sketch's row
+# updates (--weight-sync lowrank; docs/placement.md). The training GPUs hold no KV cache; the
+# generation GPUs hold no gradient or optimizer state, and a copy of the masters of their
+# shards of the sketched weights.
 #
 # Expected memory per GPU, from the project's estimator (a model, not a measurement;
 # docs/memory.md), for the flags below:
@@ -12,7 +13,7 @@
 #   python tools/estimate_memory.py --hf-config tools/configs/llama-style-27b.json \
 #       --world-size 8 --gpu-memory-gb 79.1 --expandable-segments --no-nccl-nvls \
 #       --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --generation-ranks 4 \
-#       --generation-tensor-model-parallel-size 4 --bf16 --fp8-format hybrid \
+#       --generation-tensor-model-parallel-size 4 --weight-sync lowrank --bf16 --fp8-format hybrid \
 #       --fp8-recipe tensorwise --transformer-impl transformer_engine --sequence-parallel \
 #       --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \
 #       --seq-length 16384 --max-new-tokens 15360 --rollout-engine auto \
@@ -26,9 +27,10 @@
 # 131.74 ("NO (over by 52.64)"). LoGRA's static 44.34 (weights 12.57 + FP8 weight cache 11.95
 # + grads 1.23 + masters 12.57 + optimizer state 2.46 + sketch buffer 0.70 + runtime 2.00 +
 # NCCL 0.86); its peak phase is predicted-KL control, 15.76, of which 12.57 is the backup of
-# the weights a trial overwrites (the next term to remove). The generation GPUs: 56.19 each
-# (weights 12.57, FP8 weight cache 5.98, KV cache 32.00 for the 524288-token budget at TP=4,
-# prefill 2.76).
+# the weights a trial overwrites (the next term to remove). The generation GPUs: 68.15 each
+# (weights 12.57, FP8 weight cache 5.98, the low-rank sync's copy of the masters 11.95, KV
+# cache 32.00 for the 524288-token budget at TP=4, prefill 2.76). A weight sync after the
+# first sends 4.32 GiB, against 50.26 for a full one.
 # Colocated (--generation-ranks 0 --world-size 4: the same 4 GPUs also generate) it prints
 # 79.13: the KV cache, 32.00, and the prefill, 2.76, are then on the training GPUs.
 #
@@ -53,7 +55,7 @@ LOAD="$CKPT"
 torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --load "$LOAD" --tokenizer-model "$TOKENIZER" --data-path "$DATA" \
     --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 \
-    --generation-ranks 4 --generation-tensor-model-parallel-size 4 \
+    --generation-ranks 4 --generation-tensor-model-parallel-size 4 --weight-sync lowrank \
     --bf16 --fp8-format hybrid --fp8-recipe tensorwise --transformer-impl transformer_engine \
     --sequence-parallel \
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \

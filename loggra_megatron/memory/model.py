@@ -274,22 +274,26 @@ def estimate_generation_memory(
 
 
 def _shadow_bytes(model: TransformerShape, plan: StepPlan) -> int:
-    """``--weight-sync lowrank``'s state on every generation GPU (``placement.lowrank``):
-    every sketched weight of the whole model in the trainer's layout, in the model's dtype,
-    and its master (4 bytes with fp32 masters, 2 with remainders, none for fp32 weights)."""
+    """``--weight-sync lowrank``'s state on a generation GPU (``placement.lowrank.Shadows``):
+    the masters of the sketched weights (4 bytes with fp32 masters, 2 with remainders, none
+    for fp32 weights); with the training TP size, this rank's shards only (the weights are
+    the model's own), else every sketched weight of the whole model and its weight in the
+    trainer's layout too."""
     from loggra_megatron.memory.backward_sketch import target_of
 
-    whole = dataclasses.replace(
-        plan, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False
+    tp = plan.generation_tensor_model_parallel_size
+    local = tp == plan.tensor_model_parallel_size
+    layout = dataclasses.replace(
+        plan,
+        tensor_model_parallel_size=tp if local else 1,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
     )
     names, w = set(plan.loggra_targets), param_dtype_bytes(plan)
-    numel = sum(
-        s.numel
-        for s in stage_parameters(model, whole, 0)
-        if s.kind == "linear" and target_of(s) in names
-    )
+    params = stage_parameters(model, layout, 0)
+    numel = sum(s.numel for s in params if s.kind == "linear" and target_of(s) in names)
     master = 0 if w == 4 else 2 if plan.loggra_param_remainders else 4
-    return numel * (w + master)
+    return numel * (master if local else w + master)
 
 
 def weight_sync_bytes(model: TransformerShape, plan: StepPlan, rank: int) -> dict[str, int]:

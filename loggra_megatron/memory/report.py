@@ -55,7 +55,7 @@ LABELS = {
     "adam_temporaries": "optimizer: Adam temporaries",
     "sketch_step": "optimizer: sketch step",
     "checkpoint_save": "checkpoint: fp32 of a bucket",
-    "sync_state": "low-rank sync: trainer's weights + masters",
+    "sync_state": "low-rank sync: the trainer's masters",
 }
 
 

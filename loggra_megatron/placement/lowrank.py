@@ -138,34 +138,55 @@ def apply_row_updates(shadows: dict, updates: list[RowUpdate]) -> set[str]:
 
 
 class Shadows:
-    """The generation side's ``TargetShadow`` of every sketched weight and training TP rank
-    (every generation rank keeps them all), made from the first sync and advanced by the
-    row updates of every later one."""
+    """The generation side's ``TargetShadow`` of the sketched weights, made from the first
+    sync and advanced by the row updates of every later one.
 
-    def __init__(self, model_args, training_tp: int, device):
+    When the generation TP size is the training one (``local``: this rank's unwrapped model
+    and TP rank), a rank's shards are laid out as the trainer's TP rank of the same index:
+    it keeps only those, and their weight is the model's own parameter, so an update lands
+    in the model directly and the copy costs the masters alone. Otherwise every rank keeps
+    every shard in the trainer's layout and returns the changed weights as Hugging Face
+    tensors, to be resharded."""
+
+    def __init__(self, model_args, training_tp: int, device, local=None):
         self.args, self.training_tp, self.device = model_args, training_tp, device
+        self.local = local
         self.shadows: dict[tuple[str, int], TargetShadow] = {}
 
     def start(self, tensors: dict[str, torch.Tensor], masters: list[RowMaster]) -> None:
-        """Each sketched weight's shards in the trainer's layout, cut from the full sync's
-        Hugging Face ``tensors``, with the trainer's masters."""
+        """Each sketched weight's shards with the trainer's masters: this rank's parameters
+        (``local``; loaded from the sync already), or cut from the sync's Hugging Face
+        ``tensors`` in the trainer's layout."""
         from loggra_megatron.convert.mapping import megatron_local_from_hf, param_mapping
         from loggra_megatron.placement.weights import TensorDict
 
         self.shadows.clear()
         src = TensorDict(tensors)
+        params = dict(self.local[0].named_parameters()) if self.local else {}
         for m in masters:
             key = (m.name, m.tp_rank)
+            if self.local and m.tp_rank != self.local[1]:
+                continue
             if key not in self.shadows:
-                mapping = param_mapping(m.name, self.args)
-                shard = megatron_local_from_hf(mapping, src, self.args, m.tp_rank, self.training_tp)
-                self.shadows[key] = TargetShadow(shard.to(self.device).clone(), m.storage)
+                if self.local:
+                    weight = params[m.name].data
+                else:
+                    mapping = param_mapping(m.name, self.args)
+                    shard = megatron_local_from_hf(
+                        mapping, src, self.args, m.tp_rank, self.training_tp
+                    )
+                    weight = shard.to(self.device).clone()
+                self.shadows[key] = TargetShadow(weight, m.storage)
             self.shadows[key].set_master(m.lo, m.hi, m.master)
 
     def advance(self, updates: list[RowUpdate]) -> dict[str, torch.Tensor]:
-        """Apply ``updates``; the Hugging Face tensors of the weights they changed (CPU)."""
+        """Apply ``updates``; the Hugging Face tensors of the weights they changed (CPU;
+        none with ``local``: the model's parameters changed in place)."""
         from loggra_megatron.convert.mapping import hf_tensors_from_megatron, param_mapping
 
+        if self.local:
+            apply_row_updates(self.shadows, [u for u in updates if u.tp_rank == self.local[1]])
+            return {}
         out = {}
         for name in sorted(apply_row_updates(self.shadows, updates)):
             shards = [self.shadows[(name, t)].weight.cpu() for t in range(self.training_tp)]

@@ -56,6 +56,7 @@ class GenerationWorker:
 
     def setup(self) -> GenerationWorker:
         from megatron.core import parallel_state as ps
+        from megatron.core.utils import unwrap_model
 
         from loggra_megatron.parallel import initialize_megatron
         from loggra_megatron.rollout.protocol import EngineTarget
@@ -72,9 +73,9 @@ class GenerationWorker:
         )
         self.replica, self.replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.shadows = Shadows(
-            self.model_args, cfg.parallel.tensor_model_parallel_size, self.device
-        )
+        training_tp = cfg.parallel.tensor_model_parallel_size
+        local = (unwrap_model(self.policy), self.tp_rank) if tp == training_tp else None
+        self.shadows = Shadows(self.model_args, training_tp, self.device, local)
         return self
 
     def serve(self) -> None:
@@ -124,12 +125,12 @@ class GenerationWorker:
             if isinstance(message, WeightsEnd):
                 break
             tensors.update(unpack_buckets(message.specs, self._bucket(message)))
-        if message.row_masters is not None:
-            self.shadows.start(tensors, message.row_masters)
         if message.row_updates is not None:
             tensors.update(self.shadows.advance(message.row_updates))
         model = unwrap_model(self.policy)
         _load_present(model, tensors, self.model_args)
+        if message.row_masters is not None:
+            self.shadows.start(tensors, message.row_masters)
         del tensors
         if message.digest is not None:
             self._check(model, message.digest)

@@ -622,7 +622,8 @@ def test_27b_split_header_quotes_its_estimate_command(cli, estimator_flags, caps
     colocated = without(
         without(argv, "--generation-ranks", 1), "--generation-tensor-model-parallel-size", 1
     )
-    colocated = [*without(colocated, "--world-size", 1), "--world-size", "4"]
+    colocated = [*without(without(colocated, "--weight-sync", 1), "--world-size", 1)]
+    colocated += ["--world-size", "4"]
     comment = text.split("prints (GiB per training GPU)", 1)[1].split("\n#\n# Inputs", 1)[0]
     split, together = comment.split("\n# Colocated", 1)
     assert_quotes(split, printed(cli, capsys, argv), "split header")
@@ -631,4 +632,5 @@ def test_27b_split_header_quotes_its_estimate_command(cli, estimator_flags, caps
     assert res["loggra"]["fits"] and not res["adam"]["fits"]
     assert res["loggra"]["kv_cache"] == 0 and res["generation"]["kv_cache"] > 0
     assert res["generation"]["fits"] and res["generation"]["master_params"] == 0
+    assert res["generation"]["sync_state"] > 0  # the low-rank sync's copy of the masters
     assert _estimate(cli, capsys, colocated)["loggra"]["total"] > res["loggra"]["total"]

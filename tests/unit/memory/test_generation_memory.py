@@ -67,5 +67,11 @@ def test_the_lowrank_sync_state_is_counted_on_the_generation_gpu():
     rem = estimate_generation_memory(
         MODEL, dataclasses.replace(step, weight_sync="lowrank", loggra_param_remainders=True)
     )
-    assert full.sync_state == 0 and low.sync_state == 3 * rem.sync_state // 2 > 0
+    assert full.sync_state == 0 and low.sync_state == 2 * rem.sync_state > 0  # masters only
     assert low.total_bytes == full.total_bytes + low.sync_state
+    # another TP size than the trainer's: every shard, weights too, in the trainer's layout
+    other = dataclasses.replace(
+        step, weight_sync="lowrank", generation_tensor_model_parallel_size=2
+    )
+    other = dataclasses.replace(other, generation_ranks=2)
+    assert estimate_generation_memory(MODEL, other).sync_state == 3 * low.sync_state // 2
