@@ -1,6 +1,7 @@
 """Generation on ranks of its own (``--generation-ranks``): the roles and their process
 groups (``groups``), the channel between the two leaders (``channel``), the weight sync
-(``weights``), the trainer's side (``remote``) and the generation ranks' loop (``worker``).
+(``weights``, ``weight_sender``; low-rank: ``row_records``, ``lowrank``) and the trainer's
+side (``remote``); the generation ranks' loop is ``train.generation_worker``.
 docs/placement.md."""
 
 from loggra_megatron.placement.config import PlacementConfig

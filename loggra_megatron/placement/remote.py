@@ -9,9 +9,12 @@ answer with its world, one failure included (every training rank then ends with 
 message, naming the generation side).
 
 The weights the generation ranks sample with are the trainer's weights after its last
-committed update: ``sync_weights`` runs before each rollout and sends them when an update
-was committed since the last sync (a trial of predicted-KL control that is not committed
-leaves the weights, and so the version, as they were).
+committed update: right before a request is sent (``generate``, or ``submit`` ahead of
+training with ``--max-policy-lag``), the weights go first when an update was committed since
+the last sync (``placement.weight_sender``: in full, or as the backward sketch's row updates).
+A trial of predicted-KL control that is not committed leaves the weights, and so their
+version, as they were. Each reply names the version that generated it
+(``rollout/policy_lag``).
 """
 
 from __future__ import annotations

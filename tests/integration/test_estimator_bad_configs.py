@@ -31,15 +31,16 @@ def _estimate(tmp_path, config_text: str, *extra):
 @pytest.mark.parametrize(
     ("config", "needle"),
     [
-        ({**BASE, "num_attention_heads": 0}, "num_attention_heads must be a positive int"),
-        ({**BASE, "num_key_value_heads": 0}, "num_query_groups (key/value heads) must be"),
-        ({**BASE, "hidden_size": "3584"}, "hidden_size must be a positive int, got '3584'"),
-        ({**BASE, "hidden_size": 1e30}, "hidden_size must be a positive int"),
+        ({**BASE, "num_attention_heads": 0}, "num_attention_heads=0 must be a whole number"),
+        ({**BASE, "num_key_value_heads": 0}, "num_key_value_heads=0 must be a whole number"),
+        ({**BASE, "hidden_size": "3584"}, "hidden_size='3584' must be a whole number"),
+        ({**BASE, "hidden_size": 1e30}, "hidden_size=1e+30 must be a whole number"),
         ({**BASE, "rms_norm_eps": 2.0}, "norm_epsilon must be in (0, 1)"),
         ([1, 2], "holds a JSON object, not a list"),
-        ({**BASE, "num_hidden_layers": 100000}, "num_layers must be at most 4096"),
+        ({**BASE, "num_hidden_layers": 5000}, "num_layers must be at most 4096"),
+        ({**BASE, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true"),
     ],
-    ids=["heads0", "kv-heads0", "string", "huge", "eps", "list", "layers"],
+    ids=["heads0", "kv-heads0", "string", "huge", "eps", "list", "layers", "tied-string"],
 )
 def test_a_garbage_config_exits_2_naming_the_field(tmp_path, config, needle):
     t0 = time.perf_counter()
@@ -50,8 +51,14 @@ def test_a_garbage_config_exits_2_naming_the_field(tmp_path, config, needle):
 
 
 def test_a_nan_rope_theta_is_refused(tmp_path):
-    r = _estimate(tmp_path, json.dumps(BASE)[:-1] + ', "rope_theta": NaN}')
+    rest = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    r = _estimate(tmp_path, json.dumps(rest)[:-1] + ', "rope_theta": NaN}')
     assert r.returncode == 2 and "rotary_base must be a finite positive number" in r.stderr
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    r = _estimate(tmp_path, json.dumps(BASE)[:-1] + ', "hidden_size": 4096}')
+    assert r.returncode == 2 and "key 'hidden_size' appears twice" in r.stderr, r.stderr
 
 
 def test_sequence_packing_says_why_it_changes_no_term(tmp_path):

@@ -32,7 +32,13 @@ LOCKSTEP = {
     "kl-coef": 0.01,
     "kl-target": 0.002,  # below the predicted KL of every step: each is shrunk
 }
-PLACEMENT_KEYS = ("sync/", "time/training_idle_s", "time/generation_idle_s")
+PLACEMENT_KEYS = (
+    "sync/",
+    "time/training_idle_s",
+    "time/generation_idle_s",
+    "time/generation_hidden_fraction",
+    "rollout/policy_lag",
+)
 VOLATILE = ("time/", "throughput/", "memory/peak")
 
 
