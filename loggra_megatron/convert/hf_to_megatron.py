@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -81,8 +81,11 @@ def load_hf_into_megatron(
     tp_rank: int | None = None,
     tp_size: int | None = None,
     log: Callable[[str], None] | None = None,
+    available: Collection[str] | None = None,
 ) -> None:
-    """Copy this rank's shard of every parameter of ``model`` from the HF tensors in ``src``.
+    """Copy this rank's shard of every parameter of ``model`` from the HF tensors in ``src``
+    (with ``available``, the names ``src`` holds: only the parameters whose HF tensors are
+    all among them; the others keep their values).
 
     TP rank/size default to ``megatron.core.parallel_state``. Raises ``ValueError`` naming
     both tensors if a converted shard does not match the Megatron parameter's shape.
@@ -97,6 +100,8 @@ def load_hf_into_megatron(
     last_layer = None
     for i, (name, param) in enumerate(params):
         mapping = param_mapping(name, args, offset)
+        if available is not None and not all(n in available for n in mapping.hf_names):
+            continue
         local = megatron_local_from_hf(mapping, src, args, tp_rank, tp_size)
         if tuple(local.shape) != tuple(param.shape):
             raise ValueError(

@@ -273,47 +273,44 @@ def estimate_generation_memory(
     )
 
 
+def _sketched_and_rest(model: TransformerShape, plan: StepPlan, tp: int):
+    """``(sketched weights, every other parameter)`` of one TP rank of the whole model (one
+    pipeline stage) at TP size ``tp``."""
+    from loggra_megatron.memory.backward_sketch import target_of
+
+    layout = dataclasses.replace(
+        plan, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False
+    )
+    params, names = stage_parameters(model, layout, 0), set(plan.loggra_targets)
+    sketched = [s for s in params if s.kind == "linear" and target_of(s) in names]
+    return sketched, [s for s in params if s not in sketched]
+
+
 def _shadow_bytes(model: TransformerShape, plan: StepPlan) -> int:
     """``--weight-sync lowrank``'s state on a generation GPU (``placement.lowrank.Shadows``):
     the masters of the sketched weights (4 bytes with fp32 masters, 2 with remainders, none
     for fp32 weights); with the training TP size, this rank's shards only (the weights are
     the model's own), else every sketched weight of the whole model and its weight in the
     trainer's layout too."""
-    from loggra_megatron.memory.backward_sketch import target_of
-
     tp = plan.generation_tensor_model_parallel_size
     local = tp == plan.tensor_model_parallel_size
-    layout = dataclasses.replace(
-        plan,
-        tensor_model_parallel_size=tp if local else 1,
-        pipeline_model_parallel_size=1,
-        sequence_parallel=False,
-    )
-    names, w = set(plan.loggra_targets), param_dtype_bytes(plan)
-    params = stage_parameters(model, layout, 0)
-    numel = sum(s.numel for s in params if s.kind == "linear" and target_of(s) in names)
+    sketched, _ = _sketched_and_rest(model, plan, tp if local else 1)
+    w = param_dtype_bytes(plan)
     master = 0 if w == 4 else 2 if plan.loggra_param_remainders else 4
-    return numel * (master if local else w + master)
+    return sum(s.numel for s in sketched) * (master if local else w + master)
 
 
 def weight_sync_bytes(model: TransformerShape, plan: StepPlan, rank: int) -> dict[str, int]:
     """Bytes of one weight sync after the first (``--generation-ranks``): ``full``, every
     weight in the model's dtype; ``lowrank``, each sketched weight's row factor ``D``
     (``rows × r`` fp32, rank ``rank``) and the other trained weights in full (none with
-    ``--freeze-non-targets``). The whole model: TP = PP = 1, every weight once."""
-    from loggra_megatron.memory.backward_sketch import target_of
-
-    whole = dataclasses.replace(
-        plan, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False
-    )
-    params, w = stage_parameters(model, whole, 0), param_dtype_bytes(plan)
-    names = set(plan.loggra_targets)
-    targets = [s for s in params if s.kind == "linear" and target_of(s) in names]
-    rest = [s for s in params if s not in targets]
+    ``--freeze-non-targets``). The whole model: every weight once."""
+    sketched, rest = _sketched_and_rest(model, plan, 1)
+    w = param_dtype_bytes(plan)
     dense = 0 if plan.freeze_non_targets else sum(s.numel for s in rest) * w
     return {
-        "full": sum(s.numel for s in params) * w,
-        "lowrank": sum(s.shape[0] for s in targets) * rank * 4 + dense,
+        "full": sum(s.numel for s in sketched + rest) * w,
+        "lowrank": sum(s.shape[0] for s in sketched) * rank * 4 + dense,
     }
 
 

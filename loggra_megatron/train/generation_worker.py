@@ -119,6 +119,8 @@ class GenerationWorker:
         the sketched weights they changed into the model too."""
         from megatron.core.utils import unwrap_model
 
+        from loggra_megatron.convert.hf_to_megatron import load_hf_into_megatron
+
         tensors = {}
         while True:
             message = self._next()
@@ -128,7 +130,7 @@ class GenerationWorker:
         if message.row_updates is not None:
             tensors.update(self.shadows.advance(message.row_updates))
         model = unwrap_model(self.policy)
-        _load_present(model, tensors, self.model_args)
+        load_hf_into_megatron(model, TensorDict(tensors), self.model_args, available=tensors)
         if message.row_masters is not None:
             self.shadows.start(tensors, message.row_masters)
         del tensors
@@ -186,19 +188,3 @@ class GenerationWorker:
             except PeerLost as e:
                 raise GenerationStopped(str(e)) from None
         self.idle_since = time.perf_counter()
-
-
-def _load_present(model, tensors: dict, args) -> None:
-    """This rank's shard of every parameter whose Hugging Face tensors are all in
-    ``tensors`` (a full sync holds them all; a low-rank one the trained weights)."""
-    from megatron.core import parallel_state as ps
-
-    from loggra_megatron.convert.mapping import megatron_local_from_hf, param_mapping
-
-    src = TensorDict(tensors)
-    tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            mapping = param_mapping(name, args)
-            if all(n in tensors for n in mapping.hf_names):
-                param.copy_(megatron_local_from_hf(mapping, src, args, tp, tp_size))
