@@ -176,7 +176,7 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
     capability, the engine's kernels)."""
     m, p, lg, opt = cfg.model, cfg.parallel, cfg.loggra, cfg.optimizer
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    placement = next(_placement_problems(cfg, tp, pp), None)
+    placement = next(_placement_problems(cfg, tp), None)
     if placement:
         yield placement
         return
@@ -215,7 +215,7 @@ def _cross_section_problems(cfg: RunConfig, here: bool):
     yield from _rollout_engine_problems(cfg, here)
 
 
-def _placement_problems(cfg: RunConfig, tp: int, pp: int):
+def _placement_problems(cfg: RunConfig, tp: int):
     """``--generation-ranks`` leaves training ranks, and the generation TP size splits the
     generation ranks and the model."""
     pl = cfg.placement
@@ -227,11 +227,6 @@ def _placement_problems(cfg: RunConfig, tp: int, pp: int):
             "leaves none to train; use fewer, or launch more ranks (torchrun --nproc-per-node)"
         )
         return
-    if pp > 1:
-        yield (
-            "--generation-ranks: the weight sync to generation ranks reads a training policy "
-            "of one pipeline stage; use --pipeline-model-parallel-size 1 with it"
-        )
     gen_tp = pl.generation_tp(tp)
     if pl.generation_ranks % gen_tp:
         yield (

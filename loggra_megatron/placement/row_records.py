@@ -26,11 +26,22 @@ def start_recording(leaf) -> None:
 
 
 def _names(leaf) -> dict[int, str]:
-    """``{id(weight): Megatron name}`` of the model chunk's parameters."""
+    """``{id(weight): Megatron name of the whole model}`` of the model chunk's parameters
+    (a pipeline stage's layer indices made global)."""
     from megatron.core.utils import unwrap_model
 
+    from loggra_megatron.convert.hf_to_megatron import layer_offset
+
     chunk = unwrap_model(leaf.model_chunks[0])
-    return {id(p): name for name, p in chunk.named_parameters()}
+    offset = layer_offset(chunk)
+
+    def global_name(name: str) -> str:
+        parts = name.split(".")
+        if name.startswith("decoder.layers.") and offset:
+            parts[2] = str(int(parts[2]) + offset)
+        return ".".join(parts)
+
+    return {id(p): global_name(name) for name, p in chunk.named_parameters()}
 
 
 def take_row_updates(leaf, tp_rank: int) -> list[RowUpdate]:

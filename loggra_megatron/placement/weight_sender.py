@@ -71,17 +71,36 @@ class WeightSender:
         dist.gather_object(mine, gathered, dst=0)
         return None if gathered is None else [r for part in gathered for r in part]
 
-    def _stream(self, model, version, check, full, select, records) -> str | None:
-        """Iterates the weights (a TP collective on data-parallel replica 0); the leader
-        sends them, then the records and the digest."""
+    def _hf_tensors(self, model, select):
+        """The Hugging Face tensors of every pipeline stage, in stage order, on the leader;
+        elsewhere an iterator that takes part in the gathers and yields nothing (exhaust
+        it). One stage: streamed (a TP collective per parameter); several: each stage's
+        TP rank 0 gathers its stage's tensors to the leader (host copies)."""
+        from megatron.core import parallel_state as ps
+
         from loggra_megatron.convert.megatron_to_hf import iter_hf_tensors
 
-        tensors, kept = iter_hf_tensors(model, self.model_args, select), []
-        if self.channel is None:  # another TP rank of replica 0: take part in the gathers
+        tensors = iter_hf_tensors(model, self.model_args, select)
+        stages = ps.get_pipeline_model_parallel_world_size()
+        if stages == 1:
+            return tensors
+        mine = [(name, t.cpu()) for name, t in tensors]
+        if ps.get_tensor_model_parallel_rank() != 0:
+            return iter(())
+        group = ps.get_pipeline_model_parallel_group()
+        gathered = [None] * stages if ps.get_pipeline_model_parallel_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)
+        return iter([] if gathered is None else [x for stage in gathered for x in stage])
+
+    def _stream(self, model, version, check, full, select, records) -> str | None:
+        """Collects the weights (on data-parallel replica 0); the leader sends them, then
+        the records and the digest."""
+        tensors, kept = self._hf_tensors(model, select), []
+        if self.channel is None:  # another rank of replica 0: take part in the gathers
             for _ in tensors:
                 pass
             if check and select is not None:
-                for _ in iter_hf_tensors(model, self.model_args):
+                for _ in self._hf_tensors(model, None):
                     pass
             return None
         bucket_bytes = self.cfg.weight_sync_bucket_mb * 2**20
@@ -91,7 +110,7 @@ class WeightSender:
                 self.channel.send(Bucket(specs, raw.numel()))
                 self.channel.send_tensor(raw)
             if check and select is not None:  # the digest is of every weight
-                kept = list(iter_hf_tensors(model, self.model_args))
+                kept = list(self._hf_tensors(model, None))
             end = WeightsEnd(digest(kept) if check else None)
             if records is not None:
                 end.row_masters, end.row_updates = (records, None) if full else (None, records)

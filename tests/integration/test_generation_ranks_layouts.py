@@ -67,3 +67,22 @@ def test_one_step_ahead_lags_by_one_and_resumes_on_another_placement(tokenizer, 
     rows = read_metrics(tmp_path / "ahead")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all("rollout/policy_lag" not in r for r in rows[4:])
+
+
+def test_a_pipeline_parallel_trainer_syncs_to_one_generation_stage(tokenizer, tmp_path):
+    """Training PP 2 → one generation rank (PP 1), low-rank sync with remainders: every
+    stage's weights reach it (each stage's tensors gathered to the leader, the row updates
+    named by their global layers), its weights read back equal at every sync, and the run
+    equals the colocated PP 2 run in every metric (but the KV cache's bytes, which one
+    generation rank holds for every layer)."""
+    flags = {**BASE, "pipeline-model-parallel-size": 2, "loggra-param-remainders": True}
+    torchrun(tiny_argv(tokenizer, **flags, save=tmp_path / "colocated"), nproc=2)
+    split = {"generation-ranks": 1, "weight-sync": "lowrank", "weight-sync-check-interval": 1}
+    torchrun(tiny_argv(tokenizer, **flags, **split, save=tmp_path / "split"), nproc=3)
+    colocated, rows = read_metrics(tmp_path / "colocated"), read_metrics(tmp_path / "split")
+    assert [r["sync/checksum_ok"] for r in rows] == [1.0] * 3
+    volatile = ("time/", "throughput/", "memory/peak", "memory/kv_cache_bytes")
+    for a, b in zip(colocated, rows, strict=True):
+        for key in a:
+            if not key.startswith(volatile):
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])

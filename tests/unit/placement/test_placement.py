@@ -40,12 +40,6 @@ def test_data_parallel_size_counts_the_training_ranks_only(tokenizer):
             4,
             "--generation-tensor-model-parallel-size: 3 must divide the attention heads (4)",
         ),
-        (
-            {"generation-ranks": 1, "pipeline-model-parallel-size": 2},
-            3,
-            "--generation-ranks: the weight sync to generation ranks reads a training policy "
-            "of one pipeline stage",
-        ),
         ({"weight-sync-check-interval": 5}, 2, "--weight-sync-check-interval=5: applies with"),
         ({"max-policy-lag": 1}, 2, "--max-policy-lag=1: applies with --generation-ranks > 0"),
         (
