@@ -241,6 +241,10 @@ class MetricsLogger:
                 parts[-1] += f" {label} {_fmt(v)}"  # η joins the kl/pred field
             else:
                 parts.append(f"{label} {_fmt(v)}")
+        skipped = metrics.get("optimizer/skipped_steps")
+        if skipped:  # the updates of this step that were not applied (non-finite)
+            total = metrics.get("optimizer/skipped_steps_total", skipped)
+            parts.append(f"SKIPPED {_fmt(skipped)} update(s), {_fmt(total)} in all")
         if metrics.get("throughput/tokens_per_s") is not None:
             parts.append(f"{_si(metrics['throughput/tokens_per_s'])} tok/s")
         if metrics.get("memory/peak_bytes") is not None:

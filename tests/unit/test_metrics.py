@@ -148,6 +148,20 @@ def test_progress_line(tmp_path, capsys):
     assert out[1] == " step    13/200 | ETA 0:09:21"  # 187 steps × mean(2, 4) s
 
 
+def test_progress_line_says_when_updates_are_skipped(tmp_path):
+    """A step whose updates were not applied (non-finite) says so where the user looks."""
+    log = MetricsLogger(tmp_path, rank=0)
+    kept = log.progress_line(
+        3, {"optimizer/skipped_steps": 0.0, "optimizer/skipped_steps_total": 2.0}
+    )
+    assert "SKIPPED" not in kept
+    line = log.progress_line(
+        4, {"optimizer/skipped_steps": 1.0, "optimizer/skipped_steps_total": 3.0}
+    )
+    assert line == " step      4 | SKIPPED 1 update(s), 3 in all"
+    log.close()
+
+
 def test_progress_line_without_total_or_step_time(tmp_path):
     log = MetricsLogger(tmp_path, rank=0)
     line = log.progress_line(7, {"kl/step_scale": 0.5})
