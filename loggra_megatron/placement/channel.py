@@ -92,6 +92,9 @@ class Rollouts:
     stop_requested: bool = False
     """SIGTERM or SIGINT reached a generation rank: the trainer saves and exits at its next
     step boundary, as for a signal on one of its own ranks."""
+    resync: bool = False
+    """The generation ranks' weights failed their checksum (``--weight-sync-on-mismatch
+    resync``): no rollout was made; the trainer sends a full sync and the request again."""
 
 
 @dataclass

@@ -36,6 +36,10 @@ class PlacementConfig:
     weight_sync_check_interval: int = applies(10, "with --generation-ranks > 0", _disaggregated)
     """Every this many weight syncs, the generation ranks compare a checksum of their weights
     with the trainer's and the run stops on a mismatch (``sync/checksum_ok``)."""
+    weight_sync_on_mismatch: str = applies("stop", "with --generation-ranks > 0", _disaggregated)
+    """What a checksum mismatch does: stop (the run ends with a message) | resync (the
+    generation ranks generate nothing with those weights; the trainer sends a full sync and
+    the request again, and the step logs ``sync/checksum_ok`` 0)."""
     weight_sync_bucket_mb: int = applies(256, "with --generation-ranks > 0", _disaggregated)
     """The full weight sync sends the weights in buckets of at most this many MiB."""
     generation_timeout_minutes: float = applies(10.0, "with --generation-ranks > 0", _disaggregated)
@@ -50,6 +54,7 @@ class PlacementConfig:
                 ("generation_tensor_model_parallel_size", positive, ">= 1"),
                 ("max_policy_lag", at_least(0), ">= 0 (0: lock-step)"),
                 ("weight_sync", one_of("full", "lowrank"), "one of full, lowrank"),
+                ("weight_sync_on_mismatch", one_of("stop", "resync"), "one of stop, resync"),
                 ("weight_sync_check_interval", positive, ">= 1"),
                 ("weight_sync_bucket_mb", positive, ">= 1"),
                 ("generation_timeout_minutes", lambda v: v > 0, "> 0"),

@@ -88,7 +88,8 @@ class RemoteEngine:
             return
         t0 = time.perf_counter()
         self.gather_weights()
-        sent, failure = self.sender.send(self.policy, version, check=self._check_due())
+        check = self._check_due() or self.sender.full_next and self.syncs > 0  # a resync
+        sent, failure = self.sender.send(self.policy, version, check=check)
         _share_failure(failure)
         self.synced_version, self.syncs = version, self.syncs + 1
         self.last_sync = {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - t0}
@@ -111,23 +112,32 @@ class RemoteEngine:
         request_id = self.in_flight.pop(request, None)
         if request_id is None:
             request_id = self._send(prompts, request)
-        answer = [None]
-        if self.channel is not None:
-            t0 = time.perf_counter()
-            try:
-                reply = self._receive(request_id)
-                answer = [(reply, _timing(reply, request.step, time.perf_counter() - t0))]
-            except PeerLost as e:
-                answer = [Stop(str(e))]
-        dist.broadcast_object_list(answer, src=0)
-        if isinstance(answer[0], Stop):
-            raise _stopped(answer[0].reason)
-        reply, timing = answer[0]
+        reply, timing = self._answer(request_id, request.step)
+        while reply.resync:  # the checksum failed there: a full sync, and the request again
+            self.synced_version, self.sender.full_next = None, True
+            reply, timing = self._answer(self._send(prompts, request), request.step)
+            timing["sync/checksum_ok"] = 0.0
         self.stop_requested |= reply.stop_requested
         rollout, stats = reply.rollouts[ps.get_data_parallel_rank()]
         stats = {**stats, **reply.stats, **timing, **self.last_sync}
         self.last_sync = {"sync/bytes": 0.0, "sync/seconds": 0.0}
         return rollout_on(rollout, next(policy.parameters()).device), stats
+
+    def _answer(self, request_id: int, step: int) -> tuple[Rollouts, dict[str, float]]:
+        """The reply to ``request_id`` on every training rank (collective), and the
+        trainer's timing of it."""
+        answer = [None]
+        if self.channel is not None:
+            t0 = time.perf_counter()
+            try:
+                reply = self._receive(request_id)
+                answer = [(reply, _timing(reply, step, time.perf_counter() - t0))]
+            except PeerLost as e:
+                answer = [Stop(str(e))]
+        dist.broadcast_object_list(answer, src=0)
+        if isinstance(answer[0], Stop):
+            raise _stopped(answer[0].reason)
+        return answer[0]
 
     def _send(self, prompts, request) -> int:
         """Every DP rank's prompts to the leader, and from it a ``Generate`` after the

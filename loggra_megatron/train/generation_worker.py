@@ -53,6 +53,8 @@ class GenerationWorker:
         """The trainer's RL steps done when the weights held here were synced."""
         self.signalled = False
         """SIGTERM or SIGINT reached this rank (passed to the trainer with the next reply)."""
+        self.stale = False
+        """The weights failed their checksum: nothing is generated until a full sync."""
 
     def setup(self) -> GenerationWorker:
         from megatron.core import parallel_state as ps
@@ -133,6 +135,8 @@ class GenerationWorker:
         load_hf_into_megatron(model, TensorDict(tensors), self.model_args, available=tensors)
         if message.row_masters is not None:
             self.shadows.start(tensors, message.row_masters)
+        if message.row_updates is None:  # a full sync replaced every weight
+            self.stale = False
         del tensors
         if message.digest is not None:
             self._check(model, message.digest)
@@ -152,10 +156,11 @@ class GenerationWorker:
         same = torch.tensor([1 if self.tp_rank != 0 or ours == expected else 0])
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         self.checksum_ok = float(same)
-        if not same:
+        self.stale = not same
+        if not same and self.cfg.placement.weight_sync_on_mismatch == "stop":
             raise GenerationStopped(
                 "the generation ranks' weights differ from the trainer's after a weight sync "
-                "(checksum mismatch)"
+                "(checksum mismatch; --weight-sync-on-mismatch resync sends a full sync instead)"
             )
 
     def _generate(self, message: Generate) -> None:
@@ -163,7 +168,7 @@ class GenerationWorker:
         t0 = time.perf_counter()
         mine = []
         for j, prompts in enumerate(message.shards):
-            if j % self.replicas != self.replica:
+            if j % self.replicas != self.replica or self.stale:
                 continue
             request = dataclasses.replace(message.request, sampling_stream=j)
             rollout, stats = self.engine.generate(self.policy, prompts, request)
@@ -179,10 +184,10 @@ class GenerationWorker:
             stats = {"time/generation_idle_s": idle}
             if self.checksum_ok is not None:
                 stats["sync/checksum_ok"] = self.checksum_ok
-            rollouts = [results[j] for j in range(len(results))]
+            rollouts = [results[j] for j in range(len(results))] if not self.stale else []
             seconds = time.perf_counter() - t0
             reply = Rollouts(message.request_id, rollouts, self.version, seconds, stats)
-            reply.stop_requested = bool(signalled)
+            reply.stop_requested, reply.resync = bool(signalled), self.stale
             try:
                 self.channel.send(reply)
             except PeerLost as e:

@@ -82,3 +82,29 @@ def test_lowrank_sync_from_tp2_to_tp1_frozen_rest_and_resumed(tokenizer, tmp_pat
     assert [r["sync/checksum_ok"] for r in rows] == [1.0] * 4
     first, later, resumed, after = (r["sync/bytes"] for r in rows)
     assert resumed == first > later == after > 0  # a resume starts with a full sync
+
+
+@pytest.mark.parametrize("on_mismatch", ["stop", "resync"])
+def test_a_corrupted_sync_stops_the_run_or_is_resent_in_full(tokenizer, tmp_path, on_mismatch):
+    """The generation rank's first low-rank sync flips one bit (``tests/helpers/
+    corrupt_sync.py``): the checksum catches it. ``stop`` ends the run naming the mismatch;
+    ``resync`` generates nothing with those weights, sends a full sync and the request again,
+    logs ``sync/checksum_ok`` 0 for that step, and trains exactly as the uncorrupted run."""
+    flags = {**BASE, "kl-target": None, "train-iters": 3, "weight-sync": "lowrank"}
+    flags["weight-sync-on-mismatch"] = on_mismatch
+    argv = tiny_argv(tokenizer, **flags, save=tmp_path / "run")
+    script = "tests/helpers/corrupt_sync.py"
+    proc = torchrun(argv, nproc=3, check=on_mismatch == "resync", script=script)
+    if on_mismatch == "stop":
+        assert proc.returncode != 0
+        assert "checksum mismatch" in proc.stdout + proc.stderr
+        return
+    clean = {**flags, "weight-sync-on-mismatch": None}
+    torchrun(tiny_argv(tokenizer, **clean, save=tmp_path / "clean"), nproc=3)
+    rows, expected = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "clean")
+    assert [r["sync/checksum_ok"] for r in rows] == [1.0, 0.0, 1.0]
+    assert rows[1]["sync/bytes"] > expected[1]["sync/bytes"]  # the full sync it took
+    for a, b in zip(expected, rows, strict=True):
+        for key in a:
+            if not key.startswith(VOLATILE):
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])

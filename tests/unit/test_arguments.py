@@ -28,6 +28,7 @@ base where its own condition is false)."""
 CHOICES = {
     "loggra_projection": "random",
     "weight_sync": "lowrank",
+    "weight_sync_on_mismatch": "resync",
     "loggra_sketch": "gradient",
     "loggra_targets": "linear_qkv",
     "loggra_sketch_matrix": "gaussian",
