@@ -35,6 +35,7 @@ __all__ = [
     "ParamMapping",
     "TensorSource",
     "deinterleave_qkv",
+    "global_name",
     "hf_expected_shapes",
     "hf_tensors_from_megatron",
     "interleave_qkv",
@@ -64,6 +65,15 @@ class ParamMapping:
     """HF tensors it is made of, in fusion order."""
     kind: str
     """One of ``vocab``, ``qkv``, ``fc1``, ``row``, ``replicated`` (see module docstring)."""
+
+
+def global_name(name: str, layer_offset: int) -> str:
+    """The name of a pipeline stage's parameter ``name`` in the whole model: its layer index
+    plus ``layer_offset`` (the stage's first layer)."""
+    m = _LAYER_RE.match(name)
+    if m is None or not layer_offset:
+        return name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
 
 
 def param_mapping(name: str, args: GPTModelArgs, layer_offset: int = 0) -> ParamMapping:

@@ -31,17 +31,11 @@ def _names(leaf) -> dict[int, str]:
     from megatron.core.utils import unwrap_model
 
     from loggra_megatron.convert.hf_to_megatron import layer_offset
+    from loggra_megatron.convert.mapping import global_name
 
     chunk = unwrap_model(leaf.model_chunks[0])
     offset = layer_offset(chunk)
-
-    def global_name(name: str) -> str:
-        parts = name.split(".")
-        if name.startswith("decoder.layers.") and offset:
-            parts[2] = str(int(parts[2]) + offset)
-        return ".".join(parts)
-
-    return {id(p): global_name(name) for name, p in chunk.named_parameters()}
+    return {id(p): global_name(name, offset) for name, p in chunk.named_parameters()}
 
 
 def take_row_updates(leaf, tp_rank: int) -> list[RowUpdate]:
