@@ -67,6 +67,13 @@ def applies(plan: StepPlan) -> bool:
     return OPTIMIZERS[plan.optimizer].sketched and plan.loggra_sketch == "backward"
 
 
+def sketched_params(params: list, plan: StepPlan) -> list:
+    """The parameters of ``params`` that ``plan``'s backward sketch targets
+    (``--loggra-targets``)."""
+    names = set(plan.loggra_targets)
+    return [s for s in params if s.kind == "linear" and target_of(s) in names]
+
+
 def target_of(spec: Any) -> str:
     """The layer name of a parameter (``…linear_qkv.weight`` → ``linear_qkv``)."""
     return spec.name.split(".")[-2]
@@ -224,8 +231,7 @@ def sketch_terms(
     the DP size under the distributed optimizer, else 1)."""
     if not applies(plan):
         return SketchTerms(dp=dp)
-    names = set(plan.loggra_targets)
-    targets = tuple(s for s in params if s.kind == "linear" and target_of(s) in names)
+    targets = tuple(sketched_params(params, plan))
     r, w = sketch_rank(model, plan), param_dtype_bytes(plan)
     layers, _ = layers_held(model, plan, stage)
     in_backward = dp > 1 and plan.loggra_sketch_reduce == "microbatch"

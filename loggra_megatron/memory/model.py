@@ -276,13 +276,13 @@ def estimate_generation_memory(
 def _sketched_and_rest(model: TransformerShape, plan: StepPlan, tp: int):
     """``(sketched weights, every other parameter)`` of one TP rank of the whole model (one
     pipeline stage) at TP size ``tp``."""
-    from loggra_megatron.memory.backward_sketch import target_of
+    from loggra_megatron.memory.backward_sketch import sketched_params
 
     layout = dataclasses.replace(
         plan, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False
     )
-    params, names = stage_parameters(model, layout, 0), set(plan.loggra_targets)
-    sketched = [s for s in params if s.kind == "linear" and target_of(s) in names]
+    params = stage_parameters(model, layout, 0)
+    sketched = sketched_params(params, plan)
     return sketched, [s for s in params if s not in sketched]
 
 
