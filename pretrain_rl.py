@@ -58,13 +58,14 @@ def main(argv=None) -> None:
         channel = start_placement(placement, cfg.parallel.uses_cuda(cuda_visible()), timeout_s)
     if placement.role is Role.GENERATION:
         try:
-            GenerationWorker(cfg, host, channel).setup().serve()
+            GenerationWorker(cfg, host, channel, size_kv_budget=kv_budget).setup().serve()
         except GenerationStopped as e:
             print(f"pretrain_rl.py: {placement.name}: error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
         return
     try:
-        RLTrainer(cfg, host, size_kv_budget=kv_budget, channel=channel).setup().train()
+        sizing = None if cfg.placement.disaggregated else kv_budget  # no KV cache here
+        RLTrainer(cfg, host, size_kv_budget=sizing, channel=channel).setup().train()
     except (TrainingStopped, GenerationStopped) as e:  # on every rank alike; checkpoints untouched
         _fail(str(e), 1)
     for lock in locks:

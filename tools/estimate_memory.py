@@ -49,6 +49,7 @@ from loggra_megatron.memory.model import (
     MemoryConfigError,
     estimate_generation_memory,
     estimate_rl_step_memory,
+    max_rollout_batch_size,
     weight_sync_bytes,
 )
 from loggra_megatron.memory.report import generation_report, report
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 **{k: v / GiB for k, v in gen.terms().items()},
                 "total": gen.total_bytes / GiB,
                 "fits": gen.fits(gpu_bytes),
+                "max_rollout_rows": max_rollout_batch_size(model, plan, est, gpu_bytes),
             }
         print(json.dumps({"unit": "GiB", **out}, indent=2))
         return 0
@@ -180,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(model, plans, results, est, source, plan.optimizer))
     if plan.generation_ranks:
         sync = weight_sync_bytes(model, plan, plan.loggra_rank) if backward_sketch(plan) else None
-        print(generation_report(plan, estimate_generation_memory(model, plan, est), sync))
+        gen = estimate_generation_memory(model, plan, est)
+        rows = max_rollout_batch_size(model, plan, est, gpu_bytes)
+        print(generation_report(plan, gen, rows, sync))
     if cfg.model.sequence_packing:
         print(PACKING_NOTE)
     return 0

@@ -21,13 +21,16 @@
 #       --global-batch-size 64 --micro-batch-size 1 --log-prob-micro-batch-size 4 \
 #       --optimizer loggra --loggra-sketch backward --loggra-rank 128 \
 #       --loggra-param-remainders --kl-target 0.01 --kl-estimator k3 \
-#       --kl-probe-fraction 0.125 --kl-coef 0.001 --reference-offload
+#       --kl-probe-fraction 0.125 --kl-coef 0.001 --reference-offload --kl-backup-offload
 #
-# prints (GiB per training GPU): LoGRA bwd r=128 60.11 total, "yes (18.99 free)"; dense Adam
+# prints (GiB per training GPU): LoGRA bwd r=128 48.15 total, "yes (30.95 free)"; dense Adam
 # 131.74 ("NO (over by 52.64)"). LoGRA's static 44.34 (weights 12.57 + FP8 weight cache 11.95
 # + grads 1.23 + masters 12.57 + optimizer state 2.46 + sketch buffer 0.70 + runtime 2.00 +
-# NCCL 0.86); its peak phase is predicted-KL control, 15.76, of which 12.57 is the backup of
-# the weights a trial overwrites (the next term to remove). The generation GPUs: 68.15 each
+# NCCL 0.86); its peak phase is the reference's log-probs, 3.81. Predicted-KL control's
+# copy of the weights a trial overwrites (12.57 on the GPU without --kl-backup-offload, which
+# then makes its phase the peak) is on the host: 12.57 GiB of pinned host memory per training
+# GPU, copied there once per optimizer step and back after each trial. The generation GPUs:
+# 68.15 each
 # (weights 12.57, FP8 weight cache 5.98, the low-rank sync's copy of the masters 11.95, KV
 # cache 32.00 for the 524288-token budget at TP=4, prefill 2.76). A weight sync after the
 # first sends 4.32 GiB, against 50.26 for a full one.
@@ -65,7 +68,7 @@ torchrun --nproc-per-node 8 "$REPO"/pretrain_rl.py \
     --log-prob-micro-batch-size 4 \
     --train-iters 500 --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0 \
     --optimizer loggra --loggra-sketch backward --loggra-rank 128 --loggra-param-remainders \
-    --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 \
+    --kl-target 0.01 --kl-estimator k3 --kl-probe-fraction 0.125 --kl-backup-offload \
     --kl-coef 0.001 --kl-ref-estimator k3 --reference-offload \
     --loss-aggregation token_mean --clip-low 0.2 --clip-high 0.28 \
     --overlap-grad-reduce --overlap-param-gather \

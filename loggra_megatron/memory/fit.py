@@ -3,7 +3,10 @@
 could choose on its GPUs (``candidates``: TP within a node, PP, sequence parallelism,
 recompute, micro-batch size, bf16 grads, LoGRA's remainders), each modelled with dense Adam
 and with LoGRA, with the largest KV budget (``--inference-max-tokens``) that still fits
-(``search``). A setting the command line gives is fixed, not searched.
+(``search``). A setting the command line gives is fixed, not searched. With
+``--generation-ranks N`` the layouts are searched on the other GPUs, which hold no KV
+cache; a configuration fits when a training GPU and a generation GPU both do, and its KV
+budget is a generation GPU's.
 
 Which settings ``pretrain_rl.py`` accepts is not decided here: the caller parses and
 validates each candidate's command line exactly as the estimator parses its own, and passes
@@ -18,7 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loggra_megatron.memory.estimate_config import EstimateConfig
-from loggra_megatron.memory.model import estimate_rl_step_memory, max_rollout_batch_size
+from loggra_megatron.memory.model import (
+    estimate_generation_memory,
+    estimate_rl_step_memory,
+    max_rollout_batch_size,
+    rollout_gpu_memory,
+)
 from loggra_megatron.memory.shape import GiB, TransformerShape
 from loggra_megatron.train.run_config import RunConfig
 from loggra_megatron.train.step_plan import StepPlan
@@ -78,12 +86,16 @@ class Outcome:
     rollout batch per replica)."""
     flags: tuple[str, ...]
     """The flags to add to the command line to run it (``--inference-max-tokens`` too)."""
+    rollout_replicas: int = 1
+    """Replicas that generate: the data-parallel ones, or the generation ranks' replicas."""
+    generation_bytes: int | None = None
+    """A generation GPU's total (``--generation-ranks``; None: the training GPUs generate)."""
 
     def rank_key(self) -> tuple:
         """Best first: most rollout rows at once over the job, then no PP, no recompute,
         larger micro-batch, fp32 grads, fp32 masters, smaller TP."""
         c = self.candidate
-        job_rows = (self.rows or 0) * self.data_parallel_size
+        job_rows = (self.rows or 0) * self.rollout_replicas
         return (
             -job_rows,
             c.pp,
@@ -110,6 +122,8 @@ class FitResult:
     """What a configuration may use: the GPU's memory less --fit-headroom-gb."""
     loggra_sketch: str = "gradient"
     """LoGRA's ``--loggra-sketch`` (the command line's; not searched)."""
+    generation_ranks: int = 0
+    """The command line's ``--generation-ranks`` (of ``world``; not searched)."""
 
     def fitting(self, optimizer: str) -> list[Outcome]:
         return sorted((o for o in self.outcomes[optimizer] if o.fits), key=Outcome.rank_key)
@@ -136,12 +150,14 @@ def search_space(
     cfg: RunConfig, given: set[str], world: int, gpus_per_node: int
 ) -> dict[str, list]:
     """The values searched per setting (``tp``: TP sizes within a node that divide the
-    world; PP: every divisor of world / TP, ``candidates``). A setting in ``given``
-    (the command line's) keeps ``cfg``'s value; 16-bit options need ``--bf16``."""
+    world, less the generation ranks; PP: every divisor of that / TP, ``candidates``). A
+    setting in ``given`` (the command line's) keeps ``cfg``'s value; 16-bit options need
+    ``--bf16``."""
     m, p, opt = cfg.model, cfg.parallel, cfg.optimizer
     bf16 = [False, True] if m.bf16 else [False]
+    training = world - cfg.placement.generation_ranks
     space = {
-        "tp": [d for d in _divisors(gpus_per_node) if world % d == 0],
+        "tp": [d for d in _divisors(gpus_per_node) if training % d == 0],
         "recompute": ["none", "full"],
         "micro_batch_size": list(MICRO_BATCH_SIZES),
         "bf16_grads": bf16,
@@ -164,12 +180,13 @@ def search_space(
 def candidates(
     cfg: RunConfig, given: set[str], world: int, space: dict[str, list]
 ) -> list[Candidate]:
-    """Every combination of ``space`` (PP: the divisors of world / TP, or the command line's
-    ``--pipeline-model-parallel-size``; sequence parallelism with TP > 1 unless given)."""
+    """Every combination of ``space`` (PP: the divisors of the training GPUs / TP, or the
+    command line's ``--pipeline-model-parallel-size``; sequence parallelism with TP > 1
+    unless given)."""
     out = []
     rest = [space[k] for k in ("recompute", "micro_batch_size", "bf16_grads", "remainders")]
     for tp in space["tp"]:
-        pps = _divisors(world // tp)
+        pps = _divisors((world - cfg.placement.generation_ranks) // tp)
         if "pipeline_model_parallel_size" in given:
             pps = [cfg.parallel.pipeline_model_parallel_size]
         sp = cfg.model.sequence_parallel if "sequence_parallel" in given else tp > 1
@@ -212,6 +229,7 @@ def search(cfg: RunConfig, given: set[str], est: EstimateConfig, evaluate: Evalu
     kv_given = "inference_max_tokens" in given
     result = FitResult({"loggra": [], "adam": []}, [], space, world, kv_given, gpu_bytes, budget)
     result.loggra_sketch = cfg.loggra.loggra_sketch
+    result.generation_ranks = cfg.placement.generation_ranks
     for c in candidates(cfg, given, world, space):
         got = evaluate([*c.flags, *c.loggra_flags])
         if isinstance(got, str):
@@ -237,10 +255,12 @@ def assess(
 ) -> Outcome:
     """``c`` with ``plan``'s optimizer at the largest KV budget within ``budget_bytes`` (the
     command line's if given): whole rows of ``--seq-length`` tokens, at most the rollout
-    batch per replica (then no bound is needed), at least one row (to say by how much it is
-    over)."""
+    batch per replica that generates (then no bound is needed), at least one row (to say by
+    how much it is over). With generation ranks both kinds of GPU must fit."""
     rows = max_rollout_batch_size(model, plan, est, budget_bytes)
-    kv_rows, chosen = plan.rollout_batch_size, plan
+    if plan.generation_ranks and not estimate_rl_step_memory(model, plan, est).fits(budget_bytes):
+        rows = None  # the training GPUs do not fit (they hold no rollout)
+    kv_rows, chosen = plan.generating_rows, plan
     if kv_given and plan.inference_max_tokens is not None:
         kv_rows = min(kv_rows, max(1, plan.inference_max_tokens // plan.seq_length))
     elif not kv_given:
@@ -249,35 +269,40 @@ def assess(
         if chosen.inference_max_tokens is not None:
             flags = (*flags, "--inference-max-tokens", str(chosen.inference_max_tokens))
     b = estimate_rl_step_memory(model, chosen, est)
+    gen = estimate_generation_memory(model, chosen, est) if plan.generation_ranks else None
+    split = plan.generation_plan() if gen is not None else plan
     return Outcome(
         c,
         plan.optimizer,
         plan.data_parallel_size,
         b.total_bytes,
-        b.fits(budget_bytes),
+        b.fits(budget_bytes) and (gen is None or gen.fits(budget_bytes)),
         b.peak_phase,
         rows,
         kv_rows,
         flags,
+        split.data_parallel_size,
+        None if gen is None else gen.total_bytes,
     )
 
 
 def _at_kv_rows(plan: StepPlan, rows: int) -> StepPlan:
     """``plan`` with a KV budget of ``rows`` full-length rows (none: the whole batch)."""
-    whole = rows >= plan.rollout_batch_size
+    whole = rows >= plan.generating_rows
     return dataclasses.replace(plan, inference_max_tokens=None if whole else rows * plan.seq_length)
 
 
 def _kv_rows(model, plan, est, budget_bytes: int, rows: int | None) -> int:
     """The most rows (≤ the rollout batch per replica, ≥ 1) whose KV budget fits with the
-    run's own rollout batch and engine (its prefill and logits too), bisected from
-    ``rows``, the capacity at a rollout batch of that many; 1 if none fits."""
+    run's own rollout batch and engine (its prefill and logits too) on the GPUs that
+    generate, bisected from ``rows``, the capacity at a rollout batch of that many; 1 if
+    none fits."""
 
     def fits(r: int) -> bool:
         p = _at_kv_rows(plan, r)
-        return estimate_rl_step_memory(model, p, est).fits(budget_bytes)
+        return rollout_gpu_memory(model, p, est).fits(budget_bytes)
 
-    hi = max(1, min(rows or 1, plan.rollout_batch_size))
+    hi = max(1, min(rows or 1, plan.generating_rows))
     if fits(hi):
         return hi
     if hi == 1 or not fits(1):

@@ -17,6 +17,8 @@ HEADER = (
     f"{'':>3}{'TP':>4}{'PP':>4}{'DP':>4}  {'recompute':<10}{'mb':>3}  {'grads':<6}"
     f"{'masters':<8}{'total':>7}{'free':>8}{'rows at once':>18}{'KV rows':>9}"
 )
+GENERATION_COLUMN = f"{'gen GPU':>9}"
+"""With ``--generation-ranks``: a generation GPU's total, after the training GPU's."""
 
 
 def launch_environment(est) -> dict[str, str]:
@@ -57,6 +59,12 @@ def _describe(result: FitResult, source: str, est) -> list[str]:
         f"tried     {tried} settings, {len(result.refused)} refused by pretrain_rl.py's checks; "
         f"{counts}",
     ]
+    if result.generation_ranks:  # before "tried"
+        lines[-1:-1] = [
+            f"placement {result.world - result.generation_ranks} GPUs train (the layouts above),"
+            f" {result.generation_ranks} generate (--generation-ranks) and hold the KV cache;",
+            "          a configuration fits when both do ('gen GPU': a generation GPU's total)",
+        ]
     if result.refused:  # the first, as an example of the rule
         lines.append(f"          (e.g. {result.refused[0][1]})")
     env = " ".join(f"{k}={v}" for k, v in launch_environment(est).items())
@@ -75,11 +83,12 @@ def _row(i: int | str, o: Outcome, gpu_bytes: int, seq: int) -> str:
     c = o.candidate
     rows = "none" if not o.rows else f"{o.rows} x {seq}"
     kv = f"{o.kv_rows}" + ("" if "--inference-max-tokens" in o.flags else " all")
+    gen = "" if o.generation_bytes is None else f"{_gib(o.generation_bytes):>9}"
     return (
         f"{i!s:>3}{c.tp:>4}{c.pp:>4}{o.data_parallel_size:>4}  {c.recompute:<10}"
         f"{c.micro_batch_size:>3}  {'bf16' if c.bf16_grads else 'fp32':<6}"
         f"{'rem.' if c.remainders and o.optimizer == 'loggra' else 'fp32':<8}"
-        f"{_gib(o.total_bytes):>7}{_gib(gpu_bytes - o.total_bytes):>8}{rows:>18}{kv:>9}"
+        f"{_gib(o.total_bytes):>7}{_gib(gpu_bytes - o.total_bytes):>8}{rows:>18}{kv:>9}{gen}"
     )
 
 
@@ -90,6 +99,7 @@ def _flags(o: Outcome) -> list[str]:
 
 def _table(result: FitResult, name: str, top: int, seq: int) -> list[str]:
     fitting, tried, gpu = result.fitting(name), len(result.outcomes[name]), result.gpu_bytes
+    header = HEADER + (GENERATION_COLUMN if result.generation_ranks else "")
     title = f"{OPTIMIZER_NAMES[name]} (--optimizer {name}"
     backward = name == "loggra" and result.loggra_sketch == "backward"
     title += " --loggra-sketch backward)" if backward else ")"
@@ -101,14 +111,14 @@ def _table(result: FitResult, name: str, top: int, seq: int) -> list[str]:
         lines = [
             f"{title}: none of {tried} fits; the closest needs {_gib(o.total_bytes)} GiB, "
             f"{over} over the GPU ({budget} allowed):",
-            HEADER,
+            header,
         ]
         return [*lines, _row("-", o, gpu, seq), *_flags(o), ""]
     best = result.best(name)[:top]
     lines = [
         f"{title}: {len(fitting)} of {tried} fit; the best of each layout and recompute, "
         "most rollout rows first:",
-        HEADER,
+        header,
     ]
     for i, o in enumerate(best, 1):
         lines += [_row(i, o, gpu, seq), *_flags(o)]
@@ -145,6 +155,7 @@ def _outcome_json(o: Outcome, gpu_bytes: int) -> dict:
         "fits": o.fits,
         "peak_phase": o.peak_phase,
         "max_rollout_rows": o.rows,
+        "generation_total": None if o.generation_bytes is None else o.generation_bytes / GiB,
         "kv_rows": o.kv_rows,
         "flags": list(o.flags),
     }
@@ -154,6 +165,7 @@ def fit_json(result: FitResult, est) -> dict:
     """The same as JSON (GiB): per optimizer the counts, the best and the closest."""
     gpu_bytes = result.gpu_bytes
     out: dict = {"unit": "GiB", "world": result.world, "refused": len(result.refused)}
+    out["generation_ranks"] = result.generation_ranks
     out["loggra_sketch"] = result.loggra_sketch
     out["environment"] = launch_environment(est)
     for name, outcomes in result.outcomes.items():

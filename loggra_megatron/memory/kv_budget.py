@@ -47,7 +47,7 @@ def kv_budget(
         adam_implementation="fused" if fused_adam else "foreach",
     )
     rows = max_rollout_batch_size(shape, plan, est, usable_bytes)
-    batch, seq = plan.rollout_batch_size, plan.seq_length
+    batch, seq = plan.generating_rows, plan.seq_length
     where = f"by the memory model for {usable_bytes / GiB:.2f} GiB usable on this GPU"
     if rows is None:
         return (

@@ -90,6 +90,7 @@ __all__ = [
     "num_parameters",
     "optimizer_state_bytes",
     "prefill_tokens",
+    "rollout_gpu_memory",
     "rollout_kv_cache_bytes",
     "rollout_kv_tokens",
     "rollout_rows",
@@ -180,8 +181,9 @@ def _stage_breakdown(
     sk = sketch_terms(model, plan, stage, params, dp)
     dense = sk.dense_of(params)
     # a KL trial overwrites LoGRA's bf16 weights, which are half of each master with
-    # remainders: it backs up this rank's shards (2 bytes per master element)
-    trial_backup = plan.kl_trial_rows and loggra_remainders
+    # remainders: it backs up this rank's shards (2 bytes per master element), on the GPU
+    # unless --kl-backup-offload keeps the copy on the host
+    trial_backup = plan.kl_trial_rows and loggra_remainders and not plan.kl_backup_offload
     return MemoryBreakdown(
         stage=stage,
         num_parameters=sum(p.numel for p in params),
@@ -243,15 +245,21 @@ def estimate_rl_step_memory(
 
 
 def estimate_generation_memory(
-    model: TransformerShape, plan: StepPlan, est: EstimateConfig | None = None
+    model: TransformerShape,
+    plan: StepPlan,
+    est: EstimateConfig | None = None,
+    rows: int | None = None,
 ) -> MemoryBreakdown:
     """Per-GPU memory of a generation GPU (``--generation-ranks``): the policy's weights at
     the generation TP size (and TE's FP8 weight cache under FP8), the runtime, and the
-    rollout phase of its share of the rollout (``StepPlan.generation_plan``); no gradient,
-    master, optimizer state, reference or activation of training. The weight sync arrives in
-    host memory and is copied into the weights one parameter at a time."""
+    rollout phase of its share of the rollout (``StepPlan.generation_plan``; ``rows``: that
+    many rows per generation replica instead); no gradient, master, optimizer state,
+    reference or activation of training. The weight sync arrives in host memory and is
+    copied into the weights one parameter at a time."""
     est = est or EstimateConfig()
     gen = plan.generation_plan()
+    if rows is not None:
+        gen = dataclasses.replace(gen, rollout_batch_size=rows)
     check_layout(model, gen)
     params = stage_parameters(model, gen, 0)
     linear = [s for s in params if s.kind == "linear"]
@@ -314,16 +322,28 @@ def weight_sync_bytes(model: TransformerShape, plan: StepPlan, rank: int) -> dic
     }
 
 
+def rollout_gpu_memory(
+    model: TransformerShape, plan: StepPlan, est: EstimateConfig | None = None
+) -> MemoryBreakdown:
+    """Per-GPU memory of the GPUs that hold the rollout's KV cache: a generation GPU with
+    ``--generation-ranks``, else the training GPU (the most loaded stage)."""
+    if plan.generation_ranks:
+        return estimate_generation_memory(model, plan, est)
+    return estimate_rl_step_memory(model, plan, est)
+
+
 def max_rollout_batch_size(
     model: TransformerShape, plan: StepPlan, est: EstimateConfig, gpu_bytes: int
 ) -> int | None:
-    """Most sequences the rollout can generate concurrently within ``gpu_bytes`` per GPU
-    (``plan.rollout_batch_size`` and ``inference_max_tokens`` ignored: the largest useful
-    KV budget is this times ``seq_length``); None if the step does not fit even without
-    rollout."""
+    """Most sequences a replica of the GPUs that generate (``rollout_gpu_memory``) can
+    generate concurrently within ``gpu_bytes`` per GPU (``plan.rollout_batch_size`` and
+    ``inference_max_tokens`` ignored: the largest useful KV budget is this times
+    ``seq_length``); None if those GPUs do not fit even without rollout."""
     plan = dataclasses.replace(plan, inference_max_tokens=None, rollout_engine="static")
 
     def fits(batch: int) -> bool:
+        if plan.generation_ranks:
+            return estimate_generation_memory(model, plan, est, rows=batch).fits(gpu_bytes)
         p = dataclasses.replace(plan, rollout_batch_size=batch)
         return estimate_rl_step_memory(model, p, est).fits(gpu_bytes)
 

@@ -83,10 +83,13 @@ def report(model, plans, results, est: EstimateConfig, source, selected) -> str:
     return "\n".join(lines)
 
 
-def generation_report(plan: StepPlan, gen, sync: dict[str, int] | None = None) -> str:
+def generation_report(
+    plan: StepPlan, gen, rows: int | None, sync: dict[str, int] | None = None
+) -> str:
     """The lines of a generation GPU (``--generation-ranks``; ``gen``: its
-    ``MemoryBreakdown``), under the training GPUs' table (which then holds no rollout), and
-    with the backward sketch the bytes of a weight sync (``sync``: ``weight_sync_bytes``)."""
+    ``MemoryBreakdown``; ``rows``: its ``max_rollout_batch_size``), under the training GPUs'
+    table (which then holds no rollout), and with the backward sketch the bytes of a weight
+    sync (``sync``: ``weight_sync_bytes``)."""
     g = plan.generation_plan()
     terms = {k: v for k, v in gen.terms().items() if v}
     parts = ", ".join(f"{LABELS.get(k, k)} {_gib(v)}" for k, v in terms.items())
@@ -96,6 +99,8 @@ def generation_report(plan: StepPlan, gen, sync: dict[str, int] | None = None) -
         f"{_gib(gen.total_bytes)} GiB per GPU (peak phase: {gen.peak_phase}; {parts}); the "
         "training GPUs above hold no KV cache"
     )
+    cap = "none" if rows is None else f"{rows} (a KV budget of {rows * plan.seq_length} tokens)"
+    line += f"\ngeneration GPUs: max rollout rows at once {cap}"
     if sync:
         ratio = sync["lowrank"] / sync["full"]
         line += (
@@ -141,7 +146,8 @@ def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list
         f"{_recompute(step)}, log-probs in chunks of {chunk} tokens, "
         f"reference model {reference}"
         + (
-            f", KL trials on {step.kl_trial_rows} seqs (probe + held-out, {step.kl_estimator})"
+            f", KL trials on {step.kl_trial_rows} seqs (probe + held-out, {step.kl_estimator}"
+            f"{'; weight backup on the host' if step.kl_backup_offload else ''})"
             if step.kl_trial_rows
             else ""
         )

@@ -159,6 +159,12 @@ class KLControlConfig:
     (docs/kl_control.md#skipping-the-probe); 0: probe every step."""
     kl_probe_max_skips: int = applies(4, "with --kl-probe-skip-below > 0", _probe_skipping)
     """At most this many consecutive steps skip the probe; the next one probes."""
+    kl_backup_offload: bool = applies(False, "with --kl-target", _kl_control)
+    """Keep the copy of the weights a trial overwrites (this rank's shards of the bf16
+    weights whose masters are kept as remainders, ``--loggra-param-remainders``: 2 bytes per
+    master element) in pinned host memory instead of on the GPU: one device-to-host copy per
+    optimizer step that tries a candidate, one host-to-device copy per trial
+    (``optim/megatron/trial_backup.py``, docs/kl_control.md#the-weight-backup)."""
 
     def __post_init__(self):
         check_fields(

@@ -52,10 +52,15 @@ def use_transformer_engine(cfg: RunConfig, device: torch.device) -> bool:
 
 
 def gpt_model(
-    cfg: RunConfig, args: GPTModelArgs, device: torch.device, trainable: bool
+    cfg: RunConfig,
+    args: GPTModelArgs,
+    device: torch.device,
+    trainable: bool,
+    load_weights: bool = True,
 ) -> MegatronModule:
     """This stage's policy (DDP-wrapped) or, ``trainable=False``, the frozen reference; the
-    weights of a converted model are loaded here."""
+    weights of a converted model are loaded here (``load_weights=False``: they arrive
+    otherwise, as the generation ranks' from the first weight sync)."""
     from megatron.core.transformer.module import Float16Module
 
     from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
@@ -74,7 +79,7 @@ def gpt_model(
         log_prob_chunk_size=m.log_prob_chunk_size,
         **overrides,
     )
-    if cfg.start.mode == "converted":  # verified once; the reference becomes the policy
+    if cfg.start.mode == "converted" and load_weights:  # verified once (the policy)
         load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
     if m.bf16:
         model = Float16Module(model.config, model)

@@ -21,6 +21,7 @@ shares it with its world:
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import time
 
@@ -48,8 +49,12 @@ __all__ = ["GenerationWorker"]
 class GenerationWorker:
     """One generation rank (``setup`` builds, ``serve`` answers until the trainer stops)."""
 
-    def __init__(self, cfg, host, channel: Channel | None):
+    def __init__(self, cfg, host, channel: Channel | None, size_kv_budget=None):
         self.cfg, self.host, self.channel = cfg, host, channel
+        self.size_kv_budget = size_kv_budget
+        """The run's ``KVBudgetFn`` (``train.trainer``): on CUDA with
+        ``--inference-max-tokens`` unset, the KV budget is sized here, for a generation GPU."""
+        self.kv_budget: int | None = None
         self.checksum_ok: float | None = None
         self.idle_since = time.perf_counter()
         self.version = -1
@@ -72,7 +77,12 @@ class GenerationWorker:
         tp = cfg.placement.generation_tp(cfg.parallel.tensor_model_parallel_size)
         self.device = initialize_megatron(tp, 1, cfg.training.seed, cfg.parallel.device)
         self.model_args = build.model_args(cfg, self.host.tokenizer)
-        self.policy = build.gpt_model(cfg, self.model_args, self.device, trainable=False)
+        if tp == 1 and cfg.model.sequence_parallel:  # Megatron refuses SP without TP
+            model = dataclasses.replace(cfg.model, sequence_parallel=False)
+            cfg = dataclasses.replace(cfg, model=model)
+        self.policy = build.gpt_model(
+            cfg, self.model_args, self.device, trainable=False, load_weights=False
+        )
         self.engine, _ = select_engine(
             cfg.rollout.rollout_engine, EngineTarget.of_model(self.policy)
         )
@@ -81,7 +91,24 @@ class GenerationWorker:
         training_tp = cfg.parallel.tensor_model_parallel_size
         local = (unwrap_model(self.policy), self.tp_rank) if tp == training_tp else None
         self.shadows = Shadows(self.model_args, training_tp, self.device, local)
+        self._size_kv_budget()
         return self
+
+    def _size_kv_budget(self) -> None:
+        """On CUDA with ``--inference-max-tokens`` unset: the rollout's KV budget from the
+        memory model of a generation GPU and the least usable memory of the generation
+        ranks (``memory/kv_budget.py``), printed; requests without a budget get it."""
+        from loggra_megatron.train.memory_phases import usable_device_bytes
+        from loggra_megatron.train.step_plan import StepPlan
+
+        unset = self.cfg.rollout.inference_max_tokens is None
+        if self.device.type != "cuda" or not unset or self.size_kv_budget is None:
+            return
+        usable = usable_device_bytes(self.device)
+        plan = StepPlan.of(self.cfg, cuda=True)
+        self.kv_budget, note = self.size_kv_budget(self.model_args, plan, usable, os.environ)
+        if dist.get_rank() == 0:
+            print(f" generation ranks: rollouts: {note}", flush=True)
 
     def serve(self) -> None:
         """Answer the trainer until it stops; raises ``GenerationStopped`` on a failure.
@@ -145,21 +172,27 @@ class GenerationWorker:
             self._check(model, message.digest)
 
     def _bucket(self, message: Bucket) -> torch.Tensor:
+        """One bucket of a weight sync, in host memory on every rank of this world: the
+        leader's from the channel, shared through a device copy of that bucket alone (NCCL
+        takes device tensors)."""
         raw = torch.empty(message.nbytes, dtype=torch.uint8)
         if self.channel is not None:
             raw = self.channel.recv_tensor(message.nbytes, torch.uint8)
-        dist.broadcast(raw, src=0)
-        return raw
+        if dist.get_world_size() == 1:
+            return raw
+        shared = raw.to(self.device)
+        dist.broadcast(shared, src=0)
+        return shared.cpu() if shared.device != raw.device else shared
 
     def _check(self, model, expected: str) -> None:
         """Every replica reads its weights back and compares (collective)."""
         from loggra_megatron.convert.megatron_to_hf import iter_hf_tensors
 
         ours = digest(iter_hf_tensors(model, self.model_args))  # TP rank 0's; others: empty
-        same = torch.tensor([1 if self.tp_rank != 0 or ours == expected else 0])
+        same = torch.tensor([1 if self.tp_rank != 0 or ours == expected else 0], device=self.device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         self.checksum_ok = float(same)
-        self.stale = not same
+        self.stale = not self.checksum_ok
         if not same and self.cfg.placement.weight_sync_on_mismatch == "stop":
             raise GenerationStopped(
                 "the generation ranks' weights differ from the trainer's after a weight sync "
@@ -174,11 +207,13 @@ class GenerationWorker:
             if j % self.replicas != self.replica or self.stale:
                 continue
             request = dataclasses.replace(message.request, sampling_stream=j)
+            if request.max_tokens is None:  # the trainer's GPUs did not size it: no KV there
+                request = dataclasses.replace(request, max_tokens=self.kv_budget)
             rollout, stats = self.engine.generate(self.policy, prompts, request)
             mine.append((j, rollout_on(rollout, "cpu"), stats))
         if self.tp_rank != 0:
             mine = []
-        signalled = torch.tensor([float(self.signalled)])
+        signalled = torch.tensor([float(self.signalled)], device=self.device)
         dist.all_reduce(signalled, op=dist.ReduceOp.MAX)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 PHASES = ("rollout", "log_probs", "train", "kl_control")
 """The phases an RL step reports: generation and rewards; the reference log-prob forwards;
@@ -130,3 +131,13 @@ class PhasePeaks:
 
 PHASE_PEAKS = PhasePeaks()
 """This process's recorder (its memory's high-water mark is one per process)."""
+
+
+def usable_device_bytes(device: torch.device) -> int:
+    """What a process can allocate on its CUDA ``device``: the free memory plus what
+    PyTorch's allocator already holds, the least over the ranks of the default group (one
+    KV budget for ranks that must generate alike). Collective."""
+    free, _ = torch.cuda.mem_get_info(device)
+    usable = torch.tensor(free + torch.cuda.memory_reserved(device), device=device)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    return int(usable)

@@ -73,6 +73,8 @@ class StepPlan:
     """Sequences of each predicted-KL trial forward: the probe, and the held-out rows when
     ``kl/realized`` is measured (0: no KL control)."""
     kl_estimator: str
+    kl_backup_offload: bool
+    """The weights a trial overwrites are backed up on the host (``--kl-backup-offload``)."""
     rollout_engine: str
     """The entry of ``rollout.registry.ROLLOUT_ENGINES`` that generates (``auto`` resolved)."""
     old_log_probs: str
@@ -160,6 +162,7 @@ class StepPlan:
             reference_offload=g.reference_offload,
             kl_trial_rows=trial_rows,
             kl_estimator=kl.kl_estimator,
+            kl_backup_offload=kl.kl_backup_offload,
             rollout_engine=engine.name,
             old_log_probs=engine.old_log_probs(cfg.loss.tis_cap is not None, updates == 1),
             inference_max_tokens=cfg.rollout.inference_max_tokens,
@@ -200,6 +203,14 @@ class StepPlan:
             * self.pipeline_model_parallel_size
             * self.data_parallel_size
         )
+
+    @property
+    def generating_rows(self) -> int:
+        """Rollout rows that one replica of the GPUs that generate holds: a training
+        replica's (colocated) or a generation replica's (``--generation-ranks``)."""
+        if self.generation_ranks:
+            return self.generation_plan().rollout_batch_size
+        return self.rollout_batch_size
 
     def generation_plan(self) -> StepPlan:
         """The step of one generation GPU (``--generation-ranks``): the policy at the

@@ -32,7 +32,7 @@ from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.placement.remote import generate_remotely
 from loggra_megatron.train import build
 from loggra_megatron.train.lookahead import PromptLookahead
-from loggra_megatron.train.memory_phases import PHASE_PEAKS
+from loggra_megatron.train.memory_phases import PHASE_PEAKS, usable_device_bytes
 from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
 from loggra_megatron.train.run_config import RunConfig
@@ -130,7 +130,7 @@ class RLTrainer:
             offload_to_host(self.reference, self.device)
         self.optimizer = build.optimizer(cfg, self.policy)
         self.scheduler = build.lr_scheduler(cfg, self.plan, self.optimizer)
-        stepper = MegatronStepper(self.optimizer)
+        stepper = MegatronStepper(self.optimizer, cfg.kl_control.kl_backup_offload)
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)
         self.kl_controller = build.kl_controller(
             cfg, stepper, self.policy, rl_step=lambda: self.step
@@ -146,10 +146,8 @@ class RLTrainer:
         unset = self.cfg.rollout.inference_max_tokens is None
         if self.device.type != "cuda" or not unset or self.size_kv_budget is None:
             return
-        free, _ = torch.cuda.mem_get_info(self.device)
-        usable = torch.tensor(free + torch.cuda.memory_reserved(self.device), device=self.device)
-        dist.all_reduce(usable, op=dist.ReduceOp.MIN)
-        tokens, note = self.size_kv_budget(self.model_args, self.plan, int(usable), os.environ)
+        usable = usable_device_bytes(self.device)
+        tokens, note = self.size_kv_budget(self.model_args, self.plan, usable, os.environ)
         self.experience.kv_budget = tokens
         self.plan = dataclasses.replace(self.plan, inference_max_tokens=tokens)
         self._log(f" rollouts: {note}")

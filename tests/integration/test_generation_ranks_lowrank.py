@@ -4,7 +4,9 @@ every sync (a checksum at every sync, ``--weight-sync-check-interval 1``).
 
 * Against ``--weight-sync full`` on 2 training ranks + 1 generation rank: the same metrics in
   every step, the same trained weights, fewer bytes per sync; with remainders, a projection
-  redrawn every 2 updates, and predicted-KL control that shrinks every step.
+  redrawn every 2 updates, predicted-KL control that shrinks every step, an update skipped
+  for non-finite gradients and one rejected for a non-finite KL (``tests/helpers/
+  faulty_steps.py``), after which the sync carries no row update.
 * Training TP 2 → generation TP 1 with the other weights frozen (``--freeze-non-targets``),
   and a resume, whose first sync is a full one again.
 """
@@ -43,17 +45,22 @@ def _export(run, out) -> dict:
 
 def test_lowrank_sync_equals_the_full_sync_bit_for_bit(tokenizer, tmp_path):
     for sync in ("full", "lowrank"):
-        flags = {**BASE, "weight-sync": sync, "save": tmp_path / sync}
-        torchrun(tiny_argv(tokenizer, **flags), nproc=3)
+        flags = {**BASE, "weight-sync": sync, "save": tmp_path / sync, "train-iters": 5}
+        torchrun(tiny_argv(tokenizer, **flags), nproc=3, script="tests/helpers/faulty_steps.py")
     full, low = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "lowrank")
     for a, b in zip(full, low, strict=True):
         assert b["sync/checksum_ok"] == 1.0
         for key in a:
             if not key.startswith(VOLATILE):
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    assert all(r["kl/step_scale"] < 1 for r in full)
+    # steps 1 (non-finite gradients) and 2 (non-finite KL) change no weight (both updates of
+    # each skipped); the others shrink
+    assert [r["optimizer/skipped_steps"] for r in full] == [0, 2, 2, 0, 0]
+    assert all(full[s]["kl/step_scale"] < 1 for s in (0, 3, 4))
     assert low[0]["sync/bytes"] > full[0]["sync/bytes"]  # the first: weights and masters
     assert all(b["sync/bytes"] < a["sync/bytes"] for a, b in zip(full[1:], low[1:], strict=True))
+    # after a step that changed nothing (the syncs of steps 2 and 3), no row update travels
+    assert max(low[s]["sync/bytes"] for s in (2, 3)) < min(low[s]["sync/bytes"] for s in (1, 4))
     ours, theirs = (
         _export(tmp_path / "full", tmp_path / "a"),
         _export(tmp_path / "lowrank", tmp_path / "b"),

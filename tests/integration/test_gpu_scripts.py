@@ -630,6 +630,8 @@ def test_27b_split_header_quotes_its_estimate_command(cli, estimator_flags, caps
     assert_quotes(together, printed(cli, capsys, colocated), "colocated variant")
     res = _estimate(cli, capsys, argv)
     assert res["loggra"]["fits"] and not res["adam"]["fits"]
+    assert res["loggra"]["total"] <= 50.0  # below the paper's 51.54 GiB per training GPU
+    assert res["loggra"]["kl_weight_backup"] == 0  # --kl-backup-offload: on the host
     assert res["loggra"]["kv_cache"] == 0 and res["generation"]["kv_cache"] > 0
     assert res["generation"]["fits"] and res["generation"]["master_params"] == 0
     assert res["generation"]["sync_state"] > 0  # the low-rank sync's copy of the masters

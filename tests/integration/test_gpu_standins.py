@@ -10,19 +10,21 @@ import pytest
 import torch
 from rl_runs import tiny_argv, torchrun
 
+from loggra_megatron.metrics import read_metrics
 from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 
-def _reports(report_dir) -> list[dict]:
-    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+def _reports(report_dir, nproc: int = 2) -> list[dict]:
+    return [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def _run(tmp_path, argv) -> tuple[list[dict], object]:
+def _run(tmp_path, argv, nproc: int = 2) -> tuple[list[dict], object]:
     report = tmp_path / "report"
-    proc = torchrun([str(report), "--", *argv], script="tests/helpers/gpu_standins.py", check=False)
-    reports = _reports(report)
+    script = "tests/helpers/gpu_standins.py"
+    proc = torchrun([str(report), "--", *argv], nproc=nproc, script=script, check=False)
+    reports = _reports(report, nproc)
     for rank, r in enumerate(reports):
         assert r["exit"] == 0, f"rank {rank} exited {r['exit']}: {proc.stderr[-4000:]}"
         assert r["violations"] == [], f"rank {rank}:\n" + "\n".join(r["violations"][:5])
@@ -83,6 +85,33 @@ def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_pa
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["kl/predicted"] > 0 and 0 < m["kl/step_scale"] <= 1 for m in lines)
+
+
+@pytest.mark.parametrize("generation_tp", [1, 2])
+def test_the_split_example_generates_with_the_dynamic_engine_on_its_own_ranks(
+    tokenizer, tmp_path, generation_tp
+):
+    """The 27B split example's flags scaled down (2 training ranks at TP 2 with sequence
+    parallelism + generation ranks at TP 1, which Megatron refuses sequence parallelism
+    at, or at TP 2 as the example; the backward sketch and the low-rank sync,
+    --kl-backup-offload, no --inference-max-tokens) on the simulated CUDA device: the
+    generation ranks size the KV budget for their own GPU (the training ranks size none),
+    share each sync's buckets and checksum verdict through device tensors (NCCL's rule),
+    their dynamic engine generates with FP8 through the stand-ins, and every sync's
+    checksum matches."""
+    out = tmp_path / "out"
+    flags = {**EXAMPLE_27B, "inference-max-tokens": None, "output-dir": out, "train-iters": 2}
+    flags.update({"loggra-sketch": None, "weight-sync": "lowrank", "kl-backup-offload": True})
+    flags.update({"generation-ranks": generation_tp, "weight-sync-check-interval": 1})
+    flags["generation-tensor-model-parallel-size"] = generation_tp
+    nproc = 2 + generation_tp
+    reports, proc = _run(tmp_path, tiny_argv(tokenizer, **flags), nproc=nproc)
+    assert "generation ranks: rollouts: " in proc.stdout
+    assert proc.stdout.count("KV budget") + proc.stdout.count("fits at once") == 1
+    assert "rollouts: dynamic engine" in proc.stdout
+    assert all(r["record"]["fp8_forwards"] > 0 for r in reports[2:])  # their engine
+    rows = read_metrics(out)
+    assert [r["sync/checksum_ok"] for r in rows] == [1.0, 1.0]
 
 
 def test_fp32_run_on_a_gpu_chooses_the_static_engine(tokenizer, tmp_path):

@@ -304,6 +304,57 @@ def test_a_trial_at_eta_leaves_the_weights_a_commit_at_eta_does(remainders):
                 assert torch.equal(tried[name].view(torch.int16), w.view(torch.int16)), name
 
 
+def _trials_with_backup(rank, on_host: bool):
+    """Three steps of a probe at η = 1, a trial at η, a commit at η (bf16 weights with
+    remainders, the backup of θ's weights on the host or the device): the weights in each
+    trial, the committed weights and masters, and what the backup held."""
+    from loggra_megatron.optim.megatron.stepper import MegatronStepper
+
+    ddp = _bf16_ddp(grad_reduce_in_fp32=False)
+    opt = _optimizer(ddp, True, clip_grad=0.05)
+    stepper = MegatronStepper(opt, backup_on_host=on_host)
+    backup, out = stepper.trial_backup, {"steps": [], "device_bytes": [], "host_bytes": []}
+    for step, eta in enumerate((0.5, 0.37, 0.9)):
+        _set_grads(ddp, step)
+        assert stepper.prepare().ok
+        tried = []
+        for scale in (1.0, eta):
+            with stepper.try_candidate(scale) as trial:
+                assert trial.ok
+                tried.append({n: p.detach().clone() for n, p in ddp.module.named_parameters()})
+                out["device_bytes"].append(trial.peak_bytes)
+                out["host_bytes"].append(backup.host_bytes)
+        stepper.commit(eta)
+        weights = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        out["steps"].append((tried, weights, _masters(opt)))
+    out["snapshots"] = backup.snapshots
+    out["backed_up"] = sum(t.numel() * t.element_size() for t in backup.tensors)
+    return out
+
+
+def test_the_trial_backup_on_the_host_gives_the_same_trials_and_commits():
+    """--kl-backup-offload: θ's bf16 weights copied to the host once per step (not per
+    trial) and back after each trial; every trial's weights, committed weights and masters
+    are bitwise those of the backup on the device, whose bytes the trials count and the
+    host's do not."""
+    on_device = run_distributed(_trials_with_backup, 2, False)
+    on_host = run_distributed(_trials_with_backup, 2, True)
+    for dev, host in zip(on_device, on_host, strict=True):
+        assert host["snapshots"] == dev["snapshots"] == 3
+        assert host["backed_up"] > 0 and set(host["host_bytes"]) == {host["backed_up"]}
+        assert set(dev["host_bytes"]) == {0}
+        assert min(dev["device_bytes"]) >= dev["backed_up"] > max(host["device_bytes"])
+        for (tried_d, weights_d, masters_d), (tried_h, weights_h, masters_h) in zip(
+            dev["steps"], host["steps"], strict=True
+        ):
+            for a, b in zip(tried_d, tried_h, strict=True):
+                assert all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+            assert all(torch.equal(weights_d[n], weights_h[n]) for n in weights_d)
+            assert _bitwise(masters_d, masters_h)
+        probe = tried_d[0]  # the probe at η = 1 is not the committed step
+        assert not all(torch.equal(probe[n], weights_d[n]) for n in probe)
+
+
 def _dense_in_pieces(rank, piece, remainders):
     """Three clipped steps on bf16 grads with every weight updated densely,
     ``DENSE_PIECE_NUMEL = piece`` (None: the default): the masters, a KL trial's candidate

@@ -26,6 +26,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from loggra_megatron.optim.candidate import update_sq_norm, write_candidate
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import main_params_of, shares_storage
+from loggra_megatron.optim.megatron.trial_backup import TrialBackup
 from loggra_megatron.optim.param_remainders import weight_of
 
 
@@ -48,7 +49,8 @@ class CandidateTrial:
     ok: bool
     """False: the inner optimizer would skip this step (a non-finite gradient)."""
     peak_bytes: int = 0
-    """Largest transient memory of the trial (one param's candidate + fp32 backups)."""
+    """Largest transient memory of the trial (one param's candidate + the weight backup on
+    the device)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -58,7 +60,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class MegatronStepper:
     """The phases of ``optimizer.step()`` for a Megatron leaf or ``ChainedOptimizer``."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, backup_on_host: bool = False):
         self.optimizer = optimizer
         self.leaves = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         self._params = [
@@ -67,6 +69,11 @@ class MegatronStepper:
             if getattr(leaf, "optimizer", None) is not None
             for main, model, start, end in main_params_of(leaf)
         ]
+        self.trial_backup = TrialBackup(
+            [main for _, main, model, _, _ in self._params if shares_storage(main, model)],
+            on_host=backup_on_host,
+        )
+        """θ's weights that a trial overwrites and no master keeps (``trial_backup.py``)."""
 
     # ------------------------------------------------------------------ Megatron's phases
     @torch.no_grad()
@@ -75,6 +82,7 @@ class MegatronStepper:
         group. Returns whether the step may be committed. ``project``: also project the
         gradients now for LoGRA's optimizers (kept for the trials and the commit; a plain
         step projects one weight at a time in the commit instead, holding less)."""
+        self.trial_backup.invalidate()
         for leaf in self.leaves:  # new gradients: sketches kept from the last step are stale
             clear = getattr(getattr(leaf, "optimizer", None), "clear_candidate_cache", None)
             if clear is not None:
@@ -107,6 +115,7 @@ class MegatronStepper:
     def commit(self, lr_scale: float = 1.0) -> None:
         """The inner step with every group's lr × ``lr_scale`` (AdamW's update and decay
         both scale with lr, so this commits ``θ + η·Δθ``), then main → model params."""
+        self.trial_backup.invalidate()
         groups = [g for leaf in self.leaves for g in leaf.param_groups]
         lrs = [g["lr"] for g in groups]
         rated = [  # a rate of their own (RowAdam's update ratio) scales by η too
@@ -158,11 +167,7 @@ class MegatronStepper:
         """Refuse models whose weights *are* their fp32 masters (fp32 models): a candidate
         could not be tried on the model weights while the masters keep θ. (bf16 weights
         whose masters are kept as remainders are backed up for the trial, 2 bytes/param.)"""
-        aliased = sum(
-            main.numel()
-            for _, main, model, _, _ in self._params
-            if main.dtype == torch.float32 and shares_storage(main, model)
-        )
+        aliased = sum(m.numel() for m in self.trial_backup.tensors if m.dtype == torch.float32)
         total = sum(model.numel() for _, _, model, _, _ in self._params) or 1
         if aliased > 0.01 * total:
             raise ValueError(
@@ -228,10 +233,11 @@ class MegatronStepper:
     @torch.no_grad()
     def try_candidate(self, scale: float) -> Iterator[CandidateTrial]:
         """Within the block, the model weights are ``θ + scale·Δθ`` (all-gathered over DP);
-        the fp32 masters and the optimizer state are unchanged. Collective."""
-        aliased = [main for _, main, model, _, _ in self._params if shares_storage(main, model)]
-        backup = [main.detach().clone() for main in aliased]
-        trial = CandidateTrial(True, sum(_nbytes(b) for b in backup))
+        the fp32 masters and the optimizer state are unchanged. Collective. θ's weights that
+        no master keeps are copied at the step's first trial and written back after each."""
+        backup = self.trial_backup
+        backup.take()
+        trial = CandidateTrial(True, backup.device_bytes)
         model_of = {main: (model, start, end) for _, main, model, start, end in self._params}
         remainders = {
             main
@@ -240,7 +246,7 @@ class MegatronStepper:
         }
 
         def write(main, candidate):
-            trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + sum(map(_nbytes, backup)))
+            trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + backup.device_bytes)
             model, start, end = model_of[main]
             if main in remainders:  # rounded as a commit stores it (ties away from zero)
                 candidate = weight_of(candidate.contiguous())
@@ -253,12 +259,12 @@ class MegatronStepper:
         try:
             yield trial
         finally:
-            for main, saved in zip(aliased, backup, strict=True):
-                main.copy_(saved)
+            backup.restore()
 
     @torch.no_grad()
     def restore_model_weights(self) -> None:
         """Model weights back to the masters (θ) after a trial that is not committed."""
+        self.trial_backup.invalidate()
         for leaf in self.leaves:
             if getattr(leaf, "optimizer", None) is not None:
                 leaf._copy_main_params_to_model_params()

@@ -66,8 +66,8 @@ def _json(cli, capsys, argv) -> dict:
 
 def test_every_output_block_is_what_its_command_prints(cli, capsys):
     blocks = _blocks()
-    assert len(blocks) == 6  # the headline step, the 27B example and four --fit searches
-    assert [("--fit" in argv) for argv, _ in blocks] == [False] * 2 + [True] * 4
+    assert len(blocks) == 7  # the headline step, the 27B example and five --fit searches
+    assert [("--fit" in argv) for argv, _ in blocks] == [False] * 2 + [True] * 5
     for argv, shown in blocks:
         assert _printed(cli, capsys, argv) == shown, " ".join(argv)
 

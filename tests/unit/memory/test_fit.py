@@ -122,6 +122,28 @@ def test_70b_fits_one_node_and_two_with_loggra_only(cli, capsys, run_27b):
     assert two["loggra"]["closest"]["total"] < two["adam"]["closest"]["total"]
 
 
+def test_the_27b_split_searches_the_training_gpus_and_sizes_the_generation_kv(cli, capsys):
+    """The paper's 4 + 4 split (the split example's flags less what --fit chooses): the
+    layouts use the 4 training GPUs only, the KV budget is a generation GPU's (the training
+    GPUs hold no KV cache), a configuration fits when both kinds of GPU do, and each, fed
+    back to the estimator, gives the same totals; dense Adam fits no training GPU."""
+    split = os.path.join(ROOT, "examples", "h100_8gpu", "train_27b_loggra_split.sh")
+    flags = set(cli.build_parser()._option_string_actions)
+    kept = [(f, v) for f, v in flag_list(script_argv(split, 8, flags)) if f not in SEARCHED]
+    argv = [x for f, values in kept for x in (f, *values)] + ["--num-nodes", "1"]
+    res = _fit(cli, capsys, argv)
+    assert res["generation_ranks"] == 4 and res["adam"]["fit"] == 0
+    assert res["loggra"]["fit"] > 0
+    for best in res["loggra"]["best"]:
+        assert best["tp"] * best["pp"] * best["dp"] == 4 and best["generation_total"] > 0
+        assert best["kv_rows"] <= best["max_rollout_rows"] < 64  # 64 rollouts, one replica
+        again = _estimate(cli, capsys, [*argv, *best["flags"]])
+        assert again["loggra"]["total"] == pytest.approx(best["total"], abs=1e-9)
+        assert again["loggra"]["kv_cache"] == 0 and again["generation"]["fits"]
+        assert again["generation"]["total"] == pytest.approx(best["generation_total"], abs=1e-9)
+        assert again["generation"]["kv_cache"] > 0
+
+
 def test_a_given_flag_fixes_what_the_search_would_choose(cli, capsys):
     argv = [*QWEN_RUN, "--num-nodes", "1", "--tensor-model-parallel-size", "2"]
     argv += ["--micro-batch-size", "1", "--inference-max-tokens", "262144"]

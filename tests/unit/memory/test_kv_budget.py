@@ -84,3 +84,30 @@ def test_the_environment_counts():
     # PyTorch's newer name wins where set
     newer = {**ENV, "PYTORCH_ALLOC_CONF": "expandable_segments:False"}
     assert kv_budget(args, step, usable, newer)[0] < tokens
+
+
+def test_with_generation_ranks_the_budget_is_a_generation_gpus():
+    """--generation-ranks: the training GPUs hold no KV cache, so the budget is sized for a
+    generation GPU (weights at its TP, no optimizer): the most rows of its replica's share
+    whose rollout fits it, where a colocated training GPU at the same TP fits no step."""
+    from loggra_megatron.memory.estimate_config import EstimateConfig
+    from loggra_megatron.memory.model import estimate_generation_memory
+
+    args, step = _step(rows=64)
+    split = dataclasses.replace(step, generation_ranks=16, generation_tensor_model_parallel_size=8)
+    assert split.generating_rows == 32  # the 64 rollouts over 2 generation replicas
+    usable = int(20 * GiB)
+    tokens, note = kv_budget(args, split, usable, ENV)
+    s = split.seq_length
+    assert tokens is not None and tokens % s == 0 and "of 32 rows" in note
+    rows = tokens // s
+    est = EstimateConfig(gpu_memory_gb=20, expandable_segments=True, nccl_nvls=False)
+    shape = TransformerShape.from_model_args(args)
+
+    def gen_fits(r: int) -> bool:
+        budget = dataclasses.replace(split, inference_max_tokens=r * s, rollout_engine="static")
+        return estimate_generation_memory(shape, budget, est).fits(usable)
+
+    assert gen_fits(rows) and not gen_fits(rows + 1)
+    colocated, warning = kv_budget(args, step, usable, ENV)
+    assert colocated is None and "does not fit" in warning

@@ -289,6 +289,10 @@ def test_masters_as_remainders_the_kl_trial_backup_and_the_checkpoint_save():
     assert halved.phases()["kl control"] == base.phases()["kl control"] + 2 * shard
     no_probe = dataclasses.replace(rem, kl_trial_rows=0)
     assert estimate_rl_step_memory(model, no_probe).kl_weight_backup == 0
+    # --kl-backup-offload: the copy is on the host, the phase loses exactly it
+    host = estimate_rl_step_memory(model, dataclasses.replace(rem, kl_backup_offload=True))
+    assert host.kl_weight_backup == 0
+    assert host.phases()["kl control"] == base.phases()["kl control"]
     numel = max(p.numel for p in params)  # a small model: its largest master at once
     assert base.checkpoint_save == 0 and halved.checkpoint_save == 4 * numel
     assert halved.phases()["checkpoint save"] == 4 * numel
