@@ -328,8 +328,8 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "rollout/policy_lag",
-        "RL steps between the weights that generated this step's rollouts and the step that "
-        "trains on them (at most --max-policy-lag)",
+        "RL steps between the weights that generated this step's rollouts (one version for "
+        "all: their mean and max) and the step that trains on them (<= --max-policy-lag)",
         PEAK_OVER_RANKS,
     ),
     Metric("sync/bytes", "bytes of the weight sync before this rollout", PEAK_OVER_RANKS),
