@@ -66,6 +66,18 @@ class HuggingFaceTokenizer:
     def vocabulary(self) -> list[str]:
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(range(len(self._tok))))]
 
+    def encoding_spec(self) -> bytes:
+        """A fast tokenizer's ``tokenizer.json`` (normalizer, pre-tokenizer, model, added
+        tokens, post-processor) less the run-time ``truncation`` and ``padding``, keys
+        sorted; a slow one's class and vocabulary."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return "\0".join([type(self._tok).__name__, *self.vocabulary()]).encode()
+        spec = json.loads(backend.to_str())
+        for volatile in ("truncation", "padding"):
+            spec.pop(volatile, None)
+        return json.dumps(spec, sort_keys=True, ensure_ascii=False).encode()
+
     @property
     def bos(self) -> int | None:
         return self._tok.bos_token_id

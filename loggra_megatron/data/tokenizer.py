@@ -68,6 +68,11 @@ class Tokenizer(Protocol):
         """Every token's text, in id order."""
         ...
 
+    def encoding_spec(self) -> bytes:
+        """What decides how text becomes ids beyond the pieces: the normalizer and its
+        settings, the pre-tokenizer, the model's own rules."""
+        ...
+
 
 def fingerprint(tokenizer: Tokenizer) -> str:
     """SHA-256 of the tokenizer's pieces in id order: the same for the same vocabulary,
@@ -77,6 +82,15 @@ def fingerprint(tokenizer: Tokenizer) -> str:
     for piece in tokenizer.vocabulary():
         digest.update(piece.encode("utf-8", "surrogatepass") + b"\0")
     return digest.hexdigest()
+
+
+def identity(tokenizer: Tokenizer) -> dict[str, str]:
+    """What a checkpoint records of its tokenizer (``run_config.json``): ``tokenizer``, the
+    vocabulary's ``fingerprint``, and ``tokenizer_encoding``, the SHA-256 of its
+    ``encoding_spec``: the same pieces under another normalization (e.g. sentencepiece's
+    ``add_dummy_prefix`` flipped) tokenize every prompt differently."""
+    spec = hashlib.sha256(tokenizer.encoding_spec()).hexdigest()
+    return {"tokenizer": fingerprint(tokenizer), "tokenizer_encoding": spec}
 
 
 class SentencePieceTokenizer:
@@ -106,6 +120,11 @@ class SentencePieceTokenizer:
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self._sp.decode([int(i) for i in ids])
+
+    def encoding_spec(self) -> bytes:
+        """The whole serialized model proto: pieces, normalizer and denormalizer specs and
+        the trainer settings that encoding reads (byte fallback, digit splitting)."""
+        return self._sp.serialized_model_proto()
 
     def pieces(self, text: str) -> list[str]:
         """The pieces ``text`` is split into (for inspection; spaces show as ``▁``)."""

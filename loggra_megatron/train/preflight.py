@@ -251,7 +251,7 @@ def _prompt_length(renderer: PromptRenderer, dataset: PromptDataset, i: int, fla
 
 def _check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     from loggra_megatron.checkpointing.layout import MODEL_ARGS
-    from loggra_megatron.data.tokenizer import fingerprint
+    from loggra_megatron.data.tokenizer import identity
     from loggra_megatron.model.args import GPTModelArgs
 
     where = cfg.start.model_args_dir
@@ -265,13 +265,28 @@ def _check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
         )
     ref = cfg.start.checkpoint
     saved = ref.run_config() if ref is not None else None
-    mine = fingerprint(tokenizer)
-    if saved and saved.get("tokenizer", mine) != mine and not cfg.data.override_tokenizer_check:
+    if saved and not cfg.data.override_tokenizer_check:
+        _check_tokenizer_identity(cfg, saved, identity(tokenizer))
+
+
+def _check_tokenizer_identity(cfg: RunConfig, saved: dict, mine: dict[str, str]) -> None:
+    """The checkpoint's tokenizer (``data.tokenizer.identity``; checkpoints from before
+    ``tokenizer_encoding`` have the vocabulary's only) against this run's."""
+    fix = "use that tokenizer, or --override-tokenizer-check if the change is meant"
+    where = f"--tokenizer-model {cfg.data.tokenizer_model!r} is not the tokenizer the checkpoint"
+    theirs = saved.get("tokenizer", mine["tokenizer"])
+    if theirs != mine["tokenizer"]:
         raise ConfigError(
-            f"--tokenizer-model {cfg.data.tokenizer_model!r} is not the tokenizer the checkpoint "
-            f"in --load was trained with (its vocabulary's SHA-256 {saved['tokenizer'][:12]}..., "
-            f"this one's {mine[:12]}...; same size or not, its ids mean other pieces): use that "
-            "tokenizer, or --override-tokenizer-check if the change is meant"
+            f"{where} in --load was trained with (its vocabulary's SHA-256 {theirs[:12]}..., "
+            f"this one's {mine['tokenizer'][:12]}...; same size or not, its ids mean other "
+            f"pieces): {fix}"
+        )
+    encoding = saved.get("tokenizer_encoding", mine["tokenizer_encoding"])
+    if encoding != mine["tokenizer_encoding"]:
+        raise ConfigError(
+            f"{where} in --load was trained with: the same pieces, but another normalization "
+            f"or encoding rule (SHA-256 {encoding[:12]}..., this one's "
+            f"{mine['tokenizer_encoding'][:12]}...), so every prompt tokenizes differently: {fix}"
         )
 
 

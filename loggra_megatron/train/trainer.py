@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.data.tokenizer import fingerprint
+from loggra_megatron.data.tokenizer import identity
 from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.placement.remote import generate_remotely
@@ -92,7 +92,7 @@ class RLTrainer:
         self._log(*(f" {note}" for note in host.notes))
         self.dataset = host.dataset
         self.prompts = PromptLookahead(self.dataset, self._next_prompts, cfg.grpo.prompts_per_step)
-        self._tokenizer_fingerprint = fingerprint(host.tokenizer)
+        self._tokenizer_identity = identity(host.tokenizer)
         stepper = self._build_models()
         self._build_rl(stepper)
         if cfg.placement.disaggregated:  # rollouts from the generation ranks
@@ -429,7 +429,7 @@ class RLTrainer:
             "step": self.step,
             "warmup_step": self.warmup.step,
             "data": self.prompts.state_dict(),
-            "tokenizer": self._tokenizer_fingerprint,
+            **self._tokenizer_identity,
         }
         policy, optimizer = self._training_models()
         try:

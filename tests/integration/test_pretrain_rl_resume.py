@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -361,7 +362,8 @@ def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused
 def test_a_resume_onto_another_vocabulary_of_the_same_size_is_refused(tokenizer, saved, tmp_path):
     """With 160 of 256 pieces different, training used to go on with scrambled ids;
     run_config.json records the vocabulary's SHA-256 and a mismatch stops the resume before
-    any process group, unless --override-tokenizer-check."""
+    any process group, unless --override-tokenizer-check; so does a tokenizer with the same
+    pieces and another normalization."""
     from loggra_megatron.config import ConfigError
     from loggra_megatron.data.tokenizer import fingerprint, load_tokenizer
     from loggra_megatron.train.preflight import preflight
@@ -383,3 +385,16 @@ def test_a_resume_onto_another_vocabulary_of_the_same_size_is_refused(tokenizer,
     cfg = parse_args(tiny_argv(other, **base, **{"override-tokenizer-check": True}), world_size=2)
     preflight(cfg)  # accepted when meant
     preflight(parse_args(tiny_argv(tokenizer, **base), world_size=2))  # the same tokenizer
+    # the same pieces with sentencepiece's add_dummy_prefix flipped: every prompt tokenizes
+    # differently, and the checkpoint's tokenizer_encoding says so
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tokenizer).read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = not proto.normalizer_spec.add_dummy_prefix
+    flipped = tmp_path / "flipped.model"
+    flipped.write_bytes(proto.SerializeToString())
+    assert fingerprint(load_tokenizer(str(flipped), None)) == fingerprint(a)
+    cfg = parse_args(tiny_argv(str(flipped), **base), world_size=2)
+    with pytest.raises(ConfigError, match="the same pieces, but another normalization"):
+        preflight(cfg)
