@@ -61,38 +61,34 @@ _MCORE_LLAMA3_ROPE = {
 }
 
 
-def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
-    """Build arguments from a Hugging Face config (dict, ``config.json`` path or a
-    ``PretrainedConfig``) of Llama 2/3, Qwen2/2.5 or Qwen3.
+class _Fields:
+    """A Hugging Face config's fields with its model type's defaults, read with refusals
+    that name the field."""
 
-    Anything the converted Megatron model would compute differently is refused with a
-    ``ValueError`` naming the field: other architectures, non-SiLU activations,
-    o_proj/MLP biases, sliding-window attention, partial rotary, and RoPE scaling other
-    than Llama 3's with Megatron-Core's constants. Transformers 4.x (``rope_theta``,
-    ``rope_scaling``) and 5.x (``rope_parameters``) layouts are both read.
-    ``overrides`` replace fields of the result (e.g. ``params_dtype``).
-    """
-    cfg = _as_dict(config)
-    model_type = _check_architecture(cfg)
-    d = {**_HF_DEFAULTS[model_type], **cfg}
+    def __init__(self, d: dict, model_type: str):
+        self.d, self.model_type = d, model_type
 
-    def need(key: str) -> Any:
-        if d.get(key) is None:
-            raise ValueError(f"HF config ({model_type}): required field {key!r} is missing")
-        return d[key]
+    def need(self, key: str) -> Any:
+        if self.d.get(key) is None:
+            raise ValueError(f"HF config ({self.model_type}): required field {key!r} is missing")
+        return self.d[key]
 
-    def count(key: str, default: Any = None) -> int:
+    def count(self, key: str, default: Any = None) -> int:
         """A required (or defaulted) whole number within ``_COUNT_LIMITS``."""
-        value = need(key) if default is None else d.get(key, default)
+        value = self.need(key) if default is None else self.d.get(key, default)
         if value is None:
             value = default
         upper = _COUNT_LIMITS[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= upper:
             raise ValueError(
-                f"HF config ({model_type}): {key}={value!r} must be a whole number in [1, {upper}]"
+                f"HF config ({self.model_type}): {key}={value!r} must be a whole number in "
+                f"[1, {upper}]"
             )
         return value
 
+
+def _check_supported(d: dict, model_type: str) -> None:
+    """Refuse what the converted Megatron model would compute differently."""
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"HF config: hidden_act={d['hidden_act']!r} is not supported (only 'silu')"
@@ -112,18 +108,41 @@ def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
     if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("HF config: partial_rotary_factor != 1 is not supported")
 
-    hidden, heads = count("hidden_size"), count("num_attention_heads")
-    groups = count("num_key_value_heads", heads)
+
+def _attention_shape(f: _Fields) -> tuple[int, int, int]:
+    """``(hidden_size, heads, query groups)``, checked against each other."""
+    hidden, heads = f.count("hidden_size"), f.count("num_attention_heads")
+    groups = f.count("num_key_value_heads", heads)
     if heads % groups:
         raise ValueError(
-            f"HF config ({model_type}): num_attention_heads={heads} is not a multiple of "
+            f"HF config ({f.model_type}): num_attention_heads={heads} is not a multiple of "
             f"num_key_value_heads={groups}"
         )
-    if d.get("head_dim") is None and hidden % heads:
+    if f.d.get("head_dim") is None and hidden % heads:
         raise ValueError(
-            f"HF config ({model_type}): hidden_size={hidden} is not divisible by "
+            f"HF config ({f.model_type}): hidden_size={hidden} is not divisible by "
             f"num_attention_heads={heads} (and no head_dim is given)"
         )
+    return hidden, heads, groups
+
+
+def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
+    """Build arguments from a Hugging Face config (dict, ``config.json`` path or a
+    ``PretrainedConfig``) of Llama 2/3, Qwen2/2.5 or Qwen3.
+
+    Anything the converted Megatron model would compute differently is refused with a
+    ``ValueError`` naming the field: other architectures, non-SiLU activations,
+    o_proj/MLP biases, sliding-window attention, partial rotary, and RoPE scaling other
+    than Llama 3's with Megatron-Core's constants. Transformers 4.x (``rope_theta``,
+    ``rope_scaling``) and 5.x (``rope_parameters``) layouts are both read.
+    ``overrides`` replace fields of the result (e.g. ``params_dtype``).
+    """
+    cfg = _as_dict(config)
+    model_type = _check_architecture(cfg)
+    d = {**_HF_DEFAULTS[model_type], **cfg}
+    _check_supported(d, model_type)
+    f = _Fields(d, model_type)
+    hidden, heads, groups = _attention_shape(f)
     tied = d.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise ValueError(
@@ -132,15 +151,15 @@ def gpt_args_from_hf(config: Any, **overrides: Any) -> GPTModelArgs:
     rope = _parse_rope(d, model_type)
     dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     args = dict(
-        num_layers=count("num_hidden_layers"),
+        num_layers=f.count("num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=count("intermediate_size"),
+        ffn_hidden_size=f.count("intermediate_size"),
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=count("head_dim", hidden // heads),
-        vocab_size=count("vocab_size"),
-        max_position_embeddings=count("max_position_embeddings"),
-        norm_epsilon=float(need("rms_norm_eps")),
+        kv_channels=f.count("head_dim", hidden // heads),
+        vocab_size=f.count("vocab_size"),
+        max_position_embeddings=f.count("max_position_embeddings"),
+        norm_epsilon=float(f.need("rms_norm_eps")),
         normalization="RMSNorm",
         swiglu=True,
         add_qkv_bias=model_type == "qwen2",
