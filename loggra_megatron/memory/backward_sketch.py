@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loggra_megatron.memory.shape import (
-    ROW_STATE_BYTES,
     TransformerShape,
     ceil_div,
     param_dtype_bytes,
 )
 from loggra_megatron.memory.transient import layers_held
-from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.registry import backward_sketch
+from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
@@ -64,7 +64,7 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2")
 def applies(plan: StepPlan) -> bool:
     """Whether ``plan`` runs the backward sketch (a sketching optimizer with
     ``loggra_sketch="backward"``; dense Adam's column of the same step does not)."""
-    return OPTIMIZERS[plan.optimizer].sketched and plan.loggra_sketch == "backward"
+    return backward_sketch(plan.optimizer, plan.loggra_sketch)
 
 
 def sketched_params(params: list, plan: StepPlan) -> list:
@@ -102,7 +102,8 @@ def master_bytes(targets, dp: int, bytes_per_master: int) -> int:
 
 def row_state_bytes(targets, dp: int, row_optimizer: str) -> int:
     """RowAdam's fp32 second moment per owned row (``⌈m/D⌉`` per target), or nothing."""
-    return ROW_STATE_BYTES[row_optimizer] * sum(ceil_div(s.shape[0], dp) for s in targets)
+    per_row = ROW_UPDATES[row_optimizer].state_bytes_per_row
+    return per_row * sum(ceil_div(s.shape[0], dp) for s in targets)
 
 
 def buffer_bytes(targets, segments: int, rank: int, reduced_in_backward: bool = False) -> int:

@@ -10,6 +10,7 @@ import textwrap
 
 from loggra_megatron.memory.fit import OPTIMIZER_NAMES, FitResult, Outcome
 from loggra_megatron.memory.shape import GiB
+from loggra_megatron.optim.registry import backward_sketch
 
 __all__ = ["fit_json", "fit_report", "launch_environment"]
 
@@ -101,8 +102,8 @@ def _table(result: FitResult, name: str, top: int, seq: int) -> list[str]:
     fitting, tried, gpu = result.fitting(name), len(result.outcomes[name]), result.gpu_bytes
     header = HEADER + (GENERATION_COLUMN if result.generation_ranks else "")
     title = f"{OPTIMIZER_NAMES[name]} (--optimizer {name}"
-    backward = name == "loggra" and result.loggra_sketch == "backward"
-    title += " --loggra-sketch backward)" if backward else ")"
+    backward = backward_sketch(name, result.loggra_sketch)
+    title += f" --loggra-sketch {result.loggra_sketch})" if backward else ")"
     if not fitting:
         o = result.closest(name)
         if o is None:

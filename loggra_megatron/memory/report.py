@@ -21,6 +21,7 @@ from loggra_megatron.memory.model import (
 from loggra_megatron.memory.runtime import communicators
 from loggra_megatron.memory.shape import grad_dtype_bytes
 from loggra_megatron.model.config import log_prob_chunk_tokens
+from loggra_megatron.optim.registry import SKETCH_MODES, backward_sketch
 
 __all__ = ["report"]
 
@@ -112,8 +113,7 @@ def generation_report(
 
 def _loggra_label(plan: StepPlan) -> str:
     """``LoGRA r=128``, or ``LoGRA bwd r=128`` with ``--loggra-sketch backward``."""
-    mode = " bwd" if plan.loggra_sketch == "backward" else ""
-    return f"LoGRA{mode} r={plan.loggra_rank}"
+    return f"LoGRA{SKETCH_MODES[plan.loggra_sketch].label} r={plan.loggra_rank}"
 
 
 def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list[str]:
@@ -154,7 +154,7 @@ def _describe(model, step: StepPlan, est: EstimateConfig, dense, source) -> list
         + (
             f", LoGRA's backward sketch of {','.join(step.loggra_targets)} "
             f"(row {step.loggra_row_optimizer})"
-            if step.loggra_sketch == "backward"
+            if backward_sketch(step.optimizer, step.loggra_sketch)
             else ""
         ),
         f"rollout   {step.rollout_batch_size} seqs per replica, {step.rollout_engine} engine, "

@@ -18,9 +18,6 @@ from loggra_megatron.train.step_plan import StepPlan
 
 GiB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-ROW_STATE_BYTES = {"adam": 4, "sgd": 0}
-"""State bytes per owned row of a backward-sketched weight, by ``--loggra-row-optimizer``
-(``optim.row_adam.ROW_OPTIMIZERS``): RowAdam's fp32 ``exp_avg_sq``; row SGD keeps none."""
 
 
 class MemoryConfigError(ValueError):

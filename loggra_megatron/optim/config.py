@@ -16,8 +16,13 @@ from loggra_megatron.config import (
 )
 from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES, SKETCH_REDUCTIONS
 from loggra_megatron.optim.projection import PROJECTIONS
-from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, SKETCH_TARGETS
-from loggra_megatron.optim.row_adam import ROW_OPTIMIZERS
+from loggra_megatron.optim.registry import (
+    OPTIMIZERS,
+    SKETCH_MODES,
+    SKETCH_TARGETS,
+    backward_sketch,
+)
+from loggra_megatron.optim.row_updates import ROW_UPDATES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -27,15 +32,15 @@ def _sketched(s: dict) -> bool:
 
 
 def _gradient(s: dict) -> bool:
-    return _sketched(s) and s["loggra_sketch"] == "gradient"
+    return _sketched(s) and not SKETCH_MODES[s["loggra_sketch"]].in_backward
 
 
 def _backward(s: dict) -> bool:
-    return _sketched(s) and s["loggra_sketch"] == "backward"
+    return backward_sketch(s["optimizer"], s["loggra_sketch"])
 
 
 def _row_adam(s: dict) -> bool:
-    return _backward(s) and s["loggra_row_optimizer"] == "adam"
+    return _backward(s) and ROW_UPDATES[s["loggra_row_optimizer"]].has_root
 
 
 def _range_finder(s: dict) -> bool:
@@ -224,8 +229,8 @@ class LoGRAConfig:
                 ),
                 (
                     "loggra_row_optimizer",
-                    one_of(*ROW_OPTIMIZERS),
-                    f"one of {', '.join(ROW_OPTIMIZERS)}",
+                    one_of(*ROW_UPDATES),
+                    f"one of {', '.join(ROW_UPDATES)}",
                 ),
                 ("loggra_row_beta2", lambda b: 0 <= b < 1, "in [0, 1)"),
                 ("loggra_update_ratio", positive, "> 0 (omit it to use --lr)"),

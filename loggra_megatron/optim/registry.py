@@ -93,9 +93,54 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 
 
-SKETCH_MODES = ("gradient", "backward")
-"""``--loggra-sketch``: sketch the dense gradient (range-finder basis, Adam moments), or form
-the sketch in the backward pass (LoGRA as published; no dense gradient of a target)."""
+@dataclass(frozen=True)
+class SketchMode:
+    """One ``--loggra-sketch`` mode of a sketching optimizer, what the factory builds for it
+    and what the rest of the code reads of it (nothing compares mode names:
+    ``tests/unit/test_registries.py``)."""
+
+    name: str
+    description: str
+    builder: str
+    """``"module:function"``: ``function(config, loggra, model_chunks, **kwargs)``, the
+    Megatron optimizer of the DDP-wrapped chunks (Megatron's ``OptimizerConfig``)."""
+    in_backward: bool
+    """The sketch is formed in the backward pass: the targets get no dense gradient (the
+    optimizer entry's ``prepare_model`` freezes and hooks them before DDP wraps the model),
+    the dense leaves sketch nothing, and the memory model counts the targets' own terms
+    (``memory/backward_sketch.py``)."""
+    label: str
+    """What the memory estimator's column adds to ``LoGRA r=<rank>``."""
+
+
+SKETCH_MODES: dict[str, SketchMode] = {
+    "gradient": SketchMode(
+        "gradient",
+        "sketch the dense gradient: range-finder basis, Adam moments in the sketch",
+        "loggra_megatron.optim.megatron.factory:build_gradient_sketch",
+        in_backward=False,
+        label="",
+    ),
+    "backward": SketchMode(
+        "backward",
+        "form the sketch in the backward pass (LoGRA as published): no dense gradient of a "
+        "target, RowAdam",
+        "loggra_megatron.optim.megatron.factory:build_backward_sketch",
+        in_backward=True,
+        label=" bwd",
+    ),
+}
+"""``--loggra-sketch``, by name."""
+UNTAGGED_SKETCH = "gradient"
+"""The mode of a LoGRA checkpoint from before checkpoints named their mode."""
+
+
+def backward_sketch(optimizer: str, sketch: str) -> bool:
+    """Whether ``--optimizer optimizer --loggra-sketch sketch`` sketches in the backward pass
+    (a sketching optimizer in a backward mode)."""
+    return OPTIMIZERS[optimizer].sketched and SKETCH_MODES[sketch].in_backward
+
+
 SKETCH_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """``--loggra-targets`` names: the transformer-layer linears the backward sketch can own."""
 

@@ -47,6 +47,7 @@ import torch
 
 from loggra_megatron.optim.backward_sketch import gram_sq_norm, reconstruct
 from loggra_megatron.optim.param_remainders import join_master, store_master
+from loggra_megatron.optim.row_updates import ROW_UPDATES
 
 
 def row_target(master, rate: float, weight_decay: float, direction, signs) -> torch.Tensor:
@@ -54,10 +55,6 @@ def row_target(master, rate: float, weight_decay: float, direction, signs) -> to
     the one arithmetic of every commit (``RowAdam.step``) and of its repetition elsewhere."""
     target = master.float().mul(1 - rate * weight_decay)
     return target.sub_(reconstruct(direction, signs).mul_(rate))
-
-
-ROW_OPTIMIZERS = ("adam", "sgd")
-"""``--loggra-row-optimizer`` choices."""
 
 
 @dataclass
@@ -85,7 +82,7 @@ class RowAdam(torch.optim.Optimizer):
         params: row blocks ``[k, n]`` (fp32 masters, or bf16 rows with ``param_remainders``).
         lr, betas, eps, weight_decay: as AdamW (β₁ is unused: there is no first moment; β₂
             is RowAdam's own).
-        row_optimizer: ``adam`` | ``sgd``.
+        row_optimizer: a ``ROW_UPDATES`` entry (``adam`` | ``sgd``).
         param_remainders: ``{bf16 row block: int16 remainder}`` of the same shape.
         relative_eps, restore_norm, update_ratio: the paper's recipe (module docstring).
     """
@@ -103,11 +100,12 @@ class RowAdam(torch.optim.Optimizer):
         restore_norm: bool = False,
         update_ratio: float | None = None,
     ):
-        if row_optimizer not in ROW_OPTIMIZERS:
-            raise ValueError(f"row_optimizer={row_optimizer!r}: one of {', '.join(ROW_OPTIMIZERS)}")
+        if row_optimizer not in ROW_UPDATES:
+            raise ValueError(f"row_optimizer={row_optimizer!r}: one of {', '.join(ROW_UPDATES)}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.row_optimizer = row_optimizer
+        self.row_update = ROW_UPDATES[row_optimizer]
         self.param_remainders = param_remainders or {}
         self.relative_eps, self.restore_norm = relative_eps, restore_norm
         self.update_ratio = update_ratio
@@ -137,8 +135,8 @@ class RowAdam(torch.optim.Optimizer):
     def init_state_of(self, p: torch.Tensor) -> dict:
         """``p``'s state, allocated (zeros) if it has none yet."""
         state = self.state[p]
-        if self.row_optimizer == "adam" and "exp_avg_sq" not in state:
-            state["exp_avg_sq"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+        for key, zeros in self.row_update.init_state(p).items():
+            state.setdefault(key, zeros)
         return state
 
     def set_sketches(self, sketches: dict):
@@ -170,25 +168,21 @@ class RowAdam(torch.optim.Optimizer):
                         sketch = sketch * self.model_grad_scale
                     yield p, group, sketch, signs
 
-    def _second_moment(self, p, group, sketch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(new exp_avg_sq, √v̂)`` of ``p``'s rows, computed aside."""
-        beta2 = group["betas"][1]
-        v = self.init_state_of(p)["exp_avg_sq"]
-        new_v = v * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
-        return new_v, (new_v / (1 - beta2 ** (self.num_steps + 1))).sqrt_()
+    def _row_update(self, p, group, sketch) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+        """``(p's new state, N, its rows' root or None)`` of the row update, computed aside."""
+        state = self.init_state_of(p)
+        return self.row_update.update(sketch, state, group["betas"][1], self.num_steps + 1)
 
     def _direction(self, p, group, sketch, plan: _Plan):
-        """``(D, new exp_avg_sq)`` of ``p`` under ``plan``, computed aside."""
-        if self.row_optimizer == "sgd":
-            new_v, direction = None, sketch
-        else:
-            new_v, root = self._second_moment(p, group, sketch)
-            direction = sketch / root.add_(plan.eps.get(p, group["eps"])).unsqueeze(1)
+        """``(D, p's new state)`` under ``plan``, computed aside."""
+        new_state, direction, root = self._row_update(p, group, sketch)
+        if root is not None:
+            direction = direction / root.add_(plan.eps.get(p, group["eps"])).unsqueeze(1)
         factor = plan.factor.get(p, 1.0)
-        return (direction if factor == 1.0 else direction * factor), new_v
+        return (direction if factor == 1.0 else direction * factor), new_state
 
     def _updates(self):
-        """``(p, group, signs, D, new v, rate)`` of every parameter with a sketch."""
+        """``(p, group, signs, D, p's new state, rate)`` of every parameter with a sketch."""
         plan = self._plan()
         for p, group, sketch, signs in self._scaled_sketches():
             signs = signs() if callable(signs) else signs
@@ -201,7 +195,7 @@ class RowAdam(torch.optim.Optimizer):
         if self._planned is not None and self._planned.grad_scale == self.model_grad_scale:
             return self._planned
         plan = _Plan(self.model_grad_scale, {}, {}, None)
-        if self.relative_eps and self.row_optimizer == "adam":
+        if self.relative_eps and self.row_update.has_root:
             plan.eps = self._relative_eps()
         if self.restore_norm:
             plan.factor = self._norm_factors(plan)
@@ -213,7 +207,7 @@ class RowAdam(torch.optim.Optimizer):
     def _relative_eps(self) -> dict:
         sums, eps = {}, {}
         for p, group, sketch, _ in self._scaled_sketches():
-            _, root = self._second_moment(p, group, sketch)
+            _, _, root = self._row_update(p, group, sketch)
             sums[p] = torch.stack([root.sum(), root.new_tensor(float(root.numel()))])
             eps[p] = group["eps"]
         sums = self.sum_over_layer(sums)
@@ -248,11 +242,11 @@ class RowAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One update of every parameter with a sketch; then the sketches are consumed."""
-        for p, group, signs, direction, new_v, rate in self._updates():
+        for p, group, signs, direction, new_state, rate in self._updates():
             self.step_size = rate
             target = self._target(p, group, rate, direction, signs)
-            if new_v is not None:
-                self.state[p]["exp_avg_sq"].copy_(new_v)
+            for key, value in new_state.items():
+                self.state[p][key].copy_(value)
             if self.recorded is not None:
                 self.recorded.append((p, direction, rate, group["weight_decay"], self.num_steps))
             if p in self.param_remainders:

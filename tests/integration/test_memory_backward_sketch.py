@@ -27,9 +27,10 @@ from loggra_megatron.memory.model import (
     optimizer_state_bytes,
     stage_parameters,
 )
-from loggra_megatron.memory.shape import ROW_STATE_BYTES, GiB, TransformerShape, ceil_div
+from loggra_megatron.memory.shape import GiB, TransformerShape, ceil_div
 from loggra_megatron.memory.transient import layers_held
 from loggra_megatron.optim.registry import SKETCH_TARGETS
+from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # the real runs below start Megatron-Core ranks
@@ -61,10 +62,20 @@ def _split(params, targets=SKETCH_TARGETS):
     )
 
 
-def test_the_row_optimizers_are_the_optimizers():
-    from loggra_megatron.optim.row_adam import ROW_OPTIMIZERS
+@pytest.mark.parametrize("row_optimizer", list(ROW_UPDATES))
+def test_row_state_is_what_the_row_update_keeps(row_optimizer):
+    """The memory model's row state per owned row is the state RowAdam allocates with that
+    ``--loggra-row-optimizer`` (``optim.row_updates``)."""
+    import torch
 
-    assert tuple(ROW_STATE_BYTES) == ROW_OPTIMIZERS
+    from loggra_megatron.optim.row_adam import RowAdam
+
+    rows = torch.nn.Parameter(torch.zeros(6, 4))
+    opt = RowAdam([rows], row_optimizer=row_optimizer)
+    opt.set_sketches({rows: (torch.ones(6, 2), torch.ones(2, 4))})
+    opt.step()
+    kept = sum(t.numel() * t.element_size() for t in opt.state[rows].values())
+    assert kept == 6 * ROW_UPDATES[row_optimizer].state_bytes_per_row
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])

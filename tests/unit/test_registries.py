@@ -147,3 +147,96 @@ def test_optimizer_choices_the_memory_model_and_the_builder_read_the_registry(
     dense = optimizer_state_bytes(params, "adam")
     assert optimizer_state_bytes(params, "my_adam") == dense  # read as a dense optimizer
     assert optimizer_state_bytes(params, "loggra", rank=8) < dense
+
+
+def _compared_strings(path: str) -> list[tuple[int, str, str]]:
+    """``(line, the other operand's source, the string)`` of every ``==`` / ``!=`` / ``in``
+    comparison with a string constant in ``path``."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for a, b in zip(operands, operands[1:], strict=False):
+            for const, other in ((a, b), (b, a)):
+                if isinstance(const, ast.Constant) and isinstance(const.value, str):
+                    found.append((node.lineno, ast.get_source_segment(source, other), const.value))
+    return found
+
+
+def test_no_module_compares_a_sketch_mode_by_name():
+    """What a ``--loggra-sketch`` mode does is read from its ``SKETCH_MODES`` entry
+    (``in_backward``, ``builder``, ``label``; ``backward_sketch``), never from its name: a
+    new mode is one registry line."""
+    import glob
+    import os
+
+    from loggra_megatron.optim.registry import SKETCH_MODES
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = glob.glob(os.path.join(root, "loggra_megatron", "**", "*.py"), recursive=True)
+    paths += glob.glob(os.path.join(root, "tools", "*.py")) + [os.path.join(root, "pretrain_rl.py")]
+    offending = [
+        f"{os.path.relpath(path, root)}:{line}: {other} vs {value!r}"
+        for path in paths
+        if not path.endswith(os.path.join("optim", "registry.py"))
+        for line, other, value in _compared_strings(path)
+        if value in SKETCH_MODES and "sketch" in (other or "")
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_a_new_row_update_is_one_class_and_one_registry_line(monkeypatch, tokenizer):
+    """An AMSGrad-like row update (the running max of RowAdam's second moment, 8 bytes per
+    row): ``--loggra-row-optimizer`` accepts it, ``--loggra-row-beta2`` applies to it (it
+    has a root), RowAdam steps with it as its formula says, and the memory model counts its
+    state."""
+    import dataclasses
+
+    from memory_plans import plan
+    from optimizer_state import SMALL
+    from rl_runs import tiny_argv
+
+    from loggra_megatron.arguments import parse_args
+    from loggra_megatron.memory.model import TransformerShape, estimate_rl_step_memory
+    from loggra_megatron.optim.row_adam import RowAdam
+    from loggra_megatron.optim.row_updates import ROW_UPDATES, RowUpdate
+
+    class RowMaxRoot(RowUpdate):
+        name = "amsgrad"
+        state_bytes_per_row = 8
+        has_root = True
+
+        def init_state(self, p):
+            return {"v": p.new_zeros(p.shape[0]).float(), "v_max": p.new_zeros(p.shape[0]).float()}
+
+        def update(self, sketch, state, beta2, step):
+            v = state["v"] * beta2 + sketch.square().mean(dim=1) * (1 - beta2)
+            v_max = torch.maximum(state["v_max"], v)
+            return {"v": v, "v_max": v_max}, sketch, v_max.sqrt()
+
+    monkeypatch.setitem(ROW_UPDATES, "amsgrad", RowMaxRoot())
+    flags = {"loggra-sketch": None, "loggra-row-optimizer": "amsgrad", "loggra-row-beta2": 0.9}
+    assert parse_args(tiny_argv(tokenizer, **flags)).loggra.loggra_row_beta2 == 0.9
+
+    rows = torch.nn.Parameter(torch.ones(3, 4))
+    opt = RowAdam([rows], lr=0.1, betas=(0.9, 0.5), eps=0.0, row_optimizer="amsgrad")
+    sketch, signs = torch.tensor([[2.0], [1.0], [4.0]]), torch.ones(1, 4)
+    opt.set_sketches({rows: (sketch, signs)})
+    opt.step()
+    v = 0.5 * sketch.square().mean(dim=1)  # then D = S / √v, the step −lr·D·A
+    expected = 1 - 0.1 * (sketch / v.sqrt().unsqueeze(1)) @ signs
+    torch.testing.assert_close(rows.detach(), expected)
+    assert set(opt.state[rows]) == {"v", "v_max"}
+
+    step = dataclasses.replace(plan(loggra_sketch="backward"), optimizer="loggra")
+    shape = TransformerShape(**SMALL)
+    adam = estimate_rl_step_memory(shape, dataclasses.replace(step, loggra_row_optimizer="adam"))
+    ams = estimate_rl_step_memory(shape, dataclasses.replace(step, loggra_row_optimizer="amsgrad"))
+    sgd = estimate_rl_step_memory(shape, dataclasses.replace(step, loggra_row_optimizer="sgd"))
+    row_state = adam.optimizer_state - sgd.optimizer_state  # RowAdam's 4 bytes per row
+    assert row_state > 0 and ams.optimizer_state - sgd.optimizer_state == 2 * row_state

@@ -32,6 +32,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.param_remainders import COPY_BUCKET_NUMEL, join_master_into
+from loggra_megatron.optim.registry import UNTAGGED_SKETCH
 
 FORMAT_VERSION = 1
 
@@ -94,10 +95,11 @@ class LoGRACheckpointMixin(MegatronOptimizer):
                 "--optimizer adam, or load the weights only with --no-load-optim"
             )
         mine = self._loggra_meta()
-        if saved_meta.get("sketch", "gradient") != mine["sketch"]:  # older: gradient only
+        saved = saved_meta.get("sketch", UNTAGGED_SKETCH)
+        if saved != mine["sketch"]:
             raise ValueError(
                 f"--loggra-sketch: the checkpoint was saved with --loggra-sketch "
-                f"{saved_meta.get('sketch', 'gradient')}, this run has {mine['sketch']}; "
+                f"{saved}, this run has {mine['sketch']}; "
                 "resume with the same mode, or load the weights only with --no-load-optim"
             )
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "projection"):

@@ -34,7 +34,7 @@ from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, ma
 from loggra_megatron.optim.megatron.sketch_optimizer import BackwardSketchOptimizer
 from loggra_megatron.optim.megatron.sketch_sites import find_sites
 from loggra_megatron.optim.projection import PROJECTIONS
-from loggra_megatron.optim.registry import OptimizerSpec, resolve
+from loggra_megatron.optim.registry import SKETCH_MODES, OptimizerSpec, resolve
 from loggra_megatron.optim.weight_layout import WeightLayout
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
@@ -101,8 +101,11 @@ def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
     )
 
 
-def build_backward_sketch(config, loggra: LoGRAConfig, model_chunks) -> LoGRAChainedOptimizer:
-    """The chain of the dense leaves (``get_loggra_optimizer``: nothing sketched) and a
+def build_backward_sketch(
+    config, loggra: LoGRAConfig, model_chunks, **kwargs
+) -> LoGRAChainedOptimizer:
+    """``--loggra-sketch backward``'s optimizer: the chain of the dense leaves (Megatron's,
+    ``kwargs`` to ``get_megatron_optimizer``; nothing sketched) and a
     ``BackwardSketchOptimizer`` over the targets that ``prepare_model`` froze."""
     sites = find_sites(model_chunks)
     if not sites:
@@ -114,7 +117,7 @@ def build_backward_sketch(config, loggra: LoGRAConfig, model_chunks) -> LoGRACha
         )
     leaves = []
     if any(p.requires_grad for chunk in model_chunks for p in chunk.parameters()):
-        dense = _megatron_optimizer_with_loggra(config, model_chunks, loggra)
+        dense = _megatron_optimizer_with_loggra(config, model_chunks, loggra, **kwargs)
         leaves = list(getattr(dense, "chained_optimizers", [dense]))
     sketch = BackwardSketchOptimizer(
         config, loggra, sites, model_chunks, _grad_stats_group(leaves, config)
@@ -148,8 +151,13 @@ def get_loggra_optimizer(
     by ``ShardedLoGRAAdamW`` over Megatron's own param groups.
     """
     loggra = loggra or LoGRAConfig()
-    if loggra.loggra_sketch == "backward":
-        return build_backward_sketch(config, loggra, model_chunks)
+    build = resolve(SKETCH_MODES[loggra.loggra_sketch].builder)
+    return build(config, loggra, model_chunks, **kwargs)
+
+
+def build_gradient_sketch(config: OptimizerConfig, loggra: LoGRAConfig, model_chunks, **kwargs):
+    """``--loggra-sketch gradient``'s optimizer: Megatron's (``kwargs`` go to
+    ``get_megatron_optimizer``) with ``ShardedLoGRAAdamW`` inside each leaf."""
     return _megatron_optimizer_with_loggra(config, model_chunks, loggra, **kwargs)
 
 
@@ -245,7 +253,7 @@ class _ParamInfo:
         return self.gated and self.names.get(p, "").endswith("linear_fc1.weight")
 
     def sketched(self, p, loggra: LoGRAConfig) -> bool:
-        if loggra.loggra_sketch == "backward":
+        if SKETCH_MODES[loggra.loggra_sketch].in_backward:
             return False  # the targets are frozen (sketch_sites); what is left is dense
         name = self.names.get(p, "")
         projection = PROJECTIONS[loggra.loggra_projection]

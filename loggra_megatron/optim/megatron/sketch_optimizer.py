@@ -43,6 +43,7 @@ from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sh
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
+from loggra_megatron.optim.registry import UNTAGGED_SKETCH
 from loggra_megatron.optim.row_adam import RowAdam
 
 FORMAT_VERSION = 1
@@ -79,6 +80,8 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.row_optimizer = loggra.loggra_row_optimizer
+        self.sketch = loggra.loggra_sketch
+        """The ``--loggra-sketch`` mode its checkpoints are tagged with."""
         remainders = loggra.loggra_param_remainders
         self.rows_of: dict[torch.Tensor, tuple[SketchSites, SketchSite, int, int]] = {}
         masters, param_remainders = [], {}
@@ -308,7 +311,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         s = self.sites[0]
         return {
             "format": FORMAT_VERSION,
-            "sketch": "backward",
+            "sketch": self.sketch,
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "seed": s.seed,
@@ -322,7 +325,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
 
     def check_compatible(self, saved: dict | None) -> None:
         """Raise ``ValueError`` when a checkpoint's optimizer meta cannot be loaded here."""
-        if not saved or saved.get("sketch", "gradient") != "backward":
+        if not saved or saved.get("sketch", UNTAGGED_SKETCH) != self.sketch:
             raise ValueError(
                 "the checkpoint holds another optimizer's state than --loggra-sketch backward "
                 "(dense Adam, or --loggra-sketch gradient): resume with the optimizer it was "

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from loggra_megatron.optim.backward_sketch import draw_signs, fp32_matmul, sketch_scale
+from loggra_megatron.optim.registry import backward_sketch
 
 SITES_ATTR = "loggra_sketch_sites"
 """The attribute of the model chunk that holds its ``SketchSites``."""
@@ -327,7 +328,7 @@ def find_sites(model_chunks) -> list[SketchSites]:
 def prepare_model(model, optim, loggra) -> None:
     """Freeze ``--loggra-targets`` of ``model`` (before DDP wraps it) and install the
     backward sketch on them, with ``--loggra-sketch backward``; a no-op otherwise."""
-    if optim.optimizer != "loggra" or loggra.loggra_sketch != "backward":
+    if not backward_sketch(optim.optimizer, loggra.loggra_sketch):
         return
     config = model.config
     for module in model.modules():  # Float16Module → GPTModel
