@@ -15,9 +15,11 @@ from loggra_megatron.library_notes import quiet_benign_warnings
 quiet_benign_warnings()  # before Megatron-Core is imported: it warns on import
 
 from loggra_megatron.arguments import parse_args  # noqa: E402
+from loggra_megatron.checkpointing.layout import resume_note  # noqa: E402
 from loggra_megatron.checkpointing.run_lock import claim_run_directories  # noqa: E402
 from loggra_megatron.config import ConfigError  # noqa: E402
 from loggra_megatron.memory.kv_budget import kv_budget  # noqa: E402
+from loggra_megatron.metrics import MetricsWriteError  # noqa: E402
 from loggra_megatron.placement import Placement, Role, start_placement  # noqa: E402
 from loggra_megatron.placement.channel import GenerationStopped  # noqa: E402
 from loggra_megatron.train.generation_worker import GenerationWorker  # noqa: E402
@@ -68,6 +70,8 @@ def main(argv=None) -> None:
         RLTrainer(cfg, host, size_kv_budget=sizing, channel=channel).setup().train()
     except (TrainingStopped, GenerationStopped) as e:  # on every rank alike; checkpoints untouched
         _fail(str(e), 1)
+    except MetricsWriteError as e:  # rank 0 alone: torchrun then stops the other ranks
+        _fail(f"{e}; {resume_note(cfg.checkpoint.save)}", 1)
     for lock in locks:
         lock.release()
 

@@ -30,7 +30,7 @@ from loggra_megatron.config import (
     read_config_file,
     settings_that_do_not_apply,
 )
-from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.registry import OPTIMIZERS, backward_sketch
 from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 from loggra_megatron.rollout.protocol import EngineTarget
 from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, select_engine
@@ -81,7 +81,7 @@ def read_sections(
     (a section's ``check_files``: the tokenizer and prompt files); the memory estimator,
     which reads none of them, does not."""
     ns = parser.parse_args(argv)
-    defaults = read_config_file(ns.config, parser, sections) if ns.config else {}
+    defaults = read_config_file(ns.config, parser, sections, RENAMED_FLAGS) if ns.config else {}
     explicit = set(defaults) | {k for k, v in vars(ns).items() if v is not None}
     built = {}
     for section, cls in sections.items():
@@ -233,9 +233,7 @@ def _placement_problems(cfg: RunConfig, tp: int):
             f"--generation-tensor-model-parallel-size: {gen_tp} must divide --generation-ranks "
             f"{pl.generation_ranks}"
         )
-    backward = (
-        OPTIMIZERS[cfg.optimizer.optimizer].sketched and cfg.loggra.loggra_sketch == "backward"
-    )
+    backward = backward_sketch(cfg.optimizer.optimizer, cfg.loggra.loggra_sketch)
     if pl.weight_sync == "lowrank" and not backward:
         yield (
             "--weight-sync: lowrank sends the backward sketch's row updates; it needs "
@@ -396,8 +394,9 @@ def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
 
 def _rollout_engine_problems(cfg, here: bool):
     """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over); not
-    ``here``: by the settings alone (``refusal``).
-    ``--tis-cap`` with the engine the run takes, where it does not sample its own log-probs."""
+    ``here``: by the settings alone (``refusal``). Rollout settings that do nothing with the
+    engine the run takes (``RolloutConfig.problems_with``), and ``--tis-cap`` with one that
+    does not sample its own log-probs."""
     name = cfg.rollout.rollout_engine
     target = EngineTarget.of_settings(cfg.model, cuda=_on_gpu(cfg, here))
     if name != AUTO:
@@ -410,14 +409,14 @@ def _rollout_engine_problems(cfg, here: bool):
                 f"docs/rollouts.md); use {others}"
             )
             return
-    if cfg.loss.tis_cap is not None:
-        try:
-            engine, _ = select_engine(name, target, planning=not here)
-        except RuntimeError:
-            return  # no engine at all: the run says so where it starts one
-        if engine.recomputes_log_probs:
-            yield (
-                f"--tis-cap: the {engine.name} engine does not sample its own log-probs (the "
-                "rollout's are the trainer's recompute), so there is no mismatch to correct; "
-                "use --rollout-engine static, or drop --tis-cap"
-            )
+    try:
+        engine, _ = select_engine(name, target, planning=not here)
+    except RuntimeError:
+        return  # no engine at all: the run says so where it starts one
+    yield from cfg.rollout.problems_with(engine.name, target.cuda)
+    if cfg.loss.tis_cap is not None and engine.recomputes_log_probs:
+        yield (
+            f"--tis-cap: the {engine.name} engine does not sample its own log-probs (the "
+            "rollout's are the trainer's recompute), so there is no mismatch to correct; "
+            "use --rollout-engine static, or drop --tis-cap"
+        )

@@ -10,7 +10,9 @@ applies with ``--kl-coef`` > 0); ``settings_that_do_not_apply`` refuses such a f
 given with a value of its own while its condition fails, for every declared field alike.
 ``add_flags`` turns the fields into Megatron-LM-style flags (help text from the field
 docstrings, ``--x`` / ``--no-x`` for booleans), and
-``read_config_file`` reads a YAML file of flag defaults with the same types.
+``read_config_file`` reads a YAML file of flag defaults with the same types: each flag once
+(``lr`` and ``--lr`` are one), a YAML boolean or null only where the flag takes one, and any
+problem of the file one line naming its line and key (exit 2).
 """
 
 from __future__ import annotations
@@ -170,69 +172,142 @@ def add_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> Non
                 )
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser, sections: dict) -> dict:
-    """``{field: value}`` from a YAML file whose keys are flag names (dashes or
-    underscores); values are converted to the field's type as a flag's text would be."""
-    import yaml
-
+def read_config_file(
+    path: str,
+    parser: argparse.ArgumentParser,
+    sections: dict,
+    renamed: dict[str, str] | None = None,
+) -> dict:
+    """``{field: value}`` from a YAML file whose keys are flag names (dashes or underscores,
+    each flag once); values are converted to the field's type as a flag's text would be.
+    ``renamed``: ``{old flag: new flag}``, hinted as on the command line. Any problem exits
+    with status 2 and one line naming the file, the line and the key."""
     if not os.path.isfile(path):
-        parser.error(f"--config: no such file {path!r}")
-    try:
-        with open(path, "rb") as f:
-            values = yaml.load(f, Loader=_unique_key_loader()) or {}  # noqa: S506 (safe)
-    except _DuplicateKey as e:
-        parser.error(f"--config: {path!r} {e}")
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        parser.error(f"--config: {path!r} is not valid YAML ({' '.join(str(e).split())})")
-    if not isinstance(values, dict):
-        parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
-    kinds = {
-        f.name: _base_type(typing.get_type_hints(cls)[f.name])
+        _refuse(parser, f"no such file {path!r}")
+    fields = {
+        f.name: typing.get_type_hints(cls)[f.name]
         for cls in sections.values()
         for f in dataclasses.fields(cls)
     }
-    out = {}
-    for key, value in values.items():
-        name = str(key).lstrip("-").replace("-", "_")
-        if name not in kinds:
-            parser.error(f"--config: unknown key {key!r} in {path!r}")
-        kind = kinds[name]
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            parser.error(f"--config: {key!r} in {path!r} must be an integer, got {value!r}")
-        if value is not None and not isinstance(value, kind):
-            try:  # as argparse converts a flag's text (YAML reads 1e-5 as a string)
-                value = kind(value) if kind is not bool else _yaml_bool(value)
-            except (TypeError, ValueError):
-                parser.error(
-                    f"--config: {key!r} in {path!r} must be {kind.__name__}, got {value!r}"
-                )
-        out[name] = value
-    return out
+    try:
+        return _read_yaml(path, fields, renamed or {})
+    except _AtLine as e:
+        _refuse(parser, f"{path}:{e.line}: {e}")
 
 
-class _DuplicateKey(Exception):
-    """A key given twice in a ``--config`` mapping."""
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit 2 with one line (no usage: the problem is in the file, not the command line)."""
+    parser.exit(2, f"{parser.prog}: error: --config: {' '.join(message.split())}\n")
 
 
-def _unique_key_loader():
+class _AtLine(Exception):
+    """A problem of the ``--config`` file at (1-based) ``line``."""
+
+    def __init__(self, line: int, message: str):
+        super().__init__(message)
+        self.line = line
+
+
+def _read_yaml(path: str, fields: dict[str, Any], renamed: dict[str, str]) -> dict:
+    """The file composed into nodes (which know their line), then each value constructed."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
-        """``yaml.safe_load`` that refuses a key given twice (it keeps the last silently)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise _AtLine(data[: e.start].count(b"\n") + 1, "is not UTF-8 text") from None
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as e:  # a control character
+        line = text[: e.position].count("\n") + 1
+        raise _AtLine(line, f"is not valid YAML: {e.reason} ({chr(e.character)!r})") from None
+    try:
+        root = loader.get_single_node()
+        if root is None:  # an empty file
+            return {}
+        if not isinstance(root, yaml.MappingNode):
+            raise _AtLine(_line(root), "must hold a mapping of flag names to values")
+        out, seen = {}, {}
+        for key_node, value_node in root.value:
+            name, key = _config_key(key_node, fields, renamed, seen)
+            out[name] = _config_value(key, value_node, fields[name], loader)
+        return out
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise _AtLine(mark.line + 1, f"is not valid YAML: {e.problem}") from None
+    finally:
+        loader.dispose()
 
-        def construct_mapping(self, node, deep=False):
-            seen = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                if key in seen:
-                    raise _DuplicateKey(
-                        f"gives {key!r} twice (lines {seen[key]} and {line}): keep one"
-                    )
-                seen[key] = line
-            return super().construct_mapping(node, deep=deep)
 
-    return Loader
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
+def _config_key(node, fields: dict, renamed: dict[str, str], seen: dict) -> tuple[str, str]:
+    """``(field, key as written)`` of a key node; ``seen``: ``{field: (key, line)}`` so far."""
+    import yaml
+
+    line = _line(node)
+    if not isinstance(node, yaml.ScalarNode):
+        kind = "sequence" if isinstance(node, yaml.SequenceNode) else "mapping"
+        raise _AtLine(line, f"a key must be a flag name, got a {kind}")
+    key = node.value
+    name = key.lstrip("-").replace("-", "_")
+    if flag(name) in renamed:
+        raise _AtLine(line, f"{key!r} was renamed {renamed[flag(name)]}")
+    if name not in fields:
+        raise _AtLine(line, f"unknown key {key!r}: no flag {flag(name)} (see --help)")
+    if name in seen:
+        first, first_line = seen[name]
+        if first == key:
+            raise _AtLine(line, f"gives {key!r} twice (lines {first_line} and {line}): keep one")
+        raise _AtLine(
+            line,
+            f"gives {first!r} (line {first_line}) and {key!r} (line {line}), both "
+            f"{flag(name)}: keep one",
+        )
+    seen[name] = (key, line)
+    return name, key
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def _config_value(key: str, node, hint, loader) -> Any:
+    """The value of ``node`` as the type ``hint`` of its field, as argparse converts a flag's
+    text (YAML 1.1 reads 1e-5 as text); a boolean, null, list or mapping where the field
+    takes none is refused."""
+    kind, optional = _base_type(hint), type(None) in typing.get_args(hint)
+
+    def wrong(got: str) -> _AtLine:
+        must = _KIND_NAMES.get(kind, kind.__name__) + (" or null" if optional else "")
+        return _AtLine(_line(node), f"{key!r} must be {must}, got {got}")
+
+    try:
+        value = loader.construct_object(node, deep=True)
+    except (TypeError, ValueError):  # a tag its text does not fit: !!float abc
+        raise wrong(repr(node.value)) from None
+    if value is None:
+        if optional:
+            return None
+        raise wrong("null; drop the key for the default")
+    if isinstance(value, bool) and kind is not bool:
+        raise wrong(
+            f"the YAML boolean {node.value!r} (yes/no/on/off/true/false); quote it, or give "
+            f"{_KIND_NAMES.get(kind, kind.__name__)}"
+        )
+    if not isinstance(value, int | float | str):
+        raise wrong(f"a {type(value).__name__}")
+    if isinstance(value, kind):
+        return value
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise wrong(repr(node.value))
+    try:
+        return kind(value) if kind is not bool else _yaml_bool(value)
+    except (TypeError, ValueError):
+        raise wrong(repr(node.value)) from None
 
 
 def _yaml_bool(value) -> bool:

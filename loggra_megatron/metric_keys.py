@@ -87,15 +87,17 @@ METRICS: dict[str, Metric] = _declare(
         "RL step, 1-based (rollout + its optimizer updates; = the checkpoint iteration); "
         "first JSONL key",
     ),
-    Metric(
-        "loss/total",
-        "policy loss + β·KL-to-reference loss (the loss that is back-propagated)",
-        LOSS_SHARE,
-    ),
+    Metric("loss/total", "policy loss + β·KL-to-reference loss (back-propagated)", LOSS_SHARE),
     Metric("loss/policy", "PPO-clip / GRPO surrogate loss, aggregated as configured", LOSS_SHARE),
     Metric("loss/kl_ref", "β times the aggregated KL(π_θ ‖ π_ref) estimate (k1/k2/k3)", LOSS_SHARE),
-    Metric("reward/mean", "mean reward over the rollout batch", PER_RANK),
-    Metric("reward/std", "standard deviation of the reward over the rollout batch", PER_RANK),
+    Metric("reward/mean", "mean reward over the rollout batch's scored samples", PER_RANK),
+    Metric("reward/std", "standard deviation of the reward over the same samples", PER_RANK),
+    Metric(
+        "reward/errors",
+        "samples whose reward failed (docs/data.md#reward-errors-and-time-limits): counted, "
+        "not trained on, left out of the other reward/ keys",
+        SUMMED_OVER_RANKS,
+    ),
     Metric(
         "reward/baseline",
         "b, the running baseline this step's advantages r − b subtracted (--advantage-estimator "
@@ -105,13 +107,11 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "reward/accuracy",
-        "fraction of responses judged correct by the task (or, with --reward-fn, by the "
-        "function's verdict or reward ≥ --accuracy-threshold)",
+        "share of the scored responses judged correct by the task (with --reward-fn: the "
+        "function's verdict, or reward ≥ --accuracy-threshold)",
         PER_RANK,
     ),
-    Metric(
-        "kl/ref", "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference model", TOKEN_MEAN
-    ),
+    Metric("kl/ref", "token-mean KL(π_θ ‖ π_ref) estimate to the frozen reference", TOKEN_MEAN),
     Metric(
         "kl/target",
         "the per-update KL target of predicted-KL control at this RL step: --kl-target, or its "

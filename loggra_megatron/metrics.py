@@ -4,10 +4,13 @@
 others get a no-op logger (no file, no W&B run, no output). Each ``log(step, metrics)``
 appends one JSON object to ``output_dir/metrics.jsonl`` (``step`` first, then the keys
 sorted; a non-finite value as ``null``; fsync-ed per line), gives the values as they are to
-W&B and TensorBoard, and prints one Megatron-like progress line. ``resolve_wandb_mode``
-picks the W&B mode without probing the network; ``truncate_after(k)`` at a resume makes the
-file of a resumed run equal that of an uninterrupted one. Keys, their meaning and how they
-are reduced over ranks and updates: ``metric_keys``.
+W&B and TensorBoard, and prints one Megatron-like progress line. A line that cannot be
+written (a full disk) is cut off the file again and stops the run (``MetricsWriteError``,
+which names the checkpoint to resume from). ``resolve_wandb_mode`` picks the W&B mode
+without probing the network; ``truncate_after(k)`` at a resume makes the file of a resumed
+run equal that of an uninterrupted one, moving the lines it cannot keep (torn, not UTF-8,
+a step recorded twice) aside. Keys, their meaning and how they are reduced over ranks and
+updates: ``metric_keys``.
 
 The file format, the progress line, the W&B mode rules and resume: docs/metrics.md
 """
@@ -15,6 +18,7 @@ The file format, the progress line, the W&B mode rules and resume: docs/metrics.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -23,6 +27,7 @@ import math
 import netrc
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,25 +126,77 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _numbered_lines(path: Path) -> list[tuple[int, bytes]]:
+    """``(line number, bytes)`` of each non-blank line (bytes: a line need not be UTF-8)."""
+    lines = enumerate(path.read_bytes().split(b"\n"), start=1)
+    return [(number, line) for number, line in lines if line.strip()]
+
+
+def _parse(line: bytes) -> Any:
+    """The JSON value of a line; ValueError if it is not UTF-8 JSON."""
+    return json.loads(line.decode("utf-8"))
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, dict) and type(value.get("step")) is int
+
+
+def _repeated_steps(records: list[tuple[int, dict]]) -> dict[int, list[int]]:
+    """``{step: its line numbers}`` of each step recorded more than once (logged again, e.g.
+    by a resume that did not truncate); the record of its last line is the one kept."""
+    lines: dict[int, list[int]] = {}
+    for number, record in records:
+        lines.setdefault(record["step"], []).append(number)
+    return {step: numbers for step, numbers in lines.items() if len(numbers) > 1}
+
+
+def _repeated_note(path: Path, repeated: dict[int, list[int]]) -> str:
+    shown = "; ".join(
+        f"step {step} at lines {', '.join(map(str, numbers[:-1]))} and {numbers[-1]}"
+        for step, numbers in list(repeated.items())[:10]
+    )
+    more = ", ..." if len(repeated) > 10 else ""
+    return f"{path}: {len(repeated)} step(s) recorded more than once ({shown}{more})"
+
+
+def _replaced_lines(repeated: dict[int, list[int]]) -> set[int]:
+    return {number for numbers in repeated.values() for number in numbers[:-1]}
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Records of a ``metrics.jsonl`` (or of a directory holding one); ``null`` stays None.
 
-    A final line cut short by a crash is ignored; any other malformed line raises.
-    """
+    A final line cut short by a crash is ignored; any other line that is not UTF-8 JSON
+    raises ValueError naming it. Of a step recorded more than once, the last record is kept,
+    with a warning."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    lines = path.read_text().splitlines()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    lines = _numbered_lines(path)
+    values = []
+    for i, (number, line) in enumerate(lines):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            values.append((number, _parse(line)))
+        except ValueError as e:
             if i != len(lines) - 1:
-                raise
-    return records
+                raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+    repeated = _repeated_steps([(n, v) for n, v in values if _is_record(v)])
+    if repeated:
+        warnings.warn(f"{_repeated_note(path, repeated)}: kept the last", stacklevel=2)
+    replaced = _replaced_lines(repeated)
+    return [value for number, value in values if number not in replaced]
+
+
+class MetricsWriteError(RuntimeError):
+    """``metrics.jsonl`` could not be written (a full disk); the run stops. Raised on rank 0
+    alone (the other ranks write nothing): ``pretrain_rl.py`` exits naming the checkpoint to
+    resume from (``checkpointing.layout.resume_note``), and torchrun stops them."""
+
+
+def _numbers(lines: list) -> str:
+    """The line numbers of ``(number, ...)`` items, the first ten."""
+    shown = ", ".join(str(item[0]) for item in lines[:10])
+    return shown + (", ..." if len(lines) > 10 else "")
 
 
 class MetricsLogger:
@@ -173,7 +230,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
         if self.wandb_mode != "disabled":
             self._wandb_run = self._init_wandb(wandb_project, wandb_run_name, config)
         if tensorboard_dir is not None:
@@ -205,9 +262,7 @@ class MetricsLogger:
         for k in sorted(values):
             v = values[k]
             record[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._append(step, (json.dumps(record, allow_nan=False) + "\n").encode())
 
         numeric = {k: v for k, v in values.items() if v is not None}
         if self._wandb_run is not None:
@@ -255,48 +310,91 @@ class MetricsLogger:
             parts.append(f"ETA {datetime.timedelta(seconds=round(left))}")
         return " | ".join(parts)
 
+    def _append(self, step: int, line: bytes) -> None:
+        """Append ``line`` and fsync it; where that fails (a full disk), cut the file back to
+        its last whole line and raise ``MetricsWriteError``."""
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            rest = memoryview(line)
+            while rest:  # an unbuffered write may write part of the line
+                rest = rest[self._file.write(rest) :]
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # else the resume moves the torn line aside
+                os.ftruncate(fd, size)
+            raise MetricsWriteError(
+                f"--output-dir: writing step {step} to {self.path} failed ({e}); the file "
+                "keeps the steps before it: free space there"
+            ) from None
+
     def truncate_after(self, step: int) -> None:
-        """Keep only the records of steps ``<= step`` (call at resume from step ``step``).
-        Lines that are not a record with an integer ``step`` (a line torn by a crash, an
-        edit) are moved, as they were, to ``metrics.rejected.jsonl`` beside it, and named on
-        stdout: nothing is dropped silently."""
+        """Keep only the records of steps ``<= step`` (call at resume from step ``step``),
+        one per step: of a step recorded more than once, the last. The lines not kept for
+        that reason, and those that are not a record with an integer ``step`` (a line torn
+        by a crash or a full disk, bytes that are not UTF-8, an edit), are moved, as they
+        were, to ``metrics.rejected.jsonl`` beside it, and named on stdout: nothing is
+        dropped silently. The file is rewritten whole, so a last line without its newline
+        is repaired."""
         if not self.enabled:
             return
         if self._file is None:
             raise RuntimeError("truncate_after() on a closed MetricsLogger")
         kept, rejected = [], []
-        for number, line in enumerate(self.path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        for number, line in _numbered_lines(self.path):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = _parse(line)
+            except ValueError:
                 record = None
-            ok = isinstance(record, dict) and type(record.get("step")) is int
-            if not ok:
+            if not _is_record(record):
                 rejected.append((number, line))
             elif record["step"] <= step:
-                kept.append(record)
+                kept.append((number, line, record))
+        repeated = _repeated_steps([(number, record) for number, _, record in kept])
+        replaced = _replaced_lines(repeated)
+        side = self.path.with_name("metrics.rejected.jsonl")
+        notes = []
         if rejected:
-            side = self.path.with_name("metrics.rejected.jsonl")
-            with open(side, "a") as f:
-                f.writelines(line + "\n" for _, line in rejected)
-            numbers = ", ".join(str(n) for n, _ in rejected[:10])
-            print(
+            notes.append(
                 f"{self.path}: {len(rejected)} line(s) without a record of an integer step "
-                f"(line {numbers}{', ...' if len(rejected) > 10 else ''}) moved to {side}",
-                flush=True,
+                f"(line {_numbers(rejected)}) moved to {side}"
             )
-        self._file.close()
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
+        if repeated:
+            moved = [(n, line) for n, line, _ in kept if n in replaced]
+            notes.append(
+                f"{_repeated_note(self.path, repeated)}: kept the last; line "
+                f"{_numbers(moved)} moved to {side}"
+            )
+            rejected = sorted(rejected + moved)
+        records = [record for number, _, record in kept if number not in replaced]
+        self._rewrite(records, rejected, side, step)
+        for note in notes:
+            print(note, flush=True)
         self._step_times.clear()
         self._last_log_time = None
+
+    def _rewrite(self, records: list[dict], rejected: list, side: Path, step: int) -> None:
+        """Append the ``rejected`` lines to ``side``, and replace the file by ``records``."""
+        self._file.close()
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        try:
+            if rejected:
+                with open(side, "ab") as f:
+                    f.writelines(line + b"\n" for _, line in rejected)
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self._file = None
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise MetricsWriteError(
+                f"--output-dir: rewriting {self.path} for the resume after step {step} failed "
+                f"({e}); the file is as it was: free space there"
+            ) from None
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
 
     def close(self) -> None:
         """Finish the W&B run, close TensorBoard and the JSONL file; idempotent."""

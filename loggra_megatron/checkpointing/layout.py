@@ -126,10 +126,36 @@ def file_crc32(path: str, chunk: int = 16 * 2**20) -> int:
     return crc
 
 
+def _saved_with_checksums(path: str) -> bool:
+    """Whether the run that saved ``path`` asked for CRC-32s (its ``run_config.json``)."""
+    try:
+        with open(os.path.join(path, RUN_CONFIG), "rb") as f:
+            flags = json.loads(f.read()).get("flags")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(flags, dict) and flags.get("checkpoint_checksums") is True
+
+
+def _checksum_gap(path: str, files: dict) -> str | None:
+    """A save records the CRC-32 of every file, or of none (``--no-checkpoint-checksums``):
+    a file without one among files with one, or none where the saving run asked for them,
+    is a damaged manifest (its damaged bytes would load unchecked)."""
+    unchecked = sorted(rel for rel, entry in files.items() if "crc32" not in entry)
+    if unchecked and len(unchecked) < len(files):
+        return f"{unchecked[0]} has no CRC-32 in {MANIFEST}, unlike the other files"
+    if unchecked and _saved_with_checksums(path):
+        return f"{MANIFEST} lists no CRC-32, though its run saved with checksums"
+    return None
+
+
 def manifest_problem(path: str, manifest: dict) -> str | None:
     """What in ``path`` disagrees with its manifest: a file missing, unlisted or of another
-    size, or a small file (``CHECKED_AT_SELECTION``) failing its CRC-32."""
+    size, a small file (``CHECKED_AT_SELECTION``) failing its CRC-32, or a CRC-32 missing
+    (``_checksum_gap``)."""
     files = manifest["files"]
+    gap = _checksum_gap(path, files)
+    if gap is not None:
+        return gap
     unlisted = sorted(set(list_files(path, exclude=(MANIFEST,))) - set(files))
     if unlisted:
         return f"{unlisted[0]} is not in the manifest"
@@ -311,3 +337,16 @@ def select_model_checkpoint(
     if problem is not None:
         raise FileNotFoundError(f"checkpoint {path} {problem}")
     return ref
+
+
+def resume_note(save: str | None) -> str:
+    """Where a stopped run can resume from: the newest checkpoint in ``save`` (--save)."""
+    iteration = None if save is None else latest_iteration(save)
+    if save is None:
+        return "no checkpoint was saved (--save is unset)"
+    if iteration is None:
+        return f"--save {save} holds no checkpoint yet"
+    return (
+        f"the last checkpoint is {checkpoint_dir(save, iteration)} (step {iteration}): "
+        f"resume from it with --load {save}"
+    )

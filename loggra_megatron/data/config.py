@@ -9,10 +9,21 @@ from loggra_megatron.config import applies, at_least, check_fields, one_of, posi
 from loggra_megatron.data.files import data_files
 from loggra_megatron.data.tokenizer import TOKENIZER_TYPES
 from loggra_megatron.tasks import TASKS
+from loggra_megatron.tasks.rewards import BUILTIN_REWARDS
+
+MAX_REWARD_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``--reward-timeout``: a week (a larger one overflowed the wait for a worker)."""
 
 
 def _data_files(s: dict) -> bool:
     return s["data_path"] is not None or s["eval_data_path"] is not None
+
+
+def _user_reward(s: dict) -> bool:
+    return s["reward_fn"] is not None and s["reward_fn"] not in BUILTIN_REWARDS
+
+
+USER_REWARD = "with a --reward-fn module:function"
 
 
 def _evaluation(s: dict) -> bool:
@@ -56,9 +67,18 @@ class DataConfig:
     """Replace the task's reward: exact_match_numeric | format | default | last_number |
     module:function | file.py:function (a response is then correct when the function says
     so, or its reward is at least --accuracy-threshold)."""
-    reward_timeout: float = 60.0
-    """Seconds one reward call (the task's or --reward-fn's) may take; a call still running
-    then stops the run, naming the sample, instead of hanging it (0: no limit)."""
+    reward_timeout: float = applies(60.0, USER_REWARD, _user_reward)
+    """Seconds one call of a --reward-fn module:function may take (0: no limit; at most 7
+    days): a call still running then is killed with its worker process, and its sample is a
+    reward error (reward/errors). The built-in rewards run in the trainer's process, bounded by
+    construction (docs/data.md#reward-errors-and-time-limits)."""
+    reward_workers: int = applies(2, USER_REWARD, _user_reward)
+    """Worker processes per rank that run a --reward-fn module:function, a batch's samples
+    spread over them (one past --reward-timeout is killed and replaced)."""
+    reward_max_error_fraction: float = 0.5
+    """Stop the run when more than this fraction of a batch's rewards fail (raise, time out,
+    return no finite number; each one is counted in reward/errors and not trained on); 0: the
+    first failure stops it."""
     accuracy_threshold: float = applies(
         1.0, "with --reward-fn", lambda s: s["reward_fn"] is not None
     )
@@ -90,7 +110,13 @@ class DataConfig:
                 ),
                 ("task", one_of(*TASKS), f"one of {', '.join(TASKS)}"),
                 ("num_tasks", positive, ">= 1"),
-                ("reward_timeout", at_least(0), ">= 0 (0: no limit)"),
+                (
+                    "reward_timeout",
+                    lambda t: 0 <= t <= MAX_REWARD_TIMEOUT_S,
+                    f"in [0, {MAX_REWARD_TIMEOUT_S:g}] seconds (at most 7 days; 0: no limit)",
+                ),
+                ("reward_workers", positive, ">= 1"),
+                ("reward_max_error_fraction", lambda f: 0 <= f < 1, "in [0, 1)"),
                 ("eval_interval", at_least(0), ">= 0 (0: never)"),
                 ("eval_samples", positive, ">= 1"),
             ],

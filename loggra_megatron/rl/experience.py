@@ -9,7 +9,9 @@ takes part in the generation and the log-prob forwards with the same tokens):
    generate_rollout``; it stops at any of the tokenizer's stop ids and never samples a padded
    vocabulary row; the sampling log-probs are the PPO "old" log-probs);
 2. completions are decoded and scored: the task's reward and verdict, or ``--reward-fn``
-   (``compute_rewards``);
+   (``Scoring.score``); a sample whose reward failed (``tasks.scoring``) is counted
+   (``reward/errors``), left out of the reward metrics, and takes advantage 0 and, for the
+   advantage estimator, the mean reward of its group's scored samples (their mean is kept);
 3. advantages, by ``--advantage-estimator`` (``rl.advantages``): group-relative (each
    prompt's group lives on one rank) or against a running baseline of the global batch's
    mean reward (all-reduced over DP);
@@ -36,7 +38,7 @@ from loggra_megatron.rl.config import GRPOConfig
 from loggra_megatron.rollout.config import RolloutConfig
 from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 from loggra_megatron.rollout.registry import select_engine
-from loggra_megatron.tasks.rewards import RewardFunctionError, Scoring, compute_rewards
+from loggra_megatron.tasks.scoring import RewardFunctionError, Scores, Scoring
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -68,8 +70,9 @@ class Experience:
     num_tokens: torch.Tensor
     """Prompt + response tokens of this rank's batch (0-d)."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """``reward/mean``, ``reward/std``, ``reward/accuracy``, ``response/length_mean`` and the
-    advantage estimator's (``reward/baseline``)."""
+    """``reward/mean``, ``reward/std``, ``reward/accuracy`` (over the scored samples),
+    ``reward/errors``, ``response/length_mean`` and the advantage estimator's
+    (``reward/baseline``)."""
 
     def training_batch(self, device) -> dict[str, torch.Tensor]:
         """The tensors the GRPO loss reads, on ``device``."""
@@ -150,8 +153,12 @@ class ExperienceMaker:
         with memory_phase("rollout"):
             rollout = self.generate(group, step, self.rollout.temperature)
             generated = self.last_stats
-            rewards, correct = self.score(rollout, group, f" at RL step {step + 1}")
+            scores = self.score(rollout, group, f" at RL step {step + 1}")
+        failed = torch.tensor(scores.failed)
+        rewards = _imputed(scores, failed, self.grpo.num_generations)
         advantages = self.advantages(rewards)  # collective over DP (the running baseline)
+        advantages[failed] = 0.0  # a failed reward is no signal
+        scored = rewards[~failed]
         sampled = None if self.engine.recomputes_log_probs else rollout.log_probs
         old = None  # "training": the training forward's own
         if self.old_log_probs == "rollout" or (self.old_log_probs, sampled) == ("recompute", None):
@@ -174,9 +181,10 @@ class ExperienceMaker:
             ref_log_probs=ref,
             num_tokens=rollout.token_mask.sum(),
             metrics={
-                "reward/mean": rewards.mean().item(),
-                "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-                "reward/accuracy": sum(correct) / len(correct),
+                "reward/mean": scored.mean().item(),
+                "reward/std": scored.std().item() if len(scored) > 1 else 0.0,
+                "reward/accuracy": sum(scores.correct) / len(scored),
+                "reward/errors": float(len(scores.errors)),
                 "response/length_mean": rollout.response_lengths.float().mean().item(),
                 **self.advantages.metrics(),
                 **generated,
@@ -237,29 +245,48 @@ class ExperienceMaker:
             decode_graph_sizes=r.inference_dynamic_batching_num_cuda_graphs,
         )
 
-    def score(self, rollout, group: list[dict], where: str) -> tuple[torch.Tensor, list[bool]]:
-        """``(rewards [B], correct)`` of the rollout's completions of ``group``'s examples."""
-        tok, scoring = self.tokenizer, self.scoring
+    def score(self, rollout, group: list[dict], where: str) -> Scores:
+        """The ``Scores`` of the rollout's completions of ``group``'s examples. A reward error
+        names ``where`` and the example's dataset index: raised when too many samples failed
+        (``--reward-max-error-fraction``), else the first one printed."""
+        tok = self.tokenizer
         completions = [
             tok.detokenize(row[int(p) : int(p) + int(n)].tolist())
             for row, p, n in zip(
                 rollout.tokens, rollout.prompt_lengths, rollout.response_lengths, strict=True
             )
         ]
-        args = (
-            [prompt_text(e["prompt"]) for e in group],
-            completions,
-            [e["answer"] for e in group],
-        )
+
+        def located(e: RewardFunctionError) -> RewardFunctionError:
+            return e.at(f"{where} (dataset prompt index {group[e.index]['index']})")
+
         try:
-            rewards, correct = compute_rewards(
-                scoring.reward_fn,
-                *args,
+            scores = self.scoring.score(
+                [prompt_text(e["prompt"]) for e in group],
+                completions,
+                [e["answer"] for e in group],
                 [e["metadata"] for e in group],
-                scoring.threshold,
-                scoring.is_correct,
-                scoring.timeout,
             )
         except RewardFunctionError as e:
-            raise e.at(f"{where} (dataset prompt index {group[e.index]['index']})") from None
-        return torch.tensor(rewards), correct
+            raise located(e) from None
+        if scores.errors:
+            print(
+                f" warning: {len(scores.errors)} of {len(group)} rewards failed (reward/errors; "
+                f"not trained on), the first: {located(scores.errors[0]).headline}",
+                flush=True,
+            )
+        return scores
+
+
+def _imputed(scores: Scores, failed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The rewards ``[B]``, each ``failed`` sample's the mean of its group's scored samples
+    (of the batch's where none of its group was scored): the group's mean is theirs."""
+    rewards = torch.tensor(scores.rewards)
+    if not failed.any():
+        return rewards
+    batch = rewards[~failed].mean()
+    for g in range(0, len(rewards), group_size):
+        ok = ~failed[g : g + group_size]
+        fill = rewards[g : g + group_size][ok].mean() if ok.any() else batch
+        rewards[g : g + group_size][~ok] = fill
+    return rewards

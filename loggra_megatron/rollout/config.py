@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loggra_megatron.config import applies, at_least, check_fields, one_of, positive
@@ -26,8 +28,8 @@ class RolloutConfig:
     """Decode steps as CUDA graphs on a GPU: the static engine captures each step (per
     attention width, rollout/decoder.py), the dynamic engine Megatron-Core's layer graphs per
     decode batch size (rollout/mcore_engine.decode_graphs); FP8 decodes eagerly. Off: eager
-    decode steps (to profile or debug). On CPU the static step runs through the graph
-    stand-in."""
+    decode steps (to profile or debug); refused on CPU, where there are no CUDA graphs (the
+    static step runs through the graph stand-in)."""
     inference_dynamic_batching_num_cuda_graphs: int = applies(
         16,
         "with --rollout-engine dynamic or auto and --rollout-cuda-graphs",
@@ -35,7 +37,8 @@ class RolloutConfig:
     )
     """Decode batch sizes the dynamic engine captures as CUDA graphs (Megatron-LM's flag and
     default; Megatron-Core's ``num_cuda_graphs``): a decode step runs the smallest captured
-    size that holds its requests. More sizes pad less and capture longer at each rollout."""
+    size that holds its requests. More sizes pad less and capture longer at each rollout.
+    Refused where --rollout-engine auto takes the static engine (on CPU)."""
     inference_max_tokens: int | None = None
     """Bound on the rollout KV cache, in tokens: the static engine generates in chunks of
     rows with rows × (longest prompt + --max-new-tokens) ≤ this; the dynamic engine sizes its
@@ -56,3 +59,21 @@ class RolloutConfig:
                 ("inference_max_tokens", positive, ">= 1"),
             ],
         )
+
+    def problems_with(self, engine: str, cuda: bool) -> Iterator[str]:
+        """``--flag=value: ...`` for each setting given a value of its own that would do
+        nothing with the engine the run takes (``engine``, ``auto`` resolved) on its device
+        (``cuda``: a GPU, else CPU), as ``config.settings_that_do_not_apply`` words it."""
+        default = {f.name: f.default for f in dataclasses.fields(self)}
+        graphs = self.inference_dynamic_batching_num_cuda_graphs
+        if engine == "static" and graphs != default["inference_dynamic_batching_num_cuda_graphs"]:
+            yield (
+                f"--inference-dynamic-batching-num-cuda-graphs={graphs!r}: applies with the "
+                f"dynamic engine only, and --rollout-engine {self.rollout_engine} takes the "
+                "static engine here (here it would do nothing); drop it"
+            )
+        if not cuda and not self.rollout_cuda_graphs:
+            yield (
+                "--no-rollout-cuda-graphs: applies on a GPU only, and this run computes on CPU "
+                "(--device cpu, or no CUDA device visible; here it would do nothing); drop it"
+            )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from loggra_megatron.config import check_fields
 from loggra_megatron.tasks.base import Task
 from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
+from loggra_megatron.tasks.rewards import clip
 
 BOXED = "\\boxed{"
 TIMEOUT_S = 2
@@ -47,12 +48,13 @@ def extract_final_answer(completion: str) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def equivalent(predicted: str, answer: str) -> bool:
-    """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``; a
-    time-out or a parse failure (never printed) is not equivalent. math-verify times out
-    with ``signal.alarm``, which only the main thread may set: off it (rewards under
-    ``--reward-timeout`` run in a worker thread) its own time-out is off, and the reward's
-    time-out bounds the call instead (math-verify refuses a time-out there, which read as
-    "not equivalent": every answer scored wrong)."""
+    """Whether math-verify finds ``predicted`` equivalent to the reference ``answer``. A
+    predicted answer it cannot parse (never printed), or whose parse or comparison runs past
+    ``TIMEOUT_S``, is not equivalent: the model's doing. A reference it cannot read, or a
+    comparison that fails inside math-verify, raises: a reward error, never a wrong answer
+    (``tasks.scoring``). math-verify times out with ``signal.alarm``, which only the main
+    thread may set (the trainer scores there); off it its own time-out is off (math-verify
+    refuses one there, which once read as "not equivalent": every answer scored wrong)."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
@@ -67,9 +69,18 @@ def equivalent(predicted: str, answer: str) -> bool:
         return False
     try:
         gold = as_math(answer)
+    except (Exception, TimeoutException) as e:
+        why = f"{type(e).__name__}: {clip(str(e))}"
+        raise ValueError(f"math-verify cannot read the reference answer ({why})") from e
+    if not gold:
+        raise ValueError(f"math-verify reads no expression in the reference {clip(repr(answer))}")
+    try:
         target = as_math(predicted)
-        return bool(gold) and verify(gold, target, timeout_seconds=timeout, raise_on_error=True)
     except (Exception, TimeoutException):  # sympy failing on the text, or a time-out
+        return False
+    try:
+        return bool(target) and verify(gold, target, timeout_seconds=timeout, raise_on_error=True)
+    except TimeoutException:  # a comparison too costly (an adversarial answer)
         return False
 
 
@@ -111,4 +122,4 @@ class MathTask(Task):
         return predicted is not None and equivalent(predicted, answer)
 
     def answer_problem(self, answer: str) -> str | None:
-        return None  # any text: math-verify judges it (an unparsable one is never matched)
+        return None  # any text: math-verify judges it (one it cannot read: a reward error)

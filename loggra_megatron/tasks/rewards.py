@@ -8,10 +8,8 @@ number, or ``{"reward": r, "correct": bool}``. Built-ins (answer format ``#### <
 (``0.9·exact_match + 0.1·format``); for a model that answers in its own words,
 ``last_number_reward`` (``\\boxed{}``, else ``####``, else the last number in the text).
 ``load_reward_fn`` takes a built-in name or ``"module:function"`` (a ``RewardSpecError`` if
-it cannot be loaded);
-``compute_rewards`` applies a function to a batch and turns any failure (an exception,
-``sys.exit``, ``os._exit``, a non-finite value) into a ``RewardFunctionError`` naming the
-sample: a broken reward is never a silent zero, nor a silent end of the run.
+it cannot be loaded). Applying one to a batch, and what a failure on a sample does:
+``tasks.scoring``; a user function runs in worker processes: ``tasks.reward_workers``.
 
 The signature, correctness, the built-ins' matching rules: docs/data.md#reward-functions
 """
@@ -22,33 +20,23 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-import math
-import numbers
 import os
 import re
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from loggra_megatron.config import FLOAT32_MAX
 from loggra_megatron.tasks.prompt_format import ANSWER_MARKER
 
 RewardFn = Callable[[str, str, str, dict], float]
 
+CLIP_CHARS = 300
+"""A sample, answer or returned value quoted in a reward error keeps this many characters."""
 
-@dataclass
-class Scoring:
-    """How completions are scored (``compute_rewards``): ``reward_fn`` and, when the task
-    judges correctness itself, ``is_correct`` (else a returned ``correct`` or reward ≥
-    ``threshold``)."""
 
-    reward_fn: RewardFn
-    is_correct: RewardFn | None
-    threshold: float
-    timeout: float = 0.0
-    """Seconds one call may take (0: no limit; ``--reward-timeout``)."""
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # -12  1,000  3.5  .5  -1,234.56 ; thousands groups must be exactly 3 digits
@@ -92,7 +80,7 @@ def _matches(predicted: str | None, answer: str, rtol: float, atol: float) -> fl
     does not or is None; a reference answer that is not a number is an error."""
     expected = parse_number(str(answer))
     if expected is None:
-        raise ValueError(f"reference answer {answer!r} is not a number")
+        raise ValueError(f"reference answer {clip(repr(answer))} is not a number")
     if predicted is None:
         return 0.0
     return float(abs(parse_number(predicted) - expected) <= atol + rtol * abs(expected))
@@ -285,132 +273,3 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ValueError:  # no signature to read (some builtins): checked when called
         pass
     return fn
-
-
-# ----------------------------------------------------------------------- applying
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed on one sample; carries ``index``, ``prompt``, the
-    ``problem`` (what it did wrong) and the original ``traceback_text``."""
-
-    def __init__(
-        self,
-        fn_name: str,
-        index: int,
-        prompt: str,
-        problem: str,
-        traceback_text: str,
-        where: str = "",
-    ):
-        self.fn_name, self.index, self.prompt = fn_name, index, prompt
-        self.problem, self.traceback_text = problem, traceback_text
-        excerpt = prompt if len(prompt) <= 200 else prompt[:200] + "..."
-        message = (
-            f"reward function {fn_name} {problem} on sample {index}{where} (prompt: {excerpt!r})"
-        )
-        if traceback_text:
-            message += f"\n\nOriginal traceback:\n{traceback_text}"
-        super().__init__(message)
-
-    def at(self, where: str) -> RewardFunctionError:
-        """The same error with a location (e.g. the RL step and dataset index) added."""
-        return RewardFunctionError(
-            self.fn_name, self.index, self.prompt, self.problem, self.traceback_text, where
-        )
-
-
-class _TimedOut(Exception):
-    """A bounded reward call did not return in time."""
-
-
-def _bounded(f, args: tuple, timeout: float):
-    """``f(*args)`` in a daemon thread (the process can still exit if it never returns);
-    its result or exception, or ``_TimedOut`` after ``timeout`` seconds."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = f(*args)
-        except BaseException as e:  # re-raised in the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="reward-call", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise _TimedOut
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
-def _fn_name(fn) -> str:
-    module = getattr(fn, "__module__", None)
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return f"{module}:{name}" if module else name
-
-
-def compute_rewards(
-    fn: RewardFn,
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    answers: Sequence[str],
-    metadatas: Sequence[dict] | None = None,
-    accuracy_threshold: float = 1.0,
-    is_correct: RewardFn | None = None,
-    timeout: float = 0.0,
-) -> tuple[list[float], list[bool]]:
-    """``(rewards, correct)`` of ``fn`` on each sample; raises ``RewardFunctionError``
-    if ``fn`` raises (``sys.exit`` included), returns anything but a finite real number
-    or ``{"reward": number, "correct": bool}``, or, with ``timeout`` > 0, has not returned
-    after ``timeout`` seconds (the call is left running in a daemon thread, which cannot
-    be stopped from outside; the error ends the run). ``correct`` comes from ``is_correct``
-    (a task's verdict) when given, else from the returned dict, else reward ≥ threshold.
-    ``KeyboardInterrupt`` and ``os._exit`` in ``fn`` are failures of ``fn`` too."""
-    n = len(prompts)
-    if metadatas is None:
-        metadatas = [{}] * n
-    lengths = {len(completions), len(answers), len(metadatas)}
-    if lengths != {n}:
-        raise ValueError(
-            f"compute_rewards: got {n} prompts, {len(completions)} completions, "
-            f"{len(answers)} answers and {len(metadatas)} metadatas"
-        )
-    rewards, correct = [], []
-    for i in range(n):
-
-        def fail(problem: str, tb: str = "", i=i, f=fn) -> RewardFunctionError:
-            return RewardFunctionError(_fn_name(f), i, prompts[i], problem, tb)
-
-        def call(f, i=i):
-            try:
-                with _os_exit_raises():
-                    args = (prompts[i], completions[i], answers[i], metadatas[i])
-                    return _bounded(f, args, timeout) if timeout > 0 else f(*args)
-            except _TimedOut:
-                raise fail(f"did not return within --reward-timeout {timeout:g} s", f=f) from None
-            except (Exception, SystemExit, KeyboardInterrupt, _OsExit) as e:  # must not end the run
-                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-                exits = isinstance(e, SystemExit | _OsExit)
-                raise fail(f"called {_exit_call(e)}" if exits else "raised", tb, f=f) from e
-
-        value = call(fn)
-        verdict = bool(call(is_correct)) if is_correct is not None else None
-        if isinstance(value, dict):
-            if "reward" not in value:
-                raise fail(f"returned a dict without a 'reward' key: {value!r}")
-            said = value.get("correct")
-            if said is not None and not isinstance(said, bool):
-                raise fail(f"returned 'correct': {said!r} (need a bool)")
-            verdict = said if verdict is None else verdict
-            value = value["reward"]
-        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-            value = value.item()  # 0-d torch / numpy value
-        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise fail(f"returned {value!r} (need a finite float)")
-        if abs(float(value)) > FLOAT32_MAX:  # trained in float32: it would become inf
-            raise fail(f"returned {value!r}, beyond float32's range (|reward| <= 3.4e38)")
-        rewards.append(float(value))
-        correct.append(float(value) >= accuracy_threshold if verdict is None else verdict)
-    return rewards, correct

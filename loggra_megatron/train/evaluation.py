@@ -4,7 +4,7 @@ held-out prompts, scored by the task, no training on them.
 Each DP rank takes every DP-th prompt (all TP/PP ranks of a replica take the same ones and
 generate together), in chunks of the rank's rollout batch; the sums of reward and of correct
 answers are all-reduced over DP, so ``eval/reward`` and ``eval/accuracy`` are means over all
-evaluated prompts.
+evaluated prompts (a prompt whose reward failed, ``tasks.scoring``, is left out of both).
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ class Evaluator:
     @torch.no_grad()
     def run(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        totals = torch.zeros(3, dtype=torch.float64)  # reward, correct, count (host)
+        totals = torch.zeros(3, dtype=torch.float64)  # reward, correct, scored count (host)
         for i in range(0, len(self.mine), self.chunk):
             group = self.mine[i : i + self.chunk]
             rollout = self.experience.generate(group, step, temperature=0.0)
-            rewards, correct = self.experience.score(rollout, group, f" in the eval at step {step}")
-            totals += torch.tensor(
-                [float(rewards.sum()), float(sum(correct)), len(group)], dtype=torch.float64
-            )
+            scores = self.experience.score(rollout, group, f" in the eval at step {step}")
+            totals += torch.tensor(scores.totals(), dtype=torch.float64)
         if dist.get_world_size(self.dp_group) > 1:  # on the device: NCCL takes no host tensors
             totals = totals.to(self.experience.device)
             dist.all_reduce(totals, group=self.dp_group)

@@ -1,43 +1,103 @@
 """Peak memory of each phase of an RL step, the step's peak, and on CUDA the reserved and
 free bytes (the ``memory/`` keys of ``metric_keys.py``).
 
-Mechanism: the process has one high-water mark of the memory it uses, which can be lowered to
-the current use and read later, so that a phase's peak is
+Mechanism: a phase's peak is
 
     peak(phase) = max over t in the phase of used(t)
 
-read at the phase's end after lowering the mark at its start. On CUDA the mark is the caching
-allocator's peak allocated bytes (``torch.cuda.max_memory_allocated``; its peak reserved bytes
-alongside), lowered by ``torch.cuda.reset_peak_memory_stats``. On CPU it is the kernel's peak
-resident set size (``VmHWM`` in ``/proc/self/status``), lowered to the current RSS by writing
-``5`` to ``/proc/self/clear_refs`` (Linux). Where that write is refused or the file is absent,
-the mark cannot be lowered: every phase then reads ``ru_maxrss``, the process's peak since it
-started (docs/metrics.md#memory).
+from a high-water mark restarted from the current use when the phase starts and read when it
+ends. On CUDA the mark is the caching allocator's peak allocated bytes
+(``torch.cuda.max_memory_allocated``; its peak reserved bytes alongside), restarted by
+``torch.cuda.reset_peak_memory_stats``. On CPU it is kept here, never by the kernel: while a
+step is recorded a daemon thread reads the process's resident set size (``/proc/self/statm``,
+Linux) every ``SAMPLE_INTERVAL_S`` (1 ms) and keeps the largest, and every phase boundary
+reads it once more. The kernel's own mark (``VmHWM``, what ``getrusage``, ``/usr/bin/time``
+and Slurm's MaxRSS report for the run) is left alone. Resolution: RSS held for less than an
+interval can be missed, and so can RSS held while the sampler waits for the GIL (up to
+``sys.getswitchinterval()``, 5 ms, while the step runs Python code; PyTorch's operators
+release it), so a CPU phase peak is a lower bound of its true peak, exact for memory still
+held at the phase's end. Where ``/proc/self/statm`` cannot be read (not Linux) every phase
+reads ``ru_maxrss``, the process's peak since it started (docs/metrics.md#memory).
 
-Phases nest exclusively: entering one folds the mark so far into the enclosing phase and lowers
-it, leaving one records the mark as its own peak and lowers it again, so every moment of a step
-belongs to exactly one phase (the innermost open one) and the step's peak is the max over its
-phases. A phase entered several times in a step (a mini-batch's predicted-KL control) reports
-the max of its entries.
+Phases nest exclusively: entering one folds the mark so far into the enclosing phase and
+restarts it, leaving one records the mark as its own peak and restarts it again, so every
+moment of a step belongs to exactly one phase (the innermost open one) and the step's peak is
+the max over its phases. A phase entered several times in a step (a mini-batch's
+predicted-KL control) reports the max of its entries.
 
-The mark is the process's (the allocator's per device, the kernel's per process), so one
+The mark is the process's (the allocator's per device, the sampled RSS per process), so one
 recorder per process, ``PHASE_PEAKS``, owns it: the trainer starts and ends each RL step,
 and the code of a phase encloses it in ``PHASE_PEAKS.phase(name)``.
 """
 
 from __future__ import annotations
 
+import os
 import resource
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+STATM = "/proc/self/statm"
+"""This process's memory in pages; its second field is the resident set size."""
+SAMPLE_INTERVAL_S = 0.001
+"""How often the CPU sampler reads the resident set size."""
+
 PHASES = ("rollout", "log_probs", "train", "kl_control")
 """The phases an RL step reports: generation and rewards; the reference log-prob forwards;
 the forward/backward passes and optimizer steps of the actor's mini-batches; predicted-KL
 control's optimizer step (its trials and probe)."""
+
+
+class RssSampler:
+    """This process's resident set size, read every ``SAMPLE_INTERVAL_S`` on a daemon
+    thread between ``start()`` and ``stop()``; ``take()`` gives the largest since the last
+    ``take()`` (the RSS now included) and restarts from the RSS now."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._fd: int | None = None
+        self._page = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling (if not running); OSError where ``STATM`` cannot be read."""
+        if self._thread is not None:
+            return
+        self._fd = os.open(STATM, os.O_RDONLY)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._peak = self._rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        os.close(self._fd)
+
+    def take(self) -> int:
+        now = self._rss()
+        with self._lock:
+            peak, self._peak = max(self._peak, now), now
+        return peak
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            rss = self._rss()
+            with self._lock:
+                self._peak = max(self._peak, rss)
+
+    def _rss(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
 
 
 class PhasePeaks:
@@ -53,13 +113,20 @@ class PhasePeaks:
         """CUDA: the allocator's peak reserved bytes of each phase."""
         self.open: list[str] = []
         """The phases entered and not yet left, innermost last."""
-        self.resettable = True
-        """CPU: the kernel lowered the mark when asked (False: ``ru_maxrss`` instead)."""
+        self.sampler = RssSampler()
+        """CPU: the resident set size's mark."""
+        self.sampled = True
+        """CPU: the sampler runs (False: ``STATM`` unreadable, ``ru_maxrss`` instead)."""
 
     def start_step(self, device: torch.device) -> None:
         """Start recording an RL step on ``device``; forgets the previous step's peaks."""
         self.device = device
         self.allocated, self.reserved, self.open = {}, {}, []
+        if device.type != "cuda" and self.sampled:
+            try:
+                self.sampler.start()
+            except OSError:  # not Linux: the process's peak from now on
+                self.sampled = False
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -70,16 +137,15 @@ class PhasePeaks:
         if self.device is None:
             yield
             return
+        mark = self._take_mark()
         if self.open:
-            self._record(self.open[-1])
-        self._lower_mark()
+            self._record(self.open[-1], *mark)
         self.open.append(name)
         try:
             yield
         finally:
             self.open.pop()
-            self._record(name)
-            self._lower_mark()
+            self._record(name, *self._take_mark())
 
     def step_metrics(self) -> dict[str, float]:
         """End the step: the peak of each phase it ran and their max, and on CUDA the peak
@@ -91,42 +157,27 @@ class PhasePeaks:
             if self.reserved:
                 metrics["memory/reserved_bytes"] = float(max(self.reserved.values()))
             metrics["memory/free_bytes"] = float(torch.cuda.mem_get_info(self.device)[0])
+        self.sampler.stop()
         self.device = None
         return metrics
 
-    def _record(self, name: str) -> None:
-        """Fold the mark into phase ``name``'s peak."""
+    def _take_mark(self) -> tuple[int, int | None]:
+        """``(peak bytes, CUDA: peak reserved bytes)`` since the mark was last taken, and
+        restart the mark from the current use."""
         if self.device.type == "cuda":
             allocated = torch.cuda.max_memory_allocated()
             reserved = torch.cuda.max_memory_reserved()
-            self.reserved[name] = max(self.reserved.get(name, 0), reserved)
-        else:
-            allocated = self._peak_rss()
-        self.allocated[name] = max(self.allocated.get(name, 0), allocated)
-
-    def _lower_mark(self) -> None:
-        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        elif self.resettable:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:  # not Linux, or not permitted: the process's peak from now on
-                self.resettable = False
+            return allocated, reserved
+        if self.sampled:
+            return self.sampler.take(), None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, None  # KiB on Linux
 
-    def _peak_rss(self) -> int:
-        """The kernel's high-water mark of this process's RSS, bytes (``ru_maxrss`` where
-        it cannot be lowered)."""
-        if self.resettable:
-            try:
-                with open("/proc/self/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            return int(line.split()[1]) * 1024  # kB
-            except OSError:
-                pass
-            self.resettable = False
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    def _record(self, name: str, allocated: int, reserved: int | None) -> None:
+        """Fold a mark into phase ``name``'s peak."""
+        self.allocated[name] = max(self.allocated.get(name, 0), allocated)
+        if reserved is not None:
+            self.reserved[name] = max(self.reserved.get(name, 0), reserved)
 
 
 PHASE_PEAKS = PhasePeaks()

@@ -39,7 +39,7 @@ from loggra_megatron.data.tokenizer import Tokenizer
 from loggra_megatron.library_notes import missing_extras_note
 from loggra_megatron.megatron_version import untested_version_note
 from loggra_megatron.tasks import TASKS, Task
-from loggra_megatron.tasks.rewards import Scoring
+from loggra_megatron.tasks.scoring import Scoring
 from loggra_megatron.train.run_config import RunConfig
 
 
@@ -166,14 +166,22 @@ def _tokenizer(cfg: RunConfig) -> Tokenizer:
 
 
 def _scoring(d: DataConfig, task: Task) -> Scoring:
-    from loggra_megatron.tasks.rewards import RewardSpecError, load_reward_fn
+    """The task's scoring, or ``--reward-fn``'s: a built-in in this process, a user function
+    in worker processes (``tasks.reward_workers``)."""
+    from loggra_megatron.tasks.reward_workers import RewardWorkers
+    from loggra_megatron.tasks.rewards import BUILTIN_REWARDS, RewardSpecError, load_reward_fn
 
+    errors = d.reward_max_error_fraction
     if d.reward_fn is None:
-        return Scoring(task.reward, task.is_correct, d.accuracy_threshold, d.reward_timeout)
+        return Scoring(task.reward, task.is_correct, d.accuracy_threshold, errors)
     try:
-        return Scoring(load_reward_fn(d.reward_fn), None, d.accuracy_threshold, d.reward_timeout)
+        fn = load_reward_fn(d.reward_fn)
     except RewardSpecError as e:
         raise ConfigError(str(e)) from None
+    workers = None
+    if d.reward_fn not in BUILTIN_REWARDS:
+        workers = RewardWorkers(d.reward_fn, d.reward_workers, d.reward_timeout)
+    return Scoring(fn, None, d.accuracy_threshold, errors, workers)
 
 
 def _prompts(

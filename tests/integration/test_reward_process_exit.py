@@ -1,6 +1,6 @@
-"""A reward function that ends its process (``os._exit``) or is interrupted is reported as a
-reward failure naming the sample, in a process of its own (without the guard ``os._exit``
-would end the test process)."""
+"""A reward function run in the trainer's process that ends it (``os._exit``) or is interrupted
+is reported as a reward failure naming the sample, in a process of its own (without the guard
+``os._exit`` would end the test process)."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ def test_a_reward_that_calls_os_exit_or_is_interrupted_is_reported(tmp_path):
     os._exit would end the test process)."""
     code = """
 import os
-from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+from loggra_megatron.tasks.scoring import RewardFunctionError, Scoring
 
 def exits(p, c, a, m):
     os._exit(7)
@@ -25,7 +25,7 @@ def interrupted(p, c, a, m):
 
 for fn in (exits, interrupted):
     try:
-        compute_rewards(fn, ["q0", "q1"], ["c", "c"], ["1", "1"])
+        Scoring(fn, None, 1.0).score(["q0", "q1"], ["c", "c"], ["1", "1"])
     except RewardFunctionError as e:
         print(str(e).splitlines()[0])
 """

@@ -9,7 +9,7 @@ import pytest
 from rl_runs import REWARD, ROOT, refused, tiny_argv
 
 from loggra_megatron.arguments import parse_args
-from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
+from loggra_megatron.tasks.scoring import RewardFunctionError, Scoring
 
 
 def test_a_reward_function_with_the_wrong_signature_is_refused(tokenizer, tmp_path):
@@ -35,13 +35,13 @@ def test_greedy_grpo_groups_are_warned_about(tokenizer):
 
 def test_a_reward_beyond_float32_names_its_sample():
     with pytest.raises(RewardFunctionError, match=r"returned 1e\+300, beyond float32's range"):
-        compute_rewards(
-            lambda p, c, a, m: 1e300 if p == "b" else 0.0, ["a", "b"], ["c"] * 2, ["1"] * 2
+        Scoring(lambda p, c, a, m: 1e300 if p == "b" else 0.0, None, 1.0).score(
+            ["a", "b"], ["c"] * 2, ["1"] * 2
         )
-    try:
-        compute_rewards(lambda p, c, a, m: -1e39, ["a"], ["c"], ["1"])
-    except RewardFunctionError as e:
-        assert e.index == 0
+    for huge in (-1e39, 10**400):  # an int beyond every float raised OverflowError
+        with pytest.raises(RewardFunctionError, match="beyond float32's range") as e:
+            Scoring(lambda p, c, a, m, huge=huge: huge, None, 1.0).score(["a"], ["c"], ["1"])
+        assert e.value.index == 0
 
 
 def test_a_config_file_key_given_twice_is_refused(tokenizer, tmp_path, capsys):

@@ -220,7 +220,8 @@ def _case(name, tmp_path, tokenizer):
     bad_py = tmp_path / "bad_reward.py"
     if name == "config-yaml":
         (tmp_path / "run.yaml").write_text("lr: [0.1,\nseed: 3\n")
-        return ["--config", str(tmp_path / "run.yaml")], ["--config", "is not valid YAML", "line"]
+        needles = ["--config", f"{tmp_path / 'run.yaml'}:3: is not valid YAML"]
+        return ["--config", str(tmp_path / "run.yaml")], needles
     if name == "reward-syntax":
         bad_py.write_text("def score(p, c, a, m):\n    return 1 +\n")
         return {"reward-fn": f"{bad_py}:score"}, ["--reward-fn", f"{bad_py}:2: syntax error"]

@@ -1,9 +1,12 @@
 """MetricsLogger: JSONL contents, rank gating, resume truncation, progress line, W&B, TensorBoard."""
 
+import errno
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +19,12 @@ from loggra_megatron.metric_keys import (
     combine_updates,
     with_table,
 )
-from loggra_megatron.metrics import MetricsLogger, read_metrics, resolve_wandb_mode
+from loggra_megatron.metrics import (
+    MetricsLogger,
+    MetricsWriteError,
+    read_metrics,
+    resolve_wandb_mode,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -117,9 +125,166 @@ def test_read_metrics_ignores_cut_last_line_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lr"')
     assert read_metrics(path) == [{"step": 1}]
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "lr": \xe2\x82')  # cut inside a character
+    assert read_metrics(path) == [{"step": 1}]
     path.write_text('{"step": 1\n{"step": 2}\n')
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(ValueError, match=f"^{path}:1: not a JSON line"):
         read_metrics(path)
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "lr": 0.\xff}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=f"^{path}:2: not a JSON line"):
+        read_metrics(path)
+
+
+def _lines(*records) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in records)
+
+
+def test_resume_moves_a_line_that_is_not_utf8_aside(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    bad = b'{"step": 2, "lr": 0.\xff\xfe}'
+    (run / "metrics.jsonl").write_bytes(_lines({"step": 1}) + bad + b"\n" + _lines({"step": 2}))
+    with MetricsLogger(run) as log:
+        log.truncate_after(2)
+    assert read_metrics(run) == [{"step": 1}, {"step": 2}]
+    assert (run / "metrics.rejected.jsonl").read_bytes() == bad + b"\n"  # as it was
+    assert "1 line(s) without a record of an integer step (line 2) moved to" in (
+        capsys.readouterr().out
+    )
+
+
+def test_resume_keeps_the_last_record_of_a_step_logged_twice(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    first = [{"step": 1, "lr": 1}, {"step": 2, "lr": 1}, {"step": 3, "lr": 1}]
+    again = [{"step": 2, "lr": 2}, {"step": 3, "lr": 2}, {"step": 4, "lr": 2}]
+    (run / "metrics.jsonl").write_bytes(_lines(*first, *again))
+    with pytest.warns(UserWarning, match=r"step 2 at lines 2 and 4; step 3 at lines 3 and 5"):
+        assert read_metrics(run) == [first[0], *again]
+    with MetricsLogger(run) as log:
+        log.truncate_after(3)
+    assert read_metrics(run) == [first[0], *again[:2]]
+    out = capsys.readouterr().out
+    assert "2 step(s) recorded more than once (step 2 at lines 2 and 4; step 3 at lines 3 and " in (
+        out
+    )
+    assert "kept the last; line 2, 3 moved to" in out
+    assert (run / "metrics.rejected.jsonl").read_bytes() == _lines(first[1], first[2])
+
+
+def test_resume_repairs_an_unterminated_last_record_and_moves_a_torn_one_aside(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    path.write_bytes(_lines({"step": 1}) + b'{"step": 2}')  # the newline was not written
+    with MetricsLogger(run) as log:
+        log.truncate_after(2)
+        log.log(3, {"lr": 1.0})
+    assert path.read_bytes() == _lines({"step": 1}, {"step": 2}, {"step": 3, "lr": 1.0})
+    path.write_bytes(_lines({"step": 1}) + b'{"step": 2, "l')  # torn inside the record
+    with MetricsLogger(run) as log:
+        log.truncate_after(2)
+        log.log(2, {"lr": 1.0})
+    assert path.read_bytes() == _lines({"step": 1}, {"step": 2, "lr": 1.0})
+    assert (run / "metrics.rejected.jsonl").read_bytes() == b'{"step": 2, "l\n'
+
+
+class _FullDisk:
+    """The logger's file on a disk that fills after ``room`` more bytes."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            self.file.write(bytes(data[: self.room]))  # the torn start of the line
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_no_torn_record(tmp_path):
+    log = MetricsLogger(tmp_path)
+    log.log(1, {"lr": 1.0})
+    log._file = _FullDisk(log._file, room=10)
+    with pytest.raises(MetricsWriteError) as full:
+        log.log(2, {"lr": 1.0})
+    message = str(full.value)
+    assert "\n" not in message and "No space left on device" in message, message
+    assert message.startswith(f"--output-dir: writing step 2 to {log.path} failed"), message
+    assert log.path.read_bytes() == _lines({"step": 1, "lr": 1.0})  # the torn start removed
+    log.close()
+
+
+def test_a_full_disk_at_fsync_also_stops_the_run(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with MetricsLogger(tmp_path) as log:
+        monkeypatch.setattr(M.os, "fsync", full)
+        with pytest.raises(MetricsWriteError, match="No space left on device"):
+            log.log(1, {"lr": 1.0})
+    assert read_metrics(tmp_path) == []
+
+
+def test_a_full_disk_at_resume_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(_lines({"step": 1}, {"step": 2}))
+    log = MetricsLogger(tmp_path)
+    monkeypatch.setattr(M.os, "fsync", lambda fd: os.write(-1, b""))  # EBADF: any OSError
+    with pytest.raises(MetricsWriteError, match="rewriting .* for the resume after step 1"):
+        log.truncate_after(1)
+    assert path.read_bytes() == _lines({"step": 1}, {"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary
+    log.close()
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_pretrain_rl_names_the_checkpoint_to_resume_from_when_the_disk_fills(
+    tmp_path, monkeypatch, capsys, saved
+):
+    import pretrain_rl  # noqa: F401  (the repository root is on sys.path under pytest)
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    if saved:
+        (save / "latest_checkpointed_iteration.txt").write_text("5")
+
+    class Trainer:
+        def __init__(self, cfg, host, **kwargs):
+            pass
+
+        def setup(self):
+            return self
+
+        def train(self):
+            log = MetricsLogger(tmp_path / "out")
+            log._file = _FullDisk(log._file, room=0)
+            log.log(7, {"lr": 1.0})
+
+    cfg = SimpleNamespace(
+        checkpoint=SimpleNamespace(save=str(save)),
+        logging=None,
+        start=SimpleNamespace(seen=None),
+        placement=SimpleNamespace(generation_ranks=0, disaggregated=False),
+    )
+    monkeypatch.setattr(pretrain_rl, "parse_args", lambda argv: cfg)
+    monkeypatch.setattr(pretrain_rl, "preflight", lambda cfg: SimpleNamespace(notes=[]))
+    monkeypatch.setattr(pretrain_rl, "claim_run_directories", lambda *args: [])
+    monkeypatch.setattr(pretrain_rl, "RLTrainer", Trainer)
+    with pytest.raises(SystemExit) as stopped:
+        pretrain_rl.main([])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "writing step 7" in err and "No space left on device" in err, err
+    if saved:
+        last = save / "iter_0000005"
+        assert f"the last checkpoint is {last} (step 5): resume from it with --load {save}" in err
+    else:
+        assert f"--save {save} holds no checkpoint yet" in err, err
 
 
 def test_progress_line(tmp_path, capsys):

@@ -27,15 +27,14 @@ from loggra_megatron.data.tokenizer import (
 from loggra_megatron.tasks import generate_tasks, write_jsonl
 from loggra_megatron.tasks.prompt_format import format_completion, format_prompt, task_texts
 from loggra_megatron.tasks.rewards import (
-    RewardFunctionError,
     RewardSpecError,
-    compute_rewards,
     default_reward,
     exact_match_numeric,
     extract_answer,
     format_reward,
     load_reward_fn,
 )
+from loggra_megatron.tasks.scoring import RewardFunctionError, Scoring
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -257,7 +256,7 @@ def test_format_and_default_rewards():
     assert default_reward("q", "7", "7", {}) == 0.0
     tasks = generate_tasks("mixed", 100, seed=2)
     completions = [format_completion(t["answer"], t["metadata"]["solution"]) for t in tasks]
-    rewards, correct = compute_rewards(
+    rewards, correct = score_batch(
         default_reward,
         [t["prompt"] for t in tasks],
         completions,
@@ -291,15 +290,21 @@ def test_load_reward_fn(tmp_path, monkeypatch):
         assert str(e.value).startswith(f"--reward-fn {spec!r}") and message in str(e.value), e.value
 
 
+def score_batch(fn, prompts, completions, answers, metadatas=None, accuracy_threshold=1.0):
+    """``(rewards, correct)`` as the trainer scores them, the first failure raised."""
+    scores = Scoring(fn, None, accuracy_threshold).score(prompts, completions, answers, metadatas)
+    return scores.rewards, scores.correct
+
+
 def _reward_divides_by_zero_on_seven(prompt, completion, answer, metadata):
     return 1.0 / (int(answer) - 7)
 
 
-def test_compute_rewards_failures_are_loud():
+def test_reward_failures_stop_a_strict_run_naming_the_sample():
     prompts = ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 4? " + "x" * 500]
     answers = ["2", "4", "7"]
     with pytest.raises(RewardFunctionError) as e:
-        compute_rewards(_reward_divides_by_zero_on_seven, prompts, ["#### 0"] * 3, answers)
+        score_batch(_reward_divides_by_zero_on_seven, prompts, ["#### 0"] * 3, answers)
     err = e.value
     assert err.index == 2 and err.prompt == prompts[2]
     assert "raised on sample 2" in str(err) and "What is 3 + 4?" in str(err)
@@ -310,12 +315,12 @@ def test_compute_rewards_failures_are_loud():
 
     for bad in (float("nan"), float("inf"), None, "1.0", [1.0], torch.tensor([1.0, 2.0])):
         with pytest.raises(RewardFunctionError, match="returned .* on sample 0"):
-            compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
+            score_batch(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
     for good, value in ((True, 1.0), (np.float32(0.5), 0.5), (torch.tensor(0.25), 0.25), (3, 3.0)):
-        rewards, _ = compute_rewards(lambda p, c, a, m, good=good: good, ["q"], ["c"], ["1"])
+        rewards, _ = score_batch(lambda p, c, a, m, good=good: good, ["q"], ["c"], ["1"])
         assert rewards == [value]
     with pytest.raises(ValueError, match="2 prompts, 1 completions"):
-        compute_rewards(default_reward, ["a", "b"], ["c"], ["1", "2"])
+        score_batch(default_reward, ["a", "b"], ["c"], ["1", "2"])
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -396,12 +401,12 @@ def test_reward_problems_keep_their_reason_and_sys_exit_is_caught():
         ("1.0", "returned '1.0'"),
     ):
         with pytest.raises(RewardFunctionError) as e:
-            compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
+            score_batch(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
         assert shown in str(e.value) and "need a finite float" in e.value.problem
         located = e.value.at(" at RL step 3")
         assert shown in str(located) and "at RL step 3" in str(located)
     with pytest.raises(RewardFunctionError, match=r"called sys.exit\(3\) on sample 0"):
-        compute_rewards(_exits, ["q"], ["c"], ["1"])
+        score_batch(_exits, ["q"], ["c"], ["1"])
 
 
 def test_accuracy_comes_from_the_reward_or_its_own_verdict():
@@ -416,41 +421,16 @@ def test_accuracy_comes_from_the_reward_or_its_own_verdict():
     def verdict(p, c, a, m):
         return {"reward": 0.5, "correct": c == a}
 
-    assert compute_rewards(spelled, prompts, completions, answers) == (
+    assert score_batch(spelled, prompts, completions, answers) == (
         [1.0, 0.0, 0.0],
         [True, False, False],
     )
-    assert compute_rewards(spelled, prompts, completions, answers, accuracy_threshold=0.0)[1] == [
+    assert score_batch(spelled, prompts, completions, answers, accuracy_threshold=0.0)[1] == [
         True,
         True,
         True,
     ]
-    assert compute_rewards(verdict, prompts, completions, answers)[1] == [True, False, False]
+    assert score_batch(verdict, prompts, completions, answers)[1] == [True, False, False]
     for bad in ({"score": 1.0}, {"reward": 1.0, "correct": "yes"}):
         with pytest.raises(RewardFunctionError, match="returned"):
-            compute_rewards(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])
-
-
-def test_a_reward_call_past_its_timeout_fails_naming_the_sample():
-    import threading
-    import time
-
-    from loggra_megatron.tasks.rewards import RewardFunctionError, compute_rewards
-
-    def stuck_on_b(prompt, completion, answer, metadata):
-        if prompt == "b":
-            threading.Event().wait()
-        return 1.0
-
-    t0 = time.perf_counter()
-    with pytest.raises(RewardFunctionError, match="did not return within --reward-timeout 0.3 s"):
-        compute_rewards(stuck_on_b, ["a", "b"], ["c", "c"], ["1", "1"], timeout=0.3)
-    assert time.perf_counter() - t0 < 5
-    try:
-        compute_rewards(stuck_on_b, ["a", "b"], ["c", "c"], ["1", "1"], timeout=0.3)
-    except RewardFunctionError as e:
-        assert e.index == 1 and e.prompt == "b"
-    # bounded calls return the same rewards, and raise what the function raises
-    assert compute_rewards(stuck_on_b, ["a"], ["c"], ["1"], timeout=5) == ([1.0], [True])
-    with pytest.raises(RewardFunctionError, match="raised"):
-        compute_rewards(lambda p, c, a, m: 1 / 0, ["a"], ["c"], ["1"], timeout=5)
+            score_batch(lambda p, c, a, m, bad=bad: bad, ["q"], ["c"], ["1"])

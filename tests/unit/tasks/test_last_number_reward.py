@@ -4,13 +4,12 @@ import pytest
 
 from loggra_megatron.tasks.rewards import (
     BUILTIN_REWARDS,
-    RewardFunctionError,
     boxed_contents,
-    compute_rewards,
     final_number,
     last_number_reward,
     load_reward_fn,
 )
+from loggra_megatron.tasks.scoring import RewardFunctionError, Scoring
 
 
 @pytest.mark.parametrize(
@@ -78,16 +77,15 @@ def test_final_number_and_boxed_contents():
 def test_last_number_is_a_builtin_and_counts_correct_at_reward_one():
     assert load_reward_fn("last_number") is last_number_reward
     assert BUILTIN_REWARDS["last_number"] is last_number_reward
-    rewards, correct = compute_rewards(
-        last_number_reward,
+    scores = Scoring(last_number_reward, None, 1.0).score(
         ["What is 3 + 4?"] * 3,
         ["3 + 4 = 7", "It is 8", "\\boxed{7}"],
         ["7", "7", "7"],
     )
-    assert rewards == [1.0, 0.0, 1.0] and correct == [True, False, True]
+    assert scores.rewards == [1.0, 0.0, 1.0] and scores.correct == [True, False, True]
 
 
 def test_a_reference_answer_that_is_not_a_number_stops_the_run():
     with pytest.raises(RewardFunctionError, match="raised on sample 0") as e:
-        compute_rewards(last_number_reward, ["q"], ["7"], ["seven"])
+        Scoring(last_number_reward, None, 1.0).score(["q"], ["7"], ["seven"])
     assert "reference answer 'seven' is not a number" in str(e.value)

@@ -226,27 +226,92 @@ def _examples(name: str) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(__import__("loggra_megatron.tasks").tasks.TASKS))
-def test_every_task_scores_its_reference_completions_under_the_default_reward_timeout(name):
-    """``compute_rewards`` with the default ``--reward-timeout`` runs each reward in a worker
-    thread, where math-verify refuses its own (signal-based) time-out: that refusal once read
-    as a wrong answer, so the math task scored every correct answer 0."""
-    from loggra_megatron.data.config import DataConfig
-    from loggra_megatron.tasks import TASKS
-    from loggra_megatron.tasks.math import equivalent
-    from loggra_megatron.tasks.rewards import compute_rewards
+def _another(answer: str) -> str:
+    """A number other than ``answer``."""
+    value = float(answer) + 1
+    return str(int(value)) if value.is_integer() else str(value)
 
-    equivalent.cache_clear()  # a main-thread verdict must not answer for the thread
-    task, examples = TASKS[name](), _examples(name)
-    completions = [task.reference_completion(e) for e in examples]
-    rewards, correct = compute_rewards(
-        task.reward,
-        [e["prompt"] for e in examples],
-        completions,
-        [e["answer"] for e in examples],
-        [e["metadata"] for e in examples],
-        is_correct=task.is_correct,
-        timeout=DataConfig().reward_timeout,
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_scores_right_and_wrong_answers_under_the_default_settings(
+    name, tokenizer, tmp_path
+):
+    """Each task scored as ``pretrain_rl.py`` scores it under the default settings (the
+    ``Scoring`` its preflight builds, called on the main thread as the trainer calls it): a
+    reference completion is correct with reward 1, one with another answer is wrong, and no
+    sample is a reward error. (The default --reward-timeout once ran these rewards in a
+    thread, where math-verify refused its signal-based time-out; the refusal read as a wrong
+    answer, so every correct math answer scored 0. A refusal is a reward error now, which
+    fails here as well.)"""
+    from loggra_megatron.data.prompts import prompt_text
+    from loggra_megatron.tasks import write_jsonl
+    from loggra_megatron.tasks.math import equivalent
+    from loggra_megatron.train.preflight import preflight
+
+    flags = {"reward-fn": None, "task": name}
+    if TASKS[name].needs_data:
+        flags["data-path"] = tmp_path / "prompts.jsonl"
+        write_jsonl(_examples(name), flags["data-path"])
+    host = preflight(parse_args(tiny_argv(tokenizer, **flags)))
+    assert host.scoring.workers is None  # built-in: scored in the trainer's process
+    examples = host.dataset.examples[:4]
+    right = [host.task.reference_completion(e) for e in examples]
+    wrong = [
+        host.task.reference_completion({**e, "answer": _another(e["answer"])}) for e in examples
+    ]
+    n = len(examples)
+    equivalent.cache_clear()
+    scores = host.scoring.score(
+        [prompt_text(e["prompt"]) for e in examples] * 2,
+        right + wrong,
+        [e["answer"] for e in examples] * 2,
+        [e["metadata"] for e in examples] * 2,
     )
-    assert DataConfig().reward_timeout > 0
-    assert rewards == [1.0] * len(examples) and all(correct), (rewards, completions)
+    assert scores.errors == [], scores.errors[0]
+    assert scores.correct == [True] * n + [False] * n, (right, wrong)
+    assert scores.rewards[:n] == [1.0] * n and all(r < 1.0 for r in scores.rewards[n:])
+
+
+def test_math_verify_judges_off_the_main_thread_too():
+    """math-verify's own time-out (a SIGALRM) is the main thread's only: elsewhere it is off,
+    and a correct answer is still correct (it was refused, read as a wrong answer)."""
+    import threading
+
+    from loggra_megatron.tasks.math import equivalent
+
+    equivalent.cache_clear()
+    verdicts = []
+    thread = threading.Thread(target=lambda: verdicts.append(equivalent("\\frac{1}{2}", "0.5")))
+    thread.start()
+    thread.join()
+    assert verdicts == [True]
+
+
+def test_a_math_verify_failure_is_a_reward_error_not_a_wrong_answer(monkeypatch):
+    """A comparison that fails inside math-verify, or a reference it cannot read, scored 0 as
+    if the answer were wrong; each is a reward error of its sample now (counted, and no
+    verdict), while an unreadable predicted answer stays a wrong one."""
+    import math_verify
+
+    from loggra_megatron.tasks.math import equivalent
+    from loggra_megatron.tasks.scoring import Scoring
+
+    task = MathTask()
+    scoring = Scoring(task.reward, task.is_correct, 1.0, max_error_fraction=0.9)
+    equivalent.cache_clear()
+    scores = scoring.score(
+        ["q"] * 3, ["\\boxed{1}", "\\boxed{\\frac{}{}}", "\\boxed{2}"], ["", "1", "1"]
+    )
+    assert [e.index for e in scores.errors] == [0]
+    assert "math-verify reads no expression in the reference ''" in str(scores.errors[0])
+    assert scores.correct == [False, False, False] and scores.rewards[1:] == [0.0, 0.0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sympy failed inside math-verify")
+
+    monkeypatch.setattr(math_verify, "verify", broken)
+    equivalent.cache_clear()
+    scores = scoring.score(["q"] * 2, ["\\boxed{1}", "no final answer"], ["1", "1"])
+    assert [e.index for e in scores.errors] == [0] and scores.rewards[1] == 0.0
+    assert "sympy failed inside math-verify" in scores.errors[0].traceback_text
+    equivalent.cache_clear()
