@@ -9,7 +9,9 @@ every crash point leaves a complete checkpoint. ``load_checkpoint`` (collective)
 verifies the files against the manifest (falling back to an older complete checkpoint),
 checks that the optimizer state fits this run, loads every tensor into fresh buffers,
 checks them finite, and only then copies them into the live model and optimizer: a refused
-load changes nothing.
+load changes nothing. Every pickle of a checkpoint is read through an allowlist before the
+storage layer reads it (``checkpointing.pickles``). The writer processes Megatron forks for a
+save die with their rank, kill -9 included (``_die_with_parent``).
 
 Step by step: docs/checkpointing.md#saving-atomic-verified-finite and
 docs/checkpointing.md#loading-which-iteration.
@@ -17,12 +19,16 @@ docs/checkpointing.md#loading-which-iteration.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from multiprocessing.managers import SyncManager
 
@@ -49,6 +55,7 @@ from loggra_megatron.checkpointing.layout import (
     select_checkpoint,
     write_atomically,
 )
+from loggra_megatron.checkpointing.pickles import check_pickles
 from loggra_megatron.optim.megatron import optimizer_state
 
 MANIFEST_FORMAT = 1
@@ -127,6 +134,40 @@ def _orphan_safe_writer_queue() -> None:
         manager = SyncManager(ctx=mp.get_context("spawn"))
         manager.start(initializer=_exit_with_parent)
         filesystem_async._results_queue = manager.Queue()
+
+
+_saving_pid: int | None = None
+"""This process's pid while it writes a checkpoint (``_writers_die_with_this_process``)."""
+
+
+def _die_with_parent() -> None:
+    """After ``fork``, in a child forked while a checkpoint is written (Megatron's writer
+    processes): killed when its parent ends, kill -9 included (Linux ``PR_SET_PDEATHSIG``),
+    and ended at once if the parent already has. A writer outliving a killed rank used to
+    wait forever on a queue to it, holding the rank's files and locks."""
+    global _saving_pid
+    if _saving_pid is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _saving_pid:
+        os._exit(1)
+    _saving_pid = os.getpid()  # and the processes it forks die with it
+
+
+@contextmanager
+def _writers_die_with_this_process():
+    global _saving_pid
+    _saving_pid = os.getpid()
+    try:
+        yield
+    finally:
+        _saving_pid = None
+
+
+if sys.platform == "linux":
+    _PR_SET_PDEATHSIG = 1
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in a forked child
+    os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def save_checkpoint(
@@ -211,7 +252,8 @@ def write_checkpoint_dir(
     try:
         _on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
         _orphan_safe_writer_queue()
-        dist_checkpointing.save(state, tmp)
+        with _writers_die_with_this_process():
+            dist_checkpointing.save(state, tmp)
         _on_rank0(lambda: _write_files(tmp, files or {}))
         table = checksum_files(tmp, list_files(tmp), crc=checksums)
         manifest = {"format": MANIFEST_FORMAT, "files": table}
@@ -252,13 +294,16 @@ def load_checkpoint(
     ``save_checkpoint``. ``verify``: the files are checked against the manifest's
     CRC-32 first, falling back to an older checkpoint if they fail
     (``verified_checkpoint``; call it yourself to
-    learn which one); ``verify=False`` skips that (sizes were checked at selection)."""
+    learn which one); ``verify=False`` skips that (sizes were checked at selection). Every
+    pickle of the checkpoint is checked first (``pickles.check_pickles``: a crafted file
+    raises ``UnsafeCheckpointError``)."""
     ref = checkpoint
     if not isinstance(checkpoint, CheckpointRef):
         ref = select_checkpoint(checkpoint, iteration)
     if verify:
         ref = verified_checkpoint(ref)
     path = ref.path
+    check_pickles(path)  # before the storage layer unpickles anything of it
     saved = dist_checkpointing.load_common_state_dict(path)
     if optimizer is not None:
         if "optimizer" not in saved:

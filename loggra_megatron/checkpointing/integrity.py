@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -84,14 +85,15 @@ def verified_checkpoint(ref: CheckpointRef) -> CheckpointRef:
     newest older complete checkpoint that does (``older_checkpoint``, with a warning in
     its ``warnings``). Raises ``CheckpointError`` on every rank when there is none, or
     when ``ref`` was asked for by number. A converted model written before manifests existed
-    has none and is returned as it is."""
+    has none and is returned as it is; a manifest of sizes only, with a warning that the
+    bytes were not verified."""
     while True:
         manifest = read_manifest(ref.path)
         if manifest is None and ref.iteration is None:
             return ref
         problems = _checksum_problems(ref.path, manifest) if manifest else [f"no valid {MANIFEST}"]
         if not problems:
-            return ref
+            return _sizes_only_note(ref, manifest)
         why = f"is corrupted: {'; '.join(problems[:5])}"
         older = older_checkpoint(ref, why)
         if older is None:
@@ -102,6 +104,18 @@ def verified_checkpoint(ref: CheckpointRef) -> CheckpointRef:
                 f"checkpoint {ref.path} {why}. Nothing was loaded; {fix} (or restore the files)."
             )
         ref = older
+
+
+def _sizes_only_note(ref: CheckpointRef, manifest: dict) -> CheckpointRef:
+    """``ref``, with a warning if its manifest records sizes only (a save with
+    ``--no-checkpoint-checksums``): its bytes could not be verified."""
+    if any("crc32" in entry for entry in manifest["files"].values()):
+        return ref
+    note = (
+        f"{os.path.join(ref.path, MANIFEST)} records file sizes only (saved with "
+        "--no-checkpoint-checksums): the bytes of the checkpoint were not verified"
+    )
+    return replace(ref, warnings=[*ref.warnings, note])
 
 
 def _tensors(state, path: str = "") -> list[tuple[str, torch.Tensor]]:

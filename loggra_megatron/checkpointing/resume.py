@@ -1,7 +1,8 @@
 """What ``--load`` / ``--save`` mean for a run, decided before any process group starts.
 
 ``plan_start`` (then ``check_resume``) reads only small files (tracker,
-manifests, ``run_config.json``, ``loggra_model_args.json``) and returns a
+manifests, ``run_config.json``, ``loggra_model_args.json``) and the pickles of the checkpoint
+(``pickles.check_pickles``: a crafted one is refused) and returns a
 ``StartPlan``, or raises ``ConfigError`` (exit status 2)
 with one sentence. The plan is **fresh** (no ``--load``, or the first launch of an
 auto-resume script), **resume** (a trainer checkpoint: architecture adopted or checked, the
@@ -31,6 +32,7 @@ from loggra_megatron.checkpointing.layout import (
     select_model_checkpoint,
     tracker_note,
 )
+from loggra_megatron.checkpointing.pickles import UnsafeCheckpointError, check_pickles
 from loggra_megatron.config import ConfigError
 from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ARCHITECTURE, ModelConfig
@@ -175,7 +177,8 @@ def _plan_start(
         )
     try:
         ref = select_model_checkpoint(load, ck.ckpt_step)
-    except FileNotFoundError as e:
+        check_pickles(ref.path)  # a crafted file is refused here, before any process group
+    except (FileNotFoundError, UnsafeCheckpointError) as e:
         raise ConfigError(f"--load {load!r}: {e}") from None
     if converted:
         plan = StartPlan("converted", checkpoint=ref)
@@ -285,10 +288,10 @@ def _adopt_architecture(m: ModelConfig, load: str, explicit: set[str]) -> None:
 
 
 def _check_state_settings(now: dict, saved: dict) -> None:
-    from loggra_megatron.optim.registry import OPTIMIZERS
+    from loggra_megatron.optim.registry import OPTIMIZERS, backward_sketch
 
     sketched = OPTIMIZERS[now["optimizer"]].sketched
-    backward = sketched and now["loggra_sketch"] == "backward"
+    backward = backward_sketch(now["optimizer"], now["loggra_sketch"])
     names = (
         STATE_DEFINING
         + (SKETCH_DEFINING if sketched else ())

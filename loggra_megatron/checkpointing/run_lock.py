@@ -11,7 +11,11 @@ text (host, pid, start time of the holder) is only for that message. Because a c
 script may delete the file under a live run (a second run would then lock a new file),
 rank 0 also holds an exclusive ``flock`` on the directory itself, which no unlink can take
 away; where the file system has no ``flock`` for directories (NFS), the file lock alone
-guards the directory.
+guards the directory. Only the process that took them holds the locks: a ``flock`` belongs to
+the open file, which ``fork`` shares, so every forked child (the checkpoint writer processes)
+closes its copies of the lock descriptors at once (``_close_in_child``); a child outliving a
+killed run would otherwise keep the directory locked. A refusal names the holder's pid and
+command line where this host can see it (``/proc/locks``).
 
 Once it holds the lock, a run checks that the directory is as it was when its start was
 planned (``directory_state``: another run may have saved or logged in between; the
@@ -38,6 +42,21 @@ from loggra_megatron.config import ConfigError
 from loggra_megatron.metrics import LoggingConfig
 
 LOCK_FILE = "pretrain_rl.lock"
+
+_HELD: set[int] = set()
+"""The descriptors of the run locks this process holds."""
+
+
+def _close_in_child() -> None:
+    """After ``fork``, in the child: close its copies of the lock descriptors. The parent's
+    locks stay (a ``flock`` lasts while any descriptor of its open file does; ``lockf`` locks
+    are never inherited)."""
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def directory_state(directory: str) -> tuple:
@@ -74,31 +93,59 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 raise ConfigError(f"{flag} {directory!r}: cannot lock {path} ({e})") from None
+            seen = "".join(f"; {who}" for who in lock_holders(path))
             raise ConfigError(
-                f"{flag} {directory!r} is in use by another live run ({holder}); wait until it "
-                f"ends (its lock {path} is released then, even after kill -9), or choose "
-                f"another {flag}"
+                f"{flag} {directory!r} is in use by another live run ({holder}{seen}); wait "
+                f"until it ends (its lock {path} is released then, even after kill -9), or "
+                f"choose another {flag}"
             ) from None
         dir_fd = _lock_directory(directory)
         if dir_fd is False:
             os.close(fd)
+            who = ", ".join(lock_holders(directory)) or "a process this host cannot see"
             raise ConfigError(
-                f"{flag} {directory!r} is in use by another live run: its lock file {path} was "
-                "deleted, the directory itself is still locked; wait until that run ends, or "
-                f"choose another {flag}"
+                f"{flag} {directory!r} is locked by {who}, which holds the lock of the "
+                f"directory itself but not its lock file {path}; wait until it ends, or choose "
+                f"another {flag}"
             )
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": since}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
+        _HELD.update(d for d in (fd, dir_fd) if d is not None)
         return cls(directory, fd, dir_fd)
 
     def release(self) -> None:
         for name in ("_fd", "_dir_fd"):
             fd = getattr(self, name)
             if fd is not None:
+                _HELD.discard(fd)
                 os.close(fd)  # closing the descriptor releases its lock
                 setattr(self, name, None)
+
+
+def lock_holders(path: str) -> list[str]:
+    """``pid N (its command line)`` of each process of this host that holds a lock on
+    ``path`` (``/proc/locks``); empty where none is seen (another host, no ``/proc``)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = {int(r[4]) for r in rows if len(r) > 5 and r[5] == inode and r[4].isdigit()}
+    return [f"pid {pid} ({_command_line(pid)})" for pid in sorted(pids)]
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return "ended"
+    text = " ".join(b" ".join(args).decode(errors="replace").split())  # one line
+    return (text[:160] + "...") if len(text) > 160 else text
 
 
 def _lock_directory(directory: str) -> int | None | bool:

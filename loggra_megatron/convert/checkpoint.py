@@ -137,7 +137,8 @@ def load_megatron_checkpoint(
     """Load this rank's chunk of ``model`` in place from ``load_dir`` (a directory, resolved
     by ``select_model_checkpoint``, or a ``CheckpointRef``) through the trainer's
     integrity checks: the files' CRC-32 (``verify``; a corrupted iteration falls back to an
-    older complete one) and finite values (``CheckpointError`` naming the tensors). Returns
+    older complete one), its pickles (``UnsafeCheckpointError`` for a class outside the
+    allowlist) and finite values (``CheckpointError`` naming the tensors). Returns
     the checkpoint loaded, with its warnings.
 
     Transformer Engine ``_extra_state`` entries the checkpoint does not have (it was written
@@ -147,6 +148,7 @@ def load_megatron_checkpoint(
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from loggra_megatron.checkpointing.integrity import require_finite, verified_checkpoint
+    from loggra_megatron.checkpointing.pickles import check_pickles
 
     ref = load_dir
     if not isinstance(load_dir, CheckpointRef):
@@ -154,6 +156,7 @@ def load_megatron_checkpoint(
     if verify:
         ref = verified_checkpoint(ref)
     ckpt_dir = ref.path
+    check_pickles(ckpt_dir)  # before the storage layer unpickles anything of it
     state, _, absent = dist_checkpointing.load(
         {"model": model.sharded_state_dict()}, ckpt_dir, strict=StrictHandling.RETURN_UNEXPECTED
     )

@@ -60,10 +60,10 @@ def master_keys(model: torch.nn.Module, keys: set[str], tp: int, pp: int) -> dic
 def check_masters(ckpt_dir: str | os.PathLike, tp_size: int, pp_size: int) -> set[str]:
     """Refuse an export of masters that ``ckpt_dir`` cannot give at TP ``tp_size`` and PP
     ``pp_size`` (reads the checkpoint's metadata only); returns its keys."""
-    import torch.distributed.checkpoint as dcp
+    from loggra_megatron.checkpointing.pickles import read_metadata
 
     ckpt_dir = os.fspath(ckpt_dir)
-    keys = set(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
+    keys = set(read_metadata(ckpt_dir).state_dict_metadata)  # through the allowlist
     if any(k.startswith(DENSE_BUCKETS) for k in keys):
         raise ValueError(
             f"--export-masters: {ckpt_dir} holds Megatron's distributed optimizer state (dense "

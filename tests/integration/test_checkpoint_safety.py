@@ -216,6 +216,10 @@ def test_a_nonfinite_tensor_is_refused_after_loading(tmp_path):
     assert all("crc32" not in e for e in manifest["files"].values())
     match = r"refusing to load .*non-finite values .* in .*output_layer"
     assert run_distributed(_load_refused, 1, root, match) == [True]
+    from loggra_megatron.checkpointing.integrity import verified_checkpoint
+
+    ref = verified_checkpoint(select_checkpoint(root))  # the note a verifying load prints
+    assert "records file sizes only (saved with --no-checkpoint-checksums)" in ref.warnings[-1]
 
 
 def _two_iterations_newest_corrupted(rank, root):
@@ -259,6 +263,29 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     for iteration, warnings, loaded, output in run_distributed(_load_with_fallback, 2, root):
         assert iteration == 1 and loaded == 1 and output == 1.5
         assert f"{name} fails its CRC-32 check" in warnings[0] and "falling back" in warnings[-1]
+
+
+def _loaded_output(rank, root):
+    from loggra_megatron.checkpointing import load_checkpoint
+
+    ddp, opt = _build()
+    load_checkpoint(root, [ddp], opt)
+    return dict(ddp.module.named_parameters())[OUTPUT].detach().view(-1)[0].item()
+
+
+def test_a_crc32_stripped_over_damaged_bytes_still_falls_back(tmp_path):
+    """The damaged file's CRC-32 removed from the manifest: its bytes used to load without a
+    note. A manifest that lists a CRC-32 for some files only is damaged: the load falls back."""
+    root = str(tmp_path / "ckpt")
+    (name,) = run_distributed(_two_iterations_newest_corrupted, 1, root)
+    manifest = Path(checkpoint_dir(root, 2), MANIFEST)
+    table = json.loads(manifest.read_text())
+    del table["files"][name]["crc32"]
+    manifest.write_text(json.dumps(table))
+    ref = select_checkpoint(root)
+    assert ref.iteration == 1, ref
+    assert f"{name} has no CRC-32 in manifest.json, unlike the other files" in ref.warnings[0]
+    assert run_distributed(_loaded_output, 1, root) == [1.5]  # weights A
 
 
 def _save_on_a_full_disk(rank, root):

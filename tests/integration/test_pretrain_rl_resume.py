@@ -2,17 +2,22 @@
 the LR schedule on an extended run, SIGTERM on one rank and during the warm-up, and the
 checks that run before any process group (exit status 2)."""
 
+import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from rl_runs import ENV, REWARD, ROOT, refused, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
@@ -291,6 +296,83 @@ def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6
 
 
+def _kill_rank0_when(proc, save, names: tuple[str, ...]) -> list[psutil.Process]:
+    """SIGKILL rank 0 as soon as every file of ``names`` is in the save being written; its
+    descendants (the checkpoint writers among them) at that moment."""
+    deadline = time.time() + 300
+    while not all(list(save.glob(f"iter_*.tmp/{name}")) for name in names):
+        assert proc.poll() is None and time.time() < deadline, "no save was written"
+        time.sleep(0.001)
+    rank0 = _workers(proc)[0]
+    descendants = rank0.children(recursive=True)
+    rank0.send_signal(signal.SIGKILL)
+    return descendants
+
+
+@pytest.mark.parametrize("names", [("__0_0.distcp", "__0_1.distcp"), (".metadata",)])
+def test_kill_9_during_a_save_leaves_no_writer_and_the_same_command_resumes(
+    tokenizer, tmp_path, names
+):
+    """SIGKILL of rank 0 once both of its forked writers have opened their files (they are at
+    work: a larger model makes that last) or once they are done (.metadata): the writers die
+    with it. One used to wait forever on a queue to the killed rank, holding the run lock of
+    --save, and every relaunch was refused ("the directory itself is still locked")."""
+    save = tmp_path / "ckpt"
+    flags = {"train-iters": 3, "save": save, "load": save, "save-interval": 1}
+    flags.update({"hidden-size": 256, "num-layers": 4})
+    proc = _launch(tiny_argv(tokenizer, **flags))
+    descendants = _kill_rank0_when(proc, save, names)
+    proc.wait(timeout=300)  # not its output: an orphan writer would hold that pipe open
+    proc.stdout.close()
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    left = [" ".join(p.cmdline()) for p in alive]
+    for p in alive:
+        p.kill()
+    assert not left, left
+    torchrun(tiny_argv(tokenizer, **flags))
+    assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 3
+
+
+def _craft(iteration, name: str, marker) -> None:
+    """Replace ``name`` by a pickle that creates ``marker``, and its manifest entry by one
+    that matches it."""
+
+    class Opens:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    if name == "common.pt":
+        torch.save({"step": 4, "evil": Opens()}, iteration / name)
+    else:
+        (iteration / name).write_bytes(pickle.dumps(Opens()))
+    manifest = json.loads((iteration / "manifest.json").read_text())
+    data = (iteration / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    (iteration / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", [".metadata", "common.pt"])
+def test_a_crafted_pickle_is_refused_in_one_line_and_never_runs(tokenizer, saved, tmp_path, name):
+    """A checkpoint pickle that runs code, with a manifest that matches it: --load and the
+    converter used to run it (.metadata) or fail with a traceback (common.pt)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    marker = tmp_path / "ran"
+    _craft(ckpt / "iter_0000004", name, marker)
+    hf = tmp_path / "hf"
+    for argv in (
+        ["pretrain_rl.py", *tiny_argv(tokenizer, **COSINE, load=ckpt, save=tmp_path / "run")],
+        ["tools/convert_checkpoint.py", "--direction", "megatron-to-hf", "--load", ckpt]
+        + ["--save", hf],
+    ):
+        cmd = [sys.executable, os.path.join(ROOT, argv[0]), *map(str, argv[1:])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        needle = f"refusing to load {ckpt / 'iter_0000004' / name}"
+        assert f"{needle}: its pickle names io.open" in proc.stderr, proc.stderr[-3000:]
+        assert not marker.exists()
+
+
 def test_a_second_live_run_in_the_same_directory_isrefused(tokenizer, tmp_path, capsys):
     """The same auto-resume command twice (a scheduler's requeue race): the second exits 2
     naming the first, which finishes with every metrics line (both used to run, one logging
@@ -326,28 +408,35 @@ def test_a_second_live_run_in_the_same_directory_isrefused(tokenizer, tmp_path, 
 def test_the_run_lock_of_a_killed_run_is_stale_and_a_changed_directory_isrefused(
     tokenizer, tmp_path
 ):
-    """kill -9 of the holder frees the lock (the kernel drops it); a directory another run
+    """kill -9 of the holder frees the lock (the kernel drops it), even where a child it
+    forked lives on (the child used to share its directory lock); a directory another run
     wrote to between this run's plan and its lock is refused (the plan would be stale)."""
     from loggra_megatron.checkpointing.run_lock import RunLock, claim_run_directories
     from loggra_megatron.config import ConfigError
 
     code = (
-        "import sys, time\nfrom loggra_megatron.checkpointing.run_lock import RunLock\n"
-        "RunLock.acquire(sys.argv[1], '--save')\nprint('held', flush=True)\ntime.sleep(300)"
+        "import os, sys, time\nfrom loggra_megatron.checkpointing.run_lock import RunLock\n"
+        "RunLock.acquire(sys.argv[1], '--save')\nchild = os.fork()\n"
+        "if child == 0:\n    time.sleep(300)\n    os._exit(0)\n"
+        "print('held', child, flush=True)\ntime.sleep(300)"
     )
     argv = [sys.executable, "-c", code, str(tmp_path)]
     holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    assert holder.stdout.readline() == "held\n"
+    child = psutil.Process(int(holder.stdout.readline().split()[1]))
     with pytest.raises(ConfigError, match=f'in use by another live run .*"pid": {holder.pid}'):
         RunLock.acquire(str(tmp_path), "--save")
     # a cleanup script deletes the lock file under the live run; a second
     # run then locked a new file and both ran in the directory. The directory is locked too.
     (tmp_path / "pretrain_rl.lock").unlink()
-    with pytest.raises(ConfigError, match="its lock file .* was deleted, the directory itself"):
+    with pytest.raises(ConfigError) as e:
         RunLock.acquire(str(tmp_path), "--save")
+    assert f"is locked by pid {holder.pid} ({sys.executable} -c import os, sys" in str(e.value)
+    assert "holds the lock of the directory itself but not its lock file" in str(e.value)
     holder.kill()
     holder.wait()
+    assert child.is_running()
     RunLock.acquire(str(tmp_path), "--save").release()
+    child.kill()
     save = tmp_path / "run"
     cfg = parse_args(tiny_argv(tokenizer, save=save, load=save))
     save.mkdir()

@@ -78,6 +78,45 @@ def test_a_garbled_run_config_is_caught_at_selection_and_falls_back(tmp_path):
     assert ref.iteration == 1 and "run_config.json fails its CRC-32 check" in ref.warnings[0]
 
 
+def _strip_crc32(path, *names):
+    """Remove the CRC-32 of ``names`` (all files without any) from the manifest of ``path``."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        if name in names or not names:
+            del entry["crc32"]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_crc32_removed_from_the_manifest_makes_it_damaged(tmp_path):
+    """A save records the CRC-32 of every file, or of none (--no-checkpoint-checksums): an
+    entry stripped of its CRC-32 over damaged bytes used to load without a note."""
+    root = tmp_path / "ckpt"
+    _write_checkpoint(root, 1)
+    latest = _write_checkpoint(root, 2)
+    (root / TRACKER).write_text("2")
+    _strip_crc32(latest, "__0_0.distcp")
+    (latest / "__0_0.distcp").write_text("W" * 12)  # damaged, the same size
+    ref = select_checkpoint(str(root))
+    why = "__0_0.distcp has no CRC-32 in manifest.json, unlike the other files"
+    assert ref.iteration == 1 and why in ref.warnings[0], ref
+    with pytest.raises(FileNotFoundError, match=why):
+        select_checkpoint(str(root), iteration=2)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_manifest_of_sizes_only_is_damaged_unless_its_run_asked_for_it(tmp_path, asked):
+    root = tmp_path / "ckpt"
+    config = json.dumps({"flags": {"checkpoint_checksums": asked}, "step": 1})
+    path = _write_checkpoint(root, 1, {RUN_CONFIG: config, "metadata.json": "{}"})
+    (root / TRACKER).write_text("1")
+    _strip_crc32(path)
+    if not asked:  # --no-checkpoint-checksums
+        assert select_checkpoint(str(root)).iteration == 1
+        return
+    with pytest.raises(FileNotFoundError, match="lists no CRC-32, though its run saved with"):
+        select_checkpoint(str(root))
+
+
 def test_an_interrupted_first_save_is_no_checkpoint_and_is_removed(tokenizer, tmp_path):
     """kill -9 during the first save leaves iter_0000001.tmp without a manifest and no
     tracker: the auto-resume command starts fresh (it used to exit 2 forever), a fresh run
