@@ -134,7 +134,9 @@ def measure_file(path: str, work: str) -> tuple[set[str], float, int]:
 
 def greedy_cover(lines: dict[str, set[str]], seconds: dict[str, float]) -> dict[str, int]:
     """Files whose lines together are all of ``lines``' lines, most new lines per second
-    first: ``{file: lines it adds}`` in the order picked."""
+    first, then the slowest dropped first while the others still reach every line (a file
+    picked early can be made redundant by later picks): ``{file: lines it adds}`` in the
+    order picked."""
     left = set().union(*lines.values())
     chosen: dict[str, int] = {}
     while left:
@@ -144,6 +146,14 @@ def greedy_cover(lines: dict[str, set[str]], seconds: dict[str, float]) -> dict[
         )
         chosen[name] = len(left & lines[name])
         left -= lines[name]
+    for name in sorted(chosen, key=lambda n: -seconds[n]):
+        others = [lines[n] for n in chosen if n != name]
+        if lines[name] <= set().union(*others):
+            del chosen[name]
+    covered: set[str] = set()
+    for name in chosen:  # what each adds, in the order picked, among those kept
+        chosen[name] = len(lines[name] - covered)
+        covered |= lines[name]
     return chosen
 
 

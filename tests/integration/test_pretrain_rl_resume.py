@@ -2,6 +2,7 @@
 the LR schedule on an extended run, SIGTERM on one rank and during the warm-up, and the
 checks that run before any process group (exit status 2)."""
 
+import io
 import json
 import math
 import os
@@ -369,7 +370,8 @@ def test_a_crafted_pickle_is_refused_in_one_line_and_never_runs(tokenizer, saved
         proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         needle = f"refusing to load {ckpt / 'iter_0000004' / name}"
-        assert f"{needle}: its pickle names io.open" in proc.stderr, proc.stderr[-3000:]
+        opener = f"{io.open.__module__}.{io.open.__qualname__}"  # _io.open on Python 3.12
+        assert f"{needle}: its pickle names {opener}" in proc.stderr, proc.stderr[-3000:]
         assert not marker.exists()
 
 

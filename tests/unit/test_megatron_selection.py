@@ -71,8 +71,14 @@ def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch)
     [
         ({"a": {1, 2}, "b": {2, 3}, "c": {1, 2, 3}}, {"a": 1, "b": 1, "c": 1}, {"c": 3}),
         ({"a": {1, 2}, "b": {2, 3}, "c": {1, 2, 3}}, {"a": 1, "b": 1, "c": 9}, {"a": 2, "b": 1}),
+        # "a" first (most lines per second), then "b" and "c" for 3 and 4: "a" is redundant
+        (
+            {"a": {1, 2}, "b": {1, 3}, "c": {2, 4}},
+            {"a": 1, "b": 2, "c": 2},
+            {"b": 2, "c": 2},
+        ),
     ],
-    ids=["most-lines", "most-lines-per-second"],
+    ids=["most-lines", "most-lines-per-second", "a-redundant-early-pick-is-dropped"],
 )
 def test_the_greedy_cover_reaches_every_line(lines, seconds, chosen):
     assert select.greedy_cover(lines, seconds) == chosen
