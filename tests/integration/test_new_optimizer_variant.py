@@ -23,6 +23,11 @@ from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, tiny_g
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
+LAST_ENTRY = (
+    '        prepare_model="loggra_megatron.optim.megatron.sketch_sites:prepare_model",\n    ),\n'
+)
+"""The end of ``OPTIMIZERS``' last entry, where the developer adds theirs."""
+
 BUILDER_MODULE = '''
 """SGD with momentum inside Megatron-Core's optimizer (one builder module)."""
 
@@ -203,7 +208,7 @@ def test_in_tree_the_variant_is_one_module_and_one_registry_entry(tokenizer, tmp
     tree = package_copy(
         tmp_path,
         {"loggra_megatron/optim/megatron/sgd_momentum.py": textwrap.dedent(BUILDER_MODULE)},
-        [("loggra_megatron/optim/registry.py", "    ),\n}\n", "    ),\n" + entry)],
+        [("loggra_megatron/optim/registry.py", f"{LAST_ENTRY}}}\n", LAST_ENTRY + entry)],
     )
     for name in (module, "loggra_megatron.optim.registry", "loggra_megatron.arguments"):
         done = run_in(tree, "-c", f"import {name}")
