@@ -21,7 +21,6 @@ shares it with its world:
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
 
@@ -98,15 +97,14 @@ class GenerationWorker:
         """On CUDA with ``--inference-max-tokens`` unset: the rollout's KV budget from the
         memory model of a generation GPU and the least usable memory of the generation
         ranks (``memory/kv_budget.py``), printed; requests without a budget get it."""
-        from loggra_megatron.train.memory_phases import usable_device_bytes
+        from loggra_megatron.train.memory_phases import size_kv_budget_here
         from loggra_megatron.train.step_plan import StepPlan
 
-        unset = self.cfg.rollout.inference_max_tokens is None
-        if self.device.type != "cuda" or not unset or self.size_kv_budget is None:
-            return
-        usable = usable_device_bytes(self.device)
         plan = StepPlan.of(self.cfg, cuda=True)
-        self.kv_budget, note = self.size_kv_budget(self.model_args, plan, usable, os.environ)
+        sized = size_kv_budget_here(self.size_kv_budget, self.model_args, plan, self.device)
+        if sized is None:
+            return
+        self.kv_budget, note = sized
         if dist.get_rank() == 0:
             print(f" generation ranks: rollouts: {note}", flush=True)
 

@@ -192,3 +192,13 @@ def usable_device_bytes(device: torch.device) -> int:
     usable = torch.tensor(free + torch.cuda.memory_reserved(device), device=device)
     dist.all_reduce(usable, op=dist.ReduceOp.MIN)
     return int(usable)
+
+
+def size_kv_budget_here(size_fn, model_args, plan, device: torch.device):
+    """On CUDA with ``plan``'s ``--inference-max-tokens`` unset and a sizing function (the
+    run's ``KVBudgetFn``): ``size_fn(model_args, plan, the least usable bytes over the
+    default group, os.environ)``, ``(tokens or None, the note to print)``; collective. None
+    elsewhere (nothing to size)."""
+    if device.type != "cuda" or plan.inference_max_tokens is not None or size_fn is None:
+        return None
+    return size_fn(model_args, plan, usable_device_bytes(device), os.environ)

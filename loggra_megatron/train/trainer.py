@@ -32,7 +32,7 @@ from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.placement.remote import generate_remotely
 from loggra_megatron.train import build
 from loggra_megatron.train.lookahead import PromptLookahead
-from loggra_megatron.train.memory_phases import PHASE_PEAKS, usable_device_bytes
+from loggra_megatron.train.memory_phases import PHASE_PEAKS, size_kv_budget_here
 from loggra_megatron.train.preflight import Preflight
 from loggra_megatron.train.reporting import EnergyWatch, memory_metrics, reduce_metrics
 from loggra_megatron.train.run_config import RunConfig
@@ -143,11 +143,10 @@ class RLTrainer:
         """On CUDA with ``--inference-max-tokens`` unset: the rollout's KV budget from the
         memory model and the memory of the fullest GPU (one budget for every rank: the ranks
         of a replica must generate alike; ``memory/kv_budget.py``), printed."""
-        unset = self.cfg.rollout.inference_max_tokens is None
-        if self.device.type != "cuda" or not unset or self.size_kv_budget is None:
+        sized = size_kv_budget_here(self.size_kv_budget, self.model_args, self.plan, self.device)
+        if sized is None:
             return
-        usable = usable_device_bytes(self.device)
-        tokens, note = self.size_kv_budget(self.model_args, self.plan, usable, os.environ)
+        tokens, note = sized
         self.experience.kv_budget = tokens
         self.plan = dataclasses.replace(self.plan, inference_max_tokens=tokens)
         self._log(f" rollouts: {note}")
