@@ -237,7 +237,8 @@ class MegatronStepper:
         no master keeps are copied at the step's first trial and written back after each."""
         backup = self.trial_backup
         backup.take()
-        trial = CandidateTrial(True, backup.device_bytes)
+        held = backup.device_bytes  # the same for every write below
+        trial = CandidateTrial(True, held)
         model_of = {main: (model, start, end) for _, main, model, start, end in self._params}
         remainders = {
             main
@@ -246,7 +247,7 @@ class MegatronStepper:
         }
 
         def write(main, candidate):
-            trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + backup.device_bytes)
+            trial.peak_bytes = max(trial.peak_bytes, _nbytes(candidate) + held)
             model, start, end = model_of[main]
             if main in remainders:  # rounded as a commit stores it (ties away from zero)
                 candidate = weight_of(candidate.contiguous())
