@@ -16,6 +16,18 @@ backward sketch reduce-scatters ``S`` (``Σ m·r`` fp32) instead of its targets'
 (``m·n``) and all-gathers their bf16 rows (docs/optimizer.md#the-backward-sketch); with
 ``--loggra-sketch-reduce microbatch`` it reduce-scatters each layer's ``S`` in every
 micro-batch's backward (``--micro-batches`` times the bytes).
+
+The backward sketch's weight sync alone is timed after that table (rank 0's medians over
+``--sync-repeats``, the paths taking turns, a barrier before each): one all-gather per target
+weight (the former path, ``row_gather.gather_rows_per_weight``) against one bucketed
+all-gather per model chunk (``BackwardSketchOptimizer.sync_weights`` without a DDP bucket
+size) and against buckets of ``--sync-bucket-numel`` gathered elements (what a DDP
+``bucket_size`` gives), their bytes and collectives counted as above; and the sync followed
+by a forward against the gather left in flight over that forward (the
+``--overlap-param-gather`` path: each target's forward pre-hook waits for its bucket).
+``--weight-sync-only`` prints that part only::
+
+    torchrun --nproc-per-node 2 benchmarks/dp_traffic.py --weight-sync-only
 """
 
 from __future__ import annotations
@@ -44,6 +56,16 @@ def parse_args():
     ap.add_argument("--rank", type=int, default=None, help="LoGRA rank (default hidden/8)")
     ap.add_argument("--grad-reduce-in-bf16", action="store_true", help="bf16 grad buffers")
     ap.add_argument("--steps", type=int, default=4, help="timed steps (after 1 warm-up)")
+    ap.add_argument("--sync-repeats", type=int, default=20, help="timed weight syncs per path")
+    ap.add_argument(
+        "--sync-bucket-numel",
+        type=int,
+        default=4_000_000,
+        help="gathered elements per bucket of the capped weight sync (DDP's bucket_size)",
+    )
+    ap.add_argument(
+        "--weight-sync-only", action="store_true", help="only the backward sketch's weight sync"
+    )
     return ap.parse_args()
 
 
@@ -52,6 +74,7 @@ class TrafficCounter:
 
     def __init__(self):
         self.bytes = Counter()
+        self.calls = Counter()
         self._saved = {}
 
     @staticmethod
@@ -67,6 +90,7 @@ class TrafficCounter:
             n = dist.get_world_size(group)
             if n > 1:
                 self.bytes[name] += size_of(*args) * (n - 1) / n
+                self.calls[name] += 1
             return original(*args, **kwargs)
 
         self._saved[(owner, attr)] = original
@@ -137,12 +161,109 @@ def run(args, kind: str) -> dict:
     }
 
 
+def _interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the functions taking turns (a barrier before each
+    call), so that load from outside the run weighs on all of them alike."""
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def weight_sync(args) -> dict:
+    """The backward sketch's weight sync per weight, in one bucket per chunk and in buckets
+    of ``--sync-bucket-numel``: ring bytes, all-gathers and seconds of one sync; then a sync
+    and a forward, the gather in flight over the forward, and the forward alone."""
+    from loggra_megatron.optim.megatron.row_gather import gather_rows_per_weight, row_gathers
+    from loggra_megatron.testing import train_step
+
+    ddp, opt = build(args, "backward")
+    leaf = opt.chained_optimizers[-1]
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    tokens = torch.randint(0, args.vocab, (args.micro_batches, args.seq + 1), generator=gen)
+    train_step(ddp, opt, tokens, num_microbatches=args.micro_batches)  # rows differ by rank
+    capped = [
+        gather
+        for sites in leaf.sites
+        for gather in row_gathers(sites, leaf.segment, leaf.dp_group, args.sync_bucket_numel)
+    ]
+
+    def per_weight():
+        for sites in leaf.sites:
+            gather_rows_per_weight(sites, leaf.segment, leaf.dp_group)
+
+    def in_buckets():
+        for gather in capped:
+            gather.start()
+
+    def forward():
+        train_step(ddp, opt, tokens, num_microbatches=args.micro_batches, forward_only=True)
+
+    def sync_then_forward():
+        leaf.sync_weights()
+        forward()
+
+    def in_flight_over_forward():
+        leaf.start_weight_sync(async_op=True)
+        forward()  # each target's forward pre-hook finishes the gather
+        assert not leaf.weight_sync_pending
+
+    syncs = {
+        "per weight": per_weight,
+        "one bucket per chunk": leaf.sync_weights,
+        f"buckets of {args.sync_bucket_numel} elements": in_buckets,
+    }
+    out = {}
+    for name, fn in syncs.items():
+        fn()
+        with TrafficCounter() as traffic:
+            fn()
+        out[name] = {"bytes": traffic.bytes["all_gather"], "calls": traffic.calls["all_gather"]}
+    for name, seconds in _interleaved_medians(syncs, args.sync_repeats).items():
+        out[name]["s"] = seconds
+    steps = {
+        "sync, then forward": sync_then_forward,
+        "in flight over the forward": in_flight_over_forward,
+        "forward alone": forward,
+    }
+    repeats = max(3, args.sync_repeats // 4)
+    out.update({k: {"s": s} for k, s in _interleaved_medians(steps, repeats).items()})
+    return out
+
+
+def print_weight_sync(sync: dict) -> None:
+    base = sync["per weight"]
+    print(
+        "\n| backward sketch weight sync | all-gathers | bytes (MiB) | / per weight | time (ms) "
+        "| / per weight |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in sync.items():
+        if "calls" in r:
+            print(
+                f"| {name} | {r['calls']} | {r['bytes'] / 2**20:.3f} | "
+                f"{r['bytes'] / base['bytes']:.3f} | {r['s'] * 1e3:.2f} | "
+                f"{r['s'] / base['s']:.2f} |"
+            )
+    print("\n| forward-only step | time (ms) |")
+    print("|---|---:|")
+    for name, r in sync.items():
+        if "calls" not in r:
+            print(f"| {name} | {r['s'] * 1e3:.2f} |")
+
+
 def main() -> None:
     args = parse_args()
     from loggra_megatron.parallel import initialize_megatron
 
     initialize_megatron(device="cpu")
-    results = {kind: run(args, kind) for kind in KINDS}
+    kinds = () if args.weight_sync_only else KINDS
+    results = {kind: run(args, kind) for kind in kinds}
+    sync = weight_sync(args)
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
@@ -153,18 +274,20 @@ def main() -> None:
         f"{dist.get_world_size()}, bf16 weights, {'bf16' if args.grad_reduce_in_bf16 else 'fp32'}"
         f" grads, LoGRA rank {args.rank or args.hidden // 8}; rank 0's ring bytes per step"
     )
-    names = sorted({k for r in results.values() for k in r["bytes"]})
-    print(f"\n| optimizer | {' | '.join(names)} | total (MiB) | / dense | step (s) | / dense |")
-    print("|---|" + "---:|" * (len(names) + 4))
-    dense = results["dense"]
-    dense_total = sum(dense["bytes"].values())
-    for kind, r in results.items():
-        total = sum(r["bytes"].values())
-        cells = " | ".join(f"{r['bytes'].get(n, 0) / mib:.2f}" for n in names)
-        print(
-            f"| {kind} | {cells} | {total / mib:.2f} | {total / dense_total:.3f} | "
-            f"{r['step_s']:.3f} | {r['step_s'] / dense['step_s']:.2f} |"
-        )
+    if results:
+        names = sorted({k for r in results.values() for k in r["bytes"]})
+        print(f"\n| optimizer | {' | '.join(names)} | total (MiB) | / dense | step (s) | / dense |")
+        print("|---|" + "---:|" * (len(names) + 4))
+        dense = results["dense"]
+        dense_total = sum(dense["bytes"].values())
+        for kind, r in results.items():
+            total = sum(r["bytes"].values())
+            cells = " | ".join(f"{r['bytes'].get(n, 0) / mib:.2f}" for n in names)
+            print(
+                f"| {kind} | {cells} | {total / mib:.2f} | {total / dense_total:.3f} | "
+                f"{r['step_s']:.3f} | {r['step_s'] / dense['step_s']:.2f} |"
+            )
+    print_weight_sync(sync)
     dist.destroy_process_group()
 
 

@@ -38,8 +38,8 @@
 # log-probs in chunks of 256 tokens: 1.61, plus the 6.29 backup of the weights a trial
 # overwrites), the reference log-probs 1.92 (4 sequences per forward,
 # --log-prob-micro-batch-size; the reference's two streamed layers 0.31; one optimizer update
-# per RL step, so no recompute of the old log-probs), training 1.93, the optimizer step's
-# sketch update 0.22.
+# per RL step, so no recompute of the old log-probs), training 1.94, the optimizer step's
+# sketch update 0.23.
 # Without --inference-max-tokens it prints a KV cache of 32.00 (all 64 sequences of 16k
 # tokens at once) and LoGRA 60.16 ("yes (18.94 free)"): it still fits, with less room.
 # Without --expandable-segments it prints 57.97: the freed 16.00 KV buffer's

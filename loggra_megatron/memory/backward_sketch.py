@@ -15,11 +15,18 @@ grad copy. What they hold instead (``D`` the DP size under the distributed optim
   with ``--loggra-sketch-reduce microbatch`` (each layer's rows are reduce-scattered in its
   backward hook: the hook's transient is the ``[m, r]`` product, its padded copy and the
   ``[k, r]`` received);
+* the update's Rademacher projections, one bit per entry of each target's ``B``
+  (``[r, ⌈n/8⌉]`` uint8, ``signs_cache_bytes``), held from the first training forward of an
+  update to the end of its step: counted in the training phase and the optimizer step (the
+  KL-control phase, between them, has no sketch term: neither these bytes nor a trial's
+  write, which is the step's update transient, are counted there);
 * in the backward, ``P = X·Bᵀ`` (``[tokens, r]``, activation dtype) per target of every layer
   whose activations are held, and no saved input of the frozen ``linear_fc2``
   (``frozen_input_bytes_per_layer``);
 * in the optimizer step, the largest of the reduce-scatter's receive buffer, one weight's
-  update and one weight's all-gather (``step_bytes``).
+  update and one bucket of the weight sync's all-gather (``step_bytes``, ``gather_buckets``);
+  with ``--overlap-param-gather`` every bucket, held from the commit to the next forward
+  (``sync_in_flight_bytes``, static).
 
 Everything else is dense: LoGRA's AdamW with nothing sketched, as the gradient mode treats
 its dense parameters. Formulas and what they assume: ``docs/memory.md`` ("The backward
@@ -37,6 +44,7 @@ from loggra_megatron.memory.shape import (
     param_dtype_bytes,
 )
 from loggra_megatron.memory.transient import layers_held
+from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.registry import backward_sketch
 from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.train.step_plan import StepPlan
@@ -47,13 +55,16 @@ __all__ = [
     "applies",
     "buffer_bytes",
     "frozen_input_bytes_per_layer",
+    "gather_buckets",
     "hook_bytes",
     "master_bytes",
     "projection_bytes_per_layer",
     "row_state_bytes",
+    "signs_cache_bytes",
     "sketch_rank",
     "sketch_terms",
     "step_bytes",
+    "sync_in_flight_bytes",
     "target_of",
 ]
 
@@ -113,6 +124,14 @@ def buffer_bytes(targets, segments: int, rank: int, reduced_in_backward: bool = 
     return 4 * held * sum(ceil_div(s.shape[0], segments) for s in targets) * rank
 
 
+def signs_cache_bytes(targets, rank: int) -> int:
+    """The update's packed Rademacher projections: ``r·⌈n/8⌉`` bytes per target (``n`` the
+    TP-local width: a row-parallel target keeps its column block only). The plan does not
+    say ``--loggra-sketch-matrix``; a Gaussian ``B`` is not kept (``step_bytes`` counts its
+    draw, the larger transient of the two)."""
+    return rank * sum(ceil_div(s.shape[1], 8) for s in targets)
+
+
 def hook_bytes(targets, segments: int, rank: int, reduced_in_backward: bool) -> int:
     """One backward hook's fp32 transient at its largest: the ``[m, r]`` product, and when it
     is reduce-scattered there its zero-padded ``[segments·k, r]`` copy (odd splits) and the
@@ -137,10 +156,11 @@ def step_bytes(
     * RowAdam's update of one weight: the fp32 target and reconstruction ``D·A`` (``[k, n]``
       each), the signs ``B`` drawn for the full width ``[r, n_full]`` in the weight dtype and
       their fp32 copy ``[r, n]`` (16-bit weights), the fp32 direction and clipped sketch
-      (``[k, r]`` each) and the new second moments (``[k]``);
-    * the all-gather of one weight's rows over DP (``segments > 1``): in place when
-      ``segments`` divides ``m``, else ``[segments·k, n]`` and this rank's padded ``[k, n]``
-      in the weight dtype.
+      (``[k, r]`` each) and the new second moments (``[k]``). That is a Gaussian ``B``'s
+      draw; a Rademacher ``B`` is unpacked from its bits instead, ``[r, n]`` in the weight
+      dtype, less: the plan does not say which, so the larger is counted;
+    * the all-gather of the rows over DP (``segments > 1``): one bucket's ``[segments, E]``
+      buffer in the weight dtype (``gather_buckets``).
 
     ``k = ⌈m/segments⌉``."""
     if not targets:
@@ -148,14 +168,36 @@ def step_bytes(
     chunks = [(ceil_div(s.shape[0], segments), s.shape[1], s) for s in targets]
     reduce_at_step = segments > 1 and not reduced_in_backward
     receive = 4 * sum(k for k, _, _ in chunks) * rank if reduce_at_step else 0
-    update, gather = 0, 0
+    update = 0
     for k, n, spec in chunks:
         full = n * tp if target_of(spec) in ROW_PARALLEL else n
         signs = weight_bytes * rank * full + (4 * rank * n if weight_bytes != 4 else 0)
         update = max(update, 8 * k * n + signs + 8 * k * rank + 4 * k)
-        if segments > 1 and k * segments != spec.shape[0]:
-            gather = max(gather, weight_bytes * (segments + 1) * k * n)
+    gather = weight_bytes * max(gather_buckets(targets, segments), default=0)
     return max(receive, update, gather)
+
+
+def gather_buckets(targets, segments: int) -> list[int]:
+    """Elements of each bucket of the weight sync over DP (``optim/megatron/row_gather.py``):
+    consecutive targets, ``segments · ⌈m/segments⌉ · n`` each, up to
+    ``ROW_GATHER_BUCKET_NUMEL`` per bucket (a larger target alone); none at one segment."""
+    if segments < 2:
+        return []
+    buckets = [0]
+    for spec in targets:
+        size = segments * ceil_div(spec.shape[0], segments) * spec.shape[1]
+        if buckets[-1] and buckets[-1] + size > ROW_GATHER_BUCKET_NUMEL:
+            buckets.append(0)
+        buckets[-1] += size
+    return buckets
+
+
+def sync_in_flight_bytes(targets, segments: int, weight_bytes: int, plan: StepPlan) -> int:
+    """With ``--overlap-param-gather`` every bucket's buffer, held from the commit to its
+    targets' next forward (0 without it, or at one segment)."""
+    if not plan.overlap_param_gather:
+        return 0
+    return weight_bytes * sum(gather_buckets(targets, segments))
 
 
 def _tokens(plan: StepPlan, target: str) -> int:
@@ -204,10 +246,13 @@ class SketchTerms:
     rank: int = 0
     row_state: int = 0
     buffer: int = 0
+    sync_in_flight: int = 0
+    """``--overlap-param-gather``: the weight sync's buffers, held until the next forward."""
     step: int = 0
+    """The optimizer step's transient (``step_bytes``) and the update's packed projections."""
     projections: int = 0
-    """``P`` of every layer held in the backward, and one ``[m, r]`` fp32 product of a
-    backward hook at a time."""
+    """``P`` of every layer held in the backward, one ``[m, r]`` fp32 product of a backward
+    hook at a time, and the update's packed projections."""
     activation_saving: int = 0
     """Saved activations of the held layers that the frozen targets no longer need."""
     frozen_rest: bool = False
@@ -237,14 +282,16 @@ def sketch_terms(
     layers, _ = layers_held(model, plan, stage)
     in_backward = dp > 1 and plan.loggra_sketch_reduce == "microbatch"
     per_layer = projection_bytes_per_layer(plan, r, w)
+    signs = signs_cache_bytes(targets, r)  # held in the training phase and the step
     return SketchTerms(
         targets=targets,
         dp=dp,
         rank=r,
         row_state=row_state_bytes(targets, dp, plan.loggra_row_optimizer),
         buffer=buffer_bytes(targets, dp, r, in_backward),
-        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward),
-        projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward),
+        sync_in_flight=sync_in_flight_bytes(targets, dp, w, plan),
+        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward) + signs,
+        projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward) + signs,
         activation_saving=layers * frozen_input_bytes_per_layer(model, plan),
         frozen_rest=plan.freeze_non_targets,
     )

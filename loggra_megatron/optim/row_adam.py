@@ -3,7 +3,8 @@
 Each parameter is a block of whole rows ``W[rows]`` (``[k, n]``) of a sketched weight (a DP
 rank's own rows, ``optim.megatron.sketch_sites``). Its gradient is never
 formed: the caller hands the optimizer the rows' sketch ``S = G Aᵀ`` (``[k, r]``, fp32, already
-reduced) and the projection's signs ``B`` (``A = B/√r``, or a function that draws them) with
+reduced) and the projection's signs ``B`` (``A = B/√r``, or a function returning them, called
+at each use: the Megatron adapter's unpacks the update's one draw, kept as bits) with
 ``RowAdam.set_sketches`` before each step; ``model_grad_scale`` is the clip coefficient
 (Megatron's chained optimizer sets it, ``optim.megatron.model_grads``). With ``t`` the number
 of updates so far + 1:

@@ -74,8 +74,8 @@ class RemoteEngine:
         self.name = engine.name
         self.recomputes_log_probs = engine.recomputes_log_probs
 
-    def old_log_probs(self, tis: bool, on_policy: bool) -> str:
-        return self.engine.old_log_probs(tis, on_policy)
+    def old_log_probs(self, apart: bool, on_policy: bool) -> str:
+        return self.engine.old_log_probs(apart, on_policy)
 
     def sync_weights(self, policy) -> None:
         """Noted: the weights are sent right before the next request that needs them."""
@@ -210,7 +210,7 @@ def generate_remotely(experience, stepper, channel, model_args, cfg, weights_ver
 
     def gather_weights() -> None:
         if not stepper.commit_syncs_weights:
-            stepper.sync_model_weights()
+            stepper.finish_weight_sync()  # the commit's gathers, not a new one
 
     sender = WeightSender(channel, model_args, cfg.placement, stepper.optimizer)
     remote = RemoteEngine(

@@ -326,7 +326,7 @@ class PredictedKLController:
                 u.kl_realized = u.kl_holdout
                 return
             if not self.stepper.commit_syncs_weights:
-                self.stepper.sync_model_weights()
+                self.stepper.finish_weight_sync()  # the commit's gathers, not a new one
             u.kl_realized = self.measure(u.holdout, u.holdout_reference)[0]
 
     def _reject(self, u: KLUpdate) -> None:

@@ -99,6 +99,8 @@ class StepPlan:
     recompute_num_layers: int
     optimizer: str
     distributed_optimizer: bool
+    overlap_param_gather: bool
+    """``--overlap-param-gather``: a step's parameter all-gathers finish at the next forward."""
     loggra_rank: int
     loggra_min_dim: int
     loggra_sketch: str
@@ -164,7 +166,10 @@ class StepPlan:
             kl_estimator=kl.kl_estimator,
             kl_backup_offload=kl.kl_backup_offload,
             rollout_engine=engine.name,
-            old_log_probs=engine.old_log_probs(cfg.loss.tis_cap is not None, updates == 1),
+            old_log_probs=engine.old_log_probs(
+                cfg.loss.tis_cap is not None or cfg.rollout.decodes_apart(m.fp8_format),
+                updates == 1,
+            ),
             inference_max_tokens=cfg.rollout.inference_max_tokens,
             precision="fp8" if m.fp8_format else "bf16" if m.bf16 else "fp32",
             transformer_impl="transformer_engine" if te else "local",
@@ -175,6 +180,7 @@ class StepPlan:
             recompute_num_layers=m.recompute_num_layers or 1,
             optimizer=opt.optimizer,
             distributed_optimizer=opt.use_distributed_optimizer,
+            overlap_param_gather=opt.overlap_param_gather,
             loggra_rank=lg.rank_for(m.hidden_size),
             loggra_min_dim=lg.loggra_min_dim,
             loggra_sketch=lg.loggra_sketch,

@@ -208,8 +208,31 @@ def test_training_drops_fc2_input_and_keeps_p(recompute, tp, sp):
     row_tokens = sb // tp if sp else sb  # proj and fc2 under sequence parallelism
     p_per_layer = 2 * 16 * (2 * sb + 2 * row_tokens)  # bf16 [tokens, r] of 4 targets
     largest_product = 4 * 2 * 1000 // tp * 16  # fc1's [m, r] fp32, one hook at a time
-    assert got.sketch_projections == layers * p_per_layer + largest_product
+    # the update's packed ±1 projections: ⌈n/8⌉ bytes per row of this rank's [r, n] blocks
+    signs = 16 * 4 * sum(ceil_div(n, 8) for n in (320, 320, 320 // tp, 1000 // tp))
+    assert got.sketch_projections == layers * p_per_layer + largest_product + signs
     assert ref.sketch_projections == 0
+
+
+def test_packed_projections_of_the_27b_example():
+    """The bytes sketch_sites.py and docs/optimizer.md quote: 14 MB per GPU at TP=8, r=128
+    (the example's), 28 MB at 256; 16 times that in bf16."""
+    shape = TransformerShape(
+        num_layers=64,
+        hidden_size=5120,
+        ffn_hidden_size=22016,
+        num_attention_heads=40,
+        num_query_groups=8,
+        vocab_size=128256,
+        untie_embeddings_and_output_weights=True,
+    )
+    for rank, mb, bf16_mb in ((128, 14, 223), (256, 28, 447)):
+        step = _step(tp=8, sp=True, loggra_rank=rank)
+        targets, _ = _split(stage_parameters(shape, step))
+        assert len(targets) == 256
+        packed = bs.signs_cache_bytes(targets, rank)
+        assert round(packed / 1e6) == mb and round(16 * packed / 1e6) == bf16_mb
+        assert estimate_rl_step_memory(shape, step).sketch_step >= packed
 
 
 def _step_terms(targets, dp):
@@ -230,7 +253,7 @@ def test_optimizer_step_transient():
         targets, _ = _split(stage_parameters(SHAPE, _step(dp)))
         update, gather, receive = _step_terms(targets, dp)
         got = estimate_rl_step_memory(SHAPE, _step(dp)).sketch_step
-        assert got == max(update, gather, receive)
+        assert got == max(update, gather, receive) + bs.signs_cache_bytes(targets, 16)
         # the rows (qkv 448, proj and fc2 320, fc1 2000): all divide by 4, none by 3
         assert (gather == 0) == (dp == 4)
     assert estimate_rl_step_memory(SHAPE, _step(4, optimizer="adam")).sketch_step == 0
@@ -405,6 +428,9 @@ def _measure(rank, bf16=False, remainders=False, reduce="step"):
 
     leaf = opt.chained_optimizers[-1]
     (sites,) = leaf.sites
+    signs = sites.signs_cache_bytes()  # the step dropped the update's projections
+    for site in sites:  # what an update's forwards keep of them
+        sites.signs(site)
     masters = 0
     for main, (_, site, _, _) in leaf.rows_of.items():
         if main in leaf.optimizer.param_remainders:
@@ -414,6 +440,7 @@ def _measure(rank, bf16=False, remainders=False, reduce="step"):
     in_buffers = any(s.weight in b.param_index_map for s in sites for b in ddp.buffers)
     return {
         "buffer": sites.buffer.nbytes,
+        "signs": (signs, sites.signs_cache_bytes()),
         "rank": sites.rank,
         "row_state": state_bytes(leaf),
         "state": state_bytes(opt),
@@ -466,6 +493,7 @@ def test_estimate_matches_a_real_megatron_run(dp, bf16, remainders, reduce):
     for r in got:
         # [DP, Σ⌈m/DP⌉, r] fp32 on every rank; [1, …] reduced per micro-batch
         assert r["buffer"] == est.sketch_buffer
+        assert r["signs"] == (0, bs.signs_cache_bytes(targets, 8))  # 1 bit per entry of B
         assert r["rank"] == 8
         assert not r["targets_in_grad_buffers"]
     # RowAdam's exp_avg_sq: 4 bytes per owned row; the ranks' rows partition every weight

@@ -23,10 +23,13 @@ A step of this leaf:
 1. ``prepare_grads``: reduce-scatter the flat sketch buffer over DP (each rank receives the
    summed ``S`` of its own rows, scaled as Megatron's DDP scales gradients; with
    ``--loggra-sketch-reduce microbatch`` the backward hooks did it), then all-reduce the rows
-   of row-parallel targets over TP (their ``S`` was summed from column blocks).
+   of row-parallel targets over TP (their ``S`` was summed from column blocks) in one
+   collective: they lie after the column-parallel rows of each segment.
 2. ``step_with_ready_grads``: RowAdam updates the fp32 masters of its rows (or the bf16
    rows + int16 remainders), the rows are copied into the bf16 weights and all-gathered over
-   DP, and the projection's draw index advances.
+   DP (flat buffers of at most 40M elements, one all-gather each: ``row_gather.py``; with
+   ``--overlap-param-gather`` left in flight until the next forward or another reader), and
+   the projection's draw index advances.
 
 Bytes communicated per step: docs/optimizer.md#the-backward-sketch.
 """
@@ -38,10 +41,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
+from loggra_megatron.optim.megatron.row_gather import row_gathers
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.registry import UNTAGGED_SKETCH
 from loggra_megatron.optim.row_adam import RowAdam
@@ -116,6 +121,21 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         inner.sum_over_targets = self._sum_over_targets
         super().__init__(inner, config)
         self.is_stub_optimizer = False
+        self.row_gathers = [
+            gather
+            for chunk_sites in sites
+            if chunk_sites.segments > 1
+            for gather in row_gathers(
+                chunk_sites, self.segment, self.dp_group, ROW_GATHER_BUCKET_NUMEL
+            )
+        ]
+        """The weight sync of the targets, one ``RowGather`` per bucket (none: the rows are
+        not split over DP)."""
+        self.overlap_weight_sync = any(
+            getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)
+            for c in model_chunks
+        )
+        """Whether a step's gather is left in flight for the next forward to finish."""
         self._reduced = False
         self.sketch_norm = float("nan")
 
@@ -212,18 +232,13 @@ class BackwardSketchOptimizer(MegatronOptimizer):
                 dist.all_reduce(buffer, group=self.dp_group)
             if self.grad_scale != 1.0:
                 chunk_sites.segment_view(self.segment).mul_(self.grad_scale)
-            if dist.get_world_size(self.tp_group) > 1:
-                for site in chunk_sites:
-                    if not site.column_parallel:
-                        dist.all_reduce(
-                            chunk_sites.rows_view(site, self.segment), group=self.tp_group
-                        )
+            chunk_sites.all_reduce_row_parallel(self.segment, self.tp_group)  # one collective
         self.optimizer.model_grad_scale = 1.0
         self.optimizer.set_sketches(
             {
                 main: (
                     chunk_sites.rows_view(site, self.segment),
-                    lambda s=chunk_sites, t=site: s.signs(t),
+                    lambda s=chunk_sites, t=site: s.signs(t, torch.float32),
                 )
                 for main, (chunk_sites, site, _, _) in self.rows_of.items()
             }
@@ -235,7 +250,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
         self._copy_main_params_to_model_params()
-        self.sync_weights()
+        self.start_weight_sync()
         for chunk_sites in self.sites:
             chunk_sites.updates = self.optimizer.num_steps
         return True
@@ -287,24 +302,31 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         self._copy_model_params_to_main_params(state_dict)
 
     @torch.no_grad()
+    def start_weight_sync(self, async_op: bool | None = None) -> None:
+        """All-gather every target's rows over DP (each rank updated its own): one flat
+        buffer and one all-gather per bucket (``ROW_GATHER_BUCKET_NUMEL`` elements at most:
+        ``row_gather.py``), a gather still in flight finished first.
+        ``async_op`` (default: the DDP config's ``overlap_param_gather``): return once
+        issued; the next forward, ``state_dict`` or ``finish_weight_sync`` completes it."""
+        overlap = self.overlap_weight_sync if async_op is None else async_op
+        for gather in self.row_gathers:
+            gather.start(async_op=overlap)
+
+    def finish_weight_sync(self) -> None:
+        """Complete a gather still in flight: every reader of the target weights other than a
+        forward or a ``state_dict`` (whose hooks do it) calls this first. A no-op without one."""
+        for gather in self.row_gathers:
+            gather.finish()
+
+    @property
+    def weight_sync_pending(self) -> bool:
+        """Whether a gather was started and not finished (the other ranks' rows are stale)."""
+        return any(gather.pending for gather in self.row_gathers)
+
     def sync_weights(self) -> None:
-        """All-gather every target's rows over DP (each rank updated its own): in place when
-        the DP ranks own equal blocks (the input a view of the output at this rank's offset,
-        as Megatron's param all-gather), else through a padded ``[DP·k, n]`` buffer."""
-        if self.sites[0].segments == 1:
-            return
-        for chunk_sites in self.sites:
-            for site in chunk_sites:
-                weight = site.weight.detach()
-                lo, hi = site.owned_rows(self.segment)
-                if chunk_sites.segments * site.chunk == site.rows:
-                    dist.all_gather_into_tensor(weight, weight[lo:hi], group=self.dp_group)
-                    continue
-                out = weight.new_empty((chunk_sites.segments * site.chunk, site.cols))
-                mine = weight.new_zeros((site.chunk, site.cols))
-                mine[: hi - lo].copy_(weight[lo:hi])
-                dist.all_gather_into_tensor(out, mine, group=self.dp_group)
-                weight.copy_(out[: site.rows])
+        """All-gather every target's rows now and wait (after rows were written: a load, a
+        trial, a restore)."""
+        self.start_weight_sync(async_op=False)
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
@@ -356,6 +378,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         """``{"loggra": meta, "param_state": {name: {fp32_param, exp_avg_sq?}}}``: flat
         tensors with global offsets (rows), so a checkpoint loads at any DP size. The
         projection is not saved: it is drawn again from (seed, draw, name)."""
+        self.finish_weight_sync()  # a checkpoint reads the model weights next to this
         tp = parallel_state.get_tensor_model_parallel_rank()
         # rows sharded over DP: every rank writes its own; replicated: DP rank 0 writes
         main_replica = self.sites[0].segments > 1 or self.dp_group.rank() == 0

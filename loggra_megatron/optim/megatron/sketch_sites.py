@@ -23,8 +23,13 @@ for the full input width, identically on every rank):
   ``A[:, cols]``; ``X_local A_blockᵀ`` are partial sums of ``P``. Without SP every rank has
   all tokens' ``H`` and sketches ``Hᵀ P_partial``; with SP ``P`` is reduce-scattered along
   tokens to this rank's tokens of ``H``. Either way ``S`` is summed over TP once per step
-  (``[m, r]``), by ``BackwardSketchOptimizer``.
-  Per micro-batch TP traffic is ``tokens·r`` per layer; per step ``m·r``: never ``m·n``.
+  (``[m, r]``), by ``BackwardSketchOptimizer``: the buffer puts every segment's row-parallel
+  rows after its column-parallel ones, so that sum is one all-reduce of one contiguous view
+  per segment (``all_reduce_row_parallel``), whatever the number of layers.
+  Per micro-batch TP traffic is ``tokens·r`` per layer; per step ``m·r``: never ``m·n``. The
+  sequence-parallel collectives of ``P`` are issued asynchronously in the forward hook and
+  waited for in the target's backward, where ``P`` is first read (the autograd node holds
+  ``P``, the tensor sent and the pending work until then).
 * DP: rows are cut in ``ceil(m / DP)`` blocks, segment ``d`` holding DP rank ``d``'s rows of
   every weight. ``--loggra-sketch-reduce step`` (as published): the buffer is
   ``[segments, rows per segment, r]`` on every rank and one ``reduce_scatter`` per update gives
@@ -35,6 +40,18 @@ for the full input width, identically on every rank):
   ``1/DP`` of the buffer for ``num_microbatches`` times the DP bytes).
 * PP: each stage sketches its own layers. The projection of a layer is named by its global
   layer number, so PP=2 draws what PP=1 draws.
+
+The projections of an update (``SketchSites.signs``): a Rademacher ``B`` is drawn once per
+site and update, at its first use (the update's first hooked forward), and kept packed, one
+bit per entry of this TP rank's block (``[r, ⌈n/8⌉]`` uint8: ``r·n/8`` bytes per target;
+the 27B example, 64 layers × 4 targets at hidden 5120, FFN 22016, TP=8: 14 MB per GPU at
+``r`` = 128, 28 MB at 256, against 223 and 447 MB in bf16). Every micro-batch's forward, a
+recomputation, the update ratio's and ``‖Δθ‖²``'s Gram forms, each KL trial and the commit
+unpack it (``±1`` exactly, in the dtype asked for; a transient of ``r·n`` bytes and the
+result). It is dropped when the step ends (the optimizer sets ``updates``), so it is held
+from the first training forward to the optimizer step and not in the rollouts after a
+committed step. A Gaussian ``B`` has no compact form (2 bytes per entry in bf16, hundreds of
+MB at that size): it is drawn at each use, as before. ``draws`` counts the draws.
 
 Transformer Engine's fused ``LayerNormLinear`` is sketched from its normalized input
 (``layer_input``). Megatron-Core / TE attributes read (pinned: megatron-core 0.16–0.19,
@@ -54,7 +71,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from loggra_megatron.optim.backward_sketch import draw_signs, fp32_matmul, sketch_scale
+from loggra_megatron.optim.backward_sketch import (
+    draw_signs,
+    fp32_matmul,
+    pack_signs,
+    sketch_scale,
+    unpack_signs,
+)
 from loggra_megatron.optim.registry import backward_sketch
 
 SITES_ATTR = "loggra_sketch_sites"
@@ -116,8 +139,13 @@ class SketchSites:
             if self.reduced_in_backward
             else None
         )
+        self._packed: dict[str, torch.Tensor] = {}
+        """``{site name: B packed [r, ⌈n/8⌉] uint8}`` of this update (Rademacher)."""
+        self.draws = 0
+        """Projections drawn so far (``draw_signs`` calls; module docstring)."""
+        self.async_collectives = True
+        """Issue the forward hook's sequence-parallel collectives asynchronously."""
         self.updates = 0
-        """Updates committed; the draw index is ``updates // refresh_interval``."""
         self.sites = list(_find_sites(model, targets))
         if not self.sites:
             raise ValueError(
@@ -131,9 +159,13 @@ class SketchSites:
                 stacklevel=2,
             )
         offset = 0
-        for site in self.sites:
+        for site in sorted(self.sites, key=lambda s: not s.column_parallel):  # stable
             site.chunk = math.ceil(site.rows / segments)
             site.offset, offset = offset, offset + site.chunk
+        self.row_parallel_offset = min(
+            (s.offset for s in self.sites if not s.column_parallel), default=offset
+        )
+        """First row of the row-parallel targets in each segment: they come last."""
         device = self.sites[0].weight.device
         held = 1 if self.reduced_in_backward else segments
         self.buffer = torch.zeros(held, offset, self.rank, dtype=torch.float32, device=device)
@@ -144,11 +176,34 @@ class SketchSites:
 
     # ------------------------------------------------------------------ projection
     @property
+    def updates(self) -> int:
+        """Updates committed; the draw index is ``updates // refresh_interval``. Setting it
+        (the optimizer does after each step, and on load) drops the update's projections."""
+        return self._updates
+
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self._updates = value
+        self._packed.clear()
+
+    @property
     def draw(self) -> int:
         return self.updates // self.refresh_interval
 
     def signs(self, site: SketchSite, dtype=None) -> torch.Tensor:
-        """``B`` of ``site`` for this draw, this TP rank's block: ``[r, n]``."""
+        """``B`` of ``site`` for this draw, this TP rank's block: ``[r, n]`` in ``dtype``
+        (default: the weight's), a new tensor (a Rademacher ``B`` unpacked from this update's
+        bits, drawn at its first use; module docstring)."""
+        dtype = dtype or site.weight.dtype
+        if self.kind != "rademacher":
+            return self._draw(site, dtype)
+        packed = self._packed.get(site.name)
+        if packed is None:
+            packed = self._packed[site.name] = pack_signs(self._draw(site, torch.float32))
+        return unpack_signs(packed, site.cols, dtype)
+
+    def _draw(self, site: SketchSite, dtype) -> torch.Tensor:
+        self.draws += 1
         full = draw_signs(
             self.kind,
             self.seed,
@@ -157,9 +212,13 @@ class SketchSites:
             self.rank,
             site.full_cols,
             site.weight.device,
-            dtype or site.weight.dtype,
+            dtype,
         )
         return full[:, site.col_offset : site.col_offset + site.cols]
+
+    def signs_cache_bytes(self) -> int:
+        """Bytes of the packed projections held now."""
+        return sum(t.numel() for t in self._packed.values())
 
     # ------------------------------------------------------------------ the buffer
     def segment_view(self, segment: int) -> torch.Tensor:
@@ -172,8 +231,17 @@ class SketchSites:
         lo, hi = site.owned_rows(segment)
         return self.segment_view(segment)[site.offset : site.offset + hi - lo]
 
+    def all_reduce_row_parallel(self, segment: int, group) -> None:
+        """Sum the row-parallel targets' rows of ``segment`` over the TP ``group`` (their
+        ``S`` was summed from column blocks): one all-reduce of one contiguous view (the
+        segment's padding rows, zero, included); nothing at TP=1 or without such targets."""
+        rows = self.segment_view(segment)[self.row_parallel_offset :]
+        if rows.shape[0] and dist.get_world_size(group) > 1:
+            dist.all_reduce(rows, group=group)
+
     @torch.no_grad()
     def _accumulate(self, site: SketchSite, grad_out: torch.Tensor, p: torch.Tensor) -> None:
+        """``S += Hᵀ P / √r`` into ``site``'s rows (of every segment, or reduce-scattered)."""
         h = grad_out.reshape(-1, site.rows)
         product = fp32_matmul(h.t(), p.reshape(-1, self.rank).to(h.dtype))  # [m, r]
         product.mul_(sketch_scale(self.rank))
@@ -208,13 +276,13 @@ class SketchSites:
                 x = layer_input(module, args[0].detach())
                 p = x.reshape(-1, site.cols) @ self.signs(site, x.dtype).t()  # [tokens, r]
                 p = p.view(*x.shape[:-1], self.rank)
+                pending = None
                 if site.sequence_parallel:
-                    p = (
-                        _gather_tokens(p, tp_group)
-                        if site.column_parallel
-                        else _scatter_sum(p, tp_group)
-                    )
-            tapped = _SketchTap.apply(out, p, lambda grad, kept: self._accumulate(site, grad, kept))
+                    collective = _gather_tokens if site.column_parallel else _scatter_sum
+                    p, pending = collective(p, tp_group, self.async_collectives)
+            tapped = _SketchTap.apply(
+                out, p, lambda grad, kept: self._accumulate(site, grad, kept), pending
+            )
             return (tapped, *output[1:]) if isinstance(output, tuple) else tapped
 
         return hook
@@ -228,21 +296,24 @@ class SketchSites:
 
 class _SketchTap(torch.autograd.Function):
     """The identity on a target's output whose backward hands the output gradient ``H`` and
-    the kept ``P`` to ``accumulate``. ``P`` is one of the function's saved tensors, so autograd
-    frees it with the graph (after this node's backward, or when the graph is dropped
-    unused), never later."""
+    the kept ``P`` to ``accumulate``. The node holds ``P`` and ``pending`` (``(work, tensor
+    sent)`` of the asynchronous collective that fills ``P``, or None) until its backward has
+    waited for the work and used ``P``, then lets go of them; a graph dropped unused frees
+    them with the node. (``P`` is not a saved tensor: waiting for the collective bumps its
+    version.)"""
 
     @staticmethod
-    def forward(ctx, out, p, accumulate):
-        ctx.save_for_backward(p)
-        ctx.accumulate = accumulate
+    def forward(ctx, out, p, accumulate, pending=None):
+        ctx.p, ctx.accumulate, ctx.pending = p, accumulate, pending
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        (p,) = ctx.saved_tensors
+        if ctx.pending is not None:
+            ctx.pending[0].wait()
+        p, ctx.p, ctx.pending = ctx.p, None, None
         ctx.accumulate(grad, p)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def layer_input(module, x: torch.Tensor) -> torch.Tensor:
@@ -268,20 +339,23 @@ def layer_input(module, x: torch.Tensor) -> torch.Tensor:
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
-def _gather_tokens(p: torch.Tensor, group) -> torch.Tensor:
-    """All-gather ``p`` along its first (sequence) dimension over ``group``."""
-    world = dist.get_world_size(group)
+def _gather_tokens(p: torch.Tensor, group, async_op: bool = False):
+    """All-gather ``p`` along its first (sequence) dimension over ``group``: ``(the gathered
+    tensor, (work, tensor sent) or None)``; with ``async_op`` it is filled once work is
+    waited for."""
+    world, sent = dist.get_world_size(group), p.contiguous()
     out = p.new_empty((p.shape[0] * world, *p.shape[1:]))
-    dist.all_gather_into_tensor(out, p.contiguous(), group=group)
-    return out
+    work = dist.all_gather_into_tensor(out, sent, group=group, async_op=async_op)
+    return out, ((work, sent) if async_op else None)
 
 
-def _scatter_sum(p: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``p`` over ``group`` and keep this rank's block of the first dimension."""
-    world = dist.get_world_size(group)
+def _scatter_sum(p: torch.Tensor, group, async_op: bool = False):
+    """Sum ``p`` over ``group`` and keep this rank's block of the first dimension (the
+    result as ``_gather_tokens``')."""
+    world, sent = dist.get_world_size(group), p.contiguous()
     out = p.new_empty((p.shape[0] // world, *p.shape[1:]))
-    dist.reduce_scatter_tensor(out, p.contiguous(), group=group)
-    return out
+    work = dist.reduce_scatter_tensor(out, sent, group=group, async_op=async_op)
+    return out, ((work, sent) if async_op else None)
 
 
 def _find_sites(model, targets) -> Iterator[SketchSite]:
