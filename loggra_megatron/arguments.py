@@ -33,7 +33,7 @@ from loggra_megatron.config import (
 from loggra_megatron.optim.registry import OPTIMIZERS, backward_sketch
 from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 from loggra_megatron.rollout.protocol import EngineTarget
-from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, select_engine
+from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, is_fallback, select_engine
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
@@ -392,6 +392,31 @@ def _gpu_only_problems(cfg: RunConfig, tp: int, here: bool):
             )
 
 
+AUTO_FALLBACK_MAX_PARAMETERS = 3_000_000_000
+"""Above this size ``--rollout-engine auto`` does not fall back to an engine it ranks lower
+because this machine lacks what the higher one needs (the static engine without flash-attn):
+that engine decodes a model this large far slower, so the run names the engine it wants. A
+fallback the settings decide (fp32 weights, blockwise FP8) is said at start-up instead."""
+
+
+def _large_model_fallback(model, engine: str, note: str):
+    from loggra_megatron.memory.params import num_parameters
+    from loggra_megatron.memory.shape import TransformerShape
+
+    try:
+        size = num_parameters(TransformerShape.from_model_args(model.model_args(1)))
+    except ValueError:
+        return  # an inconsistent architecture is refused in its own words
+    if size > AUTO_FALLBACK_MAX_PARAMETERS:
+        why = note.partition(" (")[2].removesuffix(")")
+        yield (
+            f"--rollout-engine: auto would fall back to the {engine} engine for this "
+            f"{size / 1e9:.1f}B-parameter model ({why}), which decodes "
+            f"a model this large far slower; install what the engine passed over lacks, or "
+            f"name the engine: --rollout-engine {engine}"
+        )
+
+
 def _rollout_engine_problems(cfg, here: bool):
     """A named ``--rollout-engine`` that cannot run here (``auto`` passes it over); not
     ``here``: by the settings alone (``refusal``). Rollout settings that do nothing with the
@@ -410,9 +435,12 @@ def _rollout_engine_problems(cfg, here: bool):
             )
             return
     try:
-        engine, _ = select_engine(name, target, planning=not here)
+        engine, note = select_engine(name, target, planning=not here)
     except RuntimeError:
         return  # no engine at all: the run says so where it starts one
+    lacking = here and select_engine(name, target, planning=True)[0] is not engine
+    if name == AUTO and target.cuda and is_fallback(engine) and lacking:  # this machine's
+        yield from _large_model_fallback(cfg.model, engine.name, note)
     yield from cfg.rollout.problems_with(engine.name, target.cuda)
     if cfg.loss.tis_cap is not None and engine.recomputes_log_probs:
         yield (

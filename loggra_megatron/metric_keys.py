@@ -307,8 +307,9 @@ METRICS: dict[str, Metric] = _declare(
     ),
     Metric(
         "memory/kv_cache_bytes",
-        "rollout KV cache of this rank: the largest chunk's static cache "
-        "(`--inference-max-tokens`), or the dynamic engine's buffer",
+        "rollout KV cache of this rank, measured on the engine's buffers: the static decoder's "
+        "cache (sized to the largest chunk under `--inference-max-tokens`), or the dynamic "
+        "engine's paged buffer (its dummy block included)",
         PER_RANK,
     ),
     Metric(

@@ -130,10 +130,13 @@ class ExperienceMaker:
         self.kv_budget = rollout.inference_max_tokens
         """The KV cache's bound in tokens: ``--inference-max-tokens``, or where it is unset
         the trainer's sizing from the memory model on a GPU (``memory.kv_budget``)."""
-        self.old_log_probs = self.engine.old_log_probs(tis, on_policy)
+        config = get_model_config(policy)
+        apart = tis or (bool(config.fp8) and not rollout.rollout_fp8)
+        self.old_log_probs = self.engine.old_log_probs(apart, on_policy)
         """Where π_old comes from (``rollout.protocol.OLD_LOG_PROB_SOURCES``): ``--tis-cap``
-        (``tis``) or not, one optimizer update per RL step (``on_policy``) or several."""
-        self.row_multiple = fp8_alignment(get_model_config(policy))
+        (``tis``) or a bf16 rollout of an FP8 policy or neither, one optimizer update per RL
+        step (``on_policy``) or several."""
+        self.row_multiple = fp8_alignment(config) if rollout.rollout_fp8 else 1
         self.advantages = ADVANTAGE_ESTIMATORS[grpo.advantage_estimator](
             grpo, dp_group, self.device
         )
@@ -240,6 +243,7 @@ class ExperienceMaker:
             log_prob_micro_batch_size=self.log_prob_micro_batch_size,
             length_grouping=self.length_grouping,
             row_multiple=self.row_multiple,
+            fp8=r.rollout_fp8,
             log_probs=self.old_log_probs != "training",
             cuda_graphs=r.rollout_cuda_graphs,
             decode_graph_sizes=r.inference_dynamic_batching_num_cuda_graphs,

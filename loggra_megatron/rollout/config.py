@@ -27,9 +27,15 @@ class RolloutConfig:
     rollout_cuda_graphs: bool = True
     """Decode steps as CUDA graphs on a GPU: the static engine captures each step (per
     attention width, rollout/decoder.py), the dynamic engine Megatron-Core's layer graphs per
-    decode batch size (rollout/mcore_engine.decode_graphs); FP8 decodes eagerly. Off: eager
+    decode batch size (rollout/mcore_engine.decode_graphs); --rollout-fp8 decodes eagerly. Off: eager
     decode steps (to profile or debug); refused on CPU, where there are no CUDA graphs (the
     static step runs through the graph stand-in)."""
+    rollout_fp8: bool = applies(False, "with --fp8-format", lambda s: s["fp8_format"] is not None)
+    """Rollouts decode with Transformer Engine's FP8 GEMMs, as the training forward computes,
+    eagerly (FP8 decode steps are not captured). Default: an FP8 run decodes with its bf16
+    weights outside FP8, through CUDA graphs (--rollout-cuda-graphs): the rollout needs no FP8
+    weights, and π_old then comes from the training forward or its recompute, never from the
+    bf16 sampling log-probs (docs/rollouts.md, "Precision")."""
     inference_dynamic_batching_num_cuda_graphs: int = applies(
         16,
         "with --rollout-engine dynamic or auto and --rollout-cuda-graphs",
@@ -59,6 +65,11 @@ class RolloutConfig:
                 ("inference_max_tokens", positive, ">= 1"),
             ],
         )
+
+    def decodes_apart(self, fp8_format: str | None) -> bool:
+        """The rollout decodes in another precision than the training forward computes (an
+        FP8 run without ``--rollout-fp8``): its sampling log-probs are not π_old."""
+        return fp8_format is not None and not self.rollout_fp8
 
     def problems_with(self, engine: str, cuda: bool) -> Iterator[str]:
         """``--flag=value: ...`` for each setting given a value of its own that would do

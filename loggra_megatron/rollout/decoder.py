@@ -21,7 +21,8 @@ head. No dropout and no RNG-tracker fork (eval).
 **Widths.** A decode step at position ``p`` attends to the first ``w`` cache positions, ``w`` the
 smallest power of two ≥ ``p + 1`` (at least ``MIN_WIDTH``, at most the capacity): at most
 twice the keys it needs, and a handful of shapes per rollout. Each width's step (the layers
-and the output layer) is captured once (``StepGraphs``)
+and the output layer) is captured once per rollout (``StepGraphs``; a chunked rollout reuses
+one decoder, its cache and its graphs for every chunk, ``rollout/engine.py``)
 and replayed with the position refilled in place: no host sync and no Python per layer. The
 embedding runs eagerly before it and writes the graph's input buffer: Megatron's
 vocab-parallel embedding masks other shards' ids with a boolean index (``x[mask] = 0``), a host
@@ -29,9 +30,10 @@ read at TP > 1 that a capture refuses (the CPU stand-in caught it). The prefill 
 runs eagerly over exactly ``positions[-1] + 1`` keys.
 
 **Where it is captured.** On CUDA with ``cuda_graphs`` (``--rollout-cuda-graphs``), except under
-FP8: Transformer Engine's FP8 forward updates its scaling state on the host side of each call,
-which a plain capture would freeze (TE's own ``make_graphed_callables`` is the way there), so
-FP8 decodes eagerly, as does ``--no-rollout-cuda-graphs``. On CPU the step runs through the
+FP8 (``--rollout-fp8``): Transformer Engine's FP8 forward updates its scaling state on the host
+side of each call, which a plain capture would freeze (TE's own ``make_graphed_callables`` is
+the way there), so FP8 decodes eagerly, as does ``--no-rollout-cuda-graphs``. By default an FP8
+run decodes outside FP8 with its bf16 weights (``generation_mode(fp8=False)``), captured. On CPU the step runs through the
 graph stand-in (the same static buffers, and a host read fails), so a capture a GPU would
 refuse fails a CPU test first. Tensor parallelism: the layers' own all-reduces run inside the
 graph (NCCL allows capture); pipeline parallelism: each stage captures its layers, and the

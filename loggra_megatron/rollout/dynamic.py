@@ -46,18 +46,12 @@ class DynamicEngine(RolloutEngine):
         return self.refusal(target) or mcore_engine.missing_attention_kernels()
 
     def generate(self, policy, prompts, request: RolloutRequest):
-        from loggra_megatron.rollout.dynamic_generate import (
-            generate_rollout_dynamic,
-            kv_cache_tokens,
-        )
-        from loggra_megatron.rollout.engine import kv_cache_bytes
+        from loggra_megatron.rollout.dynamic_generate import generate_rollout_dynamic
 
-        r = request
         t0 = time.perf_counter()
         rollout = generate_rollout_dynamic(policy, prompts, request)
-        tokens = kv_cache_tokens([len(p) for p in prompts], r.max_new_tokens, r.max_tokens)
-        kv_bytes = kv_cache_bytes(policy, 1, tokens)  # the engine's paged buffer
-        return rollout, rollout_stats(rollout, time.perf_counter() - t0, kv_bytes)
+        seconds = time.perf_counter() - t0
+        return rollout, rollout_stats(rollout, seconds, rollout.kv_cache_bytes)  # measured
 
     def kv_cache_tokens(self, step) -> int:
         """The paged buffer: ``max(M, s)`` tokens whatever the batch (``B·s`` unbounded)."""

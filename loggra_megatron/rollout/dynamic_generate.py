@@ -224,8 +224,9 @@ def _inference_state(model) -> Iterator[None]:
 
 def _decode_graphs(model, config, wanted: bool):
     """``mcore_engine.decode_graphs`` when the decode steps are to be CUDA graphs
-    (``--rollout-cuda-graphs``, no FP8: Transformer Engine's FP8 weight casts inside
-    Megatron's captured layers are unverified here, as for the static engine), else a no-op;
+    (``--rollout-cuda-graphs``, and no FP8 while generating: Transformer Engine's FP8 weight
+    casts inside Megatron's captured layers are unverified here, so ``--rollout-fp8`` decodes
+    eagerly, as in the static engine), else a no-op;
     a launch environment that makes the capture unsafe is said once and decodes eagerly."""
     if not wanted or config.fp8:
         return contextlib.nullcontext()
@@ -258,7 +259,9 @@ def _generate(
     block_size,
     cuda_graphs,
     graph_sizes,
-) -> tuple[list[list[int]], int]:
+    fp8,
+) -> tuple[list[list[int]], int, int]:
+    """The generated tokens of each prompt, the requests evicted and the KV buffer's bytes."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.utils import get_model_config
@@ -298,20 +301,18 @@ def _generate(
         termination_id=sampler.termination_id,
     )
     config = get_model_config(model)
-    graphs = _decode_graphs(model, config, cuda_graphs)
-    with generation_mode(model), _inference_state(model), graphs:
-        engine = mcore_engine.build_engine(model, config, plan, sampler, seed)
-        try:
+    with generation_mode(model, fp8=fp8), _inference_state(model):
+        graphs = _decode_graphs(model, config, cuda_graphs)  # config.fp8 as generating
+        with graphs, mcore_engine.built_engine(model, config, plan, sampler, seed) as engine:
             for i, p in enumerate(lens):
                 engine.add_request(i, prompts[i, :p].tolist(), params)
             generated = mcore_engine.run_engine(engine, len(lens))
             evicted = int(engine.evicted_request_count)
-        finally:
-            mcore_engine.release_engine(engine)  # the KV cache is freed now
-            del engine
+            kv_bytes = mcore_engine.kv_buffer_bytes(engine)
+        del engine  # its KV cache was freed on leaving the block
     for rid, tok in sampler.substituted.items():  # the stop id that was really sampled
         generated[rid][-1] = tok
-    return [generated[i] for i in range(len(lens))], evicted
+    return [generated[i] for i in range(len(lens))], evicted, kv_bytes
 
 
 def _policy_log_probs(
@@ -377,9 +378,9 @@ def generate_rollout_dynamic(
     buf = buf.to(device)
     stop_ids = list(dict.fromkeys(int(i) for i in r.stop_ids))  # in order, no repeats
     responses: list[list[int]] = [[] for _ in range(buf.shape[0])]
-    evicted = 0
+    evicted, kv_bytes = 0, 0
     if r.max_new_tokens > 0:
-        responses, evicted = _generate(
+        responses, evicted, kv_bytes = _generate(
             model,
             buf,
             lengths,
@@ -395,10 +396,11 @@ def generate_rollout_dynamic(
             block_size=block_size_tokens,
             cuda_graphs=r.cuda_graphs,
             graph_sizes=r.decode_graph_sizes,
+            fp8=r.fp8,
         )
     cut = [truncate_at_stop(resp, stop_ids) for resp in responses]
     rollout = pack_rollout(buf, lengths, [c[0] for c in cut], [c[1] for c in cut], r.pad_id)
-    rollout.evicted_requests = evicted
+    rollout.evicted_requests, rollout.kv_cache_bytes = evicted, kv_bytes
     if r.log_probs:
         rollout.log_probs = _policy_log_probs(
             model, rollout, r.log_prob_micro_batch_size, r.length_grouping

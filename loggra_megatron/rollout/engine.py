@@ -5,8 +5,9 @@ Static engine (CPU and GPU): ``generate_chunked`` runs
 ``generate_rollout`` over chunks of
 ``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``, ``P`` the longest prompt,
 ``N = --max-new-tokens``), so the KV cache never holds more than ``max(M, P + N)`` tokens
-(``kv_cache_bytes``); each chunk samples from its own generator and, under FP8, is padded
-with finished rows to Transformer Engine's GEMM multiple. Dynamic engine (GPU):
+(``kv_cache_bytes``), through one decoder whose KV cache and captured decode steps serve
+every chunk; each chunk samples from its own generator and is filled with finished rows to
+the decoder's batch (under FP8, a multiple of Transformer Engine's GEMM rows). Dynamic engine (GPU):
 ``rollout.dynamic_generate``, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
 cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
 ``docs/rollouts.md#the-static-engine``.
@@ -76,14 +77,21 @@ def generate_chunked(
     model, prompts: list[list[int]], request: RolloutRequest
 ) -> tuple[Rollout, int]:
     """``generate_rollout`` over chunks of rows that fit ``request.max_tokens`` KV-cache
-    tokens. Returns the rollout of all ``prompts`` and the KV-cache bytes of the largest chunk
-    on this rank."""
-    new = request.max_new_tokens
-    rows = chunk_rows(len(prompts), max(len(p) for p in prompts) + new, request.max_tokens)
-    parts, peak = [], 0
-    for chunk, lo in enumerate(range(0, len(prompts), rows)):
-        part = prompts[lo : lo + rows]
-        padded_rows = -(-len(part) // request.row_multiple) * request.row_multiple
-        peak = max(peak, kv_cache_bytes(model, padded_rows, max(len(p) for p in part) + new))
-        parts.append(generate_rollout(model, part, request, chunk=chunk))
-    return concat_rollouts(parts, request.pad_id), peak
+    tokens, through one ``StaticDecoder`` sized to the largest chunk (its KV cache and its
+    captured decode steps serve every chunk; a shorter last chunk is filled with finished
+    rows). Returns the rollout of all ``prompts`` and the bytes of the decoder's KV cache on
+    this rank, measured on its buffers."""
+    from loggra_megatron.rollout.decoder import StaticDecoder
+    from loggra_megatron.rollout.generation_mode import generation_mode
+
+    length = max(len(p) for p in prompts) + request.max_new_tokens
+    rows = chunk_rows(len(prompts), length, request.max_tokens)
+    batch = -(-rows // request.row_multiple) * request.row_multiple
+    parts = []
+    with generation_mode(model, fp8=request.fp8):
+        decoder = StaticDecoder(model, batch, length, cuda_graphs=request.cuda_graphs)
+        with decoder.attached():
+            for chunk, lo in enumerate(range(0, len(prompts), rows)):
+                part = prompts[lo : lo + rows]
+                parts.append(generate_rollout(model, part, request, chunk=chunk, decoder=decoder))
+    return concat_rollouts(parts, request.pad_id), decoder.kv_bytes()

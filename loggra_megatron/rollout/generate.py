@@ -52,6 +52,8 @@ class Rollout:
     distinct prompt (the static engine counts them; 0 for an engine that does not).
     ``evicted_requests``: requests the engine evicted from its KV cache and prefilled again
     (the dynamic engine; None for an engine that never evicts).
+    ``kv_cache_bytes``: bytes of the KV cache it generated with on this rank, measured on the
+    engine's buffers (None: not measured).
     """
 
     tokens: torch.Tensor
@@ -65,6 +67,7 @@ class Rollout:
     host_syncs: int = 0
     prefill_tokens: int = 0
     evicted_requests: int | None = None
+    kv_cache_bytes: int | None = None
 
 
 def sampling_generator(
@@ -201,6 +204,7 @@ def generate_rollout(
     chunk: int = 0,
     use_kv_cache: bool = True,
     share_prefill: bool = True,
+    decoder: StaticDecoder | None = None,
 ) -> Rollout:
     """Sample up to ``request.max_new_tokens`` tokens after each prompt
     (``docs/rollouts.md``); ``request``: sampling, stop ids, seeding, FP8 row padding and CUDA
@@ -212,6 +216,10 @@ def generate_rollout(
     ``chunk``: index of this batch in a chunked rollout (its own sampling stream). For tests
     and benchmarks: ``use_kv_cache=False`` recomputes the whole prefix every step, and
     ``share_prefill=False`` prefills every row instead of each distinct prompt once.
+    ``decoder``: a ``StaticDecoder`` the caller made and attached inside its
+    ``generation_mode``, reused across calls with its KV cache and captured step graphs
+    (``generate_chunked``: one per rollout); the batch is filled with finished rows up to its
+    ``batch``. None: this call enters the mode and makes one.
     """
     from megatron.core import parallel_state as ps
 
@@ -220,7 +228,11 @@ def generate_rollout(
     device = next(model.parameters()).device
     buf, lengths = _pack_prompts(prompts, prompt_lengths, r.pad_id)
     real_rows = buf.shape[0]
-    buf, lengths = _fill_rows(buf, lengths, r.row_multiple)
+    rows = -(-real_rows // r.row_multiple) * r.row_multiple
+    if decoder is not None:
+        _check_fits(decoder, real_rows, buf.shape[1] + r.max_new_tokens)
+        rows = decoder.batch
+    buf, lengths = _fill_rows(buf, lengths, rows)
     shared = _shared_prefill(buf, lengths) if use_kv_cache and share_prefill else None
     state = _DecodeState.start(buf.to(device), lengths, real_rows, r.max_new_tokens, r.pad_id)
     if shared is not None:
@@ -240,10 +252,12 @@ def generate_rollout(
         vocab_size=r.vocab_size,
     )
     batch, total = state.buf.shape
-    decoder = (
-        StaticDecoder(model, batch, total, cuda_graphs=r.cuda_graphs) if use_kv_cache else None
-    )
-    with generation_mode(model), decoder.attached() if decoder else contextlib.nullcontext():
+    with contextlib.ExitStack() as owned:
+        if decoder is None:  # else the caller's, attached in its generation_mode
+            owned.enter_context(generation_mode(model, fp8=r.fp8))
+            if use_kv_cache:
+                made = StaticDecoder(model, batch, total, cuda_graphs=r.cuda_graphs)
+                decoder = owned.enter_context(made.attached())
         _decode(model, state, sample, stop_ids, decoder, pp_group)
     if pp_group.size() > 1:
         src = dist.get_process_group_ranks(pp_group)[-1]
@@ -251,10 +265,19 @@ def generate_rollout(
     return state.rollout(real_rows)
 
 
-def _fill_rows(buf, lengths, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``buf`` and ``lengths`` with finished rows appended up to a multiple of ``row_multiple``:
-    copies of the longest prompt, which fill the GEMMs without a shorter prefill."""
-    extra = -buf.shape[0] % row_multiple
+def _check_fits(decoder: StaticDecoder, rows: int, length: int) -> None:
+    if rows > decoder.batch or length > decoder.capacity:
+        raise ValueError(
+            f"{rows} rows of up to {length} tokens do not fit the decoder's "
+            f"{decoder.batch} rows of {decoder.capacity} positions"
+        )
+
+
+def _fill_rows(buf, lengths, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buf`` and ``lengths`` with finished rows appended up to ``rows``: copies of the
+    longest prompt, which fill the GEMMs (FP8's row multiple, a reused decoder's batch)
+    without a shorter prefill."""
+    extra = rows - buf.shape[0]
     if not extra:
         return buf, lengths
     longest = int(lengths.argmax())  # host lengths: no sync

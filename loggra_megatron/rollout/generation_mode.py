@@ -19,6 +19,13 @@
   (``MegatronModule.set_is_first_microbatch``, as Megatron's schedule does for the first
   micro-batch): without it the rollout would sample from the weights of before the last
   optimizer step.
+* **Or no FP8 at all** (``fp8=False``: ``--rollout-fp8`` not given): the model's config reads
+  ``fp8=None`` for the block, so Megatron enters no FP8 autocast and TE's linears compute
+  with the bf16 weights, which CUDA graphs capture like any bf16 step (an FP8 forward updates
+  TE's scaling state on the host, which a plain capture would freeze). Megatron's TE
+  wrappers clear ``is_first_microbatch`` after any forward, FP8 or not, so the first FP8
+  forward after the block is asked to recast again: the cache it would otherwise use was
+  cast before the last optimizer step.
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ def _amax_reducing_quantizers(modules) -> list[tuple[object, object]]:
 
 
 @contextlib.contextmanager
-def generation_mode(model) -> Iterator[None]:
-    """Eval mode, sequence parallelism and TE's amax reductions off, and fresh FP8 weights,
-    for the block (module docstring); restores every flag exactly."""
+def generation_mode(model, fp8: bool = True) -> Iterator[None]:
+    """Eval mode, sequence parallelism and TE's amax reductions off, and fresh FP8 weights
+    or (``fp8=False``) no FP8, for the block (module docstring); restores every flag
+    exactly."""
     from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
     config = get_model_config(model)
@@ -61,6 +69,9 @@ def generation_mode(model) -> Iterator[None]:
     saved = [(m, a, getattr(m, a)) for m in modules for a in SP_ATTRS if hasattr(m, a)]
     if sequence_parallel:
         saved.append((config, "sequence_parallel", True))
+    bf16_of_fp8 = bool(config.fp8) and not fp8
+    if bf16_of_fp8:
+        saved.append((config, "fp8", config.fp8))
     training = model.training
     model.eval()
     inner = unwrap_model(model)
@@ -69,7 +80,7 @@ def generation_mode(model) -> Iterator[None]:
     reducing = _amax_reducing_quantizers(modules)
     try:
         for owner, attr, _ in saved:
-            setattr(owner, attr, False)
+            setattr(owner, attr, None if attr == "fp8" else False)
         for quantizer, _ in reducing:
             quantizer.with_amax_reduction = False
         yield
@@ -80,3 +91,5 @@ def generation_mode(model) -> Iterator[None]:
             quantizer.with_amax_reduction, quantizer.amax_reduction_group = True, group
         model.train(training)
         get_attr_wrapped_model(model, "set_input_tensor")(None)  # drop the last recv buffer
+        if bf16_of_fp8 and hasattr(inner, "set_is_first_microbatch"):
+            inner.set_is_first_microbatch()  # the bf16 forwards cleared the recast request

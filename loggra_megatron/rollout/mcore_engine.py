@@ -25,7 +25,8 @@ import torch
 
 __all__ = [
     "EnginePlan",
-    "build_engine",
+    "built_engine",
+    "kv_buffer_bytes",
     "decode_graphs",
     "fp8_inference_wrapped_modules",
     "has_inference_config",
@@ -261,11 +262,23 @@ def decode_graphs(model, config) -> Iterator[None]:
         gc.collect()
 
 
-def build_engine(model, config, plan: EnginePlan, sampler, seed: int):
+@contextlib.contextmanager
+def built_engine(model, config, plan: EnginePlan, sampler, seed: int) -> Iterator[object]:
+    """``_build_engine``'s engine for the block, released after (``release_engine``), also
+    when its constructor raises: the constructor sets Megatron's process-wide
+    ``InferenceMode`` flag (0.17+) before it can fail, and a training forward reads it."""
+    engine = None
+    try:
+        engine = _build_engine(model, config, plan, sampler, seed)
+        yield engine
+    finally:
+        release_engine(engine)
+
+
+def _build_engine(model, config, plan: EnginePlan, sampler, seed: int):
     """A ``DynamicInferenceEngine`` on ``model`` (the training model object, DDP-wrapped or
     not) whose controller samples with ``sampler``; it captures ``plan.cuda_graphs`` decode
-    graphs when built inside ``decode_graphs`` (else none). Release it with
-    ``release_engine``."""
+    graphs when built inside ``decode_graphs`` (else none)."""
     from megatron.core import parallel_state as ps
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
@@ -322,17 +335,25 @@ def kv_block_count(context) -> int:
     return allocator.active_count
 
 
+def kv_buffer_bytes(engine) -> int:
+    """Bytes of the engine's paged KV buffer on this rank (its dummy block included)."""
+    buffer = getattr(engine.context, "memory_buffer", None)
+    return 0 if buffer is None else buffer.numel() * buffer.element_size()
+
+
 def release_engine(engine) -> None:
     """Free the engine's KV cache now and, on 0.17+, clear the process-wide
     ``InferenceMode`` flag the engine set (the training forward reads it: left set, a
-    training forward would take inference-only branches)."""
-    context = engine.context
+    training forward would take inference-only branches). ``engine`` None: a constructor
+    that raised, whose flag is cleared all the same."""
+    context = getattr(engine, "context", None)
     if has_inference_config():
         from megatron.core.inference.utils import InferenceMode
 
-        context.deallocate_inference_state_buffers()
+        if context is not None:
+            context.deallocate_inference_state_buffers()
         InferenceMode.unset_active()
-    else:
+    elif context is not None:
         context.deallocate_all_tensors()
 
 

@@ -79,6 +79,9 @@ class RolloutRequest:
     forward (π_old comes from the training forward: ``StepPlan.old_log_probs``)."""
     row_multiple: int = 1
     """Decode steps run over a multiple of this many rows (FP8 GEMM shapes)."""
+    fp8: bool = False
+    """An FP8 model decodes with its FP8 GEMMs (``--rollout-fp8``, eagerly); False: with its
+    bf16 weights outside FP8, through CUDA graphs (``generation_mode``)."""
     cuda_graphs: bool = True
     """Decode steps are CUDA graphs on a GPU, in either engine (``--rollout-cuda-graphs``)."""
     decode_graph_sizes: int = 16
@@ -160,11 +163,13 @@ class RolloutEngine:
     generation, in micro-batches of ``--log-prob-micro-batch-size`` rows, unless the request
     does not want them (else they are sampled while decoding, for free)."""
 
-    def old_log_probs(self, tis: bool, on_policy: bool) -> str:
+    def old_log_probs(self, apart: bool, on_policy: bool) -> str:
         """Where the PPO ratio's π_old comes from with this engine (a key of
-        ``OLD_LOG_PROB_SOURCES``), with ``--tis-cap`` or not (``tis``) and one optimizer
-        update per RL step or several (``on_policy``)."""
-        if not (self.recomputes_log_probs or tis):
+        ``OLD_LOG_PROB_SOURCES``): ``apart``, the engine's sampling log-probs cannot be π_old
+        (``--tis-cap`` wants the trainer's beside them; a bf16 rollout of an FP8 run,
+        ``RolloutConfig.decodes_apart``), and one optimizer update per RL step or several
+        (``on_policy``)."""
+        if not (self.recomputes_log_probs or apart):
             return "rollout"
         return "training" if on_policy else "recompute"
 

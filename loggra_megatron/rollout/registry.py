@@ -26,6 +26,12 @@ ROLLOUT_ENGINES: dict[str, RolloutEngine] = {
 }
 
 
+def is_fallback(engine: RolloutEngine) -> bool:
+    """``auto`` took ``engine`` because one it ranks higher cannot run."""
+    ranks = [e.auto_priority for e in ROLLOUT_ENGINES.values() if e.auto_priority is not None]
+    return engine.auto_priority is not None and engine.auto_priority < max(ranks)
+
+
 def engine_choices() -> tuple[str, ...]:
     """What ``--rollout-engine`` accepts: ``auto`` and every registered engine."""
     return (AUTO, *ROLLOUT_ENGINES)
@@ -37,8 +43,8 @@ def select_engine(
     """The engine ``--rollout-engine name`` runs on ``target``, and a note for the log.
 
     ``auto``: the engine of highest ``auto_priority`` that can run (registry order breaks
-    ties); on CUDA the note gives why the engines passed over cannot run (a CPU run passes
-    the GPU engines over silently). A named engine that cannot run raises ``RuntimeError``
+    ties); the note says which and why the engines passed over cannot run (None for a
+    named engine). A named engine that cannot run raises ``RuntimeError``
     (``arguments.validate`` refuses it at start-up). ``planning``: judge by the settings
     alone (``refusal``: the memory estimator), and take a named engine as
     it is.
@@ -54,7 +60,7 @@ def select_engine(
     for engine in sorted(ranked, key=lambda e: -e.auto_priority):
         reason = engine.refusal(target) if planning else engine.unavailable(target)
         if reason is None:
-            noted = "; ".join(reasons) if target.cuda else ""
-            return engine, f"--rollout-engine auto: {engine.name} ({noted})" if noted else None
-        reasons.append(reason)
+            why = "; ".join(reasons) or "the first choice, and it runs here"
+            return engine, f"--rollout-engine auto: {engine.name} ({why})"
+        reasons.append(f"not {engine.name}: {reason}")
     raise RuntimeError(f"--rollout-engine auto: no engine can run here ({'; '.join(reasons)})")

@@ -17,8 +17,10 @@ What that asks of the function, and what ``StepGraphs`` therefore holds every st
   position does).
 
 On CUDA (``capture=True``) each key (an attention width) gets a ``torch.cuda.CUDAGraph`` with a
-memory pool shared by all of them; they are replayed in the order they were captured (widths
-only grow within a rollout), which is what a shared pool needs. Elsewhere the stand-in keeps
+memory pool shared by all of them. The graphs may be replayed in any order (a chunked rollout
+replays the narrow widths again for its next chunk): a step's intermediates are made and read
+inside its own replay, and what outlives a replay (the output, the KV cache, the inputs) was
+allocated outside the pool, so no graph reads memory another one reuses. Elsewhere the stand-in keeps
 the same contract: the function is called with no arguments at every "replay", its result is
 copied into the tensor the "capture" returned (so a reader of a stale output sees it change, as
 on a GPU), and the "capture" runs under a dispatch mode that fails on a host read

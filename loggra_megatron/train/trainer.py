@@ -427,6 +427,7 @@ class RLTrainer:
             "flags": self.cfg.flags(),
             "step": self.step,
             "warmup_step": self.warmup.step,
+            "rollout_engine": [self.experience.engine.name, self.experience.engine_note],
             "data": self.prompts.state_dict(),
             **self._tokenizer_identity,
         }

@@ -8,7 +8,7 @@ stand-ins for Transformer Engine and flash-attn".
   shard); FP8 meta made lazily at the first FP8 forward (``init_fp8_meta_tensors``: inference
   tensors under ``torch.inference_mode``); under delayed scaling, the in-place copy of the
   stashed meta in the recompute (``get_old_fp8_meta_tensors_for_recompute``); TE's
-  ``is_first_microbatch``.
+  ``is_first_microbatch``, which Megatron's TE wrappers clear after any forward, FP8 or not.
 * ``te_checkpoint``, ``SequenceParallelNorm``, ``prepare_model_for_fp8_inference``;
   ``ThdDotProductAttention``: TE's contract for packed sequences (THD).
 * flash-attn's paged kernels (``varlen_attention``, ``kvcache_attention``) with its
@@ -127,6 +127,7 @@ class _FP8Module:
             return
         assert_dim_for_fp8_exec(inp, self.weight)
         RECORD["fp8_forwards"] += 1
+        RECORD["fp8_forwards_in_inference_mode"] += int(torch.is_inference_mode_enabled())
         tensorwise = str(self.config.fp8_recipe).endswith("tensorwise")
         meta = self.__dict__.get("fp8_meta")
         if meta is None:  # TE: init_fp8_meta_tensors at the first FP8 forward
@@ -150,7 +151,6 @@ class _FP8Module:
             meta["amax_history"].copy_(amax)
             meta["scale"].copy_(scale)
             RECORD["recompute_meta_copies"] += 1
-        self.is_first_microbatch = False
 
     @contextlib.contextmanager
     def _fp8_weight(self, first: bool):
@@ -177,7 +177,7 @@ class FP8ColumnParallelLinear(_FP8Module, tensor_parallel.ColumnParallelLinear):
     parallel_mode = "column"
 
     def forward(self, input_, *args, **kwargs):
-        first = self.is_first_microbatch
+        first, self.is_first_microbatch = self.is_first_microbatch, False  # after any forward
         self._fp8_prologue(input_)  # the local SP shard: TE checks before its all-gather
         with self._fp8_weight(first):
             return super().forward(input_, *args, **kwargs)
@@ -187,7 +187,7 @@ class FP8RowParallelLinear(_FP8Module, tensor_parallel.RowParallelLinear):
     parallel_mode = "row"
 
     def forward(self, input_, *args, **kwargs):
-        first = self.is_first_microbatch
+        first, self.is_first_microbatch = self.is_first_microbatch, False  # after any forward
         self._fp8_prologue(input_)
         with self._fp8_weight(first):
             return super().forward(input_, *args, **kwargs)
@@ -547,10 +547,12 @@ def install_flash_attn() -> None:
 
 def main(report_dir: str, argv: list[str]) -> int:
     """``pretrain_rl.py argv --device cuda`` on the simulated device with every stand-in."""
+    import cuda_graph_standin
     import device_audit
 
     audit = device_audit.DeviceAudit()
     device_audit.install(audit)
+    cuda_graph_standin.install()  # the dynamic engine's decode graphs (bf16 rollouts)
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # Hopper
     install_transformer_engine()
     install_flash_attn()

@@ -61,20 +61,24 @@ EXAMPLE_27B = {
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_27b_example_flags_run_end_to_end_through_the_standins(tokenizer, tmp_path, recipe):
-    """Two RL steps with the example's flags (``--fp8-recipe`` delayed: the recompute writes
-    into TE's FP8 meta in place; tensorwise, the default: it does not) on the simulated CUDA
+    """Two RL steps with the example's flags (``--fp8-recipe`` delayed, with FP8 rollouts: the
+    recompute writes into TE's FP8 meta in place; tensorwise, the default, with the default
+    bf16 rollouts: it does not) on the simulated CUDA
     device: the dynamic engine is chosen and runs, every FP8 GEMM meets TE's shape rule, the
     FP8 state is made outside inference mode (otherwise the first recompute backward
     raised "Inplace update to inference tensor outside InferenceMode"), every tensor is on
     the device, and the step is trained and controlled. Under current scaling TE's amax
     all-reduce over TP runs in the training forwards and never while generating."""
     out = tmp_path / "out"
-    argv = tiny_argv(tokenizer, **EXAMPLE_27B, **{"fp8-recipe": recipe, "output-dir": out})
-    reports, proc = _run(tmp_path, argv)
+    flags = {**EXAMPLE_27B, "fp8-recipe": recipe, "output-dir": out}
+    flags["rollout-fp8"] = recipe == "delayed"  # FP8 rollouts: the first FP8 forward is theirs
+    reports, proc = _run(tmp_path, tiny_argv(tokenizer, **flags))
     assert "rollouts: dynamic engine" in proc.stdout
     for r in reports:
         record = r["record"]
         assert record["fp8_forwards"] > 0 and record["fp8_meta_created"] == 16  # 2 models
+        # the engine's steps run under inference mode: FP8 there with --rollout-fp8 only
+        assert (record["fp8_forwards_in_inference_mode"] > 0) == (recipe == "delayed")
         assert record["fp8_meta_created_in_inference_mode"] == 0
         assert (record.get("recompute_meta_copies", 0) > 0) == (recipe == "delayed")
         # TE's amax all-reduce over TP: in the training forwards (sequence parallel), never
@@ -97,19 +101,21 @@ def test_the_split_example_generates_with_the_dynamic_engine_on_its_own_ranks(
     --kl-backup-offload, no --inference-max-tokens) on the simulated CUDA device: the
     generation ranks size the KV budget for their own GPU (the training ranks size none),
     share each sync's buckets and checksum verdict through device tensors (NCCL's rule),
-    their dynamic engine generates with FP8 through the stand-ins, and every sync's
-    checksum matches."""
+    their dynamic engine generates (in bf16 by default, with FP8 at generation TP 2:
+    --rollout-fp8) through the stand-ins, and every sync's checksum matches."""
     out = tmp_path / "out"
     flags = {**EXAMPLE_27B, "inference-max-tokens": None, "output-dir": out, "train-iters": 2}
     flags.update({"loggra-sketch": None, "weight-sync": "lowrank", "kl-backup-offload": True})
     flags.update({"generation-ranks": generation_tp, "weight-sync-check-interval": 1})
+    flags["rollout-fp8"] = generation_tp == 2  # else the default: bf16 decode steps
     flags["generation-tensor-model-parallel-size"] = generation_tp
     nproc = 2 + generation_tp
     reports, proc = _run(tmp_path, tiny_argv(tokenizer, **flags), nproc=nproc)
     assert "generation ranks: rollouts: " in proc.stdout
-    assert proc.stdout.count("KV budget") + proc.stdout.count("fits at once") == 1
+    assert proc.stdout.count("by the memory model for") == 1  # sized once, whatever it found
     assert "rollouts: dynamic engine" in proc.stdout
-    assert all(r["record"]["fp8_forwards"] > 0 for r in reports[2:])  # their engine
+    decoded = [r["record"]["fp8_forwards_in_inference_mode"] > 0 for r in reports[2:]]
+    assert decoded == [generation_tp == 2] * generation_tp  # their engine's decode steps
     rows = read_metrics(out)
     assert [r["sync/checksum_ok"] for r in rows] == [1.0, 1.0]
 
@@ -120,7 +126,10 @@ def test_fp32_run_on_a_gpu_chooses_the_static_engine(tokenizer, tmp_path):
     raised)."""
     argv = tiny_argv(tokenizer, **{"rollout-engine": "auto", "output-dir": tmp_path / "out"})
     _, proc = _run(tmp_path, argv)
-    assert "rollouts: static engine; --rollout-engine auto: static (flash-attn" in proc.stdout
+    assert (
+        "rollouts: static engine; --rollout-engine auto: static (not dynamic: flash-attn"
+        in proc.stdout
+    )
 
 
 def _sp_fp8_step(rank, seq: int):
@@ -181,7 +190,7 @@ def _rollouts_after_a_weight_change(rank):
     shape = dict(num_layers=1, hidden_size=64, heads=4, vocab=64, seq=32, use_te=True)
     shape.update(fp8="hybrid", fp8_recipe="tensorwise", init_method_std=0.3)
     prompts = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
-    gen = dict(max_new_tokens=4, temperature=0.0)
+    gen = dict(max_new_tokens=4, temperature=0.0, fp8=True)
 
     def model_with(state=None):
         torch.manual_seed(0)
@@ -218,6 +227,68 @@ def test_fp8_weight_cache_standin_catches_a_rollout_of_stale_weights():
     assert torch.equal(after.tokens, fresh.tokens)
     torch.testing.assert_close(after.log_probs, fresh.log_probs)
     assert not torch.allclose(stale.log_probs, fresh_2.log_probs)  # the old weights' numbers
+
+
+def _bf16_rollouts_of_an_fp8_model(rank):
+    """An FP8 stand-in model's rollouts, by default (bf16) and with ``fp8=True``, and its FP8
+    forward after a weight change and a bf16 rollout, beside a fresh model's."""
+    import gpu_standins
+    from megatron.core.utils import unwrap_model
+
+    from loggra_megatron.rollout import RolloutRequest, generate, generate_rollout
+    from loggra_megatron.testing import tiny_bf16_gpt_model
+
+    gpu_standins.install_transformer_engine()
+    shape = dict(num_layers=1, hidden_size=64, heads=4, vocab=64, seq=32, use_te=True)
+    shape.update(fp8="hybrid", fp8_recipe="tensorwise", init_method_std=0.3)
+    prompts = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    gen = dict(max_new_tokens=4, temperature=0.0)
+    torch.manual_seed(0)
+    model = tiny_bf16_gpt_model(**shape)
+    made, saved = [], generate.StaticDecoder
+
+    class Recording(saved):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    generate.StaticDecoder, out = Recording, {}
+    try:
+        for key, fp8 in (("bf16", False), ("fp8", True)):
+            before = gpu_standins.RECORD["fp8_forwards"]
+            out[key] = generate_rollout(model, prompts, RolloutRequest(fp8=fp8, **gen))
+            out[f"{key}_fp8_forwards"] = gpu_standins.RECORD["fp8_forwards"] - before
+            out[f"{key}_graphs"] = made[-1].graphs is not None
+    finally:
+        generate.StaticDecoder = saved
+    out["fp8_after"] = model.config.fp8
+    x = prompts[:2]
+    positions = torch.arange(8).expand(2, 8)
+    with torch.no_grad():
+        model(x, positions, None)  # an FP8 forward: casts the weights
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))  # an optimizer step
+        generate_rollout(model, prompts, RolloutRequest(**gen))  # bf16
+        out["forward"] = model(x, positions, None)
+        fresh = tiny_bf16_gpt_model(**shape)
+        fresh.load_state_dict({k: v for k, v in model.state_dict().items() if v is not None})
+        out["fresh_forward"] = fresh(x, positions, None)
+    unwrap_model(model)  # the model's layers kept their classes
+    return out
+
+
+def test_an_fp8_model_decodes_in_bf16_through_the_step_graphs_by_default():
+    """By default an FP8 policy decodes outside FP8 (no FP8 GEMM in the rollout) through the
+    step graphs, with ``fp8=True`` (``--rollout-fp8``) in FP8, eagerly: the same greedy
+    tokens through the stand-in. The config's FP8 comes back after, and the first FP8
+    forward after a bf16 rollout recasts the changed weights (Megatron's TE wrappers
+    clear the recast request after the rollout's bf16 forwards too)."""
+    out = run_distributed(_bf16_rollouts_of_an_fp8_model, 1)[0]
+    assert out["bf16_fp8_forwards"] == 0 and out["bf16_graphs"]
+    assert out["fp8_fp8_forwards"] > 0 and not out["fp8_graphs"]
+    assert torch.equal(out["bf16"].tokens, out["fp8"].tokens)
+    assert out["fp8_after"] == "hybrid"
+    torch.testing.assert_close(out["forward"], out["fresh_forward"])
 
 
 # ---------------------------------------------------------------- the stand-ins themselves

@@ -90,7 +90,8 @@ def _experience(rank, engine_dir, tokenizer):
 
 def test_a_new_rollout_engine_runs_through_the_experience_maker(engine_dir, tokenizer):
     (out,) = run_distributed(_experience, 1, engine_dir, tokenizer)
-    assert out["auto"]["engine"] == "counting" and out["auto"]["note"] is None
+    assert out["auto"]["engine"] == "counting"
+    assert out["auto"]["note"].startswith("--rollout-engine auto: counting (")
     assert out["static"]["engine"] == "static"
     assert out["calls"] == {"sync": 1, "generate": 1}  # synced before it generated
     assert torch.equal(out["auto"]["tokens"], out["static"]["tokens"])

@@ -43,7 +43,27 @@ def _worker(rank: int) -> dict:
         RolloutRequest(max_tokens=3 * row_tokens, seed=1, **{**gen, "temperature": 1.0}),
     )
     out["kv_1x10"] = kv_cache_bytes(model, 1, 10)
+    out["decoders"] = _decoders_made(model, RolloutRequest(max_tokens=row_tokens, **gen))
     return out
+
+
+def _decoders_made(model, request) -> list[tuple[int, int, list]]:
+    """``(batch, graph captures, widths)`` of each decoder one chunked rollout makes."""
+    from loggra_megatron.rollout import decoder
+
+    made, saved = [], decoder.StaticDecoder
+
+    class Recording(decoder.StaticDecoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    decoder.StaticDecoder = Recording
+    try:
+        generate_chunked(model, PROMPTS, request)
+    finally:
+        decoder.StaticDecoder = saved
+    return [(d.batch, d.graphs.captures, list(d.graphs.keys)) for d in made]
 
 
 @pytest.fixture(
@@ -82,6 +102,16 @@ def test_kv_cache_bytes_are_bounded_by_the_budget(results):
         for rows in (1, 3, 5):
             assert r[rows][1] <= per_token * rows * row_tokens
         assert r[1][1] == per_token * row_tokens  # the longest prompt is a chunk of its own
+        assert r[3][1] == per_token * 3 * row_tokens  # measured on the one decoder's cache
+
+
+def test_one_decoder_serves_every_chunk(results):
+    """A rollout in 8 chunks of one row makes one decoder, and captures each decode width
+    once for all of them (each chunk made its own decoder and recaptured every width)."""
+    for r in results:
+        assert len(r["decoders"]) == 1
+        batch, captures, widths = r["decoders"][0]
+        assert batch == 1 and captures == len(widths) == len(set(widths)) >= 1
 
 
 def test_rows_padded_for_fp8_change_nothing(results):

@@ -41,6 +41,7 @@ from loggra_megatron.rollout.dynamic_generate import (
     restore_forwards,
     truncate_at_stop,
 )
+from loggra_megatron.rollout.engine import kv_cache_bytes
 from loggra_megatron.testing import (
     run_distributed,
     tensor_bytes_left_in_cycles,
@@ -241,7 +242,10 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         )
         graphs = {k: v - before[k] for k, v in cuda_graph_standin.COUNTS.items()}
         facts = _graph_facts(model, streams, stream, tracker)
-        out["runs"][key] = dict(last_run, log_prob_rows=list(log_prob_rows), **graphs, **facts)
+        kv_bytes = out[key].kv_cache_bytes
+        out["runs"][key] = dict(
+            last_run, log_prob_rows=list(log_prob_rows), kv_bytes=kv_bytes, **graphs, **facts
+        )
 
     dyn("greedy", temperature=0.0)
     dyn("greedy_eager", temperature=0.0, cuda_graphs=False)
@@ -271,6 +275,8 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
             model, PROMPTS, RolloutRequest(**{**gen, **sample}), block_size_tokens=BLOCK
         )
     )
+    out["failed_build"] = _failed_build(model, gen)
+    out["kv_per_token"] = kv_cache_bytes(model, 1, 1)
     out["training"] = model.training
     out["layers"] = len(getattr(model, "module", model).decoder.layers)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -284,6 +290,33 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
         model(x, torch.arange(x.shape[1]).expand_as(x), None, labels=x).float().mean().backward()
         out["state_dict"] = getattr(model, "module", model).state_dict()
     return out
+
+
+def _failed_build(model, gen) -> dict:
+    """A rollout whose engine constructor raises at its very end (after it set Megatron's
+    ``InferenceMode`` flag, 0.17+): the error, and whether the flag is left set."""
+    from megatron.core.inference.engines import dynamic_engine
+
+    init = dynamic_engine.DynamicInferenceEngine.__init__
+
+    def failing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        raise RuntimeError("the constructor failed")
+
+    dynamic_engine.DynamicInferenceEngine.__init__ = failing
+    error = None
+    try:
+        request = RolloutRequest(temperature=0.0, **gen)
+        generate_rollout_dynamic(model, PROMPTS, request, block_size_tokens=BLOCK)
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        dynamic_engine.DynamicInferenceEngine.__init__ = init
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:  # 0.16: no process-wide flag
+        return {"error": error, "inference_mode": False}
+    return {"error": error, "inference_mode": InferenceMode.is_active()}
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +471,23 @@ def test_decode_steps_are_cuda_graph_replays_and_leave_nothing_behind(layout):
                 "impl": "none",
             }, key
             assert run["tracker"] and run["stream"], key
+
+
+def test_an_engine_constructor_that_raises_leaves_no_inference_mode(layout):
+    """The engine is built inside the block that releases it: a constructor that raises
+    after setting Megatron's InferenceMode flag (0.17+) clears it, and the error reaches the
+    caller (a later training forward would take inference-only branches)."""
+    for r in layout:
+        assert r["failed_build"] == {"error": "the constructor failed", "inference_mode": False}
+
+
+def test_kv_cache_bytes_measured_on_the_engine_buffer(layout):
+    """``memory/kv_cache_bytes`` is the paged buffer's size (its blocks and Megatron's dummy
+    block), not a formula."""
+    for r in layout:
+        for key in ("greedy", "bounded1", "bounded16"):
+            run = r["runs"][key]
+            assert run["kv_bytes"] == (run["blocks"] + 1) * BLOCK * r["kv_per_token"], key
 
 
 def test_a_rollout_leaves_no_tensor_in_a_reference_cycle(layout):
