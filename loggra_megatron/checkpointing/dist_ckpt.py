@@ -39,6 +39,7 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from loggra_megatron.checkpointing.extra_state import check_extra_states
 from loggra_megatron.checkpointing.integrity import (
     checksum_files,
     gather_objects,
@@ -296,7 +297,8 @@ def load_checkpoint(
     (``verified_checkpoint``; call it yourself to
     learn which one); ``verify=False`` skips that (sizes were checked at selection). Every
     pickle of the checkpoint is checked first (``pickles.check_pickles``: a crafted file
-    raises ``UnsafeCheckpointError``)."""
+    raises ``UnsafeCheckpointError``), and Transformer Engine's FP8 extra state, a pickle
+    inside a tensor, before any module reads it (``extra_state.check_extra_states``)."""
     ref = checkpoint
     if not isinstance(checkpoint, CheckpointRef):
         ref = select_checkpoint(checkpoint, iteration)
@@ -316,6 +318,7 @@ def load_checkpoint(
     if optimizer is not None:
         request["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, True)
     loaded = dist_checkpointing.load(request, path)
+    check_extra_states(loaded, path)  # before TE's set_extra_state unpickles any of it
     if optimizer is not None:  # Megatron drops its padding; uninitialised there
         optimizer_state.zero_padding(loaded["optimizer"])
     require_finite({k: v for k, v in loaded.items() if k != "common"}, f"refusing to load {path}")

@@ -122,12 +122,6 @@ def read_hf_config(load_dir: str | os.PathLike) -> dict[str, Any] | None:
         return json.load(f)
 
 
-EXTRA_STATE = "_extra_state"
-"""Transformer Engine's per-module extra state (FP8 scaling metadata): a model built with
-``--transformer-impl transformer_engine`` has it, a checkpoint written with the local spec
-does not (and the other way round); it starts fresh when absent."""
-
-
 def load_megatron_checkpoint(
     model: torch.nn.Module,
     load_dir: str | os.PathLike | CheckpointRef,
@@ -138,15 +132,17 @@ def load_megatron_checkpoint(
     by ``select_model_checkpoint``, or a ``CheckpointRef``) through the trainer's
     integrity checks: the files' CRC-32 (``verify``; a corrupted iteration falls back to an
     older complete one), its pickles (``UnsafeCheckpointError`` for a class outside the
-    allowlist) and finite values (``CheckpointError`` naming the tensors). Returns
+    allowlist; Transformer Engine's FP8 extra state too, before any module reads it) and
+    finite values (``CheckpointError`` naming the tensors). Returns
     the checkpoint loaded, with its warnings.
 
-    Transformer Engine ``_extra_state`` entries the checkpoint does not have (it was written
-    with the local layer spec) are left as the model has them; any other missing tensor is
+    Transformer Engine ``_extra_state`` entries (FP8 scaling metadata) the checkpoint does not
+    have (it was written with the local layer spec) are left as the model has them, fresh; any other missing tensor is
     an error (with ``strict``)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from loggra_megatron.checkpointing.extra_state import EXTRA_STATE_SUFFIX, check_extra_states
     from loggra_megatron.checkpointing.integrity import require_finite, verified_checkpoint
     from loggra_megatron.checkpointing.pickles import check_pickles
 
@@ -161,13 +157,14 @@ def load_megatron_checkpoint(
         {"model": model.sharded_state_dict()}, ckpt_dir, strict=StrictHandling.RETURN_UNEXPECTED
     )
     require_finite(state["model"], f"refusing to load {ckpt_dir}")
-    lacking = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    check_extra_states(state, ckpt_dir)  # before TE's set_extra_state unpickles any of it
+    lacking = sorted(k for k in absent if not k.endswith(EXTRA_STATE_SUFFIX))
     if lacking and strict:
         raise ValueError(
             f"{ckpt_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}"
         )
     result = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE_SUFFIX)]
     if strict and (missing or result.unexpected_keys):
         raise ValueError(
             f"{ckpt_dir}: the loaded state does not fit the model (missing {missing[:3]}, "

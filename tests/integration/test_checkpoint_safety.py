@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crafted_pickles import Opens
 
 from loggra_megatron.checkpointing.layout import (
     MANIFEST,
@@ -322,3 +323,48 @@ def test_a_full_disk_refuses_the_save_in_one_line_and_frees_the_partial_director
     assert "No space left on device" in message or "'OSError'" in message, message
     assert "iter_0000002.tmp" in message and "the previous checkpoint stays the latest" in message
     assert listing == ["iter_0000001", TRACKER] and latest_iteration(root) == 1
+
+
+# ---------------------------------------------------------------- TE's FP8 extra state
+
+
+def _extra_state_round_trip(rank, root, crafted_marker):
+    """Save with fc1's extra state as TE 2.x writes it (a pickle in a byte tensor: a crafted
+    one when ``crafted_marker``), then load into a model whose fc1 reads it as TE's
+    ``set_extra_state`` does (``pickle.loads``). Returns what fc1 read, or the refusal."""
+    import pickle
+
+    from loggra_megatron.checkpointing import load_checkpoint, save_checkpoint
+    from loggra_megatron.checkpointing.pickles import UnsafeCheckpointError
+
+    ddp, opt = _build()
+    fc1 = ddp.module.decoder.layers[0].mlp.linear_fc1
+    state = {"extra_fp8_variables": {"num_gemms": 1}, "scale_fwd": torch.ones(3)}
+    if crafted_marker is not None:
+        state["recipe"] = Opens(crafted_marker)
+    data = bytearray(pickle.dumps(state))
+    fc1.get_extra_state = lambda: torch.frombuffer(data, dtype=torch.uint8)
+    save_checkpoint(root, 1, [ddp], opt, common={})
+    ddp, opt = _build()
+    read = []
+    fc1 = ddp.module.decoder.layers[0].mlp.linear_fc1
+    fc1.set_extra_state = lambda s: read.append(pickle.loads(s.numpy().tobytes()))
+    try:
+        load_checkpoint(root, [ddp], opt)
+    except UnsafeCheckpointError as e:
+        return str(e)
+    return read
+
+
+def test_transformer_engine_extra_state_is_checked_before_te_unpickles_it(tmp_path):
+    """TE's FP8 extra state is a pickle inside a tensor, which every earlier check passes as
+    data and TE's set_extra_state unpickles with no allowlist: a crafted one is refused at
+    load, naming the key, and never runs; TE's own state loads."""
+    marker = tmp_path / "ran"
+    (refusal,) = run_distributed(_extra_state_round_trip, 1, str(tmp_path / "bad"), str(marker))
+    assert "decoder.layers.0.mlp.linear_fc1._extra_state" in refusal
+    assert "its pickle names" in refusal and "nothing of it was run" in refusal
+    assert not marker.exists()
+    (read,) = run_distributed(_extra_state_round_trip, 1, str(tmp_path / "good"), None)
+    assert len(read) == 1 and read[0]["extra_fp8_variables"] == {"num_gemms": 1}
+    assert torch.equal(read[0]["scale_fwd"], torch.ones(3))

@@ -3,27 +3,14 @@ a crafted ``.metadata``, ``common.pt`` or sharded object is refused in one line 
 file and the class, and nothing of it runs; what torch.distributed.checkpoint writes passes."""
 
 import contextlib
-import io
 import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from crafted_pickles import OPEN, Opens
 
 from loggra_megatron.checkpointing.pickles import UnsafeCheckpointError, check_pickles
-
-OPEN = f"{io.open.__module__}.{io.open.__qualname__}"
-"""How a pickle names ``io.open`` (``_io.open`` on Python 3.12)."""
-
-
-class _Opens:
-    """Unpickled, it creates the file ``marker`` (as any code could run instead)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def _saved(path):
@@ -58,7 +45,7 @@ def test_a_crafted_metadata_is_refused_and_never_run(tmp_path):
     first, naming the file and the class."""
     path = _saved(tmp_path / "ckpt")
     marker = tmp_path / "ran"
-    (path / ".metadata").write_bytes(pickle.dumps(_Opens(marker)))
+    (path / ".metadata").write_bytes(pickle.dumps(Opens(marker)))
     _refused(path, f"{path}/.metadata", f"its pickle names {OPEN}", "nothing of it was run")
     assert not marker.exists()
     _unchecked(lambda: dcp.FileSystemReader(str(path)).read_metadata())
@@ -68,7 +55,7 @@ def test_a_crafted_metadata_is_refused_and_never_run(tmp_path):
 def test_a_crafted_or_garbled_common_pt_is_refused_in_one_line(tmp_path):
     path = _saved(tmp_path / "ckpt")
     marker = tmp_path / "ran"
-    torch.save({"step": 3, "evil": _Opens(marker)}, path / "common.pt")
+    torch.save({"step": 3, "evil": Opens(marker)}, path / "common.pt")
     _refused(path, f"{path}/common.pt", OPEN)
     assert not marker.exists()
     (path / "common.pt").write_bytes(b"\x80\x04garbage")
@@ -87,7 +74,7 @@ def test_a_crafted_sharded_object_is_refused_and_never_run(tmp_path):
     data = path / info.relative_path
     with open(data, "ab") as f:
         offset = f.tell()
-        torch.save(_Opens(marker), f)
+        torch.save(Opens(marker), f)
         info.offset, info.length = offset, f.tell() - offset
     with open(path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)

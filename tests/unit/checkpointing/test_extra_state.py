@@ -1,0 +1,117 @@
+"""Transformer Engine's FP8 extra state (a pickle inside a ``uint8`` tensor, which TE's
+``set_extra_state`` unpickles with no allowlist) is checked before any module reads it: TE's
+own state passes, a crafted one is refused in one line naming the key and the class, and
+nothing of it runs."""
+
+import dataclasses
+import enum
+import io
+import pickle
+import sys
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+from crafted_pickles import OPEN, Opens
+
+from loggra_megatron.checkpointing.extra_state import (
+    TE_RECIPES,
+    check_extra_state,
+    check_extra_states,
+)
+from loggra_megatron.checkpointing.pickles import UnsafeCheckpointError
+
+
+@pytest.fixture
+def te_recipes(monkeypatch):
+    """A module named as TE's recipes, with classes shaped as TE 2.x's: what a real
+    state's pickle names (TE itself has no CPU build)."""
+    module = types.ModuleType(TE_RECIPES)
+
+    class _FormatHelper(NamedTuple):
+        max_fwd: float
+        max_bwd: float
+
+    class Format(enum.Enum):
+        E4M3 = _FormatHelper(448, 448)
+        HYBRID = _FormatHelper(448, 57344)
+
+    @dataclasses.dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        amax_compute_algo: str = "max"
+
+    for cls in (_FormatHelper, Format, DelayedScaling):
+        cls.__module__ = TE_RECIPES
+        cls.__qualname__ = cls.__name__
+        setattr(module, cls.__name__, cls)
+    for parent in ("transformer_engine", "transformer_engine.common"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, TE_RECIPES, module)
+    return module
+
+
+def _te_state(state: dict) -> torch.Tensor:
+    """TE 2.x's ``get_extra_state``: the pickled dict as a byte tensor."""
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+def test_te_state_passes(te_recipes):
+    state = {
+        "recipe": te_recipes.DelayedScaling(),
+        "scale_fwd": torch.ones(3),
+        "amax_history_fwd": torch.zeros(16, 3),
+        "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True},
+    }
+    check_extra_state(_te_state(state), "k")
+    check_extra_state(torch.empty(0, dtype=torch.uint8), "k")  # no FP8
+    check_extra_state(None, "k")  # Megatron's local layers
+
+
+def test_a_crafted_state_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    crafted = _te_state({"recipe": Opens(marker)})
+    loaded = {"model0": {"decoder.layers.0.mlp.linear_fc1._extra_state": crafted}}
+    with pytest.raises(UnsafeCheckpointError) as e:
+        check_extra_states(loaded, "ckpt")
+    message = str(e.value)
+    assert "\n" not in message and f"its pickle names {OPEN}" in message
+    assert "ckpt (model0.decoder.layers.0.mlp.linear_fc1._extra_state)" in message
+    assert not marker.exists()
+    pickle.loads(crafted.numpy().tobytes())  # what TE's set_extra_state does with it
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("zipped", [False, True], ids=["legacy", "zip"])
+def test_a_crafted_tensor_storage_inside_the_state_is_refused(tmp_path, zipped):
+    """A tensor in the state pickles its storage as a nested torch.save archive (torch's
+    legacy format), which torch loads without weights_only: a crafted archive there is
+    checked as a checkpoint's is."""
+    marker = tmp_path / "ran"
+    archive = io.BytesIO()
+    torch.save(Opens(marker), archive, _use_new_zipfile_serialization=zipped)
+
+    class _Storage:
+        def __reduce__(self):
+            return (torch.storage._load_from_bytes, (archive.getvalue(),))
+
+    with pytest.raises(UnsafeCheckpointError, match=f"its pickle names {OPEN}"):
+        check_extra_state(_te_state({"scale_fwd": _Storage()}), "k")
+    assert not marker.exists()
+
+
+def test_te_1x_bytesio_state_is_checked_as_an_archive(tmp_path):
+    marker = tmp_path / "ran"
+    good, bad = io.BytesIO(), io.BytesIO()
+    torch.save({"scale_fwd": torch.ones(2)}, good)
+    torch.save({"evil": Opens(marker)}, bad)
+    check_extra_state(good, "k")
+    assert good.tell() == 0  # rewound for TE
+    with pytest.raises(UnsafeCheckpointError, match=OPEN):
+        check_extra_state(bad, "k")
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpointError, match="an extra state of type str"):
+        check_extra_state("x", "k")
