@@ -17,7 +17,9 @@ floor and the ratio to it, generated tokens/s, the forwards and host syncs of th
 cache's bytes *measured* on the decoder's buffers beside the formula
 (``rollout.engine.kv_cache_bytes``), whether both arms sampled the same tokens, and the aten
 ops per decode-loop forward of a profiled rollout: all of them, and those a GPU still launches
-from the host when the step is a graph (outside the replays, plus one per replay).
+from the host when the step is a graph (outside the replays, plus one per replay). Each batch
+size's row is printed (and ``--json`` rewritten) as soon as it is measured, so a run stopped
+by a timeout keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -153,6 +155,12 @@ def _descendants(event):
 
 def measure(args, device: torch.device) -> list[dict]:
     """One row per ``--batches`` entry (Megatron initialised on ``device``)."""
+    return list(measure_rows(args, device))
+
+
+def measure_rows(args, device: torch.device):
+    """Yields the row of each ``--batches`` entry as soon as it is measured (Megatron
+    initialised on ``device``), so that a caller can print it before the next one runs."""
     from loggra_megatron.rollout.engine import kv_cache_bytes
     from loggra_megatron.testing import tiny_gpt_model
 
@@ -169,7 +177,6 @@ def measure(args, device: torch.device) -> list[dict]:
     ).to(device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token_kv = kv_cache_bytes(model, 1, 1)
-    rows = []
     for batch in args.batches:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, args.vocab, (batch, args.prompt_tokens), generator=gen)
@@ -185,25 +192,33 @@ def measure(args, device: torch.device) -> list[dict]:
         floor_ms = 1e3 * floor_bytes / (args.bandwidth_gbs * 1e9)
         first = arms[True][0]
         ops, host_ops = _ops_per_step(model, prompts, args)
-        rows.append(
-            {
-                "batch": batch,
-                "ms_per_step": ms,
-                "eager_ms_per_step": eager_ms,
-                "capture_ms": statistics.median(r["capture_ms"] for r in arms[True]),
-                "floor_ms": floor_ms,
-                "over_floor": ms / floor_ms,
-                "tokens_per_s": batch / (ms / 1e3),
-                "steps": first["steps"],
-                "host_syncs_per_step": first["host_syncs_per_step"],
-                "kv_bytes_measured": first["kv_bytes"],
-                "kv_bytes_formula": kv_cache_bytes(model, batch, seq),
-                "same_tokens": torch.equal(first["tokens"], arms[False][0]["tokens"]),
-                "ops_per_step": ops,
-                "host_ops_per_step": host_ops,
-            }
-        )
-    return rows
+        yield {
+            "batch": batch,
+            "ms_per_step": ms,
+            "eager_ms_per_step": eager_ms,
+            "capture_ms": statistics.median(r["capture_ms"] for r in arms[True]),
+            "floor_ms": floor_ms,
+            "over_floor": ms / floor_ms,
+            "tokens_per_s": batch / (ms / 1e3),
+            "steps": first["steps"],
+            "host_syncs_per_step": first["host_syncs_per_step"],
+            "kv_bytes_measured": first["kv_bytes"],
+            "kv_bytes_formula": kv_cache_bytes(model, batch, seq),
+            "same_tokens": torch.equal(first["tokens"], arms[False][0]["tokens"]),
+            "ops_per_step": ops,
+            "host_ops_per_step": host_ops,
+        }
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['eager_ms_per_step']:.3f} | "
+        f"{r['eager_ms_per_step'] / r['ms_per_step']:.2f} | {r['capture_ms']:.1f} | "
+        f"{r['floor_ms']:.4f} | {r['over_floor']:.1f} | {r['tokens_per_s']:.0f} | "
+        f"{r['steps']} | {r['host_syncs_per_step']:.3f} | {r['kv_bytes_measured']} | "
+        f"{r['kv_bytes_formula']} | {r['same_tokens']} | {r['ops_per_step']:.0f} | "
+        f"{r['host_ops_per_step']:.0f} |"
+    )
 
 
 def main() -> None:
@@ -214,27 +229,25 @@ def main() -> None:
         f"decode steps of the static engine: {args.layers} layers, hidden {args.hidden}, "
         f"{'bf16' if args.bf16 else 'fp32'}, {args.device}, prompts of {args.prompt_tokens} "
         f"+ {args.new_tokens} new tokens; floor at {args.bandwidth_gbs:g} GB/s; medians of "
-        f"{args.repeats}"
+        f"{args.repeats}",
+        flush=True,
     )
-    rows = measure(args, initialize_megatron(device=args.device))
+    device = initialize_megatron(device=args.device)
+    # the table's head first, then each batch size's row as soon as it is measured: a run
+    # stopped by a timeout keeps the rows it finished
     print(
         "\n| batch | ms / step | eager ms / step | eager / graphs | capture ms | floor ms "
         "| × floor | tokens/s | forwards | host syncs / step | KV bytes measured "
         "| KV bytes formula | same tokens | aten ops / step | host-launched with graphs |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['ms_per_step']:.3f} | {r['eager_ms_per_step']:.3f} | "
-            f"{r['eager_ms_per_step'] / r['ms_per_step']:.2f} | {r['capture_ms']:.1f} | "
-            f"{r['floor_ms']:.4f} | {r['over_floor']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r['steps']} | {r['host_syncs_per_step']:.3f} | {r['kv_bytes_measured']} | "
-            f"{r['kv_bytes_formula']} | {r['same_tokens']} | {r['ops_per_step']:.0f} | "
-            f"{r['host_ops_per_step']:.0f} |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|", flush=True)
+    rows = []
+    for r in measure_rows(args, device):
+        rows.append(r)
+        print(format_row(r), flush=True)
+        if args.json:  # rewritten after each row, for the same reason
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

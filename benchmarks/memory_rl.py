@@ -8,7 +8,9 @@
 Accounting on CPU: the persistent tensors plus the largest phase transient (rollout,
 reference log-probs, training), each from the CPU allocator's own events; on GPU the
 allocator's own peak. The step, the settings swept, the accounting in full and the shape:
-``docs/benchmarks.md``, "Memory at scale".
+``docs/benchmarks.md``, "Memory at scale". Dense Adam and the backward sketch are measured
+first (``--optimizers``), and each row is printed as soon as it is measured, so a run stopped
+by a timeout keeps the comparison that matters most.
 """
 
 from __future__ import annotations
@@ -289,6 +291,10 @@ SETTINGS = {  # optimizer: its legal settings, (grad buffers in bf16, masters as
 targets have no grad buffer: the grad dtype applies to the dense rest)."""
 
 
+ORDER = ("dense", "backward", "loggra")
+"""``--optimizers``' default: dense Adam and the backward sketch (LoGRA's default) first."""
+
+
 def setting_name(kind: str, bf16_grads: bool, remainders: bool) -> str:
     name = f"{'bf16' if bf16_grads else 'fp32'} grads"
     return name + (", remainders" if remainders else (", fp32 masters" if kind != "dense" else ""))
@@ -332,6 +338,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="step",
         help="the backward sketch's DP reduce-scatter of S (as pretrain_rl.py's flag)",
     )
+    ap.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(ORDER),
+        help="the optimizers measured, in this order, each in all its settings (default: "
+        "dense Adam, then the backward sketch, then the gradient sketch: the comparison that "
+        "matters most first; every row is printed as it finishes)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
         "--fp8",
@@ -373,7 +388,8 @@ def main() -> None:
         f"{'LoGRA with fp32 grad copies, ' if args.loggra_fp32_grad_copy else ''}"
         f"{'reference offloaded, ' if args.reference_offload else ''}"
         f"{'S reduce-scattered per micro-batch, ' if args.loggra_sketch_reduce != 'step' else ''}"
-        f"log-prob chunks of {args.log_prob_chunk_size or 'the default size'}, {args.device}"
+        f"log-prob chunks of {args.log_prob_chunk_size or 'the default size'}, {args.device}",
+        flush=True,
     )
     columns = [
         ("state", "optimizer state"),
@@ -385,12 +401,12 @@ def main() -> None:
     if args.device == "cuda":
         columns = [("state", "optimizer state"), ("peak", "**peak**")]
     print(f"\n| optimizer | setting | reference | {' | '.join(n for _, n in columns)} | step (s) |")
-    print("|---|---|---|" + "---:|" * (len(columns) + 1))
+    print("|---|---|---|" + "---:|" * (len(columns) + 1), flush=True)
     best, rows = {}, []
     references = {"both": (True, False), "yes": (True,), "no": (False,)}[args.reference]
     for with_reference in references:
-        for kind, settings in SETTINGS.items():
-            for bf16_grads, remainders in settings:
+        for kind in args.optimizers:
+            for bf16_grads, remainders in SETTINGS[kind]:
                 r = measure(kind, args, bf16_grads, with_reference, remainders)
                 name = setting_name(kind, bf16_grads, remainders)
                 rows.append({"optimizer": kind, "setting": name, "reference": with_reference, **r})
@@ -408,8 +424,12 @@ def main() -> None:
         "LoGRA / dense | saved |"
     )
     print("|---|---|---|---|---:|---:|")
+    modes = {"backward": "backward", "loggra": "gradient"}
     for with_reference in references:
-        for kind, mode in (("loggra", "gradient"), ("backward", "backward")):
+        for kind in args.optimizers:
+            if kind not in modes or ("dense", with_reference) not in best:
+                continue
+            mode = modes[kind]
             (dn, d), (gn, g) = best[("dense", with_reference)], best[(kind, with_reference)]
             ratio = g["peak"] / d["peak"]
             print(

@@ -44,6 +44,9 @@ def test_gpu_check_script_passes_flags_the_benchmark_accepts():
     for extra in runs:
         args = bench.parse_args([*flags, *shlex.split(extra)])
         assert args.device == "cuda" and args.hidden == 2048 and args.layers == 16
+        # dense Adam and the backward sketch first: a timeout still leaves that comparison
+        assert args.optimizers == ["dense", "backward", "loggra"]
+    assert bench.parse_args([]).optimizers == ["dense", "backward", "loggra"]
     assert bench.parse_args([*flags, "--fp8", "hybrid"]).fp8 == "hybrid"
     with pytest.raises(SystemExit):
         bench.parse_args(["--fp8", "hybrid"])  # FP8 on CPU is refused
@@ -307,9 +310,13 @@ def test_decode_step_benchmark_measures_the_kv_cache(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "decode_step.py")]
     cmd += shlex.split("--layers 1 --hidden 64 --heads 4 --groups 2 --vocab 128 --ffn 128")
     cmd += shlex.split("--prompt-tokens 8 --new-tokens 4 --batches 2 4 --repeats 1 --json")
-    subprocess.run([*cmd, str(out)], check=True, timeout=600, capture_output=True, cwd=ROOT)
+    proc = subprocess.run(
+        [*cmd, str(out)], check=True, timeout=600, capture_output=True, text=True, cwd=ROOT
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [2, 4]
+    printed = re.findall(r"^\| (\d+) \| ", proc.stdout, re.M)  # a row per batch size
+    assert printed == ["2", "4"]
     for r in rows:
         assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and r["steps"] == 4
         assert r["kv_bytes_measured"] == r["kv_bytes_formula"] > 0

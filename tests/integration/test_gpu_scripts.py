@@ -391,13 +391,16 @@ def test_h200_check_flags_are_accepted_by_pretrain_rl_and_the_estimator(cli, cap
         est = ["--world-size", "1", "--vocab-size", "512", "--rollout-engine", engine]
         res = _estimate(cli, capsys, [*est, *shape, *impl, *step])
         assert 5 < res["loggra"]["total"] < 139  # a ~1B model: fits one H200
-    # the flagship (FP8 + the dynamic engine) where it can run, then what runs anywhere,
-    # then the dynamic engine, then FP8
+    # every RL run names LoGRA's backward sketch
+    args = build_parser().parse_args(["--tokenizer-model", "t.model", *shape, *step])
+    assert (args.optimizer, args.loggra_sketch) == ("loggra", "backward")
+    # the flagship (FP8 + the dynamic engine) where it can run, then what runs anywhere (the
+    # memory sweep before the RL run), then the dynamic engine, then FP8
     calls = (
         r"^    rl rl_fp8 dynamic",
         r"^section decode",
-        r"^rl rl_static static",
         r"^section memory_bf16",
+        r"^rl rl_static static",
         r"^section kl_control",
         r"^    rl rl_dynamic dynamic",
         r"^    section memory_fp8",
@@ -455,12 +458,12 @@ RUNNABLE = (  # wherever torch and megatron-core run, in this order
     "environment",
     "tokenizer",
     "decode",
+    "memory_bf16",
     "estimate_rl_static",
     "rl_static",
-    "memory_bf16",
     "kl_control",
 )
-NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_packed")  # on a CPU machine
+NOT_HERE = ("rl_dynamic", "memory_fp8", "rl_fp8", "rl_fp8_rollout", "rl_packed")  # on a CPU machine
 
 
 def test_h200_check_skips_sections_past_its_budget(tmp_path):
@@ -474,34 +477,66 @@ def test_h200_check_skips_sections_past_its_budget(tmp_path):
     assert "# done in" in text
 
 
-@pytest.mark.parametrize("budget", [450, 1000])
-@pytest.mark.parametrize("everything", [False, True])
-def test_h200_check_section_limits_add_up_to_the_budget(tmp_path, budget, everything):
-    """The limits share the budget (environment included) among the sections that run, the
-    flagship first: on a machine with Transformer Engine and flash-attn (``everything``) the
-    default 450 s budget runs the flagship FP8 + dynamic-engine run, the decode steps and the
-    static run, and skips the rest with the reason; 1000 s runs all of it."""
+def _plan(tmp_path, budget: int, everything: bool = False) -> tuple[dict[str, int], str]:
+    """``h200_check.sh plan``: the section limits it prints, and its output."""
     assume = {"ASSUME_AVAILABLE": "1"} if everything else {}
     proc, text = _rehearse(tmp_path, "plan", BUDGET_S=str(budget), RL_DEVICE="cpu", **assume)
     assert proc.returncode == 0, proc.stderr
     line = re.search(r"^# section limits \(s\) of the (\d+) s budget: (.*)$", text, re.M)
     assert int(line[1]) == budget
-    limits = {k: int(v) for k, v in (cell.split("=") for cell in line[2].split())}
+    return {k: int(v) for k, v in (cell.split("=") for cell in line[2].split())}, text
+
+
+@pytest.mark.parametrize("budget", [450, 1400])
+@pytest.mark.parametrize("everything", [False, True])
+def test_h200_check_section_limits_add_up_to_the_budget(tmp_path, budget, everything):
+    """The limits share the budget (environment included) among the sections that run, the
+    flagship first: on a machine with Transformer Engine and flash-attn (``everything``) the
+    default 450 s budget runs the flagship FP8 + dynamic-engine run, the decode steps and the
+    memory sweep, and skips the rest with the reason; 1400 s runs all of it. Without them,
+    450 s runs all but ``kl_control``."""
+    limits, _ = _plan(tmp_path, budget, everything)
     assert budget - len(limits) <= sum(limits.values()) <= budget  # whole seconds, rounded down
     names = list(limits)
+    ran = {k for k, v in limits.items() if v > 0}
     if not everything:  # a GPU without TE or flash-attn, or this CPU: the runnable sections
-        assert names == list(RUNNABLE) and min(limits.values()) > 0
+        assert names == list(RUNNABLE)
+        assert ran == set(RUNNABLE) - ({"kl_control"} if budget == 450 else set())
         return
     assert names[:4] == ["environment", "tokenizer", "estimate_rl_fp8", "rl_fp8"]  # flagship
     assert set(NOT_HERE) <= set(names)
-    ran = {k for k, v in limits.items() if v > 0}
     if budget == 450:
         assert ran == {"environment", "tokenizer", "estimate_rl_fp8", "rl_fp8", "decode"} | {
-            "estimate_rl_static",
-            "rl_static",
+            "memory_bf16"
         }
     else:
         assert ran == set(names)
+
+
+def test_h200_check_plan_puts_the_key_rows_first(tmp_path):
+    """``h200_check.sh plan`` on the default 450 s budget (what a one-GPU machine without
+    Transformer Engine runs): the decode table, the memory sweep with dense Adam and the
+    backward sketch first, and an RL run with the backward sketch all get a limit that fits
+    their measured time, within the budget; the tokenizer gets a margin over its ~1 s; the
+    environment section reports the device memory at start."""
+    limits, text = _plan(tmp_path, 450)
+    assert sum(limits.values()) <= 450
+    plan = re.findall(r"^#   (\w+) \((.*?)\): (.*)$", text, re.M)
+    order = [name for name, _, _ in plan]
+    assert order == ["environment", "tokenizer", "decode", "memory_bf16", "rl_static"] + [
+        "kl_control"
+    ]
+    what = {name: desc for name, _, desc in plan}
+    assert "--optimizers dense backward" in what["memory_bf16"]  # the key rows first
+    assert "--optimizer loggra --loggra-sketch backward" in what["rl_static"]
+    assert "torch.cuda.mem_get_info" in what["environment"]
+    assert "memory/free_bytes" in what["environment"]
+    assert "memory/reserved_bytes" in what["environment"]
+    assert limits["tokenizer"] >= 30 and limits["decode"] >= 60
+    assert limits["memory_bf16"] >= 120  # dense + backward + gradient take 100-120 s
+    assert limits["rl_static"] + limits["estimate_rl_static"] >= 160  # 144 s on an H200
+    text = _read(H200)  # the sweep's flags say the same
+    assert re.search(r"^SHAPE=\(.*--optimizers dense backward loggra\)", text, re.M | re.S)
 
 
 def test_h200_check_skips_the_sections_named_in_skip(tmp_path):
@@ -527,7 +562,7 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     kl = "--layers 1 --hidden 64 --heads 4 --vocab 128 --seq 16 --batch 8 --steps 1 --run-steps 3"
     proc, text = _rehearse(
         tmp_path,
-        BUDGET_S="500",
+        BUDGET_S="540",  # every runnable section within it (kl_control last)
         STEPS="1",
         TOK_TASKS="1000",
         RL_DEVICE="cpu",
@@ -548,9 +583,12 @@ def test_h200_check_rehearsal_on_cpu(tmp_path):
     static = text.split("## rl_static", 1)[1]
     assert "-> rc=0" in static and "1 steps in metrics.jsonl" in static
     assert re.search(r"step 1: step_s=\S+ rollout_s=\S+ .*peak_bytes=\S+GiB", static)
-    assert "| dense | fp32 grads | yes |" in text
-    assert "| loggra | bf16 grads, remainders | yes |" in text
-    assert "| backward | bf16 grads, remainders | yes |" in text
+    assert "memory at start: no CUDA device" in text
+    assert "sketch_buffer_bytes=" in static  # the backward sketch's S
+    rows = re.findall(r"^\| (dense|backward|loggra) \| (.*?) \| yes \|", text, re.M)
+    assert [kind for kind, _ in rows] == ["dense"] * 2 + ["backward"] * 4 + ["loggra"] * 4
+    assert ("dense", "fp32 grads") in rows and ("loggra", "bf16 grads, remainders") in rows
+    assert ("backward", "bf16 grads, remainders") in rows
     for mode in ("gradient", "backward"):  # best vs best, per LoGRA sketch mode
         best = rf"\| yes \| {mode} \| \S+ \(.*\) \| \S+ \(.*\) \| \S+ \| \S+ % \|"
         assert re.search(best, text), mode
