@@ -173,6 +173,14 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (int(n),), generator=gen).tolist() for n in lengths]
 
 
+def _save_rollout(rollout, path: str) -> None:
+    """The tokens, log-probs and mask of ``rollout``, for the driver's comparison."""
+    import torch
+
+    fields = ("tokens", "log_probs", "response_mask")
+    torch.save({name: getattr(rollout, name) for name in fields}, path)
+
+
 def run_worker(args) -> None:
     """One (mode, variant): build, warm up, then time and measure ``--repeats`` rollouts."""
     import torch
@@ -228,14 +236,7 @@ def run_worker(args) -> None:
         del rollout
     peak = _peak_rss(hwm_reset) - rss_before
     seconds = statistics.median(times)
-    torch.save(
-        {
-            "tokens": first.tokens,
-            "log_probs": first.log_probs,
-            "response_mask": first.response_mask,
-        },
-        spec["tokens_path"],
-    )
+    _save_rollout(first, spec["tokens_path"])
     result = dict(
         mode=spec["mode"],
         variant=spec["variant"],

@@ -175,16 +175,9 @@ def _worker(rank, args, tokenizer_path: str) -> dict:
             )
             times[arm]["logprobs"].append(time.perf_counter() - t0)
             padded[arm]["logprobs"] = stats.fraction
-    return {
-        "times": times,
-        "padded": padded,
-        "real_tokens": real,
-        "width": seq,
-        "budget": budget,
-        "answer_median": answer_median,
-        "completion_lengths": lengths,
-        "torch": torch.__version__,
-    }
+    facts = dict(real_tokens=real, width=seq, budget=budget, answer_median=answer_median)
+    facts.update(completion_lengths=lengths, torch=torch.__version__)
+    return dict(times=times, padded=padded, **facts)
 
 
 def summarize(result: dict) -> dict:

@@ -238,6 +238,43 @@ def _preflight(opts) -> None:
     _check_destination(opts.save, opts.direction)
 
 
+def _convert(opts, log):
+    """The conversion ``opts.direction`` asks for; returns the model's ``GPTModelArgs``."""
+    from loggra_megatron.convert import convert_hf_to_megatron, convert_megatron_to_hf
+
+    use_te = opts.transformer_impl == "transformer_engine"
+    if opts.direction == "hf-to-megatron":
+        overrides = {"make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by}
+        if opts.params_dtype is not None:
+            overrides["params_dtype"] = opts.params_dtype
+        return convert_hf_to_megatron(opts.load, opts.save, use_te=use_te, log=log, **overrides)
+    return convert_megatron_to_hf(
+        opts.load,
+        opts.save,
+        max_shard_bytes=opts.max_shard_size,
+        use_te=use_te,
+        log=log,
+        iteration=opts.ckpt_step,
+        masters=opts.export_masters,
+    )
+
+
+def _failed(opts, error: Exception, full: bool, existed: bool) -> int:
+    """A refused conversion (exit 2) or a write that failed for want of space (an OSError,
+    safetensors' error, or the dist checkpoint writer's "unexpected pos"; exit 1): one line,
+    and no partial files."""
+    message = " ".join(str(error).split())
+    if full:
+        message = (
+            f"writing --save {opts.save} failed, its file system is full "
+            f"({type(error).__name__}: {message[:200]}); the partial files were removed: "
+            "free space and run the same command again"
+        )
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    _clean_failed(opts.save, existed)
+    return 1 if full else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
@@ -256,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
 
     from loggra_megatron.checkpointing import CheckpointError
-    from loggra_megatron.convert import convert_hf_to_megatron, convert_megatron_to_hf
     from loggra_megatron.megatron_version import untested_version_note
 
     if torch.distributed.is_initialized():  # reused group: no rank writes before all checked
@@ -276,22 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{opts.direction}: {opts.load} -> {opts.save} (TP={tp}, PP={pp})", flush=True)
             if (note := untested_version_note()) is not None:
                 print(note, file=sys.stderr, flush=True)
-        use_te = opts.transformer_impl == "transformer_engine"
-        if opts.direction == "hf-to-megatron":
-            overrides = {"make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by}
-            if opts.params_dtype is not None:
-                overrides["params_dtype"] = opts.params_dtype
-            args = convert_hf_to_megatron(opts.load, opts.save, use_te=use_te, log=log, **overrides)
-        else:
-            args = convert_megatron_to_hf(
-                opts.load,
-                opts.save,
-                max_shard_bytes=opts.max_shard_size,
-                use_te=use_te,
-                log=log,
-                iteration=opts.ckpt_step,
-                masters=opts.export_masters,
-            )
+        args = _convert(opts, log)
         if rank == 0:
             print(
                 f"done: {args.num_layers} layers, hidden {args.hidden_size}, "
@@ -300,22 +321,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     except Exception as e:
-        # a write that failed for want of space (an OSError, safetensors' error, or the
-        # dist checkpoint writer's "unexpected pos"): one line, no partial files, exit 1
         full = _disk_full(opts.save)
         refused = (ValueError, FileNotFoundError, FileExistsError, KeyError, CheckpointError)
         if not full and not isinstance(e, refused):
             raise
-        message = " ".join(str(e).split())
-        if full:
-            message = (
-                f"writing --save {opts.save} failed, its file system is full "
-                f"({type(e).__name__}: {message[:200]}); the partial files were removed: "
-                "free space and run the same command again"
-            )
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        _clean_failed(opts.save, existed)
-        return 1 if full else 2
+        return _failed(opts, e, full, existed)
     finally:
         if owns_group:
             parallel_state.destroy_model_parallel()

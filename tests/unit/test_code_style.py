@@ -1,7 +1,8 @@
 """House rules a reviewer would otherwise check by hand (docs/architecture.md): modules under
-500 lines, plain comments, with no Sphinx roles (``:class:`` …) that no renderer runs, and
+500 lines, functions under 80, plain comments, with no Sphinx roles (``:class:`` …) that no renderer runs, and
 no references to tracker entries."""
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -28,6 +29,21 @@ def test_package_modules_stay_under_500_lines():
         if (n := len(p.read_text().splitlines())) >= 500
     }
     assert not long, f"split these modules (500 lines or more): {long}"
+
+
+def test_functions_stay_under_80_lines():
+    """Every function of the package, the tools, the benchmarks and ``pretrain_rl.py`` (the
+    tests' helpers and fixtures are exempt)."""
+    long = {}
+    for path in SOURCES:
+        if ROOT / "tests" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n >= 80:
+                    long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
+    assert not long, f"split these functions (80 lines or more): {long}"
 
 
 def test_no_sphinx_roles():
