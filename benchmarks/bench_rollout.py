@@ -192,7 +192,7 @@ def run_worker(args) -> None:
     load_before = os.getloadavg()[0]
     from loggra_megatron.parallel import initialize_megatron
     from loggra_megatron.rollout import RolloutRequest, generate_rollout
-    from loggra_megatron.rollout.engine import chunk_rows, generate_chunked, kv_cache_bytes
+    from loggra_megatron.rollout.static.chunking import chunk_rows, generate_chunked, kv_cache_bytes
 
     initialize_megatron(seed=args.seed, device="cpu")
     model, _ = build_model(args)

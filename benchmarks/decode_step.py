@@ -7,7 +7,7 @@
 A decode step reads every weight of the model once and the KV cache of every row up to its
 position, so its time is bounded below by ``(weight bytes + KV bytes read) / bandwidth``
 (``--bandwidth-gbs``: an H200's HBM3e 4800 GB/s by default; 3350 for an H100 SXM). For each
-batch size the static engine (``rollout/generate.py``) generates ``--new-tokens`` tokens after
+batch size the static engine (``rollout/static/generate.py``) generates ``--new-tokens`` tokens after
 prompts of ``--prompt-tokens``, twice: with its decode steps in CUDA graphs (on CPU the graph
 stand-in, the same static buffers run eagerly) and eagerly (``cuda_graphs=False``), from the
 same prompts and seed. The decode steps are timed after the prefill (one device sync before,
@@ -15,7 +15,7 @@ one after) less the steps that captured a graph (each width's first: warm-up and
 timed apart as "capture ms"). Printed: ms per decode step in both arms and their ratio, the
 floor and the ratio to it, generated tokens/s, the forwards and host syncs of the loop, the KV
 cache's bytes *measured* on the decoder's buffers beside the formula
-(``rollout.engine.kv_cache_bytes``), whether both arms sampled the same tokens, and the aten
+(``rollout.static.chunking.kv_cache_bytes``), whether both arms sampled the same tokens, and the aten
 ops per decode-loop forward of a profiled rollout: all of them, and those a GPU still launches
 from the host when the step is a graph (outside the replays, plus one per replay). Each batch
 size's row is printed (and ``--json`` rewritten) as soon as it is measured, so a run stopped
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from loggra_megatron.rollout import generate
+from loggra_megatron.rollout.static import generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class _Recorder:
-    """Wraps the static engine's decoder (``rollout/decoder.py``): the time after the prefill
+    """Wraps the static engine's decoder (``rollout/static/decoder.py``): the time after the prefill
     (at its first decode step, after a device sync), the time spent capturing step graphs
     (each width's first step: warm-up and capture), and the decoders made (their KV
     buffers)."""
@@ -130,7 +130,7 @@ def _ops_per_step(model, prompts, args) -> tuple[float, float]:
     dispatch them), and those a GPU still dispatches from the host when the step is a graph
     (the ops outside the step-graph replays; a replay counts one)."""
     from loggra_megatron.rollout import RolloutRequest, generate_rollout
-    from loggra_megatron.rollout.step_graph import GRAPH_RANGE
+    from loggra_megatron.rollout.static.step_graph import GRAPH_RANGE
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         rollout = generate_rollout(
@@ -161,7 +161,7 @@ def measure(args, device: torch.device) -> list[dict]:
 def measure_rows(args, device: torch.device):
     """Yields the row of each ``--batches`` entry as soon as it is measured (Megatron
     initialised on ``device``), so that a caller can print it before the next one runs."""
-    from loggra_megatron.rollout.engine import kv_cache_bytes
+    from loggra_megatron.rollout.static.chunking import kv_cache_bytes
     from loggra_megatron.testing import tiny_gpt_model
 
     seq = args.prompt_tokens + args.new_tokens

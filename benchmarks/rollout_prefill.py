@@ -52,7 +52,7 @@ def _decode_ops(model, prompts, new_tokens: int) -> float:
 
 def _arm(model, prompts, args, share: bool) -> dict:
     from loggra_megatron.rollout import RolloutRequest, generate_rollout
-    from loggra_megatron.rollout import generate as gen_module
+    from loggra_megatron.rollout.static import generate as gen_module
 
     forward, prefill_s = gen_module._stage_forward, []
 

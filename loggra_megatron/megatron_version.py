@@ -3,7 +3,7 @@
 CI runs the whole CPU suite on the oldest tested release (Python 3.11, where nothing newer
 installs) and every Megatron-Core test on the newest (Python 3.12): ``.ci/run``. The
 version-dependent code is feature-detected in one place per subsystem
-(``rollout/mcore_engine.py`` for the inference API); ``docs/megatron_versions.md`` lists
+(``rollout/dynamic/mcore_engine.py`` for the inference API); ``docs/megatron_versions.md`` lists
 what differs and what moves when the oldest release is dropped.
 """
 

@@ -40,7 +40,7 @@ MARK = "megatron and not slow and not gpu"
 VERSION_SENSITIVE = (
     "pyproject.toml",
     "loggra_megatron/megatron_version.py",
-    "loggra_megatron/rollout/mcore_engine.py",
+    "loggra_megatron/rollout/dynamic/mcore_engine.py",
     "loggra_megatron/optim/megatron/optimizer_state.py",
 )
 """Inputs whose change makes CI run every megatron-marked test on the newest line: the pin

@@ -94,7 +94,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=f
 # freed KV buffer's pages are reused instead of its segment staying pinned, and no NVLS
 # buffers (one GPU here: no communicator either way). The estimates below say so too.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0
-# CUDA graphs beside expandable segments: NCCL's buffer registration off (rollout/mcore_engine.py)
+# CUDA graphs beside expandable segments: NCCL's buffer registration off (rollout/dynamic/mcore_engine.py)
 export NCCL_GRAPH_REGISTER=0
 # Setup: carried wheels (megatron-core) into a private site dir; this repository by path.
 SITE=$WORK/site
@@ -202,7 +202,7 @@ def why(what: str, device: str) -> str:
     if device != "cuda" or not torch.cuda.is_available():
         return f"no CUDA device (RL_DEVICE={device})"
     if what == "dynamic":
-        from loggra_megatron.rollout.dynamic_generate import dynamic_engine_unavailable
+        from loggra_megatron.rollout.dynamic.generate import dynamic_engine_unavailable
 
         return dynamic_engine_unavailable() or ""
     try:

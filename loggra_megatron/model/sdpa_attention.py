@@ -24,7 +24,7 @@ log-sum-exp per row: nothing quadratic in the sequence length.
   ``i`` see key ``j`` iff ``j ≤ i + (sk − sq)``: bottom-right aligned, the ``sq`` queries
   being the last ``sq`` of ``sk`` positions. That is a KV-cache step: Megatron's
   ``Attention`` calls it with ``attn_mask_type=no_mask`` and ``attention_mask=None`` after
-  the prefill of a static batch (our ``rollout/generate.py``), where the construction's mask
+  the prefill of a static batch (our ``rollout/static/generate.py``), where the construction's mask
   type decides, as in the local module. ``sq == sk`` runs SDPA's ``is_causal`` (no mask
   tensor); one query sees every key. A sliding window ``(w_l, w_r)`` (``config.window_size``
   on this layer; a negative side is unbounded) keeps only ``j − i − (sk − sq) ∈ [−w_l, w_r]``.
@@ -41,7 +41,7 @@ log-sum-exp per row: nothing quadratic in the sequence length.
 Refused with the reason (the local module refuses the first two too): packed sequences
 (``packed_seq_params``, THD: the Transformer Engine spec runs them), ``attention_bias``,
 context parallelism and softmax types other than ``vanilla`` (no attention sink in SDPA).
-Megatron's dynamic inference engine (``rollout/dynamic_generate.py``) never calls core attention: it
+Megatron's dynamic inference engine (``rollout/dynamic/generate.py``) never calls core attention: it
 runs its own flash kernels on the paged KV cache.
 """
 

@@ -9,10 +9,10 @@ torch (the memory model reads the registry).
 from importlib import import_module
 
 _EXPORTS = {
-    "Rollout": "loggra_megatron.rollout.generate",
-    "generate_rollout": "loggra_megatron.rollout.generate",
-    "sample_tokens": "loggra_megatron.rollout.generate",
-    "sampling_generator": "loggra_megatron.rollout.generate",
+    "Rollout": "loggra_megatron.rollout.static.generate",
+    "generate_rollout": "loggra_megatron.rollout.static.generate",
+    "sample_tokens": "loggra_megatron.rollout.static.generate",
+    "sampling_generator": "loggra_megatron.rollout.static.generate",
     "ROLLOUT_ENGINES": "loggra_megatron.rollout.registry",
     "RolloutRequest": "loggra_megatron.rollout.protocol",
 }

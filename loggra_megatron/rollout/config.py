@@ -26,7 +26,7 @@ class RolloutConfig:
     where it can run, else static; see loggra_megatron.rollout.registry)."""
     rollout_cuda_graphs: bool = True
     """Decode steps as CUDA graphs on a GPU: the static engine captures each step (per
-    attention width, rollout/decoder.py), the dynamic engine Megatron-Core's layer graphs per
+    attention width, rollout/static/decoder.py), the dynamic engine Megatron-Core's layer graphs per
     decode batch size (rollout/mcore_engine.decode_graphs); --rollout-fp8 decodes eagerly. Off: eager
     decode steps (to profile or debug); refused on CPU, where there are no CUDA graphs (the
     static step runs through the graph stand-in)."""

@@ -1,7 +1,7 @@
 """The rollout engines ``pretrain_rl.py`` can generate with (``--rollout-engine``), by name.
 
 Each entry is a ``RolloutEngine``, defined in its own
-module (``rollout/static.py``, ``rollout/dynamic.py``): the flag's choices
+module (``rollout/static/__init__.py``, ``rollout/dynamic/__init__.py``): the flag's choices
 (``rollout.config``), the start-up refusals (``arguments.validate``), the choice and the
 generation (``rl.experience``) and the memory model (``memory``) read it; ``auto`` is
 ``select_engine``'s rule over the registry. Imports neither torch nor Megatron; the

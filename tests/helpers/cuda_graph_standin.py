@@ -12,7 +12,7 @@ What a CUDA graph does, and what ``RecordedGraph`` therefore does:
   ops that only made views are not re-run (they alias memory the replay refills anyway).
 * **No host reads inside a capture.** ``.item()``, ``bool(t)``, ``nonzero``, boolean-mask
   indexing: the capture raises (CUDA: ``cudaErrorStreamCaptureUnsupported``), with
-  ``rollout.step_graph``'s list of such operators.
+  ``rollout.static.step_graph``'s list of such operators.
 * **Collectives replay.** A TP all-reduce inside a layer (``torch.distributed``'s
   ``COLLECTIVES``, which do not pass the dispatcher) is recorded in order with the operators
   and re-run at every replay, as NCCL kernels are part of a graph.
@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from loggra_megatron.rollout.step_graph import HostReadError, reads_host
+from loggra_megatron.rollout.static.step_graph import HostReadError, reads_host
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _CAPTURING: list[RecordedGraph] = []

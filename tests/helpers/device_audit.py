@@ -224,8 +224,8 @@ def install(audit: DeviceAudit) -> None:
 def _step_graphs_on_the_host() -> None:
     """The simulated device's tensors live on the host, where ``torch.cuda.CUDAGraph`` cannot
     capture: the static engine's decode steps take ``StepGraphs``' own stand-in, which holds
-    them to what a capture enforces (``rollout/step_graph.py``)."""
-    from loggra_megatron.rollout import step_graph
+    them to what a capture enforces (``rollout/static/step_graph.py``)."""
+    from loggra_megatron.rollout.static import step_graph
 
     init = step_graph.StepGraphs.__init__
 

@@ -310,7 +310,7 @@ def _meta_in_inference_mode(rank, warm_up: bool):
     import gpu_standins
 
     from loggra_megatron.model.forward import initialize_fp8_state, run_schedule
-    from loggra_megatron.rollout.dynamic_generate import _inference_state  # RoPE cache, FP8 casts
+    from loggra_megatron.rollout.dynamic.generate import _inference_state  # RoPE cache, FP8 casts
     from loggra_megatron.testing import tiny_bf16_gpt_model, wrap_ddp
 
     gpu_standins.install_transformer_engine()

@@ -136,7 +136,7 @@ def simulated_hopper(monkeypatch):
 
     import torch
 
-    import loggra_megatron.rollout.mcore_engine as mcore_engine
+    import loggra_megatron.rollout.dynamic.mcore_engine as mcore_engine
 
     fake = types.ModuleType("transformer_engine")
     fake.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)

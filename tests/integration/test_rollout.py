@@ -56,7 +56,7 @@ def _naive_greedy(model, prompt: list[int]) -> list[int]:
 
 def _megatron_kv_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
     """One sequence through Megatron-Core's own KV cache (``StaticInferenceContext``), as the
-    static engine decoded before ``rollout/decoder.py``: greedy tokens and their log-probs."""
+    static engine decoded before ``rollout/static/decoder.py``: greedy tokens and their log-probs."""
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
     context = StaticInferenceContext(1, len(prompt) + NEW)
@@ -78,7 +78,7 @@ def _megatron_kv_greedy(model, prompt: list[int]) -> tuple[list[int], list[float
 
 def _narrow_widths(model) -> tuple:
     """The long greedy rollout with decode widths from 4: ``(rollout, widths captured)``."""
-    from loggra_megatron.rollout import decoder, generate
+    from loggra_megatron.rollout.static import decoder, generate
 
     made, saved = [], (decoder.MIN_WIDTH, generate.StaticDecoder)
 
@@ -227,7 +227,7 @@ def test_kv_cache_equals_naive_per_sequence_greedy(tp1):
 
 
 def test_decoder_equals_megatrons_own_kv_cache(tp1):
-    """The static engine's decoder (``rollout/decoder.py``: Megatron's layers around attention
+    """The static engine's decoder (``rollout/static/decoder.py``: Megatron's layers around attention
     over a static cache) samples the greedy tokens Megatron-Core's ``StaticInferenceContext``
     does, one sequence at a time, with the same log-probs to round-off."""
     r = tp1[0]
@@ -327,8 +327,8 @@ def test_tensor_prompts_and_zero_new_tokens(tp1):
 def test_the_decode_loop_reads_the_device_once_every_16_steps(layout):
     """Prompt lengths are known on the host, and "every row is done" is read once every
     ``STOP_CHECK_INTERVAL`` steps (before: twice a token); plus one read to cut the result."""
-    from loggra_megatron.rollout.generate import STOP_CHECK_INTERVAL
     from loggra_megatron.rollout.protocol import rollout_stats
+    from loggra_megatron.rollout.static.generate import STOP_CHECK_INTERVAL
 
     results, _ = layout
     for r in results:

@@ -1,4 +1,4 @@
-"""Rollouts with a bounded KV cache (``loggra_megatron.rollout.engine``): chunks of rows
+"""Rollouts with a bounded KV cache (``loggra_megatron.rollout.static.chunking``): chunks of rows
 give the tokens of one big batch at temperature 0, on 1 process and under TP=2 / PP=2."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loggra_megatron.rollout import RolloutRequest, generate_rollout
-from loggra_megatron.rollout.engine import chunk_rows, generate_chunked, kv_cache_bytes
+from loggra_megatron.rollout.static.chunking import chunk_rows, generate_chunked, kv_cache_bytes
 from loggra_megatron.testing import run_distributed, tiny_gpt_model
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
@@ -49,7 +49,7 @@ def _worker(rank: int) -> dict:
 
 def _decoders_made(model, request) -> list[tuple[int, int, list]]:
     """``(batch, graph captures, widths)`` of each decoder one chunked rollout makes."""
-    from loggra_megatron.rollout import decoder
+    from loggra_megatron.rollout.static import decoder
 
     made, saved = [], decoder.StaticDecoder
 

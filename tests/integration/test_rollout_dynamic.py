@@ -1,4 +1,4 @@
-"""``loggra_megatron.rollout.dynamic_generate``: Megatron-Core's dynamic inference engine as a rollout
+"""``loggra_megatron.rollout.dynamic.generate``: Megatron-Core's dynamic inference engine as a rollout
 engine with a bounded KV cache.
 
 On CPU (megatron-core 0.16.1, ``loggra_megatron.cpu``'s CPU mode) the engine does *not* run:
@@ -32,7 +32,7 @@ import torch
 from megatron.core.package_info import __version__ as MCORE_VERSION
 
 from loggra_megatron.rollout import RolloutRequest, generate_rollout
-from loggra_megatron.rollout.dynamic_generate import (
+from loggra_megatron.rollout.dynamic.generate import (
     StepSampler,
     _plan,
     dynamic_engine_unavailable,
@@ -41,7 +41,7 @@ from loggra_megatron.rollout.dynamic_generate import (
     restore_forwards,
     truncate_at_stop,
 )
-from loggra_megatron.rollout.engine import kv_cache_bytes
+from loggra_megatron.rollout.static.chunking import kv_cache_bytes
 from loggra_megatron.testing import (
     run_distributed,
     tensor_bytes_left_in_cycles,
@@ -80,7 +80,7 @@ def _describe(exc: BaseException) -> dict:
 def _failure_worker(rank: int) -> dict:
     import gpu_standins
 
-    import loggra_megatron.rollout.dynamic_generate as dynamic
+    import loggra_megatron.rollout.dynamic.generate as dynamic
 
     model = tiny_gpt_model(2, 32, 4, VOCAB, MAX_SEQ, use_cpu_initialization=True)
     model.train()
@@ -188,8 +188,8 @@ def _worker(rank: int, full_state: dict | None = None) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
 
-    import loggra_megatron.rollout.dynamic_generate as dynamic
-    import loggra_megatron.rollout.mcore_engine as mcore_engine
+    import loggra_megatron.rollout.dynamic.generate as dynamic
+    import loggra_megatron.rollout.dynamic.mcore_engine as mcore_engine
 
     gpu_standins.install_flash_attn()
     streams = cuda_graph_standin.install()  # every case decodes through CUDA graphs
@@ -624,7 +624,7 @@ def test_restore_forwards_undoes_only_new_wrappers():
 
 
 def test_import_is_lazy():
-    code = "import sys, loggra_megatron.rollout.dynamic_generate; print(sorted(sys.modules))"
+    code = "import sys, loggra_megatron.rollout.dynamic.generate; print(sorted(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "megatron.core.inference.engines" not in out.stdout
     assert "megatron.core.inference.contexts.dynamic_context" not in out.stdout

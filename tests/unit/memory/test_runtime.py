@@ -135,7 +135,7 @@ def test_dynamic_engine_prefills_every_prompt_in_one_step():
     rounded as Megatron's DynamicInferenceContext rounds."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    from loggra_megatron.rollout.dynamic_generate import DEFAULT_BLOCK_SIZE
+    from loggra_megatron.rollout.dynamic.generate import DEFAULT_BLOCK_SIZE
 
     assert DynamicEngine.block_tokens == DEFAULT_BLOCK_SIZE
     assert DynamicEngine.token_rounder == DynamicInferenceContext.TOKEN_ROUNDER

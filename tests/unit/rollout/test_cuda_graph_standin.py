@@ -7,7 +7,7 @@ import cuda_graph_standin as cg
 import pytest
 import torch
 
-from loggra_megatron.rollout.step_graph import HostReadError
+from loggra_megatron.rollout.static.step_graph import HostReadError
 
 
 def _capture(fn):

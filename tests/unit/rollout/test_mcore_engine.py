@@ -1,5 +1,5 @@
-"""When the dynamic engine's decode steps become CUDA graphs (``rollout.mcore_engine``,
-``rollout.dynamic_generate``): the decisions that need no engine. The graphs themselves run
+"""When the dynamic engine's decode steps become CUDA graphs (``rollout.dynamic.mcore_engine``,
+``rollout.dynamic.generate``): the decisions that need no engine. The graphs themselves run
 in ``tests/integration/test_rollout_dynamic.py`` through Megatron's own graph manager."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-import loggra_megatron.rollout.dynamic_generate as dynamic
-from loggra_megatron.rollout import mcore_engine
-from loggra_megatron.rollout.mcore_engine import EnginePlan, graph_register_hazard
+import loggra_megatron.rollout.dynamic.generate as dynamic
+from loggra_megatron.rollout.dynamic import mcore_engine
+from loggra_megatron.rollout.dynamic.mcore_engine import EnginePlan, graph_register_hazard
 
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 

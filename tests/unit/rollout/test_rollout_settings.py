@@ -55,7 +55,7 @@ def test_auto_does_not_fall_back_to_the_static_engine_for_a_large_model(tokenize
     engine; auto now refuses to fall back above 3B parameters for what this machine lacks,
     while a named engine, a small model, or a fallback the settings decide (fp32) runs."""
     from loggra_megatron.arguments import validate
-    from loggra_megatron.rollout import mcore_engine
+    from loggra_megatron.rollout.dynamic import mcore_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(mcore_engine, "missing_attention_kernels", lambda: "no flash-attn")

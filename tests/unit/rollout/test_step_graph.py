@@ -1,12 +1,12 @@
-"""The CUDA-graph contract of ``rollout/step_graph.py``, held on CPU by its stand-in."""
+"""The CUDA-graph contract of ``rollout/static/step_graph.py``, held on CPU by its stand-in."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loggra_megatron.rollout.decoder import MIN_WIDTH, attention_width
-from loggra_megatron.rollout.step_graph import HostReadError, StepGraphs
+from loggra_megatron.rollout.static.decoder import MIN_WIDTH, attention_width
+from loggra_megatron.rollout.static.step_graph import HostReadError, StepGraphs
 
 
 def test_replays_read_the_refilled_inputs_and_rewrite_one_output():

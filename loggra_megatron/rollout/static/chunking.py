@@ -8,7 +8,7 @@ Static engine (CPU and GPU): ``generate_chunked`` runs
 (``kv_cache_bytes``), through one decoder whose KV cache and captured decode steps serve
 every chunk; each chunk samples from its own generator and is filled with finished rows to
 the decoder's batch (under FP8, a multiple of Transformer Engine's GEMM rows). Dynamic engine (GPU):
-``rollout.dynamic_generate``, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
+``rollout.dynamic.generate``, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
 cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
 ``docs/rollouts.md#the-static-engine``.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from loggra_megatron.rollout.generate import Rollout, generate_rollout
 from loggra_megatron.rollout.protocol import RolloutRequest
+from loggra_megatron.rollout.static.generate import Rollout, generate_rollout
 
 __all__ = ["chunk_rows", "concat_rollouts", "generate_chunked", "kv_cache_bytes"]
 
@@ -81,8 +81,8 @@ def generate_chunked(
     captured decode steps serve every chunk; a shorter last chunk is filled with finished
     rows). Returns the rollout of all ``prompts`` and the bytes of the decoder's KV cache on
     this rank, measured on its buffers."""
-    from loggra_megatron.rollout.decoder import StaticDecoder
     from loggra_megatron.rollout.generation_mode import generation_mode
+    from loggra_megatron.rollout.static.decoder import StaticDecoder
 
     length = max(len(p) for p in prompts) + request.max_new_tokens
     rows = chunk_rows(len(prompts), length, request.max_tokens)

@@ -1,8 +1,10 @@
 """The dynamic engine (``--rollout-engine dynamic``): Megatron-Core's
-``DynamicInferenceEngine`` on the training model (``rollout/dynamic_generate.py``; CUDA and
-flash-attn). Its registry entry and what the memory model reads of it; the generation code
-and the refusals by the settings (``dynamic_generate.refusal``) are imported where they are
-used (this module imports neither torch nor Megatron)."""
+``DynamicInferenceEngine`` on the training model; CUDA and flash-attn.
+
+This package's modules: this one, its registry entry and what the memory model reads of it
+(it imports neither torch nor Megatron); ``generate`` (the rollout through the engine, and
+the refusals by the settings: ``generate.refusal``), imported where it is used; and
+``mcore_engine`` (the engine built through the installed megatron-core's inference API)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ __all__ = ["DynamicEngine"]
 
 class DynamicEngine(RolloutEngine):
     """Megatron-Core's ``DynamicInferenceEngine`` (paged KV cache, continuous batching,
-    chunked prefill; ``rollout/dynamic_generate.py``) on the training model: CUDA and
+    chunked prefill; ``rollout/dynamic/generate.py``) on the training model: CUDA and
     flash-attn."""
 
     name = "dynamic"
@@ -30,23 +32,23 @@ class DynamicEngine(RolloutEngine):
     auto_priority = 1
     recomputes_log_probs = True
     block_tokens = 256
-    """Tokens per KV block (``rollout.dynamic_generate.DEFAULT_BLOCK_SIZE``)."""
+    """Tokens per KV block (``rollout.dynamic.generate.DEFAULT_BLOCK_SIZE``)."""
     token_rounder = 64
     """Megatron's ``DynamicInferenceContext.TOKEN_ROUNDER``: tokens per forward are rounded
     up to a multiple of ``ceil(64 / TP) · TP``."""
 
     def refusal(self, target: EngineTarget) -> str | None:
-        from loggra_megatron.rollout.dynamic_generate import refusal
+        from loggra_megatron.rollout.dynamic.generate import refusal
 
         return refusal(target)
 
     def unavailable(self, target: EngineTarget) -> str | None:
-        from loggra_megatron.rollout import mcore_engine
+        import loggra_megatron.rollout.dynamic.mcore_engine as mcore_engine
 
         return self.refusal(target) or mcore_engine.missing_attention_kernels()
 
     def generate(self, policy, prompts, request: RolloutRequest):
-        from loggra_megatron.rollout.dynamic_generate import generate_rollout_dynamic
+        from loggra_megatron.rollout.dynamic.generate import generate_rollout_dynamic
 
         t0 = time.perf_counter()
         rollout = generate_rollout_dynamic(policy, prompts, request)
@@ -60,7 +62,7 @@ class DynamicEngine(RolloutEngine):
 
     def decode_rows(self, step) -> int:
         """The requests in flight: as many as the KV blocks hold at full length
-        (``rollout.dynamic_generate._plan``: none is evicted), all of them without a bound."""
+        (``rollout.dynamic.generate._plan``: none is evicted), all of them without a bound."""
         full, budget = whole_batch_or_budget(step)
         if budget is None:
             return step.rollout_batch_size

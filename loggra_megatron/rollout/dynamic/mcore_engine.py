@@ -63,7 +63,7 @@ def missing_attention_kernels() -> str | None:
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What the engine is sized for (``rollout.dynamic_generate`` derives it from the prompts)."""
+    """What the engine is sized for (``rollout.dynamic.generate`` derives it from the prompts)."""
 
     blocks: int
     """KV blocks of ``block_size`` tokens (the dummy block not counted)."""

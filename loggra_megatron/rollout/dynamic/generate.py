@@ -5,7 +5,7 @@ as ``generate_rollout``, but drives Megatron-Core's
 ``DynamicInferenceEngine`` (paged KV cache, continuous batching, chunked prefill) on the
 *training model object itself* (no weight copy, no sync), as Megatron-LM's RL does. CUDA
 and flash-attn only: ``dynamic_engine_unavailable`` says why not. The engine is built
-through ``rollout.mcore_engine`` (the one place that knows the installed
+through ``rollout.dynamic.mcore_engine`` (the one place that knows the installed
 megatron-core's inference API). The engine flow, the KV-buffer arithmetic
 (``kv_cache_tokens``), sampling (``StepSampler``: padded vocab rows never drawn,
 several stop ids, TP-consistent draws), the log-prob recompute, TP/PP behaviour and the
@@ -24,18 +24,18 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+import loggra_megatron.rollout.dynamic.mcore_engine as mcore_engine
 from loggra_megatron.model.batching import needed_lengths
 from loggra_megatron.model.log_probs import compute_log_probs
-from loggra_megatron.rollout import mcore_engine
-from loggra_megatron.rollout.generate import (
+from loggra_megatron.rollout.generation_mode import generation_mode
+from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
+from loggra_megatron.rollout.static.generate import (
     Rollout,
     _check_sampling,
     _pack_prompts,
     sample_tokens,
     sampling_generator,
 )
-from loggra_megatron.rollout.generation_mode import generation_mode
-from loggra_megatron.rollout.protocol import EngineTarget, RolloutRequest
 
 __all__ = ["dynamic_engine_unavailable", "generate_rollout_dynamic"]
 
@@ -301,15 +301,20 @@ def _generate(
         termination_id=sampler.termination_id,
     )
     config = get_model_config(model)
-    with generation_mode(model, fp8=fp8), _inference_state(model):
-        graphs = _decode_graphs(model, config, cuda_graphs)  # config.fp8 as generating
-        with graphs, mcore_engine.built_engine(model, config, plan, sampler, seed) as engine:
+    with (
+        generation_mode(model, fp8=fp8),
+        _inference_state(model),
+        _decode_graphs(model, config, cuda_graphs),  # config.fp8 as generating
+    ):
+        with mcore_engine.built_engine(model, config, plan, sampler, seed) as engine:
             for i, p in enumerate(lens):
                 engine.add_request(i, prompts[i, :p].tolist(), params)
             generated = mcore_engine.run_engine(engine, len(lens))
             evicted = int(engine.evicted_request_count)
             kv_bytes = mcore_engine.kv_buffer_bytes(engine)
-        del engine  # its KV cache was freed on leaving the block
+        # its KV cache was freed on leaving the block; dropped before the graphs' exit
+        # collects garbage, so that the engine's own reference cycles go with it
+        del engine
     for rid, tok in sampler.substituted.items():  # the stop id that was really sampled
         generated[rid][-1] = tok
     return [generated[i] for i in range(len(lens))], evicted, kv_bytes

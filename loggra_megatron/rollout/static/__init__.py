@@ -1,9 +1,12 @@
-"""The static engine (``--rollout-engine static``): this project's KV-cached loop
-(``rollout/generate.py``: one prefill per distinct prompt, one token per step for the whole
-batch) in chunks of whole rows under ``--inference-max-tokens`` (``rollout/engine.py``), on the
-training model; CPU and GPU. Its registry entry and what the memory model reads of it; the
-generation code is imported when it generates (this module imports neither torch nor
-Megatron)."""
+"""The static engine (``--rollout-engine static``): this project's KV-cached loop on the
+training model, in chunks of whole rows under ``--inference-max-tokens``; CPU and GPU.
+
+This package's modules: this one, its registry entry and what the memory model reads of it
+(it imports neither torch nor Megatron); ``chunking`` (chunks of rows under the KV bound, one
+decoder for all of them), ``generate`` (the loop: one prefill per distinct prompt, one token
+per step for the whole batch), ``decoder`` (a stage's forward over a static KV cache) and
+``step_graph`` (decode steps in CUDA graphs, and their CPU stand-in), imported when it
+generates."""
 
 from __future__ import annotations
 
@@ -20,15 +23,15 @@ __all__ = ["StaticEngine"]
 
 
 class StaticEngine(RolloutEngine):
-    """This project's KV-cached loop (``rollout/generate.py``) in chunks of whole rows under
-    ``--inference-max-tokens`` (``rollout/engine.py``): CPU and GPU, on the training model."""
+    """This project's KV-cached loop (``rollout/static/generate.py``) in chunks of whole rows under
+    ``--inference-max-tokens`` (``rollout/static/chunking.py``): CPU and GPU, on the training model."""
 
     name = "static"
     description = "this project's KV-cached loop in chunks of rows (CPU and GPU)"
     auto_priority = 0
 
     def generate(self, policy, prompts, request: RolloutRequest):
-        from loggra_megatron.rollout.engine import generate_chunked
+        from loggra_megatron.rollout.static.chunking import generate_chunked
 
         t0 = time.perf_counter()
         rollout, kv_bytes = generate_chunked(policy, prompts, request)

@@ -75,7 +75,7 @@ class _RefuseHostReads(TorchDispatchMode):
         if reads_host(name, args):
             raise HostReadError(
                 f"{name} inside a captured decode step: a CUDA graph cannot capture a host "
-                "read; keep the value on the device (rollout/step_graph.py)"
+                "read; keep the value on the device (rollout/static/step_graph.py)"
             )
         return func(*args, **(kwargs or {}))
 

@@ -3,7 +3,7 @@
 ``generate_rollout`` is Megatron's static-batch scheme: right-padded prompts, one prefill
 of the shortest prompt (once per distinct prompt), then one token per step (finished rows
 idle until the whole batch is done) through a static KV cache and, on a GPU, a captured
-decode step (``rollout/decoder.py``), with the log-probs of the temperature-1 policy of
+decode step (``rollout/static/decoder.py``), with the log-probs of the temperature-1 policy of
 every sampled token. TP rank 0 samples from the TP-gathered last-token logits and broadcasts
 the ``[B]`` ids over TP, the log-prob is vocab-parallel (three ``[B]`` all-reduces); under
 PP each step runs stage by stage (one send/recv of ``[s, B, H]``) and the last stage
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.model.vocab_parallel import vocab_parallel_log_probs
-from loggra_megatron.rollout.decoder import StaticDecoder, stage_hidden_dtype
 from loggra_megatron.rollout.generation_mode import generation_mode
 from loggra_megatron.rollout.protocol import RolloutRequest
+from loggra_megatron.rollout.static.decoder import StaticDecoder, stage_hidden_dtype
 
 __all__ = [
     "Rollout",

@@ -2,7 +2,7 @@
 over a static cache, with each decode step captured in a CUDA graph (gpt-fast's scheme).
 
 A rollout batch of ``B`` rows advances one position ``p`` per step, all rows together
-(``rollout/generate.py``), so one device tensor ``positions [s]`` says where a forward of ``s``
+(``rollout/static/generate.py``), so one device tensor ``positions [s]`` says where a forward of ``s``
 tokens sits. Per step of this pipeline stage::
 
     h = embedding(ids)                                  [s, B, H]  (first stage; else received)
@@ -22,7 +22,7 @@ head. No dropout and no RNG-tracker fork (eval).
 smallest power of two ≥ ``p + 1`` (at least ``MIN_WIDTH``, at most the capacity): at most
 twice the keys it needs, and a handful of shapes per rollout. Each width's step (the layers
 and the output layer) is captured once per rollout (``StepGraphs``; a chunked rollout reuses
-one decoder, its cache and its graphs for every chunk, ``rollout/engine.py``)
+one decoder, its cache and its graphs for every chunk, ``rollout/static/chunking.py``)
 and replayed with the position refilled in place: no host sync and no Python per layer. The
 embedding runs eagerly before it and writes the graph's input buffer: Megatron's
 vocab-parallel embedding masks other shards' ids with a boolean index (``x[mask] = 0``), a host
@@ -52,7 +52,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from loggra_megatron.rollout.step_graph import StepGraphs
+from loggra_megatron.rollout.static.step_graph import StepGraphs
 
 __all__ = [
     "MIN_WIDTH",
@@ -257,7 +257,7 @@ class StaticDecoder:
 
     def share_prefix(self, index: torch.Tensor, length: int) -> None:
         """Row ``r``'s first ``length`` positions from row ``index[r]`` (after a prefill of
-        the distinct prompts only: ``rollout/generate.py``)."""
+        the distinct prompts only: ``rollout/static/generate.py``)."""
         for attention in self.attentions:
             for cache in (attention.key, attention.value):
                 cache[: len(index), :, :length] = cache[:, :, :length].index_select(0, index)
