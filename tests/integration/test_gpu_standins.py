@@ -235,7 +235,8 @@ def _bf16_rollouts_of_an_fp8_model(rank):
     import gpu_standins
     from megatron.core.utils import unwrap_model
 
-    from loggra_megatron.rollout import RolloutRequest, generate, generate_rollout
+    from loggra_megatron.rollout import RolloutRequest, generate_rollout
+    from loggra_megatron.rollout.static import generate
     from loggra_megatron.testing import tiny_bf16_gpt_model
 
     gpu_standins.install_transformer_engine()
