@@ -19,12 +19,11 @@ micro-batch's backward (``--micro-batches`` times the bytes).
 
 The backward sketch's weight sync alone is timed after that table (rank 0's medians over
 ``--sync-repeats``, the paths taking turns, a barrier before each): one all-gather per target
-weight (the former path, ``row_gather.gather_rows_per_weight``) against one bucketed
-all-gather per model chunk (``BackwardSketchOptimizer.sync_weights`` without a DDP bucket
-size) and against buckets of ``--sync-bucket-numel`` gathered elements (what a DDP
-``bucket_size`` gives), their bytes and collectives counted as above; and the sync followed
-by a forward against the gather left in flight over that forward (the
-``--overlap-param-gather`` path: each target's forward pre-hook waits for its bucket).
+weight (the former path, ``row_gather.gather_rows_per_weight``) against the bucketed sync
+(``BackwardSketchOptimizer.sync_weights``: one bucket for this model's targets under the
+40M-element cap) and against buckets of ``--sync-bucket-numel`` gathered elements, one after
+the other and pipelined (the ``--overlap-param-gather`` path: the next bucket's gather in
+flight while one is copied back), their bytes and collectives counted as above.
 ``--weight-sync-only`` prints that part only::
 
     torchrun --nproc-per-node 2 benchmarks/dp_traffic.py --weight-sync-only
@@ -175,10 +174,14 @@ def _interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def weight_sync(args) -> dict:
-    """The backward sketch's weight sync per weight, in one bucket per chunk and in buckets
-    of ``--sync-bucket-numel``: ring bytes, all-gathers and seconds of one sync; then a sync
-    and a forward, the gather in flight over the forward, and the forward alone."""
-    from loggra_megatron.optim.megatron.row_gather import gather_rows_per_weight, row_gathers
+    """The backward sketch's weight sync per weight, bucketed, and in buckets of
+    ``--sync-bucket-numel`` one after the other and pipelined: ring bytes, all-gathers and
+    seconds of one sync."""
+    from loggra_megatron.optim.megatron.row_gather import (
+        gather_rows_per_weight,
+        row_gathers,
+        sync_buckets,
+    )
     from loggra_megatron.testing import train_step
 
     ddp, opt = build(args, "backward")
@@ -196,26 +199,11 @@ def weight_sync(args) -> dict:
         for sites in leaf.sites:
             gather_rows_per_weight(sites, leaf.segment, leaf.dp_group)
 
-    def in_buckets():
-        for gather in capped:
-            gather.start()
-
-    def forward():
-        train_step(ddp, opt, tokens, num_microbatches=args.micro_batches, forward_only=True)
-
-    def sync_then_forward():
-        leaf.sync_weights()
-        forward()
-
-    def in_flight_over_forward():
-        leaf.start_weight_sync(async_op=True)
-        forward()  # each target's forward pre-hook finishes the gather
-        assert not leaf.weight_sync_pending
-
     syncs = {
         "per weight": per_weight,
-        "one bucket per chunk": leaf.sync_weights,
-        f"buckets of {args.sync_bucket_numel} elements": in_buckets,
+        "bucketed (the default cap)": leaf.sync_weights,
+        f"buckets of {args.sync_bucket_numel} elements": lambda: sync_buckets(capped, False),
+        f"buckets of {args.sync_bucket_numel}, pipelined": lambda: sync_buckets(capped, True),
     }
     out = {}
     for name, fn in syncs.items():
@@ -225,13 +213,6 @@ def weight_sync(args) -> dict:
         out[name] = {"bytes": traffic.bytes["all_gather"], "calls": traffic.calls["all_gather"]}
     for name, seconds in _interleaved_medians(syncs, args.sync_repeats).items():
         out[name]["s"] = seconds
-    steps = {
-        "sync, then forward": sync_then_forward,
-        "in flight over the forward": in_flight_over_forward,
-        "forward alone": forward,
-    }
-    repeats = max(3, args.sync_repeats // 4)
-    out.update({k: {"s": s} for k, s in _interleaved_medians(steps, repeats).items()})
     return out
 
 
@@ -243,17 +224,11 @@ def print_weight_sync(sync: dict) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in sync.items():
-        if "calls" in r:
-            print(
-                f"| {name} | {r['calls']} | {r['bytes'] / 2**20:.3f} | "
-                f"{r['bytes'] / base['bytes']:.3f} | {r['s'] * 1e3:.2f} | "
-                f"{r['s'] / base['s']:.2f} |"
-            )
-    print("\n| forward-only step | time (ms) |")
-    print("|---|---:|")
-    for name, r in sync.items():
-        if "calls" not in r:
-            print(f"| {name} | {r['s'] * 1e3:.2f} |")
+        print(
+            f"| {name} | {r['calls']} | {r['bytes'] / 2**20:.3f} | "
+            f"{r['bytes'] / base['bytes']:.3f} | {r['s'] * 1e3:.2f} | "
+            f"{r['s'] / base['s']:.2f} |"
+        )
 
 
 def main() -> None:

@@ -24,9 +24,8 @@ grad copy. What they hold instead (``D`` the DP size under the distributed optim
   whose activations are held, and no saved input of the frozen ``linear_fc2``
   (``frozen_input_bytes_per_layer``);
 * in the optimizer step, the largest of the reduce-scatter's receive buffer, one weight's
-  update and one bucket of the weight sync's all-gather (``step_bytes``, ``gather_buckets``);
-  with ``--overlap-param-gather`` every bucket, held from the commit to the next forward
-  (``sync_in_flight_bytes``, static).
+  update and one bucket of the weight sync's all-gather, two with ``--overlap-param-gather``
+  (``step_bytes``, ``gather_buckets``).
 
 Everything else is dense: LoGRA's AdamW with nothing sketched, as the gradient mode treats
 its dense parameters. Formulas and what they assume: ``docs/memory.md`` ("The backward
@@ -64,7 +63,6 @@ __all__ = [
     "sketch_rank",
     "sketch_terms",
     "step_bytes",
-    "sync_in_flight_bytes",
     "target_of",
 ]
 
@@ -147,7 +145,13 @@ def hook_bytes(targets, segments: int, rank: int, reduced_in_backward: bool) -> 
 
 
 def step_bytes(
-    targets, segments: int, rank: int, weight_bytes: int, tp: int, reduced_in_backward=False
+    targets,
+    segments: int,
+    rank: int,
+    weight_bytes: int,
+    tp: int,
+    reduced_in_backward=False,
+    pipelined: bool = False,
 ) -> int:
     """The backward sketch's optimizer step, one phase after the other, at its largest:
 
@@ -160,7 +164,8 @@ def step_bytes(
       draw; a Rademacher ``B`` is unpacked from its bits instead, ``[r, n]`` in the weight
       dtype, less: the plan does not say which, so the larger is counted;
     * the all-gather of the rows over DP (``segments > 1``): one bucket's ``[segments, E]``
-      buffer in the weight dtype (``gather_buckets``).
+      buffer in the weight dtype (``gather_buckets``), two with ``--overlap-param-gather``
+      (the next bucket's gather runs while one is copied back).
 
     ``k = ⌈m/segments⌉``."""
     if not targets:
@@ -173,7 +178,8 @@ def step_bytes(
         full = n * tp if target_of(spec) in ROW_PARALLEL else n
         signs = weight_bytes * rank * full + (4 * rank * n if weight_bytes != 4 else 0)
         update = max(update, 8 * k * n + signs + 8 * k * rank + 4 * k)
-    gather = weight_bytes * max(gather_buckets(targets, segments), default=0)
+    buckets = sorted(gather_buckets(targets, segments), reverse=True)
+    gather = weight_bytes * sum(buckets[: 2 if pipelined else 1])
     return max(receive, update, gather)
 
 
@@ -190,14 +196,6 @@ def gather_buckets(targets, segments: int) -> list[int]:
             buckets.append(0)
         buckets[-1] += size
     return buckets
-
-
-def sync_in_flight_bytes(targets, segments: int, weight_bytes: int, plan: StepPlan) -> int:
-    """With ``--overlap-param-gather`` every bucket's buffer, held from the commit to its
-    targets' next forward (0 without it, or at one segment)."""
-    if not plan.overlap_param_gather:
-        return 0
-    return weight_bytes * sum(gather_buckets(targets, segments))
 
 
 def _tokens(plan: StepPlan, target: str) -> int:
@@ -246,8 +244,6 @@ class SketchTerms:
     rank: int = 0
     row_state: int = 0
     buffer: int = 0
-    sync_in_flight: int = 0
-    """``--overlap-param-gather``: the weight sync's buffers, held until the next forward."""
     step: int = 0
     """The optimizer step's transient (``step_bytes``) and the update's packed projections."""
     projections: int = 0
@@ -289,8 +285,16 @@ def sketch_terms(
         rank=r,
         row_state=row_state_bytes(targets, dp, plan.loggra_row_optimizer),
         buffer=buffer_bytes(targets, dp, r, in_backward),
-        sync_in_flight=sync_in_flight_bytes(targets, dp, w, plan),
-        step=step_bytes(targets, dp, r, w, plan.tensor_model_parallel_size, in_backward) + signs,
+        step=step_bytes(
+            targets,
+            dp,
+            r,
+            w,
+            plan.tensor_model_parallel_size,
+            in_backward,
+            plan.overlap_param_gather,
+        )
+        + signs,
         projections=layers * per_layer + hook_bytes(targets, dp, r, in_backward) + signs,
         activation_saving=layers * frozen_input_bytes_per_layer(model, plan),
         frozen_rest=plan.freeze_non_targets,

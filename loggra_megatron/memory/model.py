@@ -203,7 +203,6 @@ def _stage_breakdown(
         )
         + sk.row_state,
         sketch_buffer=sk.buffer,
-        sketch_sync_in_flight=sk.sync_in_flight,
         runtime_overhead=int(est.runtime_overhead_gb * GiB),
         nccl_buffers=nccl_buffer_bytes(plan, est),
         nvls_buffers=nvls_buffer_bytes(plan, est),

@@ -50,7 +50,6 @@ class MemoryBreakdown:
     old_log_prob_activations: int = 0
     old_log_prob_logits: int = 0
     sketch_buffer: int = 0
-    sketch_sync_in_flight: int = 0
     sketch_projections: int = 0
     sketch_step: int = 0
     adam_temporaries: int = 0
@@ -66,7 +65,6 @@ class MemoryBreakdown:
         "master_params",
         "optimizer_state",
         "sketch_buffer",
-        "sketch_sync_in_flight",
         "reference_model",
         "reference_fp8_weight_cache",
         "runtime_overhead",

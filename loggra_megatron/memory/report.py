@@ -32,7 +32,6 @@ LABELS = {
     "master_params": "masters",
     "optimizer_state": "optimizer state",
     "sketch_buffer": "sketch buffer S (fp32)",
-    "sketch_sync_in_flight": "sketch weight sync in flight",
     "reference_model": "reference model",
     "reference_fp8_weight_cache": "reference fp8 cache (TE)",
     "runtime_overhead": "runtime overhead",

@@ -81,9 +81,11 @@ def bucketed_vs_per_weight(rank, bf16=True):
     new = weights()
     _scramble(leaf, truth)
     scrambled = weights()
-    leaf.start_weight_sync(async_op=True)
-    pending, untouched = leaf.weight_sync_pending, weights()
-    leaf.finish_weight_sync()
+    for gather in leaf.row_gathers:
+        gather.start(async_op=True)
+    pending, untouched = all(g.pending for g in leaf.row_gathers), weights()
+    for gather in leaf.row_gathers:
+        gather.finish()
     asynchronous = weights()
     _scramble(leaf, truth)
     capped = row_gathers(sites, leaf.segment, leaf.dp_group, BUCKET_NUMEL)
@@ -97,7 +99,7 @@ def bucketed_vs_per_weight(rank, bf16=True):
         "capped_equals_old": all(torch.equal(s.weight.detach(), old[s.name]) for s in sites),
         "capped": (in_buckets.calls, in_buckets.bytes),
         "capped_sizes": [len(g.sites) for g in capped],
-        "pending_until_finished": pending and not leaf.weight_sync_pending,
+        "pending_until_finished": pending and not any(g.pending for g in leaf.row_gathers),
         "untouched_while_pending": all(torch.equal(untouched[k], scrambled[k]) for k in old),
         "uneven": [s.name for s in sites if s.chunk * sites.segments != s.rows],
         "per_weight": (per_weight.calls, per_weight.bytes),
@@ -136,40 +138,46 @@ def _build(overlap: bool):
 
 
 def _targets(ddp, leaf) -> dict:
-    """The target weights as the model's ``state_dict`` gives them (its hook finishes a
-    gather in flight)."""
+    """The target weights as the model's ``state_dict`` gives them."""
     names = {id(s.weight): s.name for s in leaf.sites[0]}
     state = ddp.module.state_dict(keep_vars=True)
     return {names[id(t)]: t.detach().clone() for t in state.values() if id(t) in names}
 
 
 def _raw(leaf) -> dict:
-    """The target weights read directly, past every hook (what a reader that does not wait
-    would see)."""
+    """The target weights read directly from the modules' parameters."""
     return {s.name: s.weight.detach().clone() for s in leaf.sites[0]}
 
 
 def overlapped_steps(rank, overlap: bool, steps: int = 3, checkpoint: str | None = None):
     """``steps`` training steps, then a predicted-KL step through ``MegatronStepper`` (two
-    trials, a restore, a commit at η = 0.5). After each commit, before any forward: the
-    weights read raw, through ``state_dict``, by a forward-only loss, and by
-    ``finish_weight_sync``; ``checkpoint``: saved right after the last commit."""
+    trials, a restore, a commit at η = 0.5). After each commit, before any forward: whether a
+    gather is left in flight, the weights read raw and through ``state_dict``, and a
+    forward-only loss; ``checkpoint``: saved right after the last commit."""
     from loggra_megatron.checkpointing import save_checkpoint
+    from loggra_megatron.optim.megatron.row_gather import RowGather
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.testing import train_step
 
     ddp, opt = _build(overlap)
     leaf = opt.chained_optimizers[-1]
     stepper = MegatronStepper(opt)
+    in_flight, start = [0], RowGather.start
+
+    def counting(gather, async_op=False):  # gathers in flight right after one starts
+        start(gather, async_op)
+        in_flight.append(sum(g.pending for g in leaf.row_gathers))
+
+    RowGather.start = counting  # this process only
     batch, micro = runs.local_batch(runs.TOKENS)
     out = {"losses": [], "eval_losses": [], "pending": [], "raw": [], "state_dict": []}
     out["buckets"] = [len(gather.sites) for gather in leaf.row_gathers]
 
     def after_commit(forward_first: bool):
-        out["pending"].append(leaf.weight_sync_pending)
+        out["pending"].append(any(g.pending for g in leaf.row_gathers))
         out["raw"].append(_raw(leaf))
         ddp.start_param_sync(force_sync=True)  # Megatron's own (dense) gather, as a save does
-        if forward_first:  # the forward pre-hook finishes the gather, then the state_dict
+        if forward_first:
             out["eval_losses"].append(train_step(ddp, opt, batch, micro, forward_only=True)[0])
         out["state_dict"].append(_targets(ddp, leaf))
         if not forward_first:
@@ -190,15 +198,16 @@ def overlapped_steps(rank, overlap: bool, steps: int = 3, checkpoint: str | None
     with stepper.try_candidate(0.5):
         out["trial_half"] = runs.full_params(ddp)
     stepper.commit(0.5)
-    out["pending_after_kl_commit"] = leaf.weight_sync_pending
+    out["pending_after_kl_commit"] = any(g.pending for g in leaf.row_gathers)
     stepper.finish_weight_sync()
     out["committed"] = runs.full_params(ddp)
     if checkpoint is not None:
         train_step(ddp, opt, batch, num_microbatches=micro)
-        out["before_save_pending"] = leaf.weight_sync_pending
+        out["before_save_pending"] = any(g.pending for g in leaf.row_gathers)
         save_checkpoint(checkpoint, steps + 2, [ddp], opt, common={"step": steps + 2})
         stepper.finish_weight_sync()
         out["saved"] = runs.full_params(ddp)
+    out["max_in_flight"] = max(in_flight)
     return out
 
 

@@ -29,6 +29,7 @@ from loggra_megatron.memory.model import (
 )
 from loggra_megatron.memory.shape import GiB, TransformerShape, ceil_div
 from loggra_megatron.memory.transient import layers_held
+from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.registry import SKETCH_TARGETS
 from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.testing import run_distributed
@@ -236,16 +237,17 @@ def test_packed_projections_of_the_27b_example():
 
 
 def _step_terms(targets, dp):
-    """Each target's update and all-gather transient and the reduce-scatter's receive
-    buffer, by hand (r = 16, bf16 weights)."""
-    update = gather = 0
+    """Each target's update transient, the weight sync's all-gather buffer and the
+    reduce-scatter's receive buffer, by hand (r = 16, bf16 weights). The targets of this
+    shape are one bucket of the sync: ``[dp, Σ k·n]`` in bf16, rows padded to ``k``."""
+    update = 0
     for p in targets:
-        (m, n), k = p.shape, ceil_div(p.shape[0], dp)
+        n, k = p.shape[1], ceil_div(p.shape[0], dp)
         update = max(update, 8 * k * n + (2 + 4) * 16 * n + 8 * k * 16 + 4 * k)
-        if m % dp:  # through a padded [dp·k, n] buffer; in place where dp divides m
-            gather = max(gather, 2 * (dp + 1) * k * n)
+    gathered = dp * sum(ceil_div(p.shape[0], dp) * p.shape[1] for p in targets)
+    assert gathered <= ROW_GATHER_BUCKET_NUMEL  # one bucket
     receive = 4 * sum(ceil_div(p.shape[0], dp) for p in targets) * 16
-    return update, gather, receive
+    return update, 2 * gathered, receive
 
 
 def test_optimizer_step_transient():
@@ -254,8 +256,10 @@ def test_optimizer_step_transient():
         update, gather, receive = _step_terms(targets, dp)
         got = estimate_rl_step_memory(SHAPE, _step(dp)).sketch_step
         assert got == max(update, gather, receive) + bs.signs_cache_bytes(targets, 16)
-        # the rows (qkv 448, proj and fc2 320, fc1 2000): all divide by 4, none by 3
-        assert (gather == 0) == (dp == 4)
+        # the rows (qkv 448, proj and fc2 320, fc1 2000): all divide by 4 (no padding rows
+        # in the bucket), none by 3
+        unpadded = 2 * sum(p.shape[0] * p.shape[1] for p in targets)
+        assert (gather == unpadded) == (dp == 4) and gather >= unpadded
     assert estimate_rl_step_memory(SHAPE, _step(4, optimizer="adam")).sketch_step == 0
 
 

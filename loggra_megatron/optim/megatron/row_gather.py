@@ -1,6 +1,6 @@
-"""The backward sketch's weight sync over DP: the rows of a model chunk's targets in one flat
-buffer per bucket of at most ``ROW_GATHER_BUCKET_NUMEL`` elements, one all-gather each, optionally
-finished only when a weight is next read.
+"""The backward sketch's weight sync over DP: the rows of a model chunk's targets in flat
+buffers of at most ``ROW_GATHER_BUCKET_NUMEL`` elements, one all-gather each, pipelined
+under ``--overlap-param-gather``.
 
 Sharding. Under the distributed optimizer DP rank ``d`` updates rows
 ``[d·k, min((d+1)·k, m))`` of every target weight ``W`` (``[m, n]`` on this TP rank,
@@ -10,7 +10,7 @@ values of its own rows only; the sync copies every other rank's rows into its we
 Buckets. The chunk's targets, in ``SketchSites`` order, are cut into consecutive buckets of at
 most ``ROW_GATHER_BUCKET_NUMEL`` gathered elements (40M, Megatron-LM's default DDP bucket size;
 a larger target is a bucket of its own; ``row_gathers``). The bucket bounds the transient
-buffer below, and with overlap each module waits for its own bucket only.
+buffer below.
 
 Layout. A bucket's buffer is ``[D, E]`` in the weights' dtype, ``E = Σ k·n`` over its
 targets: segment ``d`` holds DP rank ``d``'s rows of each target, each padded to ``k`` rows
@@ -18,32 +18,23 @@ targets: segment ``d`` holds DP rank ``d``'s rows of each target, each padded to
 copies its rows into its own segment; one ``all_gather_into_tensor`` whose input is that
 segment (a view of the output, as Megatron's DDP gathers its param buckets) fills the others;
 the other segments' rows are copied back into the weights. A rank's own rows are never written
-back, so rows it writes while a gather is in flight (a trial's candidate) are kept. Both steps
-are copies: the weights are bit for bit those of one all-gather per weight
+back. Both steps are copies: the weights are bit for bit those of one all-gather per weight
 (``gather_rows_per_weight``, the former path, kept as the reference).
 
 Bytes per sync and rank (ring, ``b`` bytes per element): ``(D−1)/D · D·E·b = (D−1)·E·b`` per
 bucket, exactly the per-weight path's ``Σ (D−1)·k·n·b`` (it gathers each weight's padded
 ``[D·k, n]``), in one collective per bucket instead of one per target (4 per layer). An
 optimizer step syncs once; a predicted-KL step once per trial and once at the commit or
-restore. Memory: a bucket's buffer, ``D·E·b`` bytes (one bucket: about the chunk's target
-weights, 2 bytes per element in bf16), is allocated when its gather starts and freed when it
-finishes; the per-weight path held at most one weight's ``[D·k, n]`` (nothing extra where
-``D`` divides ``m``). Overlapped, every bucket's buffer is held from the commit until its
-targets' first forward.
+restore.
 
 Overlap (``overlap_param_gather`` of the model's DDP config, ``--overlap-param-gather``):
-``start(async_op=True)`` issues the gather and returns; it is finished by the first of
-
-* a forward pre-hook on each target module of the bucket (every forward: training, rollouts,
-  log-probs, evaluation), before the module reads its weight; skipped while a CUDA graph is
-  captured (a replayed decode step follows a prefill, which finished it);
-* a ``state_dict`` pre-hook on the same modules (checkpoints: Megatron's ``sharded_state_dict``
-  of a linear layer reads its ``state_dict``), and a ``load_state_dict`` pre-hook (a load
-  writes every row: the gather's older rows must land before it, not after);
-* ``finish()``, from any other reader (``BackwardSketchOptimizer.finish_weight_sync``,
-  ``MegatronStepper.finish_weight_sync``), and ``start()`` itself (a new gather finishes the
-  one in flight first).
+``sync_buckets`` issues bucket ``i + 1``'s all-gather before it waits for bucket ``i`` and
+copies its rows back, so the copies of one bucket run under the next one's communication: two
+buffers at most (``D·E·b`` each). Every gather is finished when the sync returns. Leaving them
+in flight until the targets' next forward, as Megatron's DDP does with its persistent param
+buffers, would hold every bucket's buffer across the step: a second copy of the targets'
+weights (5.97 GiB per GPU for the 27B example at DP 8, by the memory estimator) for a sync
+of about 5 GB of NVLink traffic there.
 """
 
 from __future__ import annotations
@@ -52,10 +43,6 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
-
-
-def _capturing_cuda_graph() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def row_gathers(sites: SketchSites, segment: int, group, bucket_numel: int | None) -> list:
@@ -105,12 +92,6 @@ class RowGather:
         self.segment_numel = numel
         """``E``: elements of one DP segment (each target's rows padded to ``k``)."""
         self._in_flight: tuple[object, torch.Tensor] | None = None
-        self.hooks = []
-        """The handles of the module hooks that finish a gather in flight."""
-        for site in self.sites:
-            self.hooks.append(site.module.register_forward_pre_hook(self._before_forward))
-            self.hooks.append(site.module.register_state_dict_pre_hook(self._before_read))
-            self.hooks.append(site.module.register_load_state_dict_pre_hook(self._before_load))
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +112,8 @@ class RowGather:
     @torch.no_grad()
     def start(self, async_op: bool = False) -> None:
         """Gather every rank's rows of the bucket's targets (collective). The gather in flight,
-        if any, is finished first. ``async_op``: return once it is issued; ``finish`` (or a
-        hook) completes it."""
+        if any, is finished first. ``async_op``: return once it is issued; ``finish``
+        completes it."""
         self.finish()
         buffer = torch.empty(
             (self.segments, self.segment_numel), dtype=self.dtype, device=self.device
@@ -172,15 +153,22 @@ class RowGather:
                 if d != mine and hi > lo:
                     weight[lo:hi].copy_(blocks[d, : hi - lo])
 
-    def _before_forward(self, module, args) -> None:
-        if self._in_flight is not None and not _capturing_cuda_graph():
-            self.finish()
 
-    def _before_read(self, module, prefix, keep_vars) -> None:
-        self.finish()
-
-    def _before_load(self, module, *args) -> None:
-        self.finish()  # else the gather's rows would later overwrite the loaded ones
+def sync_buckets(gathers: list[RowGather], pipelined: bool) -> None:
+    """Every bucket's gather, finished on return (module docstring); ``pipelined``: bucket
+    ``i + 1``'s all-gather is issued before bucket ``i`` is waited for and copied back."""
+    if not pipelined:
+        for gather in gathers:
+            gather.start()
+        return
+    previous = None
+    for gather in gathers:
+        gather.start(async_op=True)
+        if previous is not None:
+            previous.finish()
+        previous = gather
+    if previous is not None:
+        previous.finish()
 
 
 @torch.no_grad()

@@ -27,9 +27,8 @@ A step of this leaf:
    collective: they lie after the column-parallel rows of each segment.
 2. ``step_with_ready_grads``: RowAdam updates the fp32 masters of its rows (or the bf16
    rows + int16 remainders), the rows are copied into the bf16 weights and all-gathered over
-   DP (flat buffers of at most 40M elements, one all-gather each: ``row_gather.py``; with
-   ``--overlap-param-gather`` left in flight until the next forward or another reader), and
-   the projection's draw index advances.
+   DP (flat buffers of at most 40M elements, one all-gather each, pipelined with
+   ``--overlap-param-gather``: ``row_gather.py``), and the projection's draw index advances.
 
 Bytes communicated per step: docs/optimizer.md#the-backward-sketch.
 """
@@ -46,7 +45,7 @@ from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
-from loggra_megatron.optim.megatron.row_gather import row_gathers
+from loggra_megatron.optim.megatron.row_gather import row_gathers, sync_buckets
 from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
 from loggra_megatron.optim.registry import UNTAGGED_SKETCH
 from loggra_megatron.optim.row_adam import RowAdam
@@ -135,7 +134,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)
             for c in model_chunks
         )
-        """Whether a step's gather is left in flight for the next forward to finish."""
+        """Whether a sync pipelines its buckets (``--overlap-param-gather``)."""
         self._reduced = False
         self.sketch_norm = float("nan")
 
@@ -250,7 +249,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
         self._copy_main_params_to_model_params()
-        self.start_weight_sync()
+        self.sync_weights()
         for chunk_sites in self.sites:
             chunk_sites.updates = self.optimizer.num_steps
         return True
@@ -302,31 +301,11 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         self._copy_model_params_to_main_params(state_dict)
 
     @torch.no_grad()
-    def start_weight_sync(self, async_op: bool | None = None) -> None:
-        """All-gather every target's rows over DP (each rank updated its own): one flat
-        buffer and one all-gather per bucket (``ROW_GATHER_BUCKET_NUMEL`` elements at most:
-        ``row_gather.py``), a gather still in flight finished first.
-        ``async_op`` (default: the DDP config's ``overlap_param_gather``): return once
-        issued; the next forward, ``state_dict`` or ``finish_weight_sync`` completes it."""
-        overlap = self.overlap_weight_sync if async_op is None else async_op
-        for gather in self.row_gathers:
-            gather.start(async_op=overlap)
-
-    def finish_weight_sync(self) -> None:
-        """Complete a gather still in flight: every reader of the target weights other than a
-        forward or a ``state_dict`` (whose hooks do it) calls this first. A no-op without one."""
-        for gather in self.row_gathers:
-            gather.finish()
-
-    @property
-    def weight_sync_pending(self) -> bool:
-        """Whether a gather was started and not finished (the other ranks' rows are stale)."""
-        return any(gather.pending for gather in self.row_gathers)
-
     def sync_weights(self) -> None:
-        """All-gather every target's rows now and wait (after rows were written: a load, a
-        trial, a restore)."""
-        self.start_weight_sync(async_op=False)
+        """All-gather every target's rows over DP (each rank updated its own), and wait: one
+        flat buffer and one all-gather per bucket (``ROW_GATHER_BUCKET_NUMEL`` elements at
+        most), pipelined with the DDP config's ``overlap_param_gather`` (``row_gather.py``)."""
+        sync_buckets(self.row_gathers, self.overlap_weight_sync)
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
@@ -378,7 +357,6 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         """``{"loggra": meta, "param_state": {name: {fp32_param, exp_avg_sq?}}}``: flat
         tensors with global offsets (rows), so a checkpoint loads at any DP size. The
         projection is not saved: it is drawn again from (seed, draw, name)."""
-        self.finish_weight_sync()  # a checkpoint reads the model weights next to this
         tp = parallel_state.get_tensor_model_parallel_rank()
         # rows sharded over DP: every rank writes its own; replicated: DP rank 0 writes
         main_replica = self.sites[0].segments > 1 or self.dp_group.rank() == 0

@@ -221,8 +221,8 @@ class MegatronStepper:
     def commit_syncs_weights(self) -> bool:
         """Whether ``commit`` leaves the model weights all-gathered (Megatron's
         distributed optimizer gathers them synchronously unless ``overlap_param_gather``
-        defers it to the next forward; the backward sketch's leaf then leaves its gather in
-        flight), so that a forward right after it needs no ``sync_model_weights``."""
+        defers it to the next forward; the backward sketch's leaf always finishes its own),
+        so that a reader right after it needs no ``finish_weight_sync``."""
         return not any(
             c.ddp_config.use_distributed_optimizer and c.ddp_config.overlap_param_gather
             for c in self._model_chunks()
@@ -276,9 +276,9 @@ class MegatronStepper:
 
     def sync_model_weights(self) -> None:
         """All-gather the model weights over DP (distributed optimizer), now: those in DDP's
-        buffers, and a leaf's own (the backward sketch's targets, ``sync_weights``: a gather
-        still in flight is finished first). After this step's rows were written (a trial, a
-        restore); a reader after a commit needs only ``finish_weight_sync``."""
+        buffers, and a leaf's own (the backward sketch's targets, ``sync_weights``). After
+        this step's rows were written (a trial, a restore); a reader after a commit needs
+        only ``finish_weight_sync``."""
         for chunk in self._model_chunks():
             if chunk.ddp_config.use_distributed_optimizer:
                 chunk.start_param_sync(force_sync=True)
@@ -289,12 +289,9 @@ class MegatronStepper:
     def finish_weight_sync(self) -> None:
         """The model weights as ``commit`` left them, all-gathered, for a reader that is not a
         forward (a forward waits by itself): with ``overlap_param_gather`` Megatron's gather
-        of DDP's buffers, deferred to the next forward, runs now (collective) and a leaf's
-        gather in flight (the backward sketch's targets) is finished; without it, a no-op."""
+        of DDP's buffers, deferred to the next forward, runs now (collective); without it, a
+        no-op (the backward sketch's targets are gathered by the commit itself)."""
         for chunk in self._model_chunks():
             ddp_config = chunk.ddp_config
             if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
-        for leaf in self.leaves:
-            if hasattr(leaf, "finish_weight_sync"):
-                leaf.finish_weight_sync()

@@ -1,14 +1,8 @@
-"""The memory model's terms of the backward sketch's DP weight sync follow its buckets
-(``optim/megatron/row_gather.py``): one bucket's buffer in the optimizer step, and with
-``--overlap-param-gather`` every bucket's, held until the next forward."""
+"""The memory model's term of the backward sketch's DP weight sync follows its buckets
+(``optim/megatron/row_gather.py``): one bucket's buffer in the optimizer step, two when the
+sync is pipelined (``--overlap-param-gather``)."""
 
-from types import SimpleNamespace
-
-from loggra_megatron.memory.backward_sketch import (
-    gather_buckets,
-    step_bytes,
-    sync_in_flight_bytes,
-)
+from loggra_megatron.memory.backward_sketch import gather_buckets, step_bytes
 from loggra_megatron.memory.params import ParamSpec
 from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
 
@@ -27,15 +21,12 @@ def test_buckets_cut_at_the_cap_and_pad_rows_to_whole_segments():
     buckets = gather_buckets(targets, 2)
     assert buckets[0] == 2 * 4 * 10 + half  # 7 rows padded to 8 per segment; with the next
     assert buckets[1:] == [half, 3 * half]  # the cap reached; a larger target alone
-    assert max(buckets[:2]) <= ROW_GATHER_BUCKET_NUMEL
 
 
-def test_the_step_counts_one_bucket_and_overlap_holds_them_all():
-    targets = _targets((7, 10), (5, 20))
-    buckets = gather_buckets(targets, 2)
-    assert buckets == [2 * 4 * 10 + 2 * 3 * 20]  # one bucket, padded rows
-    assert step_bytes(targets, 2, 1, 2, 1) >= 2 * buckets[0]
-    on, off = (SimpleNamespace(overlap_param_gather=v) for v in (True, False))
-    assert sync_in_flight_bytes(targets, 2, 2, on) == 2 * buckets[0]
-    assert sync_in_flight_bytes(targets, 2, 2, off) == 0
-    assert sync_in_flight_bytes(targets, 1, 2, on) == 0  # no DP split: nothing gathered
+def test_the_step_counts_one_bucket_or_two_pipelined():
+    half = ROW_GATHER_BUCKET_NUMEL // 2
+    targets = _targets((half // 1000, 1000), (half // 1000, 1000), (half // 1000, 1000))
+    assert gather_buckets(targets, 4) == [2 * half, half]  # two fit a bucket, the third not
+    # (at 4 segments a row block's update, 8 bytes per element of [k, n], is below them)
+    assert step_bytes(targets, 4, 1, 2, 1) == 2 * 2 * half  # the larger bucket, bf16
+    assert step_bytes(targets, 4, 1, 2, 1, pipelined=True) == 2 * 3 * half  # both buckets
