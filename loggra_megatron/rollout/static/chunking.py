@@ -1,16 +1,14 @@
-"""The rollout engines behind ``--rollout-engine``, with the KV cache bounded by
+"""The static engine's rollout in chunks of rows, the KV cache bounded by
 ``--inference-max-tokens``.
 
-Static engine (CPU and GPU): ``generate_chunked`` runs
-``generate_rollout`` over chunks of
+``generate_chunked`` runs ``generate_rollout`` over chunks of
 ``c = max(1, ⌊M / (P + N)⌋)`` rows (``M = --inference-max-tokens``, ``P`` the longest prompt,
 ``N = --max-new-tokens``), so the KV cache never holds more than ``max(M, P + N)`` tokens
 (``kv_cache_bytes``), through one decoder whose KV cache and captured decode steps serve
 every chunk; each chunk samples from its own generator and is filled with finished rows to
-the decoder's batch (under FP8, a multiple of Transformer Engine's GEMM rows). Dynamic engine (GPU):
-``rollout.dynamic.generate``, Megatron-Core's ``DynamicInferenceEngine`` (paged KV
-cache of ``M`` tokens, continuous batching). The KV formula and the chunks' sampling streams:
-``docs/rollouts.md#the-static-engine``.
+the decoder's batch (under ``--rollout-fp8``, a multiple of Transformer Engine's GEMM rows).
+The dynamic engine bounds its paged cache itself (``rollout.dynamic.generate``). The KV
+formula and the chunks' sampling streams: ``docs/rollouts.md#the-static-engine``.
 """
 
 from __future__ import annotations
