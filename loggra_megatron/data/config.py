@@ -15,6 +15,10 @@ MAX_REWARD_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest ``--reward-timeout``: a week (a larger one overflowed the wait for a worker)."""
 
 
+GENERATED_TASKS = tuple(name for name, task in TASKS.items() if not task.needs_data)
+"""The registered tasks that make their own examples (no ``--data-path``)."""
+
+
 def _data_files(s: dict) -> bool:
     return s["data_path"] is not None or s["eval_data_path"] is not None
 
@@ -59,10 +63,10 @@ class DataConfig:
     """The reference-answer column (a string or a number)."""
     num_tasks: int = applies(
         10000,
-        "to a generated --task (arithmetic, word_problems, mixed)",
+        f"to a generated --task ({', '.join(GENERATED_TASKS)})",
         lambda s: not TASKS[s["task"]].needs_data,
     )
-    """Generated tasks (arithmetic, word_problems, mixed)."""
+    """Examples a generated task makes (a task that needs no --data-path)."""
     reward_fn: str | None = None
     """Replace the task's reward: exact_match_numeric | format | default | last_number |
     module:function | file.py:function (a response is then correct when the function says
