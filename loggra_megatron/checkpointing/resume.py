@@ -37,7 +37,7 @@ from loggra_megatron.config import ConfigError
 from loggra_megatron.metrics import LoggingConfig
 from loggra_megatron.model.config import ARCHITECTURE, ModelConfig
 from loggra_megatron.tasks import TASKS
-from loggra_megatron.tasks.flags import data_defining_flags
+from loggra_megatron.tasks.flags import data_defining_flags, flag_defaults
 
 STATE_DEFINING = (
     "bf16",
@@ -220,8 +220,17 @@ def check_resume(now: dict, plan: StartPlan) -> None:
         raise ConfigError(f"--load: {e}; resume an earlier iteration with --ckpt-step") from None
     if saved is None:  # weights only, or a checkpoint older than run_config.json
         return
-    _check_state_settings(now, saved["flags"])
-    plan.notes += _changed_settings(now, saved["flags"])
+    flags = _with_task_defaults(saved["flags"])
+    _check_state_settings(now, flags)
+    plan.notes += _changed_settings(now, flags)
+
+
+def _with_task_defaults(saved: dict) -> dict:
+    """``saved`` with each task flag an older run recorded as None (when the flags had no
+    default of their own and the task's knob default applied) as that default: today's
+    flag default, the same value."""
+    defaults = flag_defaults(TASKS)
+    return {**saved, **{k: d for k, d in defaults.items() if k in saved and saved[k] is None}}
 
 
 def adopt_saved_settings(sections: dict, plan: StartPlan, explicit: set[str]) -> list[str]:

@@ -19,10 +19,10 @@ from loggra_megatron.tasks.base import Task
 class ArithmeticFlags:
     """The arithmetic knobs on the command line (``--task arithmetic`` and ``mixed``)."""
 
-    task_digits: int | None = None
-    """Digits per operand of the arithmetic problems (default 2)."""
-    task_operators: str | None = None
-    """Operators of the arithmetic problems, a subset of +-* (default +-*)."""
+    task_digits: int = 2
+    """Digits per operand of the arithmetic problems."""
+    task_operators: str = "+-*"
+    """Operators of the arithmetic problems, a subset of +-*."""
 
     def __post_init__(self):
         check_fields(
@@ -38,13 +38,12 @@ class ArithmeticFlags:
         )
 
     def knobs(self) -> dict:
-        """The task's knobs of the flags given."""
-        knobs = {"num_digits": self.task_digits, "operators": self.task_operators}
-        return {k: v for k, v in knobs.items() if v is not None}
+        """The task's knobs of these flags."""
+        return {"num_digits": self.task_digits, "operators": self.task_operators}
 
 
 class ArithmeticTask(Task):
-    KNOBS = {"num_digits": 2, "num_operands": 2, "operators": "+-*", "allow_negative": True}
+    KNOBS = {**ArithmeticFlags().knobs(), "num_operands": 2, "allow_negative": True}
     FLAGS = ArithmeticFlags
 
     def __init__(self, **knobs):

@@ -17,7 +17,7 @@ import typing
 
 from loggra_megatron.config import AppliesWhen, field_docs
 
-__all__ = ["data_defining_flags", "task_flags_section"]
+__all__ = ["data_defining_flags", "flag_defaults", "task_flags_section"]
 
 
 def data_defining_flags(tasks: dict[str, type]) -> tuple[str, ...]:
@@ -27,6 +27,17 @@ def data_defining_flags(tasks: dict[str, type]) -> tuple[str, ...]:
         if task.FLAGS is not None and not task.needs_data:
             names += [f.name for f in dataclasses.fields(task.FLAGS) if f.name not in names]
     return tuple(names)
+
+
+def flag_defaults(tasks: dict[str, type]) -> dict[str, object]:
+    """``{flag field: its default}`` of every task's ``FLAGS`` (the knobs' defaults: a task's
+    ``KNOBS`` take theirs from its ``FLAGS``)."""
+    return {
+        f.name: f.default
+        for task in tasks.values()
+        if task.FLAGS is not None
+        for f in dataclasses.fields(task.FLAGS)
+    }
 
 
 def task_flags_section(tasks: dict[str, type]) -> type:

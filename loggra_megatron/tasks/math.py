@@ -95,7 +95,7 @@ class MathFlags:
         check_fields(self, [("format_reward", lambda r: 0 <= r <= 1, "in [0, 1]")])
 
     def knobs(self) -> dict:
-        """The task's knobs of the flags given."""
+        """The task's knobs of these flags."""
         return {"format_reward": self.format_reward}
 
 
@@ -103,7 +103,7 @@ class MathTask(Task):
     needs_data = True
     template = "Problem: {prompt}\nSolution:"
     instruction = "Please reason step by step, and put your final answer within \\boxed{}."
-    KNOBS = {"format_reward": 0.0}
+    KNOBS = MathFlags().knobs()
     FLAGS = MathFlags
 
     def reference_completion(self, example: dict) -> str:
