@@ -131,7 +131,7 @@ class ExperienceMaker:
         """The KV cache's bound in tokens: ``--inference-max-tokens``, or where it is unset
         the trainer's sizing from the memory model on a GPU (``memory.kv_budget``)."""
         config = get_model_config(policy)
-        apart = tis or (bool(config.fp8) and not rollout.rollout_fp8)
+        apart = tis or rollout.decodes_apart(config.fp8 or None)
         self.old_log_probs = self.engine.old_log_probs(apart, on_policy)
         """Where π_old comes from (``rollout.protocol.OLD_LOG_PROB_SOURCES``): ``--tis-cap``
         (``tis``) or a bf16 rollout of an FP8 policy or neither, one optimizer update per RL

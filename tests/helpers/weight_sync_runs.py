@@ -99,7 +99,7 @@ def bucketed_vs_per_weight(rank, bf16=True):
         "capped_equals_old": all(torch.equal(s.weight.detach(), old[s.name]) for s in sites),
         "capped": (in_buckets.calls, in_buckets.bytes),
         "capped_sizes": [len(g.sites) for g in capped],
-        "pending_until_finished": pending and not any(g.pending for g in leaf.row_gathers),
+        "pending_until_finished": pending and not _pending(leaf),
         "untouched_while_pending": all(torch.equal(untouched[k], scrambled[k]) for k in old),
         "uneven": [s.name for s in sites if s.chunk * sites.segments != s.rows],
         "per_weight": (per_weight.calls, per_weight.bytes),
@@ -144,6 +144,11 @@ def _targets(ddp, leaf) -> dict:
     return {names[id(t)]: t.detach().clone() for t in state.values() if id(t) in names}
 
 
+def _pending(leaf) -> bool:
+    """Whether a bucket's gather of the leaf's weight sync is still in flight."""
+    return any(gather.pending for gather in leaf.row_gathers)
+
+
 def _raw(leaf) -> dict:
     """The target weights read directly from the modules' parameters."""
     return {s.name: s.weight.detach().clone() for s in leaf.sites[0]}
@@ -174,7 +179,7 @@ def overlapped_steps(rank, overlap: bool, steps: int = 3, checkpoint: str | None
     out["buckets"] = [len(gather.sites) for gather in leaf.row_gathers]
 
     def after_commit(forward_first: bool):
-        out["pending"].append(any(g.pending for g in leaf.row_gathers))
+        out["pending"].append(_pending(leaf))
         out["raw"].append(_raw(leaf))
         ddp.start_param_sync(force_sync=True)  # Megatron's own (dense) gather, as a save does
         if forward_first:
@@ -198,12 +203,12 @@ def overlapped_steps(rank, overlap: bool, steps: int = 3, checkpoint: str | None
     with stepper.try_candidate(0.5):
         out["trial_half"] = runs.full_params(ddp)
     stepper.commit(0.5)
-    out["pending_after_kl_commit"] = any(g.pending for g in leaf.row_gathers)
+    out["pending_after_kl_commit"] = _pending(leaf)
     stepper.finish_weight_sync()
     out["committed"] = runs.full_params(ddp)
     if checkpoint is not None:
         train_step(ddp, opt, batch, num_microbatches=micro)
-        out["before_save_pending"] = any(g.pending for g in leaf.row_gathers)
+        out["before_save_pending"] = _pending(leaf)
         save_checkpoint(checkpoint, steps + 2, [ddp], opt, common={"step": steps + 2})
         stepper.finish_weight_sync()
         out["saved"] = runs.full_params(ddp)

@@ -233,10 +233,9 @@ def _bf16_rollouts_of_an_fp8_model(rank):
     """An FP8 stand-in model's rollouts, by default (bf16) and with ``fp8=True``, and its FP8
     forward after a weight change and a bf16 rollout, beside a fresh model's."""
     import gpu_standins
-    from megatron.core.utils import unwrap_model
+    from decoder_records import recorded_decoders
 
     from loggra_megatron.rollout import RolloutRequest, generate_rollout
-    from loggra_megatron.rollout.static import generate
     from loggra_megatron.testing import tiny_bf16_gpt_model
 
     gpu_standins.install_transformer_engine()
@@ -246,22 +245,13 @@ def _bf16_rollouts_of_an_fp8_model(rank):
     gen = dict(max_new_tokens=4, temperature=0.0)
     torch.manual_seed(0)
     model = tiny_bf16_gpt_model(**shape)
-    made, saved = [], generate.StaticDecoder
-
-    class Recording(saved):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    generate.StaticDecoder, out = Recording, {}
-    try:
+    out = {}
+    with recorded_decoders() as made:
         for key, fp8 in (("bf16", False), ("fp8", True)):
             before = gpu_standins.RECORD["fp8_forwards"]
             out[key] = generate_rollout(model, prompts, RolloutRequest(fp8=fp8, **gen))
             out[f"{key}_fp8_forwards"] = gpu_standins.RECORD["fp8_forwards"] - before
             out[f"{key}_graphs"] = made[-1].graphs is not None
-    finally:
-        generate.StaticDecoder = saved
     out["fp8_after"] = model.config.fp8
     x = prompts[:2]
     positions = torch.arange(8).expand(2, 8)
@@ -274,7 +264,6 @@ def _bf16_rollouts_of_an_fp8_model(rank):
         fresh = tiny_bf16_gpt_model(**shape)
         fresh.load_state_dict({k: v for k, v in model.state_dict().items() if v is not None})
         out["fresh_forward"] = fresh(x, positions, None)
-    unwrap_model(model)  # the model's layers kept their classes
     return out
 
 

@@ -78,22 +78,17 @@ def _megatron_kv_greedy(model, prompt: list[int]) -> tuple[list[int], list[float
 
 def _narrow_widths(model) -> tuple:
     """The long greedy rollout with decode widths from 4: ``(rollout, widths captured)``."""
-    from loggra_megatron.rollout.static import decoder, generate
+    from decoder_records import recorded_decoders
 
-    made, saved = [], (decoder.MIN_WIDTH, generate.StaticDecoder)
+    from loggra_megatron.rollout.static import decoder
 
-    class Recording(decoder.StaticDecoder):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    decoder.MIN_WIDTH, generate.StaticDecoder = 4, Recording
+    saved, decoder.MIN_WIDTH = decoder.MIN_WIDTH, 4
     try:
-        rollout = generate_rollout(
-            model, PROMPTS, RolloutRequest(temperature=0.0, max_new_tokens=25)
-        )
+        with recorded_decoders() as made:
+            request = RolloutRequest(temperature=0.0, max_new_tokens=25)
+            rollout = generate_rollout(model, PROMPTS, request)
     finally:
-        decoder.MIN_WIDTH, generate.StaticDecoder = saved
+        decoder.MIN_WIDTH = saved
     return rollout, sorted(made[0].graphs.keys)
 
 

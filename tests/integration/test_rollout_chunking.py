@@ -49,20 +49,10 @@ def _worker(rank: int) -> dict:
 
 def _decoders_made(model, request) -> list[tuple[int, int, list]]:
     """``(batch, graph captures, widths)`` of each decoder one chunked rollout makes."""
-    from loggra_megatron.rollout.static import decoder
+    from decoder_records import recorded_decoders
 
-    made, saved = [], decoder.StaticDecoder
-
-    class Recording(decoder.StaticDecoder):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-    decoder.StaticDecoder = Recording
-    try:
+    with recorded_decoders() as made:
         generate_chunked(model, PROMPTS, request)
-    finally:
-        decoder.StaticDecoder = saved
     return [(d.batch, d.graphs.captures, list(d.graphs.keys)) for d in made]
 
 
