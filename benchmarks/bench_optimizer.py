@@ -25,7 +25,7 @@ import time
 import torch
 
 from loggra_megatron.optim import LoGRAAdamW, state_bytes
-from loggra_megatron.optim.projection import (
+from loggra_megatron.optim.gradient_sketch.projection import (
     gaussian_test_matrix,
     range_finder_basis,
     svd_basis,

@@ -115,8 +115,7 @@ class TrafficCounter:
 
 def build(args, kind: str):
     from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
-    from loggra_megatron.optim.megatron.factory import build_dense_adam, build_loggra
-    from loggra_megatron.optim.megatron.sketch_sites import prepare_model
+    from loggra_megatron.optim.megatron.factory import build_dense_adam, build_loggra, prepare_model
     from loggra_megatron.testing import tiny_bf16_gpt_model, wrap_ddp
 
     torch.manual_seed(0)
@@ -135,10 +134,10 @@ def build(args, kind: str):
         loggra_rank=args.rank or args.hidden // 8,
         **({"loggra_sketch_reduce": kind.partition("/")[2]} if "/" in kind else {}),
     )
-    prepare_model(model, optim, loggra)  # backward: targets frozen before DDP
+    sites = prepare_model(model, optim, loggra)  # backward: targets frozen before DDP
     ddp = wrap_ddp(model, grad_reduce_in_fp32=not args.grad_reduce_in_bf16)
     build_optimizer = build_dense_adam if kind == "dense" else build_loggra
-    return ddp, build_optimizer(optim, loggra, [ddp])
+    return ddp, build_optimizer(optim, loggra, [ddp], [sites])
 
 
 def run(args, kind: str) -> dict:
@@ -177,7 +176,7 @@ def weight_sync(args) -> dict:
     """The backward sketch's weight sync per weight, bucketed, and in buckets of
     ``--sync-bucket-numel`` one after the other and pipelined: ring bytes, all-gathers and
     seconds of one sync."""
-    from loggra_megatron.optim.megatron.row_gather import (
+    from loggra_megatron.optim.megatron.backward_row_gather import (
         gather_rows_per_weight,
         row_gathers,
         sync_buckets,

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from loggra_megatron.optim.backward_sketch import SKETCH_REDUCTIONS
+from loggra_megatron.optim.backward_sketch.sketch import SKETCH_REDUCTIONS
 
 
 def storage_bytes(tensors) -> int:
@@ -142,8 +142,8 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
     model = tiny_gpt_model(**shape, log_prob_chunk_size=args.log_prob_chunk_size)
     if kind == "backward":  # targets frozen and hooked before DDP: no grad buffer for them
         from loggra_megatron.optim.config import OptimConfig
+        from loggra_megatron.optim.megatron.backward_sites import prepare_model
         from loggra_megatron.optim.megatron.factory import build_loggra
-        from loggra_megatron.optim.megatron.sketch_sites import prepare_model
 
         optim = OptimConfig(optimizer="loggra", lr=1e-4)
         loggra = LoGRAConfig(
@@ -152,7 +152,7 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
             loggra_param_remainders=remainders,
             loggra_sketch_reduce=args.loggra_sketch_reduce,
         )
-        prepare_model(model, optim, loggra)
+        sites = prepare_model(model, optim, loggra)
     policy = wrap_ddp(model, grad_reduce_in_fp32=not bf16_grads)
     reference = None
     if with_reference:
@@ -163,7 +163,7 @@ def build(kind: str, args, bf16_grads: bool, with_reference: bool, remainders: b
 
             offload_to_host(reference, torch.device(args.device))
     if kind == "backward":
-        return policy, reference, build_loggra(optim, loggra, [policy])
+        return policy, reference, build_loggra(optim, loggra, [policy], [sites])
     base = dict(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True)
     if kind == "dense":
         return policy, reference, get_megatron_optimizer(OptimizerConfig(**base), [policy])
@@ -205,7 +205,7 @@ def one_rl_step(policy, reference, optimizer, prompts, tokens, phase=contextlib.
 def persistent_tensors(policy, reference, optimizer):
     """Weights, grad buffers, fp32 masters (or remainders), optimizer state, reference, and
     the backward sketch's buffer ``S``."""
-    from loggra_megatron.optim.megatron.sketch_sites import find_sites
+    from loggra_megatron.optim.megatron.backward_optimizer import sketch_sites_of
 
     yield from policy.parameters()
     yield from reference.parameters() if reference is not None else ()
@@ -219,7 +219,7 @@ def persistent_tensors(policy, reference, optimizer):
         for state in leaf.optimizer.state.values():
             yield from state.values()
         yield from getattr(leaf.optimizer, "param_remainders", {}).values()
-    yield from (sites.buffer for sites in find_sites([policy]))
+    yield from (sites.buffer for sites in sketch_sites_of(optimizer))
 
 
 def measure(kind: str, args, bf16_grads: bool, with_reference: bool, remainders=False) -> dict:

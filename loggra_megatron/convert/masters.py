@@ -8,7 +8,7 @@ the bf16 weights move only where a master has crossed a rounding boundary. The m
 the whole update: ``tools/convert_checkpoint.py --export-masters`` writes them, in float32.
 
 LoGRA's checkpoints keep every trained weight's master under its own name, as this TP
-rank's shard, flattened (``optim/megatron/checkpoint.py``, ``sketch_optimizer.py``):
+rank's shard, flattened (``optim/megatron/checkpoint.py``, ``backward_optimizer.py``):
 
 * ``optimizer.loggra.pp{p}.tp{t}.chunk{c}.<param name>.fp32_param``: the weights a dense
   optimizer trains (all of them with the gradient sketch; embeddings, output layer and

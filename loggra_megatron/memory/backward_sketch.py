@@ -4,7 +4,7 @@
 
 The targets (``--loggra-targets``: ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2`` of every layer, TP-local ``[m, n]``) are frozen for autograd before DDP wraps
-the model (``optim/megatron/sketch_sites.py``): they have no grad-buffer bytes and no fp32
+the model (``optim/megatron/backward_sites.py``): they have no grad-buffer bytes and no fp32
 grad copy. What they hold instead (``D`` the DP size under the distributed optimizer, else
 1; ``k = ⌈m/D⌉`` the rows a DP rank owns; ``r`` the sketch rank):
 
@@ -43,9 +43,9 @@ from loggra_megatron.memory.shape import (
     param_dtype_bytes,
 )
 from loggra_megatron.memory.transient import layers_held
-from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
+from loggra_megatron.optim.backward_sketch.row_updates import ROW_UPDATES
+from loggra_megatron.optim.backward_sketch.sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.registry import backward_sketch
-from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
@@ -184,7 +184,7 @@ def step_bytes(
 
 
 def gather_buckets(targets, segments: int) -> list[int]:
-    """Elements of each bucket of the weight sync over DP (``optim/megatron/row_gather.py``):
+    """Elements of each bucket of the weight sync over DP (``optim/megatron/backward_row_gather.py``):
     consecutive targets, ``segments · ⌈m/segments⌉ · n`` each, up to
     ``ROW_GATHER_BUCKET_NUMEL`` per bucket (a larger target alone); none at one segment."""
     if segments < 2:

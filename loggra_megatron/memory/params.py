@@ -44,7 +44,7 @@ __all__ = [
 _LOGGRA_SKETCHED_SCALAR_BYTES = 2 * 8  # step, basis_seed (int64)
 DENSE_PIECE_NUMEL = 1 << 22
 """Elements of a densely updated shard LoGRA's AdamW converts to fp32 and updates at once
-(``optim.distributed.DENSE_PIECE_NUMEL``, which tests/unit/memory/test_phases.py checks this
+(``optim.gradient_sketch.distributed.DENSE_PIECE_NUMEL``, which tests/unit/memory/test_phases.py checks this
 equals)."""
 SAVE_COPY_NUMEL = 1 << 24
 """Elements of a master a checkpoint save rebuilds at once from bf16 weight + int16 remainder

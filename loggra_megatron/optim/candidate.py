@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from loggra_megatron.optim.loggra_adamw import adam_moments
+from loggra_megatron.optim.gradient_sketch.adamw import adam_moments
 
 WriteFn = Callable[[torch.Tensor, torch.Tensor], None]
 

@@ -14,15 +14,15 @@ from loggra_megatron.config import (
     reject,
     valid_seed,
 )
-from loggra_megatron.optim.backward_sketch import SKETCH_MATRICES, SKETCH_REDUCTIONS
-from loggra_megatron.optim.projection import PROJECTIONS
+from loggra_megatron.optim.backward_sketch.row_updates import ROW_UPDATES
+from loggra_megatron.optim.backward_sketch.sketch import SKETCH_MATRICES, SKETCH_REDUCTIONS
+from loggra_megatron.optim.gradient_sketch.projection import PROJECTIONS
 from loggra_megatron.optim.registry import (
     OPTIMIZERS,
     SKETCH_MODES,
     SKETCH_TARGETS,
     backward_sketch,
 )
-from loggra_megatron.optim.row_updates import ROW_UPDATES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 

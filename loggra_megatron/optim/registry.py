@@ -28,8 +28,9 @@ class OptimizerSpec:
     name: str
     description: str
     builder: str
-    """``"module:function"``: ``function(optim, loggra, model_chunks) -> MegatronOptimizer``
-    with the ``OptimConfig`` and ``LoGRAConfig`` sections."""
+    """``"module:function"``: ``function(optim, loggra, model_chunks, prepared) ->
+    MegatronOptimizer`` with the ``OptimConfig`` and ``LoGRAConfig`` sections, and, per chunk,
+    what ``prepare_model`` returned for it (``None`` without one)."""
     sketched: bool
     """Adam's moments of 2-D transformer weights live in low-rank sketches (else dense)."""
     grads_per_weight: bool
@@ -54,9 +55,10 @@ class OptimizerSpec:
     ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, masters as remainders with bf16 moments);
     the memory model reads those dtypes for it only."""
     prepare_model: str | None = None
-    """``"module:function"``: ``function(model, optim, loggra)`` prepares the (unwrapped)
-    policy before DDP wraps it, e.g. freezes and hooks the backward sketch's targets
-    (``train.build.gpt_model``). None: nothing to prepare."""
+    """``"module:function"``: ``function(model, optim, loggra) -> prepared`` prepares the
+    (unwrapped) policy before DDP wraps it (``train.build.policy``), e.g. freezes and hooks the
+    backward sketch's targets; what it returns goes to the builder. None: nothing to
+    prepare."""
     init_state: str | None = None
     """``"module:function"``: ``function(optimizer, config=None)`` gives every parameter of a
     torch optimizer its state (zeros), as Megatron's ``init_state_fn``, so that a checkpoint
@@ -88,7 +90,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         candidate=True,
         state_bytes_per_param=8,
         state_bytes_per_tensor=8,
-        prepare_model="loggra_megatron.optim.megatron.sketch_sites:prepare_model",
+        prepare_model="loggra_megatron.optim.megatron.factory:prepare_model",
     ),
 }
 
@@ -102,15 +104,22 @@ class SketchMode:
     name: str
     description: str
     builder: str
-    """``"module:function"``: ``function(config, loggra, model_chunks, **kwargs)``, the
-    Megatron optimizer of the DDP-wrapped chunks (Megatron's ``OptimizerConfig``)."""
+    """``"module:function"``: ``function(config, loggra, model_chunks, sites, **kwargs)``,
+    the Megatron optimizer of the DDP-wrapped chunks (Megatron's ``OptimizerConfig``; ``sites``:
+    what ``prepare_model`` returned, per chunk)."""
     in_backward: bool
     """The sketch is formed in the backward pass: the targets get no dense gradient (the
-    optimizer entry's ``prepare_model`` freezes and hooks them before DDP wraps the model),
-    the dense leaves sketch nothing, and the memory model counts the targets' own terms
+    mode's ``prepare_model`` freezes and hooks them before DDP wraps the model), the dense
+    leaves sketch nothing, and the memory model counts the targets' own terms
     (``memory/backward_sketch.py``)."""
     label: str
     """What the memory estimator's column adds to ``LoGRA r=<rank>``."""
+    checkpoint_tag: str
+    """What a checkpoint of this mode records as its mode (``optim.megatron.checkpoint``,
+    ``backward_optimizer``); a load into another mode is refused by it."""
+    prepare_model: str | None = None
+    """``"module:function"``: ``function(model, optim, loggra) -> sites`` prepares the
+    unwrapped policy before DDP wraps it; the builder takes what it returns. None: nothing."""
 
 
 SKETCH_MODES: dict[str, SketchMode] = {
@@ -120,6 +129,7 @@ SKETCH_MODES: dict[str, SketchMode] = {
         "loggra_megatron.optim.megatron.factory:build_gradient_sketch",
         in_backward=False,
         label="",
+        checkpoint_tag="gradient",
     ),
     "backward": SketchMode(
         "backward",
@@ -128,11 +138,13 @@ SKETCH_MODES: dict[str, SketchMode] = {
         "loggra_megatron.optim.megatron.factory:build_backward_sketch",
         in_backward=True,
         label=" bwd",
+        checkpoint_tag="backward",
+        prepare_model="loggra_megatron.optim.megatron.backward_sites:prepare_model",
     ),
 }
 """``--loggra-sketch``, by name."""
-UNTAGGED_SKETCH = "gradient"
-"""The mode of a LoGRA checkpoint from before checkpoints named their mode."""
+UNTAGGED_SKETCH = SKETCH_MODES["gradient"].checkpoint_tag
+"""The tag of a LoGRA checkpoint from before checkpoints named their mode."""
 
 
 def backward_sketch(optimizer: str, sketch: str) -> bool:

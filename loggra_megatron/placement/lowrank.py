@@ -3,12 +3,12 @@ as the rows' factor ``D`` and the projection's draw, and the generation side rep
 trainer's arithmetic on a copy of the trainer's masters, bit for bit.
 
 The backward sketch commits, for the rows ``W[lo:hi]`` a data-parallel rank owns of a
-sketched weight (``optim.row_adam``)::
+sketched weight (``optim.backward_sketch.row_adam``)::
 
     master ← (1 − rate·λ)·master − rate · D · A        D: [hi − lo, r] fp32, A = B / √r
 
 where ``B`` is drawn from ``(--loggra-seed, draw index, layer)``
-(``optim.backward_sketch.draw_signs``), and the model weight is then the master rounded to
+(``optim.backward_sketch.sketch.draw_signs``), and the model weight is then the master rounded to
 the model's dtype (or, with ``--loggra-param-remainders``, the master's upper half). So the
 trainer sends ``(D, rate, λ, draw)`` per row block, ``r/n`` of a full sync's bytes for that
 block (``4·r`` bytes per row against ``2·n``), and ``TargetShadow`` repeats ``row_target``
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loggra_megatron.optim.backward_sketch import draw_signs
+from loggra_megatron.optim.backward_sketch.row_adam import row_target
+from loggra_megatron.optim.backward_sketch.sketch import draw_signs
 from loggra_megatron.optim.param_remainders import join_master, store_master
-from loggra_megatron.optim.row_adam import row_target
 
 __all__ = ["RowMaster", "RowUpdate", "Shadows", "TargetShadow", "apply_row_updates"]
 

@@ -1,6 +1,6 @@
 """The trainer's side of the low-rank weight sync: what the backward sketch's optimizer
 committed since the last sync, and its masters, as ``placement.lowrank`` records (CPU), read
-from the ``BackwardSketchOptimizer`` leaf (``optim.megatron.sketch_optimizer``) of this rank:
+from the ``BackwardSketchOptimizer`` leaf (``optim.megatron.backward_optimizer``) of this rank:
 its own rows of each sketched weight (its DP segment, its TP shard)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ __all__ = ["sketch_leaf", "start_recording", "take_row_updates", "row_masters"]
 
 def sketch_leaf(optimizer):
     """The ``BackwardSketchOptimizer`` among ``optimizer``'s leaves (None: there is none)."""
-    from loggra_megatron.optim.megatron.sketch_optimizer import BackwardSketchOptimizer
+    from loggra_megatron.optim.megatron.backward_optimizer import BackwardSketchOptimizer
 
     leaves = getattr(optimizer, "chained_optimizers", [optimizer])
     return next((leaf for leaf in leaves if isinstance(leaf, BackwardSketchOptimizer)), None)

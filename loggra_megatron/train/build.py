@@ -52,19 +52,43 @@ def use_transformer_engine(cfg: RunConfig, device: torch.device) -> bool:
 
 
 def gpt_model(
-    cfg: RunConfig,
-    args: GPTModelArgs,
-    device: torch.device,
-    trainable: bool,
-    load_weights: bool = True,
+    cfg: RunConfig, args: GPTModelArgs, device: torch.device, load_weights: bool = True
 ) -> MegatronModule:
-    """This stage's policy (DDP-wrapped) or, ``trainable=False``, the frozen reference; the
+    """This stage's frozen model (the reference, or the generation ranks' policy); the
     weights of a converted model are loaded here (``load_weights=False``: they arrive
     otherwise, as the generation ranks' from the first weight sync)."""
+    model = _stage_model(cfg, args, device, load_weights, verify=False)
+    return model.eval().requires_grad_(False)
+
+
+def trainable_policy(cfg: RunConfig, args: GPTModelArgs, device: torch.device):
+    """``(this stage's policy, DDP-wrapped; what the optimizer's ``prepare_model`` returned
+    for it before DDP wrapped it)``: the backward sketch's sites, or None; the optimizer takes
+    it (``optimizer``)."""
+    from loggra_megatron.model.build import wrap_ddp
+
+    model = _stage_model(cfg, args, device, load_weights=True, verify=True)
+    opt = cfg.optimizer
+    prepare = OPTIMIZERS[opt.optimizer].prepare_model
+    # before DDP: frozen weights get no grad buffer
+    prepared = None if prepare is None else resolve(prepare)(model, opt, cfg.loggra)
+    ddp = wrap_ddp(
+        model,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        overlap_grad_reduce=opt.overlap_grad_reduce,
+        overlap_param_gather=opt.overlap_param_gather,
+        grad_reduce_in_fp32=not opt.grad_reduce_in_bf16,
+    )
+    return ddp, prepared
+
+
+def _stage_model(cfg: RunConfig, args: GPTModelArgs, device, load_weights: bool, verify: bool):
+    """This stage's GPTModel (in Megatron's ``Float16Module`` with ``--bf16``), a converted
+    model's weights loaded (verified once: the policy's)."""
     from megatron.core.transformer.module import Float16Module
 
     from loggra_megatron.convert.checkpoint import load_megatron_checkpoint
-    from loggra_megatron.model.build import build_gpt_model, fused_kernels, wrap_ddp
+    from loggra_megatron.model.build import build_gpt_model, fused_kernels
 
     m, use_te = cfg.model, use_transformer_engine(cfg, device)
     overrides = dict(
@@ -79,32 +103,18 @@ def gpt_model(
         log_prob_chunk_size=m.log_prob_chunk_size,
         **overrides,
     )
-    if cfg.start.mode == "converted" and load_weights:  # verified once (the policy)
-        load_megatron_checkpoint(model, cfg.start.checkpoint, verify=trainable)
-    if m.bf16:
-        model = Float16Module(model.config, model)
-    if not trainable:
-        model.eval().requires_grad_(False)
-        return model
-    opt = cfg.optimizer
-    prepare = OPTIMIZERS[opt.optimizer].prepare_model
-    if prepare is not None:  # before DDP: frozen weights get no grad buffer
-        resolve(prepare)(model, opt, cfg.loggra)
-    return wrap_ddp(
-        model,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
-        overlap_grad_reduce=opt.overlap_grad_reduce,
-        overlap_param_gather=opt.overlap_param_gather,
-        grad_reduce_in_fp32=not opt.grad_reduce_in_bf16,
-    )
+    if cfg.start.mode == "converted" and load_weights:
+        load_megatron_checkpoint(model, cfg.start.checkpoint, verify=verify)
+    return Float16Module(model.config, model) if m.bf16 else model
 
 
-def optimizer(cfg: RunConfig, policy: DistributedDataParallel) -> MegatronOptimizer:
-    """``--optimizer`` from the registry, over the policy."""
+def optimizer(cfg: RunConfig, policy: DistributedDataParallel, prepared=None) -> MegatronOptimizer:
+    """``--optimizer`` from the registry, over the policy (``prepared``: what ``policy``
+    returned with it: ``trainable_policy``)."""
     from loggra_megatron.optim.megatron.factory import build_optimizer
 
     spec = OPTIMIZERS[cfg.optimizer.optimizer]
-    return build_optimizer(spec, cfg.optimizer, cfg.loggra, [policy])
+    return build_optimizer(spec, cfg.optimizer, cfg.loggra, [policy], [prepared])
 
 
 def warmup_phase(cfg: RunConfig, args: GPTModelArgs, device: torch.device, dp_group):
@@ -116,8 +126,8 @@ def warmup_phase(cfg: RunConfig, args: GPTModelArgs, device: torch.device, dp_gr
 
     sft = copy.copy(cfg)
     sft.optimizer = dataclasses.replace(cfg.optimizer, optimizer=cfg.training.sft_optimizer)
-    policy = gpt_model(sft, args, device, trainable=True)
-    sft_optimizer = optimizer(sft, policy)
+    policy, prepared = trainable_policy(sft, args, device)
+    sft_optimizer = optimizer(sft, policy, prepared)
     t = cfg.training
     actor = Actor(
         policy=policy,

@@ -79,9 +79,7 @@ class GenerationWorker:
         if tp == 1 and cfg.model.sequence_parallel:  # Megatron refuses SP without TP
             model = dataclasses.replace(cfg.model, sequence_parallel=False)
             cfg = dataclasses.replace(cfg, model=model)
-        self.policy = build.gpt_model(
-            cfg, self.model_args, self.device, trainable=False, load_weights=False
-        )
+        self.policy = build.gpt_model(cfg, self.model_args, self.device, load_weights=False)
         self.engine, _ = select_engine(
             cfg.rollout.rollout_engine, EngineTarget.of_model(self.policy)
         )

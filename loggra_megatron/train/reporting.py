@@ -72,10 +72,10 @@ def memory_metrics(optimizer, model_chunks) -> dict[str, float]:
     """Optimizer state bytes (exact), the bytes of the DDP grad buffers and of the backward
     sketch's buffer (the step's peaks: ``train.memory_phases``)."""
     from loggra_megatron.optim import state_bytes
-    from loggra_megatron.optim.megatron.sketch_sites import find_sites
+    from loggra_megatron.optim.megatron.backward_optimizer import sketch_sites_of
 
     buffers = [b for c in model_chunks for b in [*c.buffers, *c.expert_parallel_buffers]]
-    sites = find_sites(model_chunks)
+    sites = sketch_sites_of(optimizer)
     return {
         "memory/optimizer_state_bytes": float(state_bytes(optimizer)),
         "memory/grad_buffer_bytes": float(sum(_nbytes(b.grad_data) for b in buffers)),

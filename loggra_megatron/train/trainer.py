@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from loggra_megatron.data.tokenizer import identity
-from loggra_megatron.optim.megatron.energy import captured_energy, discard_captured_energy
+from loggra_megatron.optim.megatron.gradient_energy import captured_energy, discard_captured_energy
 from loggra_megatron.parallel import initialize_megatron
 from loggra_megatron.placement.remote import generate_remotely
 from loggra_megatron.train import build
@@ -120,15 +120,13 @@ class RLTrainer:
 
         cfg, g = self.cfg, self.cfg.grpo
         self.model_args = build.model_args(cfg, self.host.tokenizer)
-        self.policy = build.gpt_model(cfg, self.model_args, self.device, trainable=True)
+        self.policy, prepared = build.trainable_policy(cfg, self.model_args, self.device)
         self.reference = (
-            build.gpt_model(cfg, self.model_args, self.device, trainable=False)
-            if g.kl_coef > 0
-            else None
+            build.gpt_model(cfg, self.model_args, self.device) if g.kl_coef > 0 else None
         )
         if g.reference_offload:  # applies with --kl-coef > 0 only: there is a reference
             offload_to_host(self.reference, self.device)
-        self.optimizer = build.optimizer(cfg, self.policy)
+        self.optimizer = build.optimizer(cfg, self.policy, prepared)
         self.scheduler = build.lr_scheduler(cfg, self.plan, self.optimizer)
         stepper = MegatronStepper(self.optimizer, cfg.kl_control.kl_backup_offload)
         self.kl_coef = AdaptiveKLCoefficient(g.kl_coef, g.kl_ref_target, g.kl_coef_horizon)

@@ -48,19 +48,19 @@ def model(bf16=False, **overrides):
 def build_sketched(optim, loggra, bf16=False, grad_reduce_in_fp32=True, state=None, **overrides):
     """``(ddp, chained optimizer)`` with the backward sketch on the targets (the weights of
     ``state`` when given)."""
+    from loggra_megatron.optim.megatron.backward_sites import prepare_model
     from loggra_megatron.optim.megatron.factory import build_loggra
-    from loggra_megatron.optim.megatron.sketch_sites import prepare_model
 
     m = model(bf16, **overrides)
     if state is not None:
         m.load_state_dict(state)
-    prepare_model(m, optim, loggra)
+    sites = prepare_model(m, optim, loggra)
     ddp = wrap_ddp(
         m,
         use_distributed_optimizer=optim.use_distributed_optimizer,
         grad_reduce_in_fp32=grad_reduce_in_fp32,
     )
-    return ddp, build_loggra(optim, loggra, [ddp])
+    return ddp, build_loggra(optim, loggra, [ddp], [sites])
 
 
 def local_batch(tokens):
@@ -305,9 +305,9 @@ def nonfinite_skip(rank):
 def mismatched_projection(rank):
     """Rank 1 draws its projections from another generator stream (as another torch build
     or device type would): building the backward sketch must fail on every rank."""
-    from loggra_megatron.optim.megatron import sketch_sites
+    from loggra_megatron.optim.megatron import backward_sites
 
     if rank == 1:
-        draw = sketch_sites.draw_signs
-        sketch_sites.draw_signs = lambda *a, **k: -draw(*a, **k)
+        draw = backward_sites.draw_signs
+        backward_sites.draw_signs = lambda *a, **k: -draw(*a, **k)
     build_sketched(*settings())

@@ -65,7 +65,7 @@ def tiny_policy(argv: list[str]):
     cfg = parse_args(argv, world_size=1)
     host = preflight(cfg)
     args = build.model_args(cfg, host.tokenizer)
-    policy = build.gpt_model(cfg, args, torch.device("cpu"), trainable=True)
+    policy, _ = build.trainable_policy(cfg, args, torch.device("cpu"))
     examples = next(host.dataset.batches(cfg.grpo.prompts_per_step, dp_rank=0, dp_size=1))
     return cfg, host, policy, examples
 

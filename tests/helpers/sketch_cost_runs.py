@@ -23,18 +23,18 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 
 
 def draws_per_step(rank, steps=2, trials=3, recompute=False, **loggra):
-    """Draws of the projections (``sketch_sites.draw_signs`` calls) in each phase of ``steps``
+    """Draws of the projections (``backward_sites.draw_signs`` calls) in each phase of ``steps``
     updates through ``MegatronStepper`` (backward of 4 micro-batches, prepare and norm,
     ``trials`` KL trials, ``‖Δθ‖²``, the commit): ``{"sites", "steps": [{phase: draws}],
     "draws": SketchSites.draws}``."""
-    from loggra_megatron.optim.megatron import sketch_sites
+    from loggra_megatron.optim.megatron import backward_sites
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
 
     optim, config = runs.settings(**loggra)
     ddp, opt = runs.build_sketched(optim, config, **(RECOMPUTE if recompute else {}))
     stepper = MegatronStepper(opt)
     (sites,) = opt.chained_optimizers[-1].sites
-    calls, restore = _counting(sketch_sites, "draw_signs")
+    calls, restore = _counting(backward_sites, "draw_signs")
     out = []
     try:
         for _ in range(steps):
@@ -78,7 +78,7 @@ def tp_costs(rank, **overrides):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from loggra_megatron.optim.megatron import sketch_sites
+    from loggra_megatron.optim.megatron import backward_sites
 
     optim, loggra = runs.settings()
     ddp, opt = runs.build_sketched(optim, loggra, **overrides)
@@ -88,7 +88,7 @@ def tp_costs(rank, **overrides):
     asynchronous = lambda p, group, async_op=False: async_op  # noqa: E731
     issued, restores = [], []
     for name in ("_gather_tokens", "_scatter_sum"):
-        calls, undo = _counting(sketch_sites, name, asynchronous)
+        calls, undo = _counting(backward_sites, name, asynchronous)
         issued.append(calls)
         restores.append(undo)
     buffers = {}

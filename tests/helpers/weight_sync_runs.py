@@ -60,7 +60,10 @@ def bucketed_vs_per_weight(rank, bf16=True):
     """The same scrambled weights synced four ways (per weight; one bucket; one bucket,
     asynchronous and finished later; buckets of ``BUCKET_NUMEL``): the weights, the bytes
     and the collectives of each."""
-    from loggra_megatron.optim.megatron.row_gather import gather_rows_per_weight, row_gathers
+    from loggra_megatron.optim.megatron.backward_row_gather import (
+        gather_rows_per_weight,
+        row_gathers,
+    )
 
     ddp, opt = runs.build_sketched(*runs.settings(), bf16=bf16, **ODD)
     leaf = opt.chained_optimizers[-1]
@@ -113,9 +116,9 @@ def _build(overlap: bool):
     """The bf16 model with odd rows, the backward sketch, remainders and bf16 grads, DDP with
     bucketed grad reduction, ``overlap_param_gather`` on or off, and the weight sync's
     buckets capped at ``BUCKET_NUMEL``."""
-    from loggra_megatron.optim.megatron import sketch_optimizer
+    from loggra_megatron.optim.megatron import backward_optimizer
+    from loggra_megatron.optim.megatron.backward_sites import prepare_model
     from loggra_megatron.optim.megatron.factory import build_loggra
-    from loggra_megatron.optim.megatron.sketch_sites import prepare_model
     from loggra_megatron.testing import wrap_ddp
 
     optim = OptimConfig(
@@ -125,7 +128,7 @@ def _build(overlap: bool):
         loggra_sketch="backward", loggra_rank=runs.RANK, loggra_seed=7, loggra_param_remainders=True
     )
     model = runs.model(bf16=True, **ODD)
-    prepare_model(model, optim, loggra)
+    sites = prepare_model(model, optim, loggra)
     ddp = wrap_ddp(
         model,
         grad_reduce_in_fp32=False,
@@ -133,8 +136,8 @@ def _build(overlap: bool):
         overlap_param_gather=overlap,
         bucket_size=BUCKET_NUMEL,
     )
-    sketch_optimizer.ROW_GATHER_BUCKET_NUMEL = BUCKET_NUMEL  # this process only
-    return ddp, build_loggra(optim, loggra, [ddp])
+    backward_optimizer.ROW_GATHER_BUCKET_NUMEL = BUCKET_NUMEL  # this process only
+    return ddp, build_loggra(optim, loggra, [ddp], [sites])
 
 
 def _targets(ddp, leaf) -> dict:
@@ -160,7 +163,7 @@ def overlapped_steps(rank, overlap: bool, steps: int = 3, checkpoint: str | None
     gather is left in flight, the weights read raw and through ``state_dict``, and a
     forward-only loss; ``checkpoint``: saved right after the last commit."""
     from loggra_megatron.checkpointing import save_checkpoint
-    from loggra_megatron.optim.megatron.row_gather import RowGather
+    from loggra_megatron.optim.megatron.backward_row_gather import RowGather
     from loggra_megatron.optim.megatron.stepper import MegatronStepper
     from loggra_megatron.testing import train_step
 

@@ -1,4 +1,4 @@
-"""The backward sketch's smaller costs (``optim/megatron/sketch_sites.py``): a Rademacher
+"""The backward sketch's smaller costs (``optim/megatron/backward_sites.py``): a Rademacher
 projection is drawn once per site and update, whatever the micro-batches, recomputations, KL
 trials and Gram forms that use it; the row-parallel rows are summed over TP in one
 all-reduce, equal to one per site; the sequence-parallel collectives of ``P`` run

@@ -1,4 +1,4 @@
-"""The backward sketch's weight sync over DP (``optim/megatron/row_gather.py``) on 2 CPU
+"""The backward sketch's weight sync over DP (``optim/megatron/backward_row_gather.py``) on 2 CPU
 ranks: one bucketed all-gather per bucket gives the weights of the former one per weight bit
 for bit, in as many bytes, with row counts DP does and does not divide; with
 ``--overlap-param-gather`` the buckets' gathers are pipelined (two in flight at most) and all

@@ -5,7 +5,7 @@ identity projection keeps everything; the warning fires once."""
 import pytest
 import torch
 
-from loggra_megatron.optim.megatron.energy import FAMILIES, energy_metrics, family_of
+from loggra_megatron.optim.megatron.gradient_energy import FAMILIES, energy_metrics, family_of
 from loggra_megatron.train.reporting import EnergyWatch
 
 pytestmark = pytest.mark.megatron  # the 2-rank tests run Megatron-Core
@@ -54,7 +54,7 @@ def _energy_and_reference(rank, overlap=False, bf16=False, **loggra):
     from megatron.core import parallel_state as ps
     from megatron_optimizer_runs import TOKENS, build, build_bf16_clipped, local_batch
 
-    from loggra_megatron.optim.megatron.energy import captured_energy
+    from loggra_megatron.optim.megatron.gradient_energy import captured_energy
     from loggra_megatron.testing import train_step
 
     if bf16:

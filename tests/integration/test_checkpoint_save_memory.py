@@ -130,8 +130,7 @@ def _trained(sketch: str):
     from megatron.core import parallel_state
 
     from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
-    from loggra_megatron.optim.megatron.factory import build_loggra
-    from loggra_megatron.optim.megatron.sketch_sites import prepare_model
+    from loggra_megatron.optim.megatron.factory import build_loggra, prepare_model
     from loggra_megatron.testing import tiny_bf16_gpt_model, train_step, wrap_ddp
 
     model = tiny_bf16_gpt_model(num_layers=2, hidden_size=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ)
@@ -144,10 +143,9 @@ def _trained(sketch: str):
         loggra_param_remainders=True,
         **by_sketch,
     )
-    if sketch == "backward":
-        prepare_model(model, optim, loggra)
+    sites = prepare_model(model, optim, loggra)  # None with the gradient sketch
     ddp = wrap_ddp(model, grad_reduce_in_fp32=False)
-    opt = build_loggra(optim, loggra, [ddp])
+    opt = build_loggra(optim, loggra, [ddp], [sites])
     dp = parallel_state.get_data_parallel_world_size()
     batch = TOKENS[parallel_state.get_data_parallel_rank() :: dp]
     for _ in range(2):
@@ -169,7 +167,7 @@ def _measured_save(rank, root: str, sketch: str):
     )
 
     from loggra_megatron.checkpointing import integrity, save_checkpoint
-    from loggra_megatron.optim.megatron import checkpoint, sketch_optimizer
+    from loggra_megatron.optim.megatron import backward_optimizer, checkpoint
     from loggra_megatron.optim.param_remainders import copy_transient_bytes, join_master
 
     ddp, opt = _trained(sketch)
@@ -182,10 +180,10 @@ def _measured_save(rank, root: str, sketch: str):
             return measured_master(inner, main, is_loading)
         return _reference_master(main, remainder)
 
-    for module in (checkpoint, sketch_optimizer):
+    for module in (checkpoint, backward_optimizer):
         module.checkpoint_master = reference_master
     save_checkpoint(os.path.join(root, "reference"), 2, [ddp], opt, common={"step": 2})
-    for module in (checkpoint, sketch_optimizer):
+    for module in (checkpoint, backward_optimizer):
         module.checkpoint_master = measured_master
 
     tracker, host_copies = AllocationTracker(), []

@@ -29,9 +29,9 @@ from loggra_megatron.memory.model import (
 )
 from loggra_megatron.memory.shape import GiB, TransformerShape, ceil_div
 from loggra_megatron.memory.transient import layers_held
-from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
+from loggra_megatron.optim.backward_sketch.row_updates import ROW_UPDATES
+from loggra_megatron.optim.backward_sketch.sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.registry import SKETCH_TARGETS
-from loggra_megatron.optim.row_updates import ROW_UPDATES
 from loggra_megatron.testing import run_distributed
 
 pytestmark = pytest.mark.megatron  # the real runs below start Megatron-Core ranks
@@ -66,10 +66,10 @@ def _split(params, targets=SKETCH_TARGETS):
 @pytest.mark.parametrize("row_optimizer", list(ROW_UPDATES))
 def test_row_state_is_what_the_row_update_keeps(row_optimizer):
     """The memory model's row state per owned row is the state RowAdam allocates with that
-    ``--loggra-row-optimizer`` (``optim.row_updates``)."""
+    ``--loggra-row-optimizer`` (``optim.backward_sketch.row_updates``)."""
     import torch
 
-    from loggra_megatron.optim.row_adam import RowAdam
+    from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
 
     rows = torch.nn.Parameter(torch.zeros(6, 4))
     opt = RowAdam([rows], row_optimizer=row_optimizer)
@@ -216,7 +216,7 @@ def test_training_drops_fc2_input_and_keeps_p(recompute, tp, sp):
 
 
 def test_packed_projections_of_the_27b_example():
-    """The bytes sketch_sites.py and docs/optimizer.md quote: 14 MB per GPU at TP=8, r=128
+    """The bytes backward_sites.py and docs/optimizer.md quote: 14 MB per GPU at TP=8, r=128
     (the example's), 28 MB at 256; 16 times that in bf16."""
     shape = TransformerShape(
         num_layers=64,

@@ -24,7 +24,7 @@ from loggra_megatron.testing import run_distributed, tiny_bf16_gpt_model, tiny_g
 pytestmark = pytest.mark.megatron  # also run on the newest megatron-core in CI
 
 LAST_ENTRY = (
-    '        prepare_model="loggra_megatron.optim.megatron.sketch_sites:prepare_model",\n    ),\n'
+    '        prepare_model="loggra_megatron.optim.megatron.factory:prepare_model",\n    ),\n'
 )
 """The end of ``OPTIMIZERS``' last entry, where the developer adds theirs."""
 
@@ -39,7 +39,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from loggra_megatron.optim.megatron.factory import megatron_optimizer_config
 
 
-def build_sgd_momentum(optim, loggra, model_chunks):
+def build_sgd_momentum(optim, loggra, model_chunks, prepared):
     config = megatron_optimizer_config(optim, model_chunks)
     config = dataclasses.replace(config, optimizer="sgd", sgd_momentum=0.9)
     return get_megatron_optimizer(config, model_chunks)

@@ -359,7 +359,7 @@ def _dense_in_pieces(rank, piece, remainders):
     """Three clipped steps on bf16 grads with every weight updated densely,
     ``DENSE_PIECE_NUMEL = piece`` (None: the default): the masters, a KL trial's candidate
     before each step, and the most gradient elements converted to fp32 at once."""
-    from loggra_megatron.optim import distributed
+    from loggra_megatron.optim.gradient_sketch import distributed
 
     if piece is not None:
         distributed.DENSE_PIECE_NUMEL = piece

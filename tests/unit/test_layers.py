@@ -97,3 +97,21 @@ def test_no_module_imports_itself_back():
     for module in sorted(known):
         visit(module, [])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_only_the_adapter_layer_of_optim_imports_megatron_core():
+    """The optimizers' math (``optim/`` outside ``optim/megatron/``: both sketches' wings, the
+    settings, the registry) imports torch at most; Megatron-Core's internals are read in
+    ``optim/megatron/`` only (docs/architecture.md, "Module map")."""
+    wrong = []
+    for module, path in modules().items():
+        if not module.startswith("loggra_megatron.optim") or ".optim.megatron" in module:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            wrong += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("megatron")]
+    assert not wrong, "Megatron-Core imported outside optim/megatron/:\n" + "\n".join(wrong)

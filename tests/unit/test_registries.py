@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loggra_megatron.optim import LoGRAAdamW
-from loggra_megatron.optim.projection import PROJECTIONS, Projection
+from loggra_megatron.optim.gradient_sketch.projection import PROJECTIONS, Projection
 from loggra_megatron.optim.registry import OPTIMIZERS, OptimizerSpec
 
 
@@ -203,8 +203,8 @@ def test_a_new_row_update_is_one_class_and_one_registry_line(monkeypatch, tokeni
 
     from loggra_megatron.arguments import parse_args
     from loggra_megatron.memory.model import TransformerShape, estimate_rl_step_memory
-    from loggra_megatron.optim.row_adam import RowAdam
-    from loggra_megatron.optim.row_updates import ROW_UPDATES, RowUpdate
+    from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
+    from loggra_megatron.optim.backward_sketch.row_updates import ROW_UPDATES, RowUpdate
 
     class RowMaxRoot(RowUpdate):
         name = "amsgrad"

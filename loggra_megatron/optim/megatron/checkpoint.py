@@ -32,7 +32,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from loggra_megatron.optim.param_remainders import COPY_BUCKET_NUMEL, join_master_into
-from loggra_megatron.optim.registry import UNTAGGED_SKETCH
+from loggra_megatron.optim.registry import SKETCH_MODES, UNTAGGED_SKETCH
 
 FORMAT_VERSION = 1
 
@@ -80,7 +80,7 @@ class LoGRACheckpointMixin(MegatronOptimizer):
         inner = self.optimizer
         return {
             "format": FORMAT_VERSION,
-            "sketch": self.loggra.loggra_sketch,
+            "sketch": SKETCH_MODES[self.loggra.loggra_sketch].checkpoint_tag,
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "projection": inner.param_groups[0]["projection"],

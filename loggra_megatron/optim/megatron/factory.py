@@ -25,17 +25,16 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from loggra_megatron.optim.config import LoGRAConfig, OptimConfig
-from loggra_megatron.optim.distributed import ShardedLoGRAAdamW
-from loggra_megatron.optim.loggra_adamw import basis_seed
-from loggra_megatron.optim.megatron.energy import energy_slots_of
+from loggra_megatron.optim.gradient_sketch.adamw import basis_seed
+from loggra_megatron.optim.gradient_sketch.distributed import ShardedLoGRAAdamW
+from loggra_megatron.optim.gradient_sketch.projection import PROJECTIONS
+from loggra_megatron.optim.gradient_sketch.weight_layout import WeightLayout
+from loggra_megatron.optim.megatron.backward_optimizer import BackwardSketchOptimizer
+from loggra_megatron.optim.megatron.gradient_energy import energy_slots_of
 from loggra_megatron.optim.megatron.leaves import LoGRAChainedOptimizer, loggra_class_for
 from loggra_megatron.optim.megatron.optimizer_state import install_state_init
 from loggra_megatron.optim.megatron.params import keep_masters_as_remainders, main_params_of
-from loggra_megatron.optim.megatron.sketch_optimizer import BackwardSketchOptimizer
-from loggra_megatron.optim.megatron.sketch_sites import find_sites
-from loggra_megatron.optim.projection import PROJECTIONS
-from loggra_megatron.optim.registry import SKETCH_MODES, OptimizerSpec, resolve
-from loggra_megatron.optim.weight_layout import WeightLayout
+from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, OptimizerSpec, resolve
 
 DENSE_NAME_PARTS = ("embedding", "output_layer")
 """Parameters whose name contains one of these are never sketched."""
@@ -80,40 +79,56 @@ def megatron_optimizer_config(optim: OptimConfig, model_chunks, **extra) -> Opti
     )
 
 
-def build_optimizer(spec: OptimizerSpec, optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
+def build_optimizer(
+    spec: OptimizerSpec, optim: OptimConfig, loggra: LoGRAConfig, model_chunks, prepared=None
+):
     """The Megatron optimizer of ``--optimizer`` registry entry ``spec``: its builder, and
-    its ``init_state`` installed on every leaf (so a checkpoint loads before a step)."""
-    optimizer = resolve(spec.builder)(optim, loggra, model_chunks)
+    its ``init_state`` installed on every leaf (so a checkpoint loads before a step).
+    ``prepared``: per chunk, what the entry's ``prepare_model`` returned (default: none)."""
+    prepared = list(prepared) if prepared is not None else [None] * len(model_chunks)
+    optimizer = resolve(spec.builder)(optim, loggra, model_chunks, prepared)
     if spec.init_state is not None:
         install_state_init(optimizer, resolve(spec.init_state))
     return optimizer
 
 
-def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
+def prepare_model(model, optim: OptimConfig, loggra: LoGRAConfig):
+    """The ``prepare_model`` of a sketching optimizer: its ``--loggra-sketch`` mode's (the
+    backward sketch's sites), or ``None`` for a mode with nothing to prepare (or a dense
+    ``optim.optimizer``)."""
+    prepare = SKETCH_MODES[loggra.loggra_sketch].prepare_model
+    if prepare is None or not OPTIMIZERS[optim.optimizer].sketched:
+        return None
+    return resolve(prepare)(model, optim, loggra)
+
+
+def build_dense_adam(optim: OptimConfig, loggra: LoGRAConfig, model_chunks, prepared=None):
     """Megatron's own dense Adam (the ``adam`` entry of the optimizer registry)."""
     return get_megatron_optimizer(megatron_optimizer_config(optim, model_chunks), model_chunks)
 
 
-def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks):
-    """Megatron's optimizer with LoGRA inside (the ``loggra`` entry of the registry)."""
+def build_loggra(optim: OptimConfig, loggra: LoGRAConfig, model_chunks, prepared=None):
+    """Megatron's optimizer with LoGRA inside (the ``loggra`` entry of the registry);
+    ``prepared``: per chunk, what ``prepare_model`` returned."""
     return get_loggra_optimizer(
-        megatron_optimizer_config(optim, model_chunks), model_chunks, loggra
+        megatron_optimizer_config(optim, model_chunks), model_chunks, loggra, sites=prepared
     )
 
 
 def build_backward_sketch(
-    config, loggra: LoGRAConfig, model_chunks, **kwargs
+    config, loggra: LoGRAConfig, model_chunks, sites=None, **kwargs
 ) -> LoGRAChainedOptimizer:
     """``--loggra-sketch backward``'s optimizer: the chain of the dense leaves (Megatron's,
     ``kwargs`` to ``get_megatron_optimizer``; nothing sketched) and a
-    ``BackwardSketchOptimizer`` over the targets that ``prepare_model`` froze."""
-    sites = find_sites(model_chunks)
+    ``BackwardSketchOptimizer`` over the targets of ``sites`` (what
+    ``backward_sites.prepare_model`` returned for each chunk it froze)."""
+    sites = [s for s in sites or () if s is not None]
     if not sites:
         raise ValueError(
-            "--loggra-sketch backward (loggra_sketch='backward', the default): the model was "
-            "wrapped in DDP without optim.megatron.sketch_sites.prepare_model, so its targets "
-            "would get dense gradients; call prepare_model(model, optim, loggra) before DDP "
-            "wraps it, or choose loggra_sketch='gradient'"
+            "--loggra-sketch backward (loggra_sketch='backward', the default): no sketch sites "
+            "were given, so the targets would get dense gradients; call "
+            "sites = prepare_model(model, optim, loggra) before DDP wraps the model and pass "
+            "sites=[sites], or choose loggra_sketch='gradient'"
         )
     leaves = []
     if any(p.requires_grad for chunk in model_chunks for p in chunk.parameters()):
@@ -137,25 +152,32 @@ def _grad_stats_group(leaves, config: OptimizerConfig):
 
 
 def get_loggra_optimizer(
-    config: OptimizerConfig, model_chunks: list, loggra: LoGRAConfig | None = None, **kwargs
+    config: OptimizerConfig,
+    model_chunks: list,
+    loggra: LoGRAConfig | None = None,
+    sites: list | None = None,
+    **kwargs,
 ):
     """A Megatron-Core optimizer for DDP-wrapped ``model_chunks`` with LoGRA inside.
 
     ``config`` is Megatron's own (``optimizer="adam"``: lr, betas, eps, weight decay,
     clipping, precision, sharding), ``loggra`` LoGRA's settings (default ``LoGRAConfig()``:
     the backward sketch, rank hidden size / 8). The backward sketch
-    (``loggra_sketch="backward"``) needs ``sketch_sites.prepare_model`` on the model before
-    DDP wraps it, and returns the chain of ``build_backward_sketch``. The gradient sketch
-    returns what ``megatron.core.optimizer.get_megatron_optimizer`` returns (``kwargs`` go to
-    it: a leaf optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer replaced
-    by ``ShardedLoGRAAdamW`` over Megatron's own param groups.
+    (``loggra_sketch="backward"``) takes ``sites``, per chunk what
+    ``backward_sites.prepare_model`` returned for it before DDP wrapped it, and returns the
+    chain of ``build_backward_sketch``. The gradient sketch returns what
+    ``megatron.core.optimizer.get_megatron_optimizer`` returns (``kwargs`` go to it: a leaf
+    optimizer or a ``ChainedOptimizer``), with each leaf's inner optimizer replaced by
+    ``ShardedLoGRAAdamW`` over Megatron's own param groups.
     """
     loggra = loggra or LoGRAConfig()
     build = resolve(SKETCH_MODES[loggra.loggra_sketch].builder)
-    return build(config, loggra, model_chunks, **kwargs)
+    return build(config, loggra, model_chunks, sites, **kwargs)
 
 
-def build_gradient_sketch(config: OptimizerConfig, loggra: LoGRAConfig, model_chunks, **kwargs):
+def build_gradient_sketch(
+    config: OptimizerConfig, loggra: LoGRAConfig, model_chunks, sites=None, **kwargs
+):
     """``--loggra-sketch gradient``'s optimizer: Megatron's (``kwargs`` go to
     ``get_megatron_optimizer``) with ``ShardedLoGRAAdamW`` inside each leaf."""
     return _megatron_optimizer_with_loggra(config, model_chunks, loggra, **kwargs)
@@ -254,7 +276,7 @@ class _ParamInfo:
 
     def sketched(self, p, loggra: LoGRAConfig) -> bool:
         if SKETCH_MODES[loggra.loggra_sketch].in_backward:
-            return False  # the targets are frozen (sketch_sites); what is left is dense
+            return False  # the targets are frozen (backward_sites); what is left is dense
         name = self.names.get(p, "")
         projection = PROJECTIONS[loggra.loggra_projection]
         return not any(part in name for part in DENSE_NAME_PARTS) and projection.sketches(

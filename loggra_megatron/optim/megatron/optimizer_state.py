@@ -24,7 +24,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from loggra_megatron.optim import loggra_adamw
+from loggra_megatron.optim.gradient_sketch import adamw
 from loggra_megatron.optim.megatron.checkpoint import LoGRACheckpointMixin
 
 DENSE_OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -42,9 +42,9 @@ def state_bytes(optimizer) -> int:
     optimizer, or of the inner optimizers of a Megatron-Core optimizer (a ``ChainedOptimizer``
     or a leaf; their fp32 main params are not optimizer state)."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        return loggra_adamw.state_bytes(optimizer)
+        return adamw.state_bytes(optimizer)
     inners = (getattr(leaf, "optimizer", None) for leaf in leaf_optimizers(optimizer))
-    return sum(loggra_adamw.state_bytes(inner) for inner in inners if inner is not None)
+    return sum(adamw.state_bytes(inner) for inner in inners if inner is not None)
 
 
 def install_state_init(optimizer, init_state: Callable) -> None:

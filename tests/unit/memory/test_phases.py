@@ -322,11 +322,13 @@ def test_checkpoint_save_rebuilds_one_copy_bucket_at_a_time():
 
 def test_dense_updates_convert_one_piece_at_a_time():
     """LoGRA's AdamW converts a dense shard's bf16 gradient in pieces of the optimizer's own
-    size (``optim.distributed.DENSE_PIECE_NUMEL``, which the estimator's constant equals): at
+    size (``optim.gradient_sketch.distributed.DENSE_PIECE_NUMEL``, which the estimator's constant equals): at
     the 27B example the [V/t, h] embedding shard's 0.6 GiB fp32 copy becomes 16 MiB with the
     backward sketch; a gradient-sketched weight still converts its whole shard."""
     from loggra_megatron.memory.params import DENSE_PIECE_NUMEL
-    from loggra_megatron.optim.distributed import DENSE_PIECE_NUMEL as OPTIMIZER_PIECE
+    from loggra_megatron.optim.gradient_sketch.distributed import (
+        DENSE_PIECE_NUMEL as OPTIMIZER_PIECE,
+    )
 
     assert DENSE_PIECE_NUMEL == OPTIMIZER_PIECE
     model, par = _27b()

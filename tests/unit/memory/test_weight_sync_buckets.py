@@ -1,10 +1,10 @@
 """The memory model's term of the backward sketch's DP weight sync follows its buckets
-(``optim/megatron/row_gather.py``): one bucket's buffer in the optimizer step, two when the
+(``optim/megatron/backward_row_gather.py``): one bucket's buffer in the optimizer step, two when the
 sync is pipelined (``--overlap-param-gather``)."""
 
 from loggra_megatron.memory.backward_sketch import gather_buckets, step_bytes
 from loggra_megatron.memory.params import ParamSpec
-from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
+from loggra_megatron.optim.backward_sketch.sketch import ROW_GATHER_BUCKET_NUMEL
 
 
 def _targets(*shapes):

@@ -1,5 +1,5 @@
 """The backward sketch's 1-bit projections and its fp32-result GEMM
-(``optim/backward_sketch.py``): packing is exact in every dtype; each ``fp32_matmul`` path is
+(``optim/backward_sketch/sketch.py``): packing is exact in every dtype; each ``fp32_matmul`` path is
 logged once and agrees with float64 within its precision."""
 
 import logging
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from loggra_megatron.optim import backward_sketch as bs
+from loggra_megatron.optim.backward_sketch import sketch as bs
 
 
 @pytest.mark.parametrize("cols", [1, 7, 8, 9, 37])

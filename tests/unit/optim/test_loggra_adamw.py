@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loggra_megatron.optim import LoGRAAdamW, state_bytes
-from loggra_megatron.optim.projection import (
+from loggra_megatron.optim.gradient_sketch.projection import (
     align_basis,
     gaussian_test_matrix,
     gram_svd_basis,

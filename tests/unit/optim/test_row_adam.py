@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from loggra_megatron.optim.backward_sketch import (
+from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.sketch import (
     draw_signs,
     gram_sq_norm,
     projection_seed,
     reconstruct,
 )
 from loggra_megatron.optim.param_remainders import join_master, weight_of
-from loggra_megatron.optim.row_adam import RowAdam
 
 M, N, R = 12, 20, 6
 

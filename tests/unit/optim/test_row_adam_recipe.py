@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from loggra_megatron.optim.backward_sketch import draw_signs
-from loggra_megatron.optim.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.sketch import draw_signs
 
 R = 4
 BETA2, EPS = 0.95, 1e-3

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from loggra_megatron.optim.backward_sketch import draw_signs
-from loggra_megatron.optim.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.sketch import draw_signs
 from loggra_megatron.placement.lowrank import RowMaster, RowUpdate, Shadows, TargetShadow
 
 M, N, R = 10, 16, 4

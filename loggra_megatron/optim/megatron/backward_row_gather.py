@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
+from loggra_megatron.optim.megatron.backward_sites import SketchSite, SketchSites
 
 
 def row_gathers(sites: SketchSites, segment: int, group, bucket_numel: int | None) -> list:

@@ -1,6 +1,6 @@
 """The row updates of the backward sketch (``--loggra-row-optimizer``): how ``RowAdam``
 turns a row block's sketch ``S`` (``[k, r]``, fp32) into its direction ``D``, and the state
-each keeps per row (``optim.row_adam`` has the whole update and the paper's citation).
+each keeps per row (``optim.backward_sketch.row_adam`` has the whole update and the paper's citation).
 
     adam:  v ← β₂ v + (1 − β₂) · mean_j S_ij²    D = S / (√(v / (1 − β₂ᵗ)) + ε)
     sgd:   D = S

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.optim.energy_log import EnergyLog
-from loggra_megatron.optim.loggra_adamw import (
+from loggra_megatron.optim.gradient_sketch.adamw import (
     LoGRAAdamW,
     adam_moments,
     dense_state,
@@ -32,9 +31,10 @@ from loggra_megatron.optim.loggra_adamw import (
     refreshed_state,
     validate_group,
 )
+from loggra_megatron.optim.gradient_sketch.energy_log import EnergyLog
+from loggra_megatron.optim.gradient_sketch.row_sketch import RowShardedSketch, all_reduce_fn
+from loggra_megatron.optim.gradient_sketch.weight_layout import WeightLayout
 from loggra_megatron.optim.param_remainders import join_master, store_master
-from loggra_megatron.optim.row_sketch import RowShardedSketch, all_reduce_fn
-from loggra_megatron.optim.weight_layout import WeightLayout
 
 DENSE_PIECE_NUMEL = 1 << 22
 """Elements of a densely updated shard that one AdamW piece converts and updates at once
@@ -107,7 +107,7 @@ class ShardedLoGRAAdamW(LoGRAAdamW):
         self._device = next(iter(self._group_of), torch.zeros(())).device
         """Where collective buffers live (also on ranks that hold no slice of a weight)."""
         self.energy = EnergyLog(energy_slots, self._device)
-        """Captured energy of the committed steps (``optim.energy_log``)."""
+        """Captured energy of the committed steps (``optim.gradient_sketch.energy_log``)."""
         self._rows = RowShardedSketch(
             all_layouts,
             dp_rank,

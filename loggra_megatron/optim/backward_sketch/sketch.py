@@ -22,7 +22,7 @@ which is how the Megatron adapter keeps an update's draws between their uses.
 ``fp32_matmul`` forms ``Hᵀ P`` (16-bit operands, fp32 result) by the best path the operands
 and the device allow, each logged once (``MATMUL_PATHS``).
 
-Sharding (where the sums happen) is the Megatron adapter's: ``optim/megatron/sketch_sites.py``.
+Sharding (where the sums happen) is the Megatron adapter's: ``optim/megatron/backward_sites.py``.
 Reference: Zhang et al., "Scaling LLM reinforcement learning with low-rank gradient sketches",
 arXiv:2610.06647 (2026); Johnson & Lindenstrauss (1984); Achlioptas, "Database-friendly random
 projections" (2003) for the Rademacher form.
@@ -42,7 +42,7 @@ SKETCH_MATRICES = ("rademacher", "gaussian")
 ROW_GATHER_BUCKET_NUMEL = 40_000_000
 """Elements a bucket of the targets' DP weight sync gathers at most (Megatron-LM's default
 DDP bucket size; a larger target is a bucket of its own): bounds its staging buffer
-(``optim/megatron/row_gather.py``)."""
+(``optim/megatron/backward_row_gather.py``)."""
 
 SKETCH_REDUCTIONS = ("step", "microbatch")
 """``--loggra-sketch-reduce`` choices: when ``S`` is summed over data parallelism."""

@@ -7,7 +7,7 @@
 * the dense leaves: Megatron's (distributed) optimizer with LoGRA's AdamW inside and nothing
   sketched (``get_loggra_optimizer``) for every
   parameter that is not a target (embeddings, output layer, norms, biases). The targets were
-  frozen before DDP wrapped the model (``optim.megatron.sketch_sites``), so
+  frozen before DDP wrapped the model (``optim.megatron.backward_sites``), so
   they are in none of its grad buffers;
 * one ``BackwardSketchOptimizer`` (a ``MegatronOptimizer``) whose inner optimizer is
   ``RowAdam`` over this DP rank's rows of every target.
@@ -28,7 +28,7 @@ A step of this leaf:
 2. ``step_with_ready_grads``: RowAdam updates the fp32 masters of its rows (or the bf16
    rows + int16 remainders), the rows are copied into the bf16 weights and all-gathered over
    DP (flat buffers of at most 40M elements, one all-gather each, pipelined with
-   ``--overlap-param-gather``: ``row_gather.py``), and the projection's draw index advances.
+   ``--overlap-param-gather``: ``backward_row_gather.py``), and the projection's draw index advances.
 
 Bytes communicated per step: docs/optimizer.md#the-backward-sketch.
 """
@@ -40,15 +40,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from loggra_megatron.optim.backward_sketch import ROW_GATHER_BUCKET_NUMEL
+from loggra_megatron.optim.backward_sketch.row_adam import RowAdam
+from loggra_megatron.optim.backward_sketch.sketch import ROW_GATHER_BUCKET_NUMEL
 from loggra_megatron.optim.config import LoGRAConfig
+from loggra_megatron.optim.megatron.backward_row_gather import row_gathers, sync_buckets
+from loggra_megatron.optim.megatron.backward_sites import SketchSite, SketchSites
 from loggra_megatron.optim.megatron.checkpoint import checkpoint_master, flat_sharded
 from loggra_megatron.optim.megatron.model_grads import clip_coefficient
 from loggra_megatron.optim.megatron.params import shares_storage
-from loggra_megatron.optim.megatron.row_gather import row_gathers, sync_buckets
-from loggra_megatron.optim.megatron.sketch_sites import SketchSite, SketchSites
-from loggra_megatron.optim.registry import UNTAGGED_SKETCH
-from loggra_megatron.optim.row_adam import RowAdam
+from loggra_megatron.optim.registry import SKETCH_MODES, UNTAGGED_SKETCH
 
 FORMAT_VERSION = 1
 LEGACY_META = {"sketch_matrix": "rademacher", "refresh_interval": 1}
@@ -84,8 +84,8 @@ class BackwardSketchOptimizer(MegatronOptimizer):
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.row_optimizer = loggra.loggra_row_optimizer
-        self.sketch = loggra.loggra_sketch
-        """The ``--loggra-sketch`` mode its checkpoints are tagged with."""
+        self.sketch = SKETCH_MODES[loggra.loggra_sketch].checkpoint_tag
+        """The tag of its ``--loggra-sketch`` mode that its checkpoints record."""
         remainders = loggra.loggra_param_remainders
         self.rows_of: dict[torch.Tensor, tuple[SketchSites, SketchSite, int, int]] = {}
         masters, param_remainders = [], {}
@@ -304,7 +304,7 @@ class BackwardSketchOptimizer(MegatronOptimizer):
     def sync_weights(self) -> None:
         """All-gather every target's rows over DP (each rank updated its own), and wait: one
         flat buffer and one all-gather per bucket (``ROW_GATHER_BUCKET_NUMEL`` elements at
-        most), pipelined with the DDP config's ``overlap_param_gather`` (``row_gather.py``)."""
+        most), pipelined with the DDP config's ``overlap_param_gather`` (``backward_row_gather.py``)."""
         sync_buckets(self.row_gathers, self.overlap_weight_sync)
 
     # ------------------------------------------------------------------ checkpoints
@@ -404,3 +404,10 @@ class BackwardSketchOptimizer(MegatronOptimizer):
             chunk_sites.updates = num_steps
         self._copy_main_params_to_model_params()
         self.sync_weights()
+
+
+def sketch_sites_of(optimizer) -> list[SketchSites]:
+    """The ``SketchSites`` of ``optimizer``'s backward-sketch leaves (empty: none), as the
+    builder was given them."""
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s for leaf in leaves if isinstance(leaf, BackwardSketchOptimizer) for s in leaf.sites]

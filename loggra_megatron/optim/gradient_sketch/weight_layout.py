@@ -38,7 +38,7 @@ class WeightLayout:
     local row j maps to global row ``t·m/2 + j`` (gate) or ``M/2 + t·m/2 + j − m/2`` (up)."""
     energy_slot: int = -1
     """Row of the captured-energy buffer this weight adds to (``4·global layer + family``,
-    ``optim.megatron.energy``); -1: not counted."""
+    ``optim.megatron.gradient_energy``); -1: not counted."""
 
     @property
     def omega_rows(self) -> int:

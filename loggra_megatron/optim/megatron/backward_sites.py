@@ -71,17 +71,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from loggra_megatron.optim.backward_sketch import (
+from loggra_megatron.optim.backward_sketch.sketch import (
     draw_signs,
     fp32_matmul,
     pack_signs,
     sketch_scale,
     unpack_signs,
 )
-from loggra_megatron.optim.registry import backward_sketch
-
-SITES_ATTR = "loggra_sketch_sites"
-"""The attribute of the model chunk that holds its ``SketchSites``."""
 
 
 @dataclass
@@ -387,23 +383,10 @@ def _find_sites(model, targets) -> Iterator[SketchSite]:
             )
 
 
-def find_sites(model_chunks) -> list[SketchSites]:
-    """The ``SketchSites`` of (DDP/Float16-wrapped) ``model_chunks`` (empty: none)."""
-    found = []
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            sites = getattr(module, SITES_ATTR, None)
-            if sites is not None:
-                found.append(sites)
-                break
-    return found
-
-
-def prepare_model(model, optim, loggra) -> None:
+def prepare_model(model, optim, loggra) -> SketchSites:
     """Freeze ``--loggra-targets`` of ``model`` (before DDP wraps it) and install the
-    backward sketch on them, with ``--loggra-sketch backward``; a no-op otherwise."""
-    if not backward_sketch(optim.optimizer, loggra.loggra_sketch):
-        return
+    backward sketch on them (the ``backward`` entry of ``SKETCH_MODES``); the sites, which the
+    optimizer's builder takes (``factory.get_loggra_optimizer(..., sites=[...])``)."""
     config = model.config
     for module in model.modules():  # Float16Module → GPTModel
         if hasattr(module, "decoder") or hasattr(module, "embedding"):
@@ -432,7 +415,7 @@ def prepare_model(model, optim, loggra) -> None:
             embedding.register_forward_hook(_output_requires_grad)
     for site in sites:
         site.weight.requires_grad_(False)
-    setattr(model, SITES_ATTR, sites)
+    return sites
 
 
 def _output_requires_grad(module, args, output):

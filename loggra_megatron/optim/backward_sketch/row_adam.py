@@ -1,7 +1,7 @@
 """RowAdam: the published LoGRA's optimizer of sketched weights (torch only).
 
 Each parameter is a block of whole rows ``W[rows]`` (``[k, n]``) of a sketched weight (a DP
-rank's own rows, ``optim.megatron.sketch_sites``). Its gradient is never
+rank's own rows, ``optim.megatron.backward_sites``). Its gradient is never
 formed: the caller hands the optimizer the rows' sketch ``S = G Aᵀ`` (``[k, r]``, fp32, already
 reduced) and the projection's signs ``B`` (``A = B/√r``, or a function returning them, called
 at each use: the Megatron adapter's unpacks the update's one draw, kept as bits) with
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loggra_megatron.optim.backward_sketch import gram_sq_norm, reconstruct
+from loggra_megatron.optim.backward_sketch.row_updates import ROW_UPDATES
+from loggra_megatron.optim.backward_sketch.sketch import gram_sq_norm, reconstruct
 from loggra_megatron.optim.param_remainders import join_master, store_master
-from loggra_megatron.optim.row_updates import ROW_UPDATES
 
 
 def row_target(master, rate: float, weight_decay: float, direction, signs) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """LoGRA-AdamW: AdamW whose state lives in low-rank gradient sketches.
 
 For each sketched 2-D weight ``W ∈ R^{m×n}`` with gradient ``G`` and orthonormal right
-basis ``Q ∈ R^{n×r}`` (see ``optim.projection``)::
+basis ``Q ∈ R^{n×r}`` (see ``optim.gradient_sketch.projection``)::
 
     S = G Q;  M ← β1 M + (1 − β1) S;  V ← β2 V + (1 − β2) S ∘ S    # [m, r]
     W ← W − lr·(λ W + α M̂/(√V̂ + ε) Qᵀ)   # decoupled weight decay λ, scale α
@@ -9,7 +9,7 @@ basis ``Q ∈ R^{n×r}`` (see ``optim.projection``)::
 ``Q`` is refreshed every ``update_interval`` steps and the moments are transported into the
 new basis; with ``projection="identity"`` (``Q = I``) this is exactly ``torch.optim.AdamW``.
 No communication (single process; the distributed version is
-``optim.distributed``).
+``optim.gradient_sketch.distributed``).
 
 Residual, dense params, state and exactness: docs/optimizer.md#update-rule.
 References: GaLore (Zhao et al., ICML 2024), Flora (Hao et al., ICML 2024),
@@ -25,7 +25,11 @@ from collections.abc import Iterable
 import torch
 
 from loggra_megatron.optim.config import LoGRAConfig
-from loggra_megatron.optim.projection import PROJECTIONS, align_basis, transport_moments
+from loggra_megatron.optim.gradient_sketch.projection import (
+    PROJECTIONS,
+    align_basis,
+    transport_moments,
+)
 
 _SEED_STRIDE = 1_000_003
 _SEED_MODULUS = 2**63  # seeds stay int64 (a checkpointed tensor) for any --seed below 2^63
@@ -194,7 +198,7 @@ class LoGRAAdamW(torch.optim.Optimizer):
         the gradient energy that step's sketch kept (1 for the identity projection). None
         for a param that is not a sketched matrix here (dense, no gradient or no state yet,
         or a 1-D shard of ``ShardedLoGRAAdamW``,
-        whose per-family metric is ``optim.megatron.energy``). Computed
+        whose per-family metric is ``optim.megatron.gradient_energy``). Computed
         on request: one pass over ``G``, none in ``step``."""
         state = self.state.get(p, {})
         if p.grad is None or p.dim() != 2 or "basis" not in state:

@@ -1,7 +1,7 @@
 """The row arithmetic of LoGRA on Megatron's data-parallel shards, weight by weight.
 
 Megatron's ``DistributedOptimizer`` cuts each flattened ``[m, n]`` weight into DP slices
-without regard to rows (``optim.weight_layout``). Row i of the sketch
+without regard to rows (``optim.gradient_sketch.weight_layout``). Row i of the sketch
 ``S = G Q`` depends only on row i of ``G``, so a rank sketches its whole rows locally and the
 *split rows* (touched by two or more DP ranks) as partial sums, all-reduced over DP
 (``[split rows, r]`` per weight); for a basis refresh the split rows' gradients are summed
@@ -16,8 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from loggra_megatron.optim.projection import AllReduce, Projection, gaussian_test_matrix
-from loggra_megatron.optim.weight_layout import WeightLayout, cut_rows
+from loggra_megatron.optim.gradient_sketch.projection import (
+    AllReduce,
+    Projection,
+    gaussian_test_matrix,
+)
+from loggra_megatron.optim.gradient_sketch.weight_layout import WeightLayout, cut_rows
 
 
 def all_reduce_fn(group) -> AllReduce | None:

@@ -1,7 +1,7 @@
 """The captured-energy log of a DP-sharded LoGRA optimizer: per committed step, this rank's
 ``(‖S‖², ‖G‖²)`` per slot (``4·global layer + family``), from the step's own sketches and
 the non-finite check's gradient norms (no extra pass over the gradient). Summed over all
-ranks they are whole matrices' (``optim.megatron.energy`` reads and
+ranks they are whole matrices' (``optim.megatron.gradient_energy`` reads and
 clears the records); a skipped step records nothing. docs/optimizer.md#captured-energy.
 """
 
