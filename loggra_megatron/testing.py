@@ -55,15 +55,26 @@ _PRELOAD = [
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
     "loggra_megatron.cpu",
+    # what pretrain_rl.py and the tools import, for scripts launched from the same server
+    "loggra_megatron.arguments",
+    "loggra_megatron.train.trainer",
+    "loggra_megatron.train.generation_worker",
+    "loggra_megatron.placement",
 ]
 
 
 def _mp_context(start_method: str):
     if start_method == "forkserver" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # only takes effect before the server starts
-        return ctx
+        return forkserver_context()
     return mp.get_context("spawn")
+
+
+def forkserver_context():
+    """The multiprocessing context whose processes fork from a server that imported torch,
+    Megatron-Core and the trainer once (the server starts at the first process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # only takes effect before the server starts
+    return ctx
 
 
 def _exit_when_orphaned(ppid: int) -> None:

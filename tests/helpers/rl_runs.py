@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_launch
+
 from loggra_megatron.optim.registry import OPTIMIZERS
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -70,19 +72,26 @@ def tiny_policy(argv: list[str]):
     return cfg, host, policy, examples
 
 
-def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py"):
+def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py", warm=True):
     """``torchrun --nproc-per-node nproc script argv`` (a path under the repository); the
-    finished process."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--standalone",
-        os.path.join(ROOT, script),
-        *argv,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+    finished process. ``warm``: its ranks fork from the harness's forkserver, which imported
+    the trainer once (``warm_launch``); ``warm=False``: torchrun itself, for what only a
+    fresh launcher shows (import-time warnings, the launcher's own behaviour)."""
+    if warm:
+        proc = warm_launch.run(script, list(map(str, argv)), nproc=nproc, env=ENV, timeout=timeout)
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--standalone",
+            os.path.join(ROOT, script),
+            *argv,
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
