@@ -3,13 +3,11 @@ and remainders; save → resume equals the uninterrupted run in every metric; a 
 rank, target set, row optimizer, projection matrix, refresh interval or sketch mode is refused on resume (exit 2); the trained
 weights export to Hugging Face."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI, load_hf_dir
-from rl_runs import ROOT, refused, tiny_argv, torchrun
+from rl_runs import refused, tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
 
@@ -90,13 +88,7 @@ def test_trained_target_weights_export_to_hugging_face(runs, tmp_path):
     exports = {}
     for step in (2, 4):
         out = tmp_path / f"hf{step}"
-        subprocess.run(
-            [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(runs / "full")]
-            + ["--save", str(out), "--ckpt-step", str(step)],
-            check=True,
-            capture_output=True,
-            cwd=ROOT,
-        )
+        _convert("--load", str(runs / "full"), "--save", str(out), "--ckpt-step", str(step))
         exports[step] = load_hf_dir(out)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     names = [n for n in exports[4] if n.endswith(".weight") and any(t in n for t in targets)]
@@ -111,13 +103,7 @@ def test_exported_masters_are_the_weights_before_bf16_rounding(runs, tmp_path):
     remainders round up in magnitude), and that hold more than the weights do."""
     exports = {}
     for name, extra in (("weights", []), ("masters", ["--export-masters"])):
-        subprocess.run(
-            [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(runs / "full")]
-            + ["--save", str(tmp_path / name), *extra],
-            check=True,
-            capture_output=True,
-            cwd=ROOT,
-        )
+        _convert("--load", str(runs / "full"), "--save", str(tmp_path / name), *extra)
         exports[name] = load_hf_dir(tmp_path / name)
     weights, masters = exports["weights"], exports["masters"]
     assert weights.keys() == masters.keys()
@@ -128,3 +114,9 @@ def test_exported_masters_are_the_weights_before_bf16_rounding(runs, tmp_path):
         assert torch.equal(master.bfloat16()[~tie], weights[name][~tie]), name
         finer += not torch.equal(master, weights[name].float())
     assert finer == len(masters)  # every weight was trained, and its master is finer
+
+
+def _convert(*argv: str) -> None:
+    """tools/convert_checkpoint.py --direction megatron-to-hf ``argv``, as a user runs it."""
+    proc = warm_launch.run(CLI, ["--direction", "megatron-to-hf", *argv])
+    assert proc.returncode == 0, proc.stderr[-3000:]

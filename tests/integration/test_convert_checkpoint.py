@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI, cli_main, load_hf_dir
 from safetensors.torch import save_file
 
@@ -250,13 +251,7 @@ def test_cli_roundtrip_and_refusals(hf_models, tmp_path, capsys):
     main() inside an already initialised Megatron; refusals before any process group."""
     hf_dir = hf_models["llama_tied"][0]
     mg, out = tmp_path / "mg", tmp_path / "hf"
-    r = subprocess.run(
-        [sys.executable, CLI, "--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=300,
-    )
+    r = _cli("--direction", "hf-to-megatron", "--load", hf_dir, "--save", str(mg))
     assert r.returncode == 0, r.stderr
     assert "layer 1" in r.stdout and "done: 2 layers" in r.stdout
     args = GPTModelArgs.load_json(mg / "loggra_model_args.json")
@@ -478,13 +473,9 @@ def test_hf_to_megatron_refuses_a_truncated_safetensors_file(hf_models, tmp_path
 
 
 def _cli(*argv, timeout=300):
-    return subprocess.run(
-        [sys.executable, CLI, *map(str, argv)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        timeout=timeout,
-    )
+    """tools/convert_checkpoint.py as a user runs it (its own process, no torchrun)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return warm_launch.run(CLI, [str(a) for a in argv], env=env, timeout=timeout)
 
 
 def test_an_interrupted_conversion_is_cleaned_up_by_the_rerun(hf_models, tmp_path):

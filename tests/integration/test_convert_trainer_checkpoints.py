@@ -5,11 +5,10 @@ values), and every refusal exits 2 naming the file before anything is written.""
 import math
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI, cli_main, load_hf_dir
 
 from loggra_megatron.model.args import GPTModelArgs
@@ -81,8 +80,7 @@ def test_megatron_to_hf_reads_trainer_checkpoints_as_the_trainer_does(tmp_path, 
     flip = struct.pack("<ff", 2.5, 2.0), struct.pack("<ff", 1e37, 2.0)
     name = _overwrite_in_iteration(root, 2, *flip)  # same size: only the CRC sees it
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    argv = [sys.executable, CLI, *_to_hf(root, tmp_path / "hf")]
-    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    r = warm_launch.run(CLI, _to_hf(root, tmp_path / "hf"), env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     log = r.stdout + r.stderr
     assert "the tracked iteration 7" in log and f"{name} fails its CRC-32 check" in log

@@ -5,12 +5,11 @@ math task checked by math-verify, HF -> Megatron -> GRPO on 2 processes -> HF.""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from functools import partial
 
 import pytest
 import torch
+import warm_launch
 from rl_runs import ENV, REWARD, ROOT, torchrun
 
 from loggra_megatron.data.prompts import PromptRenderer
@@ -101,16 +100,11 @@ def _megatron_logits(rank, root):
     return logits[..., : args.vocab_size]
 
 
-def _run(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def _convert(direction: str, load, save) -> None:
     """tools/convert_checkpoint.py in ``direction`` (hf-to-megatron or megatron-to-hf)."""
-    cli = os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    _run([sys.executable, cli, "--direction", direction, "--load", str(load), "--save", str(save)])
+    argv = ["--direction", direction, "--load", str(load), "--save", str(save)]
+    proc = warm_launch.run("tools/convert_checkpoint.py", argv, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _grpo_flags(hf_dir, mcore, run) -> list[str]:

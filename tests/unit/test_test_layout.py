@@ -13,7 +13,7 @@ import pytest
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTERS = {"run_distributed", "torchrun", "Popen"}
 """Functions that start ranks or a process; and any function of these modules:"""
-STARTER_MODULES = {"subprocess", "multiprocessing"}
+STARTER_MODULES = {"subprocess", "multiprocessing", "warm_launch"}
 
 
 def _test_files(tier: str) -> list[str]:
