@@ -185,17 +185,21 @@ for name in ("megatron.core", "transformer_engine", "sentencepiece", "transforme
     print(f"{name}: {'yes ' + str(version) if found else 'no'}")
 PY
 grep -v -i -E 'warn|^  return ' "$WORK/logs/environment.log" >>"$RESULTS" 2>/dev/null
-if ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
-    note "megatron-core is not importable: on the device machine, run" \
-        "'bash benchmarks/gpu/h200_check.sh fetch-wheels' first and carry .whl (header)"
-fi
-# why_not dynamic|te|fp8: why the dynamic engine / TE layers / FP8 cannot run here (empty:
-# they can)
-why_not() {
-    "$PY" - "$1" "$RL_DEVICE" <<'PY' 2>/dev/null
+# One probe process (imports are most of a Python start here): whether megatron-core imports,
+# why the dynamic engine / FP8 / TE layers cannot run here (an empty line: they can) and
+# whether Transformer Engine imports at all; one line each.
+mapfile -t PROBE < <("$PY" - "$RL_DEVICE" <<'PY' 2>/dev/null
 import sys
 
 import torch
+
+
+def te_error() -> str:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return f"transformer_engine not importable ({type(e).__name__}: {e})"[:200]
+    return ""
 
 
 def why(what: str, device: str) -> str:
@@ -205,29 +209,42 @@ def why(what: str, device: str) -> str:
         from loggra_megatron.rollout.dynamic.generate import dynamic_engine_unavailable
 
         return dynamic_engine_unavailable() or ""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - the reason is the answer
-        return f"transformer_engine not importable ({type(e).__name__}: {e})"[:200]
-    if what == "te":
-        return ""
+    if te_error() or what == "te":
+        return te_error()
     cc = torch.cuda.get_device_capability()
     return "" if cc >= (8, 9) else f"FP8 needs compute capability >= 8.9, this GPU has {cc}"
 
 
-try:
-    print(why(*sys.argv[1:]))
-except Exception as e:  # noqa: BLE001 - e.g. megatron-core missing
-    print(f"its check failed ({type(e).__name__}: {e})"[:200])
+def answer(fn, *args) -> str:
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - e.g. megatron-core missing
+        return f"its check failed ({type(e).__name__}: {e})"[:200]
+
+
+def megatron_error() -> str:
+    import megatron.core  # noqa: F401
+
+    return ""
+
+
+print(answer(megatron_error) and "no")
+for what in ("dynamic", "fp8", "te"):
+    print(answer(why, what, sys.argv[1]))
+print("yes" if not te_error() else "")
 PY
-}
-DYNAMIC_WHY=$(why_not dynamic)
-FP8_WHY=$(why_not fp8)
-TE_WHY=$(why_not te)
+)
+if [ "${#PROBE[@]}" -lt 5 ] || [ "${PROBE[0]}" = no ]; then
+    note "megatron-core is not importable: on the device machine, run" \
+        "'bash benchmarks/gpu/h200_check.sh fetch-wheels' first and carry .whl (header)"
+fi
+DYNAMIC_WHY=${PROBE[1]:-its check failed}
+FP8_WHY=${PROBE[2]:-its check failed}
+TE_WHY=${PROBE[3]:-its check failed}
 if [ "${1:-}" = plan ] && [ -n "${ASSUME_AVAILABLE:-}" ]; then  # as in docker/Dockerfile's image
     DYNAMIC_WHY="" FP8_WHY="" TE_WHY=""
 fi
-if "$PY" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+if [ "${PROBE[4]:-}" = yes ]; then
     IMPL=(--transformer-impl transformer_engine)
 else
     IMPL=(--transformer-impl local)

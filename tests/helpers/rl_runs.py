@@ -36,6 +36,7 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
         "loggra-min-dim": 16,
         "reward-fn": f"{REWARD}:digit_count",
         "seed": 7,
+        "num-tasks": 512,  # of the built-in task: 10000 by default, ~1 s per rank to make
     }
     spec = OPTIMIZERS.get(overrides.get("optimizer", "loggra"))
     if spec is not None and not spec.sketched:

@@ -5,9 +5,9 @@ import argparse
 import dataclasses
 import glob
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+import warm_launch
 
 from loggra_megatron.config import add_flags
 
@@ -26,21 +26,11 @@ ENTRY_POINTS = sorted(["pretrain_rl.py", *_scripts("tools"), *_scripts("benchmar
 
 def test_every_entry_point_prints_its_help():
     assert len(ENTRY_POINTS) >= 14, ENTRY_POINTS
-    procs = {
-        path: subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, path), "--help"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for path in ENTRY_POINTS
-    }
     failures = {}
-    for path, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        if proc.returncode != 0 or "usage:" not in out:
-            failures[path] = (proc.returncode, err.strip().splitlines()[-1:] or out[-200:])
+    for path in ENTRY_POINTS:
+        proc = warm_launch.run(path, ["--help"], timeout=300)
+        if proc.returncode != 0 or "usage:" not in proc.stdout:
+            failures[path] = (proc.returncode, proc.stderr.strip().splitlines()[-1:])
     assert not failures, failures
 
 
