@@ -56,9 +56,9 @@ class OptimizerSpec:
     the memory model reads those dtypes for it only."""
     prepare_model: str | None = None
     """``"module:function"``: ``function(model, optim, loggra) -> prepared`` prepares the
-    (unwrapped) policy before DDP wraps it (``train.build.policy``), e.g. freezes and hooks the
-    backward sketch's targets; what it returns goes to the builder. None: nothing to
-    prepare."""
+    (unwrapped) policy before DDP wraps it (``train.build.trainable_policy``), e.g. freezes
+    and hooks the backward sketch's targets; what it returns goes to the builder. None:
+    nothing to prepare."""
     init_state: str | None = None
     """``"module:function"``: ``function(optimizer, config=None)`` gives every parameter of a
     torch optimizer its state (zeros), as Megatron's ``init_state_fn``, so that a checkpoint

@@ -8,6 +8,7 @@ from pathlib import Path
 import warm_launch
 
 from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.tasks import TASKS
 
 ROOT = str(Path(__file__).resolve().parents[2])
 REWARD = os.path.join(ROOT, "tests", "helpers", "reward_fns.py")
@@ -46,6 +47,9 @@ def tiny_argv(tokenizer, **overrides) -> list[str]:
     elif overrides["loggra-sketch"] != "gradient":
         del flags["loggra-min-dim"]  # the gradient sketch's only
     flags.update(overrides)
+    task = flags.get("task") or ("jsonl" if flags.get("data-path") else "arithmetic")
+    if TASKS[task].needs_data:  # the files give the examples: the flag would be refused
+        del flags["num-tasks"]
     argv = []
     for key, value in flags.items():
         if value is True:
