@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loggra_megatron.memory.backward_sketch import sketch_terms
+from loggra_megatron.memory.backward_sketch import SketchTerms
 from loggra_megatron.memory.estimate_config import EstimateConfig
 from loggra_megatron.memory.params import (
     ParamSpec,
@@ -62,7 +62,7 @@ from loggra_megatron.memory.transient import (
     rollout_kv_tokens,
     rollout_rows,
 )
-from loggra_megatron.optim.registry import OPTIMIZERS
+from loggra_megatron.optim.registry import OPTIMIZERS, SKETCH_MODES, resolve
 from loggra_megatron.train.step_plan import StepPlan
 
 __all__ = [
@@ -178,7 +178,7 @@ def _stage_breakdown(
     masters = bytes_per_master(plan, est)
     loggra_remainders = masters == 2 and OPTIMIZERS[plan.optimizer].grads_per_weight
     # the backward sketch's frozen targets (none without it) and the dense rest
-    sk = sketch_terms(model, plan, stage, params, dp)
+    sk = sketch_mode_terms(model, plan, stage, params, dp)
     dense = sk.dense_of(params)
     # a KL trial overwrites LoGRA's bf16 weights, which are half of each master with
     # remainders: it backs up this rank's shards (2 bytes per master element), on the GPU
@@ -279,6 +279,17 @@ def estimate_generation_memory(
         logits=0,
         **_rollout_terms(model, gen, est, True, w),
     )
+
+
+def sketch_mode_terms(
+    model: TransformerShape, plan: StepPlan, stage: int, params: list, dp: int
+) -> SketchTerms:
+    """What ``plan``'s ``--loggra-sketch`` mode adds on PP stage ``stage`` (its registry
+    entry's ``memory_terms``): none with a dense optimizer or a mode without."""
+    terms = SKETCH_MODES[plan.loggra_sketch].memory_terms
+    if terms is None or not OPTIMIZERS[plan.optimizer].sketched:
+        return SketchTerms(dp=dp)
+    return resolve(terms)(model, plan, stage, params, dp)
 
 
 def _sketched_and_rest(model: TransformerShape, plan: StepPlan, tp: int):

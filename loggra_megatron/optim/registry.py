@@ -120,6 +120,12 @@ class SketchMode:
     prepare_model: str | None = None
     """``"module:function"``: ``function(model, optim, loggra) -> sites`` prepares the
     unwrapped policy before DDP wraps it; the builder takes what it returns. None: nothing."""
+    memory_terms: str | None = None
+    """``"module:function"``: ``function(model, plan, stage, params, dp) -> SketchTerms``,
+    what the mode adds to the memory model's step on one GPU (its targets' masters, row state,
+    buffer, hooks, step transient; resolved by ``memory.model``, which imports nothing of it).
+    None: nothing beyond the optimizer entry's state (the gradient sketch's is LoGRA-AdamW's,
+    ``memory/params``)."""
 
 
 SKETCH_MODES: dict[str, SketchMode] = {
@@ -140,6 +146,7 @@ SKETCH_MODES: dict[str, SketchMode] = {
         label=" bwd",
         checkpoint_tag="backward",
         prepare_model="loggra_megatron.optim.megatron.backward_sites:prepare_model",
+        memory_terms="loggra_megatron.memory.backward_sketch:sketch_terms",
     ),
 }
 """``--loggra-sketch``, by name."""

@@ -190,6 +190,31 @@ def test_no_module_compares_a_sketch_mode_by_name():
     assert not offending, "\n".join(offending)
 
 
+def test_the_memory_model_counts_a_sketch_modes_terms_from_its_entry(monkeypatch):
+    """``memory.model`` adds what the mode's ``memory_terms`` entry gives: a copy of the
+    backward entry under another name is estimated alike, and the same copy without
+    ``memory_terms`` adds no row state, sketch buffer or hooks (its targets stay dense)."""
+    import dataclasses
+
+    from memory_plans import plan
+    from optimizer_state import SMALL
+
+    from loggra_megatron.memory.model import TransformerShape, estimate_rl_step_memory
+    from loggra_megatron.optim.registry import SKETCH_MODES
+
+    model = TransformerShape(**SMALL, untie_embeddings_and_output_weights=True)
+    backward = SKETCH_MODES["backward"]
+    monkeypatch.setitem(SKETCH_MODES, "copy", dataclasses.replace(backward, name="copy"))
+    monkeypatch.setitem(
+        SKETCH_MODES, "bare", dataclasses.replace(backward, name="bare", memory_terms=None)
+    )
+    at = {m: plan(optimizer="loggra", loggra_sketch=m) for m in ("backward", "copy", "bare")}
+    estimate = {m: estimate_rl_step_memory(model, p) for m, p in at.items()}
+    assert estimate["copy"] == estimate["backward"]
+    assert estimate["bare"].grads > estimate["backward"].grads  # the targets' grads are back
+    assert estimate["bare"] != estimate["backward"]
+
+
 def test_a_new_row_update_is_one_class_and_one_registry_line(monkeypatch, tokenizer):
     """An AMSGrad-like row update (the running max of RowAdam's second moment, 8 bytes per
     row): ``--loggra-row-optimizer`` accepts it, ``--loggra-row-beta2`` applies to it (it
