@@ -62,9 +62,9 @@ def gpt_model(
 
 
 def trainable_policy(cfg: RunConfig, args: GPTModelArgs, device: torch.device):
-    """``(this stage's policy, DDP-wrapped; what the optimizer's ``prepare_model`` returned
-    for it before DDP wrapped it)``: the backward sketch's sites, or None; the optimizer takes
-    it (``optimizer``)."""
+    """This stage's policy, DDP-wrapped, and what the ``--optimizer`` entry's
+    ``prepare_model`` returned for it before DDP wrapped it (the backward sketch's sites, or
+    None), which ``optimizer`` takes."""
     from loggra_megatron.model.build import wrap_ddp
 
     model = _stage_model(cfg, args, device, load_weights=True, verify=True)
@@ -109,8 +109,8 @@ def _stage_model(cfg: RunConfig, args: GPTModelArgs, device, load_weights: bool,
 
 
 def optimizer(cfg: RunConfig, policy: DistributedDataParallel, prepared=None) -> MegatronOptimizer:
-    """``--optimizer`` from the registry, over the policy (``prepared``: what ``policy``
-    returned with it: ``trainable_policy``)."""
+    """``--optimizer`` from the registry, over the policy (``prepared``: what
+    ``trainable_policy`` returned with it)."""
     from loggra_megatron.optim.megatron.factory import build_optimizer
 
     spec = OPTIMIZERS[cfg.optimizer.optimizer]
