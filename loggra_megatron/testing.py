@@ -35,7 +35,9 @@ from loggra_megatron.model.forward import positions_like
 from loggra_megatron.parallel import free_port, initialize_megatron
 
 __all__ = [
+    "forkserver_context",
     "free_port",
+    "rank_environment",
     "run_distributed",
     "tensor_bytes_left_in_cycles",
     "tiny_gpt_model",
@@ -83,6 +85,19 @@ def _exit_when_orphaned(ppid: int) -> None:
     os._exit(1)
 
 
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun gives rank ``rank`` of a one-node world on ``port`` (the variables
+    ``torch.distributed``'s ``env://`` rendezvous and the trainer read)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
 def _kill_tree(p) -> None:
     """SIGKILL worker ``p`` and its process group (the worker made itself a group leader)."""
     if p.is_alive():
@@ -102,14 +117,7 @@ def _worker(
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     error = None
     try:

@@ -270,9 +270,9 @@ def sketch_terms(
     model: TransformerShape, plan: StepPlan, stage: int, params: list, dp: int
 ) -> SketchTerms:
     """The backward sketch's terms on PP stage ``stage`` (``params``: its parameters; ``dp``:
-    the DP size under the distributed optimizer, else 1)."""
-    if not applies(plan):
-        return SketchTerms(dp=dp)
+    the DP size under the distributed optimizer, else 1): its ``SKETCH_MODES`` entry's
+    ``memory_terms``, which ``memory.model.sketch_mode_terms`` calls for a sketching
+    optimizer only."""
     targets = tuple(sketched_params(params, plan))
     r, w = sketch_rank(model, plan), param_dtype_bytes(plan)
     layers, _ = layers_held(model, plan, stage)

@@ -33,7 +33,7 @@ import time
 import warnings
 
 from loggra_megatron.parallel import free_port
-from loggra_megatron.testing import forkserver_context
+from loggra_megatron.testing import forkserver_context, rank_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TERM_GRACE_S = 30.0
@@ -81,20 +81,9 @@ def run(
 
 
 def _rank_envs(nproc: int) -> list[dict]:
-    port = str(free_port())
-    return [
-        {
-            "RANK": str(r),
-            "LOCAL_RANK": str(r),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1",
-        }
-        for r in range(nproc)
-    ]
+    port = free_port()
+    extra = {"GROUP_RANK": "0", "OMP_NUM_THREADS": "1"}
+    return [{**rank_environment(r, nproc, port), **extra} for r in range(nproc)]
 
 
 def _wait(procs, timeout: float, torchrun: bool) -> int:
