@@ -118,6 +118,78 @@ def settings_that_do_not_apply(sections: Iterable[type], settings: dict, given: 
             )
 
 
+def chosen_section(
+    name: str,
+    choices: dict[str, type],
+    chosen: str,
+    *,
+    doc: str,
+    module: str,
+    base: type | None = None,
+    requires: AppliesWhen | None = None,
+    inherit: bool = False,
+    namespace: dict | None = None,
+) -> type:
+    """A settings dataclass ``name`` (defined as ``module.name``) gathering the fields of
+    ``base`` and of each class of ``choices`` (``{value of the setting chosen: the settings
+    class that choice declares}``). A field applies when ``chosen`` is a choice that declares
+    it, ``requires`` holds and so does the field's own ``applies`` rule (words joined: "to
+    --optimizer loggra --loggra-sketch gradient with --loggra-projection range_finder"); a
+    field several choices declare appears once. ``base``'s fields keep their own rules.
+    ``__post_init__`` runs ``base``'s and constructs each choice's class from its fields, so
+    each declaration validates its own. ``inherit``: the section also subclasses the
+    choices' classes (their methods), ``base`` always."""
+    declared: dict[str, dict] = {}  # field name -> its field, type, doc and choices
+    for choice, cls in choices.items():
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            entry = declared.setdefault(
+                f.name, {"field": f, "type": hints[f.name], "doc": docs[f.name], "choices": []}
+            )
+            entry["choices"].append(choice)
+    fields = []
+    if base is not None:
+        docs, hints = field_docs(base), typing.get_type_hints(base)
+        for f in dataclasses.fields(base):
+            metadata = {**f.metadata, "doc": docs[f.name]}
+            fields.append(
+                (f.name, hints[f.name], dataclasses.field(default=f.default, metadata=metadata))
+            )
+    for field_name, entry in declared.items():
+        rule = _chosen_rule(chosen, tuple(entry["choices"]), requires, entry["field"])
+        doc = f"{entry['doc']} {flag(chosen)} {', '.join(entry['choices'])} only."
+        field = dataclasses.field(
+            default=entry["field"].default, metadata={"applies": rule, "doc": doc}
+        )
+        fields.append((field_name, entry["type"], field))
+    classes = list(dict.fromkeys(choices.values()))
+
+    def __post_init__(self):
+        if base is not None and hasattr(base, "__post_init__"):
+            base.__post_init__(self)
+        for cls in classes:  # each declaration validates its own fields
+            cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    bases = (*reversed(classes), base) if inherit else (base,)
+    namespace = {**(namespace or {}), "__post_init__": __post_init__, "__doc__": doc}
+    namespace["__module__"] = module
+    bases = tuple(b for b in bases if b is not None)
+    return dataclasses.make_dataclass(name, fields, bases=bases, namespace=namespace)
+
+
+def _chosen_rule(chosen: str, names: tuple, requires, field) -> AppliesWhen:
+    """The ``applies`` rule of a field that choices ``names`` of setting ``chosen`` declare."""
+    own = field.metadata.get("applies")
+    when = f"to {requires.when + ' ' if requires else ''}{flag(chosen)} {' or '.join(names)}"
+
+    def holds(s: dict) -> bool:
+        if s[chosen] not in names or (requires and not requires.holds(s)):
+            return False
+        return own is None or own.holds(s)
+
+    return AppliesWhen(f"{when} {own.when}" if own else when, holds)
+
+
 # ---------------------------------------------------------------------- the command line
 def field_docs(cls) -> dict[str, str]:
     """Attribute docstrings (the string literal after each field) of a dataclass; a generated

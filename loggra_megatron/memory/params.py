@@ -21,7 +21,7 @@ from loggra_megatron.memory.shape import (
     check_layout,
     grad_dtype_bytes,
 )
-from loggra_megatron.optim.config import LoGRAConfig
+from loggra_megatron.optim.gradient_sketch.settings import GradientSketchSettings
 from loggra_megatron.optim.registry import OPTIMIZERS, sketches_shape
 from loggra_megatron.train.step_plan import StepPlan
 
@@ -174,7 +174,7 @@ def bf16_moments(plan: StepPlan, est: EstimateConfig) -> bool:
     return aware and "bf16" in (est.exp_avg_dtype, est.exp_avg_sq_dtype)
 
 
-def is_sketched(spec: ParamSpec, min_dim: int = LoGRAConfig.loggra_min_dim) -> bool:
+def is_sketched(spec: ParamSpec, min_dim: int = GradientSketchSettings.loggra_min_dim) -> bool:
     """LoGRA's default selection: transformer-layer 2-D weights with both sides ≥ min_dim."""
     return spec.kind == "linear" and sketches_shape(spec.shape, min_dim)
 
@@ -184,7 +184,7 @@ def optimizer_state_bytes(
     optimizer: str,
     *,
     rank: int | None = None,
-    min_dim: int = LoGRAConfig.loggra_min_dim,
+    min_dim: int = GradientSketchSettings.loggra_min_dim,
     dp: int = 1,
     exp_avg_bytes: int = 4,
     exp_avg_sq_bytes: int = 4,

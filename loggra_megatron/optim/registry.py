@@ -120,6 +120,10 @@ class SketchMode:
     prepare_model: str | None = None
     """``"module:function"``: ``function(model, optim, loggra) -> sites`` prepares the
     unwrapped policy before DDP wraps it; the builder takes what it returns. None: nothing."""
+    settings: str | None = None
+    """``"module:Class"``: the dataclass of the flags this mode owns (a field per flag, its
+    docstring the help, validation in its ``__post_init__``); ``optim.config.LoGRAConfig``
+    gathers them, each applying to this mode only. None: the mode has none of its own."""
     memory_terms: str | None = None
     """``"module:function"``: ``function(model, plan, stage, params, dp) -> SketchTerms``,
     what the mode adds to the memory model's step on one GPU (its targets' masters, row state,
@@ -136,6 +140,7 @@ SKETCH_MODES: dict[str, SketchMode] = {
         in_backward=False,
         label="",
         checkpoint_tag="gradient",
+        settings="loggra_megatron.optim.gradient_sketch.settings:GradientSketchSettings",
     ),
     "backward": SketchMode(
         "backward",
@@ -145,6 +150,7 @@ SKETCH_MODES: dict[str, SketchMode] = {
         in_backward=True,
         label=" bwd",
         checkpoint_tag="backward",
+        settings="loggra_megatron.optim.backward_sketch.settings:BackwardSketchSettings",
         prepare_model="loggra_megatron.optim.megatron.backward_sites:prepare_model",
         memory_terms="loggra_megatron.memory.backward_sketch:sketch_terms",
     ),

@@ -13,9 +13,8 @@ chosen task (``knobs``).
 from __future__ import annotations
 
 import dataclasses
-import typing
 
-from loggra_megatron.config import AppliesWhen, field_docs
+from loggra_megatron.config import chosen_section
 
 __all__ = ["data_defining_flags", "flag_defaults", "task_flags_section"]
 
@@ -42,34 +41,7 @@ def flag_defaults(tasks: dict[str, type]) -> dict[str, object]:
 
 def task_flags_section(tasks: dict[str, type]) -> type:
     """A settings dataclass with the flags of every task in ``tasks`` (``{--task name: Task
-    subclass}``)."""
-    declared: dict[str, dict] = {}  # field name -> its field, type, doc and tasks
-    classes = []
-    for name, task in tasks.items():
-        flags = task.FLAGS
-        if flags is None:
-            continue
-        if flags not in classes:
-            classes.append(flags)
-        docs, hints = field_docs(flags), typing.get_type_hints(flags)
-        for f in dataclasses.fields(flags):
-            entry = declared.setdefault(
-                f.name, {"field": f, "type": hints[f.name], "doc": docs[f.name], "tasks": []}
-            )
-            entry["tasks"].append(name)
-    fields = []
-    for name, entry in declared.items():
-        names = tuple(entry["tasks"])
-        rule = AppliesWhen(f"to --task {' or '.join(names)}", lambda s, n=names: s["task"] in n)
-        doc = f"{entry['doc']} --task {', '.join(names)} only."
-        field = dataclasses.field(
-            default=entry["field"].default, metadata={"applies": rule, "doc": doc}
-        )
-        fields.append((name, entry["type"], field))
-
-    def __post_init__(self):
-        for flags in classes:  # each declaration validates its own fields
-            flags(**{f.name: getattr(self, f.name) for f in dataclasses.fields(flags)})
+    subclass}``), defined as ``loggra_megatron.train.run_config.TaskFlags``."""
 
     def knobs(self, task: str) -> dict:
         """The constructor knobs of ``--task task`` from these flags."""
@@ -78,6 +50,11 @@ def task_flags_section(tasks: dict[str, type]) -> type:
             return {}
         return flags(**{f.name: getattr(self, f.name) for f in dataclasses.fields(flags)}).knobs()
 
-    doc = "Knobs of the tasks (each task's FLAGS: loggra_megatron/tasks)."
-    namespace = {"__post_init__": __post_init__, "knobs": knobs, "__doc__": doc}
-    return dataclasses.make_dataclass("TaskFlags", fields, namespace=namespace)
+    return chosen_section(
+        "TaskFlags",
+        {name: task.FLAGS for name, task in tasks.items() if task.FLAGS is not None},
+        "task",
+        doc="Knobs of the tasks (each task's FLAGS: loggra_megatron/tasks).",
+        module="loggra_megatron.train.run_config",
+        namespace={"knobs": knobs},
+    )

@@ -1,9 +1,13 @@
-"""The recipes of docs/architecture.md: a projection, a task and an optimizer variant are each
-one class/function plus one registry line, and every consumer follows the registry."""
+"""The recipes of docs/architecture.md: a projection, a task, a sketch mode, a row update and an
+optimizer variant are each one class/function plus one registry line, and every consumer
+follows the registry."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from loggra_megatron.config import check_fields, positive
 from loggra_megatron.optim import LoGRAAdamW
 from loggra_megatron.optim.gradient_sketch.projection import PROJECTIONS, Projection
 from loggra_megatron.optim.registry import OPTIMIZERS, OptimizerSpec
@@ -265,3 +269,66 @@ def test_a_new_row_update_is_one_class_and_one_registry_line(monkeypatch, tokeni
     sgd = estimate_rl_step_memory(shape, dataclasses.replace(step, loggra_row_optimizer="sgd"))
     row_state = adam.optimizer_state - sgd.optimizer_state  # RowAdam's 4 bytes per row
     assert row_state > 0 and ams.optimizer_state - sgd.optimizer_state == 2 * row_state
+
+
+@dataclasses.dataclass
+class _ProbeSettings:
+    """A sketch mode's own flags, for the test."""
+
+    loggra_probe_width: int = 3
+    """Columns the probe mode reads."""
+
+    def __post_init__(self):
+        check_fields(self, [("loggra_probe_width", positive, ">= 1")])
+
+    def probe_columns(self) -> range:
+        return range(self.loggra_probe_width)
+
+
+def test_a_sketch_mode_owns_its_flags(monkeypatch):
+    """A ``SketchMode`` names the dataclass of its flags (``settings``); ``LoGRAConfig`` is
+    generated from the registry: the flag exists with its help, validates with its class,
+    applies to its mode only (given with another mode it is refused naming its mode), the
+    modes' own flags stay theirs, and the class's methods are the config's."""
+    import argparse
+
+    from loggra_megatron.config import ConfigError, add_flags, settings_that_do_not_apply
+    from loggra_megatron.optim.config import LoGRAConfig, OptimConfig, loggra_section
+    from loggra_megatron.optim.registry import SKETCH_MODES
+
+    probe = dataclasses.replace(
+        SKETCH_MODES["gradient"],
+        name="probe",
+        settings=f"{_ProbeSettings.__module__}:_ProbeSettings",
+    )
+    monkeypatch.setitem(SKETCH_MODES, "probe", probe)
+    section = loggra_section(SKETCH_MODES)
+    names = {f.name for f in dataclasses.fields(section)}
+    assert names == {f.name for f in dataclasses.fields(LoGRAConfig)} | {"loggra_probe_width"}
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, {"loggra": section})
+    text = " ".join(parser.format_help().split())
+    assert (
+        "--loggra-probe-width LOGGRA_PROBE_WIDTH Columns the probe mode reads. --loggra-sketch probe only."
+        in text
+    )
+    assert "--loggra-min-dim LOGGRA_MIN_DIM Matrices" in text  # the gradient sketch's own, still
+
+    assert list(section(loggra_sketch="probe", loggra_probe_width=5).probe_columns()) == [*range(5)]
+    with pytest.raises(ConfigError, match="--loggra-probe-width=0: must be >= 1"):
+        section(loggra_sketch="probe", loggra_probe_width=0)
+
+    def refused(sketch: str, **given) -> list[str]:
+        settings = {**vars(OptimConfig()), **vars(section(loggra_sketch=sketch, **given))}
+        settings["bf16"] = False
+        return list(settings_that_do_not_apply([section], settings, set(given)))
+
+    assert refused("probe", loggra_probe_width=5) == []
+    assert refused("backward", loggra_probe_width=5) == [
+        "--loggra-probe-width=5: applies to --optimizer loggra --loggra-sketch probe only "
+        "(here it would do nothing); drop it"
+    ]
+    assert refused("probe", loggra_min_dim=8)[0].startswith(
+        "--loggra-min-dim=8: applies to --optimizer loggra --loggra-sketch gradient only"
+    )

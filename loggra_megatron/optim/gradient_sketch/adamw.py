@@ -24,18 +24,18 @@ from collections.abc import Iterable
 
 import torch
 
-from loggra_megatron.optim.config import LoGRAConfig
 from loggra_megatron.optim.gradient_sketch.projection import (
     PROJECTIONS,
     align_basis,
     transport_moments,
 )
+from loggra_megatron.optim.gradient_sketch.settings import GradientSketchSettings
 
 _SEED_STRIDE = 1_000_003
 _SEED_MODULUS = 2**63  # seeds stay int64 (a checkpointed tensor) for any --seed below 2^63
 
 
-_DEFAULTS = LoGRAConfig()  # one declaration of the defaults (rank: 128 without a model)
+_DEFAULTS = GradientSketchSettings()  # the one declaration of the defaults
 
 
 def projection_of(group: dict):
