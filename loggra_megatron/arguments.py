@@ -33,7 +33,13 @@ from loggra_megatron.config import (
 from loggra_megatron.optim.registry import OPTIMIZERS, backward_sketch
 from loggra_megatron.rl.advantages import ADVANTAGE_ESTIMATORS
 from loggra_megatron.rollout.protocol import EngineTarget
-from loggra_megatron.rollout.registry import AUTO, ROLLOUT_ENGINES, is_fallback, select_engine
+from loggra_megatron.rollout.registry import (
+    AUTO,
+    ROLLOUT_ENGINES,
+    is_fallback,
+    passed_over,
+    select_engine,
+)
 from loggra_megatron.train.run_config import SECTIONS, RunConfig
 
 
@@ -399,7 +405,7 @@ that engine decodes a model this large far slower, so the run names the engine i
 fallback the settings decide (fp32 weights, blockwise FP8) is said at start-up instead."""
 
 
-def _large_model_fallback(model, engine: str, note: str):
+def _large_model_fallback(model, engine: str, why: str):
     from loggra_megatron.memory.params import num_parameters
     from loggra_megatron.memory.shape import TransformerShape
 
@@ -408,7 +414,6 @@ def _large_model_fallback(model, engine: str, note: str):
     except ValueError:
         return  # an inconsistent architecture is refused in its own words
     if size > AUTO_FALLBACK_MAX_PARAMETERS:
-        why = note.partition(" (")[2].removesuffix(")")
         yield (
             f"--rollout-engine: auto would fall back to the {engine} engine for this "
             f"{size / 1e9:.1f}B-parameter model ({why}), which decodes "
@@ -435,12 +440,13 @@ def _rollout_engine_problems(cfg, here: bool):
             )
             return
     try:
-        engine, note = select_engine(name, target, planning=not here)
+        engine, _ = select_engine(name, target, planning=not here)
     except RuntimeError:
         return  # no engine at all: the run says so where it starts one
     lacking = here and select_engine(name, target, planning=True)[0] is not engine
     if name == AUTO and target.cuda and is_fallback(engine) and lacking:  # this machine's
-        yield from _large_model_fallback(cfg.model, engine.name, note)
+        why = "; ".join(passed_over(engine, target))
+        yield from _large_model_fallback(cfg.model, engine.name, why)
     yield from cfg.rollout.problems_with(engine.name, target.cuda)
     if cfg.loss.tis_cap is not None and engine.recomputes_log_probs:
         yield (

@@ -28,10 +28,10 @@ import torch
 
 from loggra_megatron.checkpointing.pickles import (
     ALLOWED,
+    Inert,
     RestrictedUnpickler,
-    _check_archive,
-    _Inert,
-    _refusing,
+    check_archive,
+    refusing,
 )
 
 EXTRA_STATE_SUFFIX = "_extra_state"
@@ -71,7 +71,7 @@ def _check_nested_archive(data: bytes) -> None:
     f = io.BytesIO(data)
     if zipfile.is_zipfile(f):
         f.seek(0)
-        _check_archive(f)
+        check_archive(f)
         return
     f.seek(0)
     for _ in range(LEGACY_PICKLES):
@@ -89,7 +89,7 @@ class ExtraStateUnpickler(RestrictedUnpickler):
         if (module, name) == _NESTED_ARCHIVE:
             return _check_nested_archive
         if name in EXTRA_STATE_ALLOWED.get(module, ()):
-            return _Inert
+            return Inert
         return super().find_class(module, name)
 
 
@@ -98,14 +98,14 @@ def check_extra_state(state, where: str) -> None:
     ``where`` unless it names only allowed classes. None and an empty tensor (no FP8) pass."""
     if state is None:
         return
-    with _refusing(where):
+    with refusing(where):
         if isinstance(state, torch.Tensor):
             if state.numel():
                 data = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
                 ExtraStateUnpickler(io.BytesIO(data)).load()
         elif isinstance(state, io.BytesIO):
             state.seek(0)
-            _check_archive(state)
+            check_archive(state)
             state.seek(0)
         else:
             raise TypeError(f"an extra state of type {type(state).__name__}")

@@ -75,7 +75,7 @@ class _Forbidden(Exception):
     """A name outside the allowlist (the message: ``module.name``)."""
 
 
-class _Inert:
+class Inert:
     """What every allowed name stands for in a pickle that is only checked: called, built or
     filled, it does nothing."""
 
@@ -97,7 +97,7 @@ class _Inert:
 
 class RestrictedUnpickler(pickle.Unpickler):
     """Imports only the names of ``ALLOWED`` and ``TORCH_TYPES``. ``inert``: each of them
-    stands for ``_Inert`` and a persistent id (a ``torch.save`` storage) for None, so that the
+    stands for ``Inert`` and a persistent id (a ``torch.save`` storage) for None, so that the
     pickle is checked without anything being built."""
 
     def __init__(self, file, inert: bool = False):
@@ -107,7 +107,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if name not in ALLOWED.get(module, ()) and not (module == "torch" and name in TORCH_TYPES):
             raise _Forbidden(f"{module}.{name}")
-        return _Inert if self.inert else super().find_class(module, name)
+        return Inert if self.inert else super().find_class(module, name)
 
     def persistent_load(self, pid):
         if not self.inert:
@@ -116,7 +116,7 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 @contextmanager
-def _refusing(where: str):
+def refusing(where: str):
     """Any failure inside, as ``UnsafeCheckpointError`` naming ``where``."""
     try:
         yield
@@ -165,7 +165,7 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def _check_archive(f) -> None:
+def check_archive(f) -> None:
     """Every pickle of the ``torch.save`` archive ``f``, unpickled inertly."""
     with zipfile.ZipFile(f) as archive:
         pickles = [info for info in archive.infolist() if info.filename.endswith(".pkl")]
@@ -182,7 +182,7 @@ def read_metadata(path: str):
     from torch.distributed.checkpoint.metadata import Metadata
 
     file = os.path.join(path, METADATA)
-    with _refusing(file):
+    with refusing(file):
         with open(file, "rb") as f:
             metadata = RestrictedUnpickler(f).load()
         if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
@@ -210,15 +210,15 @@ def check_pickles(path: str) -> None:
     for rel in list_files(path):
         if rel.endswith(".pt"):
             full = os.path.join(path, rel)
-            with _refusing(full), open(full, "rb") as f:
-                _check_archive(f)
+            with refusing(full), open(full, "rb") as f:
+                check_archive(f)
     if metadata is None:
         return
-    with _refusing(os.path.join(path, METADATA)):
+    with refusing(os.path.join(path, METADATA)):
         by_file = _items_by_file(metadata)
     for rel, items in sorted(by_file.items()):
         full = os.path.join(path, rel)
-        with _refusing(full), open(full, "rb") as f:
+        with refusing(full), open(full, "rb") as f:
             for key, info in items:
-                with _refusing(f"{full} (item {key})"):
-                    _check_archive(_Slice(f, info.offset, info.length))
+                with refusing(f"{full} (item {key})"):
+                    check_archive(_Slice(f, info.offset, info.length))

@@ -55,12 +55,29 @@ def select_engine(
         if reason is not None:
             raise RuntimeError(f"--rollout-engine {name}: {reason}")
         return engine, None
-    ranked = [e for e in ROLLOUT_ENGINES.values() if e.auto_priority is not None]
     reasons = []
-    for engine in sorted(ranked, key=lambda e: -e.auto_priority):
+    for engine in _auto_ranking():
         reason = engine.refusal(target) if planning else engine.unavailable(target)
         if reason is None:
             why = "; ".join(reasons) or "the first choice, and it runs here"
             return engine, f"--rollout-engine auto: {engine.name} ({why})"
         reasons.append(f"not {engine.name}: {reason}")
     raise RuntimeError(f"--rollout-engine auto: no engine can run here ({'; '.join(reasons)})")
+
+
+def _auto_ranking() -> list[RolloutEngine]:
+    """The engines ``auto`` considers, first choice first."""
+    ranked = [e for e in ROLLOUT_ENGINES.values() if e.auto_priority is not None]
+    return sorted(ranked, key=lambda e: -e.auto_priority)
+
+
+def passed_over(engine: RolloutEngine, target: EngineTarget, planning: bool = False) -> list[str]:
+    """Why ``auto`` did not take the engines it ranks above ``engine`` on ``target``
+    (``not <name>: <reason>``, first choice first; ``planning`` as in ``select_engine``)."""
+    reasons = []
+    for other in _auto_ranking():
+        if other is engine:
+            break
+        reason = other.refusal(target) if planning else other.unavailable(target)
+        reasons.append(f"not {other.name}: {reason}")
+    return reasons

@@ -39,11 +39,13 @@ def test_auto_says_which_engine_it_takes_and_why():
     """``--rollout-engine auto`` always names the engine it took and why the engines it
     ranks higher were passed over (a CPU run said nothing)."""
     from loggra_megatron.rollout.protocol import EngineTarget
-    from loggra_megatron.rollout.registry import is_fallback, select_engine
+    from loggra_megatron.rollout.registry import is_fallback, passed_over, select_engine
 
     engine, note = select_engine("auto", EngineTarget(cuda=False, half=True))
     assert engine.name == "static" and is_fallback(engine)
     assert note.startswith("--rollout-engine auto: static (not dynamic: the dynamic engine needs")
+    (why,) = passed_over(engine, EngineTarget(cuda=False, half=True))
+    assert note == f"--rollout-engine auto: static ({why})"
     engine, note = select_engine("auto", EngineTarget(cuda=True, half=True), planning=True)
     assert engine.name == "dynamic" and not is_fallback(engine)
     assert note == "--rollout-engine auto: dynamic (the first choice, and it runs here)"
