@@ -11,16 +11,24 @@ harness's forkserver and its forked ranks included), and keeps
 the set of Megatron-Core lines each file reaches and its time. A greedy cover then picks
 files until their union reaches every line the whole set reaches, taking first the file
 that adds the most new lines per second, and drops the slowest picks the others make
-redundant; a file whose measurement failed (its lines unknown) is selected too. The record, ``tests/megatron_lines.json``, holds
-the Megatron-Core version measured, each file's lines and seconds, the selection, and the
-SHA-256 of the version-sensitive inputs: the ``megatron-core`` pin in ``pyproject.toml`` and
-the modules that handle the differences between Megatron-Core releases
+redundant. A file picked for fewer than ``SPLIT_BELOW`` lines, or whose measurement failed, is
+then measured test by test (each test on its own, as a file is), its tests take its place,
+and the cover runs again: CI runs only those of its tests that reach a line no other pick
+does. A test or file whose measurement failed (its lines unknown) is selected too. The
+record, ``tests/megatron_lines.json``, holds the Megatron-Core version measured, each file's
+(and each split file's tests') lines and seconds, the selection (files and test ids), and
+the SHA-256 of the version-sensitive inputs: the ``megatron-core`` pin in ``pyproject.toml``
+and the modules that handle the differences between Megatron-Core releases
 (``VERSION_SENSITIVE``, ``docs/megatron_versions.md``).
 
-``--plan`` prints the ``pytest`` arguments for the newest line, one a line: the selected files, or
+``--within-selection`` measures only the files of the record's selection (which reach every
+line the whole set reached when it was measured) and refines the selection among them: a
+quicker re-measurement after code changes that add no Megatron-Core calls.
+
+``--plan`` prints the ``pytest`` arguments for the newest line, one a line: the selection, or
 ``tests`` (every megatron-marked test) when a version-sensitive input changed since the
 record was measured. ``tests/unit/test_megatron_selection.py`` keeps the record fresh: every
-file with megatron-marked tests is in it, and every selected file exists.
+file with megatron-marked tests is in it, and every selected file and test exists.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(ROOT, "tests", "megatron_lines.json")
@@ -68,16 +78,25 @@ def inputs_digest() -> str:
     return digest.hexdigest()
 
 
-def marked_files() -> list[str]:
-    """The test files that hold tests marked ``megatron`` (not slow, not gpu)."""
+SPLIT_BELOW = 64
+"""A file the cover picks for fewer new lines than this is measured again test by test."""
+
+
+def marked_tests(*paths: str) -> list[str]:
+    """The ids of the tests marked ``megatron`` (not slow, not gpu) under ``paths``."""
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", MARK],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", MARK, *paths],
         capture_output=True,
         text=True,
         cwd=ROOT,
         check=True,
     ).stdout
-    return sorted({line.split("::")[0] for line in out.splitlines() if "::" in line})
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def marked_files() -> list[str]:
+    """The test files that hold tests marked ``megatron`` (not slow, not gpu)."""
+    return sorted({test.split("::")[0] for test in marked_tests()})
 
 
 def _settle(work: str, quiet_s: float = 3.0, limit_s: float = 60.0) -> None:
@@ -91,9 +110,9 @@ def _settle(work: str, quiet_s: float = 3.0, limit_s: float = 60.0) -> None:
             seen, last = now, time.monotonic()
 
 
-def measure_file(path: str, work: str) -> tuple[set[str], float, int]:
-    """The Megatron-Core lines ``path``'s megatron-marked tests reach (``file:line``), its
-    seconds, and pytest's exit code."""
+def measure_target(path: str, work: str) -> tuple[set[str], float, int]:
+    """The Megatron-Core lines the megatron-marked tests of ``path`` (a file or a test id)
+    reach (``file:line``), their seconds, and pytest's exit code."""
     import coverage
 
     rc = os.path.join(work, ".coveragerc")
@@ -158,46 +177,61 @@ def greedy_cover(lines: dict[str, set[str]], seconds: dict[str, float]) -> dict[
     return chosen
 
 
-def measure(cache: str) -> dict:
-    """Every file's lines (kept in ``cache``, one JSON file each: a rerun measures only the
-    files not there), the cover, and the record."""
-    import megatron.core
+def _measured(target: str, cache: str) -> dict:
+    """``{"seconds", "exit", "lines"}`` of ``target`` (a file or a test id), kept in
+    ``cache`` (one JSON file each: a rerun measures only what is not there)."""
+    kept = os.path.join(cache, re.sub(r"[^\w.-]", "_", target) + ".json")
+    if os.path.exists(kept):
+        with open(kept) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as work:
+        found, seconds, code = measure_target(target, work)
+    entry = {"seconds": round(seconds, 1), "exit": code, "lines": sorted(found)}
+    if code == 0:
+        with open(kept, "w") as f:
+            json.dump(entry, f)
+    print(f"{target}: {len(found)} lines, {seconds:.0f} s (exit {code})", flush=True)
+    return entry
 
-    lines, files = {}, {}
-    os.makedirs(cache, exist_ok=True)
-    for path in marked_files():
-        kept = os.path.join(cache, path.replace("/", "_") + ".json")
-        if os.path.exists(kept):
-            with open(kept) as f:
-                entry = json.load(f)
-        else:
-            with tempfile.TemporaryDirectory() as work:
-                found, seconds, code = measure_file(path, work)
-            entry = {"seconds": round(seconds, 1), "exit": code, "lines": sorted(found)}
-            if code == 0:
-                with open(kept, "w") as f:
-                    json.dump(entry, f)
-        lines[path] = set(entry["lines"])
-        files[path] = {
-            "seconds": entry["seconds"],
-            "exit": entry["exit"],
-            "lines": len(lines[path]),
-        }
-        print(
-            f"{path}: {len(lines[path])} lines, {entry['seconds']:.0f} s (exit {entry['exit']})",
-            flush=True,
-        )
-    chosen = greedy_cover(lines, {n: f["seconds"] for n, f in files.items()})
+
+def _cover(entries: dict[str, dict]) -> list[str]:
+    """The cover of ``entries``' lines, with every entry whose measurement failed."""
+    lines = {n: set(e["lines"]) for n, e in entries.items()}
+    chosen = greedy_cover(lines, {n: e["seconds"] for n, e in entries.items()})
     for name, new in chosen.items():
-        files[name]["adds"] = new
-    failed = {n for n, f in files.items() if f["exit"] != 0}  # lines unknown: run them
+        entries[name]["adds"] = new
+    return [*chosen, *(n for n, e in entries.items() if e["exit"] != 0 and n not in chosen)]
+
+
+def measure(cache: str, files: list[str]) -> dict:
+    """Each of ``files`` measured (a low pick test by test), the cover, and the record."""
+    os.makedirs(cache, exist_ok=True)
+    entries = {path: _measured(path, cache) for path in files}
+    picked = set(_cover(entries))
+    split = [
+        p for p in files if entries[p]["exit"] or (p in picked and entries[p]["adds"] < SPLIT_BELOW)
+    ]
+    tests = {test: _measured(test, cache) for test in (marked_tests(*split) if split else [])}
+    for entry in entries.values():
+        entry.pop("adds", None)
+    candidates = {**{p: e for p, e in entries.items() if p not in split}, **tests}
+    chosen = _cover(candidates)
+    for path in split:  # a file all of whose tests are chosen runs as the file
+        of_file = [t for t in tests if t.split("::")[0] == path]
+        if set(of_file) <= set(chosen):
+            chosen = [c for c in chosen if c not in of_file] + [path]
+
+    def summary(entry: dict) -> dict:
+        return {**entry, "lines": len(entry["lines"])}
+
     return {
-        "megatron_core": megatron.core.__version__.split("+")[0],  # no local build tag
+        "megatron_core": version("megatron-core").split("+")[0],  # no local build tag
         "measured": time.strftime("%Y-%m-%d"),
         "inputs_sha256": inputs_digest(),
-        "lines": len(set().union(*lines.values())),
-        "selected": sorted(set(chosen) | failed),
-        "files": files,
+        "lines": len(set().union(*(set(e["lines"]) for e in candidates.values()))),
+        "selected": sorted(chosen),
+        "files": {p: summary(e) for p, e in entries.items()},
+        "tests": {t: summary(e) for t, e in tests.items()},
     }
 
 
@@ -217,22 +251,35 @@ def main() -> None:
         default=os.path.join(ROOT, "runs", "megatron_lines"),
         help="--measure keeps each file's lines here; a rerun measures only the files not there",
     )
+    p.add_argument(
+        "--within-selection",
+        action="store_true",
+        help="--measure the files of the record's selection only (module docstring)",
+    )
     what.add_argument("--plan", action="store_true", help="print the pytest arguments, one a line")
     args = p.parse_args()
-    if args.measure:
-        record = measure(args.cache)
-        with open(RECORD + ".tmp", "w") as f:
-            json.dump(record, f, indent=0)
-        os.replace(RECORD + ".tmp", RECORD)
-        seconds = sum(record["files"][n]["seconds"] for n in record["selected"])
-        print(
-            f"{len(record['selected'])} of {len(record['files'])} files reach all "
-            f"{record['lines']} lines of megatron-core {record['megatron_core']} "
-            f"({seconds:.0f} s of {sum(f['seconds'] for f in record['files'].values()):.0f})"
-        )
-    else:
+    if not args.measure:
         with open(RECORD) as f:
             print("\n".join(plan(json.load(f))))
+        return
+    with open(RECORD) as f:
+        before = json.load(f)
+    files = marked_files()
+    if args.within_selection:
+        files = sorted({name.split("::")[0] for name in before["selected"]})
+    record = measure(args.cache, files)
+    if args.within_selection:  # the files not measured keep their entries
+        record["files"] = {**before["files"], **record["files"]}
+    with open(RECORD + ".tmp", "w") as f:
+        json.dump(record, f, indent=0)
+    os.replace(RECORD + ".tmp", RECORD)
+    timed = {**record["files"], **record["tests"]}
+    print(
+        f"{len(record['selected'])} files and tests of {len(files)} files reach all "
+        f"{record['lines']} lines of megatron-core {record['megatron_core']} "
+        f"({sum(timed[n]['seconds'] for n in record['selected']):.0f} s of "
+        f"{sum(record['files'][n]['seconds'] for n in files):.0f})"
+    )
 
 
 if __name__ == "__main__":

@@ -49,12 +49,54 @@ def test_the_record_knows_every_file_with_megatron_marked_tests():
     )
 
 
-def test_every_selected_file_exists_and_the_selection_is_smaller():
+def test_every_selected_file_and_test_exists_and_the_selection_is_smaller():
     record = _record()
-    assert record["selected"] and set(record["selected"]) <= set(record["files"])
+    measured = set(record["files"]) | set(record.get("tests", {}))
+    assert record["selected"] and set(record["selected"]) <= measured
     for name in record["selected"]:
-        assert os.path.exists(os.path.join(ROOT, name)), name
-    assert len(record["selected"]) < len(record["files"])
+        path, _, test = name.partition("::")
+        assert os.path.exists(os.path.join(ROOT, path)), name
+        if test:  # a test id: its function is in the file
+            with open(os.path.join(ROOT, path)) as f:
+                assert f"def {test.split('[')[0]}(" in f.read(), name
+    files = {name.split("::")[0] for name in record["selected"]}
+    assert len(files) < len(record["files"])
+
+
+def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeypatch, tmp_path):
+    """``a`` reaches most lines; ``b`` adds one line (below ``SPLIT_BELOW``), which only its
+    quick test ``b::t1`` reaches: CI runs ``a`` and ``b::t1``. ``c``'s measurement failed,
+    and so did one of its tests: that test runs, its passing sibling (no new line) does not.
+    ``d`` adds one line too, which both of its tests need between them: it runs whole."""
+    lines = {
+        "a": (range(0, 100), 10),
+        "b": (range(50, 101), 50),
+        "b::t1": ([100], 2),
+        "b::t2": (range(50, 100), 48),
+        "c": ([], 5),
+        "c::t1": ([], 1),
+        "c::t2": ([0], 1),
+        "d": ([101, 102], 5),
+        "d::t1": ([101], 2),
+        "d::t2": ([102], 2),
+    }
+    failed = {"c", "c::t1"}
+
+    def measured(target, cache):
+        found, seconds = lines[target]
+        return {"seconds": seconds, "exit": int(target in failed), "lines": [*found]}
+
+    monkeypatch.setattr(select, "_measured", measured)
+    monkeypatch.setattr(select, "version", lambda name: "0.19.2")
+    monkeypatch.setattr(
+        select,
+        "marked_tests",
+        lambda *paths: [t for t in lines if t.partition("::")[0] in paths and "::" in t],
+    )
+    record = select.measure(str(tmp_path), ["a", "b", "c", "d"])
+    assert record["selected"] == ["a", "b::t1", "c::t1", "d"]
+    assert set(record["tests"]) == {"b::t1", "b::t2", "c::t1", "c::t2", "d::t1", "d::t2"}
+    assert record["lines"] == 103 and record["files"]["b"]["lines"] == 51
 
 
 def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch):
