@@ -8,9 +8,15 @@ The run is ``examples/tiny_cpu/run.sh``'s, shortened: the same tokenizer recipe,
 GRPO and LoGRA settings (the backward sketch, bf16, predicted-KL control, a reference), 20
 warm-up steps and 3 RL steps on 2 processes. Every metric but the timings and memory peaks
 (``VOLATILE``) is compared, to ``--rtol`` (default 1e-6: bf16 runs on a shared CPU differ in
-the last bit now and then). The golden file records the torch and megatron-core versions it
-was made with; other versions compute other bits, so the check says so and compares nothing
-(``tests/integration/test_golden_metrics.py`` skips there).
+the last bit now and then).
+
+CPUs of other vector extensions round bf16 matmuls differently, and an RL step samples from
+what it computed, so a golden file holds the run of one kind of CPU: its name carries the
+CPU's kernels (``cpu_kernels``: torch's CPU capability, and the bf16 extensions oneDNN
+uses), ``tests/golden/tiny_cpu_metrics.<kernels>.jsonl``. It records the torch and
+megatron-core versions it was made with; on another kind of CPU, or with other versions,
+the check says so and compares nothing (``tests/integration/test_golden_metrics.py`` skips
+there), until ``--update`` makes that CPU's file.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN = os.path.join(ROOT, "tests", "golden", "tiny_cpu_metrics.jsonl")
+GOLDEN_DIR = os.path.join(ROOT, "tests", "golden")
+BF16_EXTENSIONS = ("avx512_bf16", "amx_bf16")
+"""CPU flags that change oneDNN's bf16 matmuls beyond torch's CPU capability."""
 VOLATILE = ("time/", "throughput/", "memory/", "sync/seconds")
 TOKENIZER = ["--builtin-tasks", "20000", "--seed", "0", "--vocab-size", "256"]
 FLAGS = [
@@ -45,6 +53,24 @@ def versions() -> dict[str, str]:
     import torch
 
     return {"torch": torch.__version__, "megatron_core": megatron.core.__version__}
+
+
+def cpu_kernels() -> str:
+    """torch's CPU capability (``AVX2``, ``AVX512``...), with the ``BF16_EXTENSIONS`` the
+    CPU has (Linux: ``/proc/cpuinfo``): ``AVX512+avx512_bf16+amx_bf16``."""
+    import torch
+
+    flags: set[str] = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split()}
+    extensions = [e for e in BF16_EXTENSIONS if e in flags]
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *extensions])
+
+
+def golden_path(kernels: str | None = None) -> str:
+    """The golden file of CPUs with ``kernels`` (default: this one's)."""
+    return os.path.join(GOLDEN_DIR, f"tiny_cpu_metrics.{kernels or cpu_kernels()}.jsonl")
 
 
 def tokenizer_command(prefix: str) -> list[str]:
@@ -96,11 +122,27 @@ def differences(golden: list[dict], fresh: list[dict], rtol: float) -> list[str]
     return out
 
 
-def read_golden() -> tuple[dict[str, str], list[dict]]:
-    """``(the versions it was made with, its rows)``."""
-    with open(GOLDEN, encoding="utf-8") as f:
+def read_golden() -> tuple[dict[str, str], list[dict]] | None:
+    """``(the versions it was made with, its rows)`` of this CPU's golden file, or None when
+    there is none."""
+    if not os.path.exists(golden_path()):
+        return None
+    with open(golden_path(), encoding="utf-8") as f:
         header, *rows = (json.loads(line) for line in f if line.strip())
     return header["versions"], rows
+
+
+def not_comparable() -> str | None:
+    """Why this machine's run is not compared with a golden file (None: it is)."""
+    golden = read_golden()
+    if golden is None:
+        return (
+            f"no golden metrics for CPUs with {cpu_kernels()} kernels "
+            f"({os.listdir(GOLDEN_DIR)} exist): make them with tools/golden_metrics.py --update"
+        )
+    if golden[0] != versions():
+        return f"the golden file was made with {golden[0]}, this is {versions()}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,17 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         fresh = run(out)
     if args.update:
-        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-        with open(GOLDEN, "w", encoding="utf-8") as f:
+        os.makedirs(GOLDEN_DIR, exist_ok=True)
+        with open(golden_path(), "w", encoding="utf-8") as f:
             for row in [{"versions": versions()}, *fresh]:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
-        print(f"wrote {GOLDEN}: {len(fresh)} steps, {versions()}")
+        print(f"wrote {golden_path()}: {len(fresh)} steps, {versions()}")
         return 0
-    made_with, golden = read_golden()
-    if made_with != versions():
-        print(f"the golden file was made with {made_with}, this is {versions()}: not compared")
+    why = not_comparable()
+    if why is not None:
+        print(f"{why}: not compared")
         return 0
-    problems = differences(golden, fresh, args.rtol)
+    problems = differences(read_golden()[1], fresh, args.rtol)
     print("\n".join(problems) or f"{len(fresh)} steps equal the golden file")
     return 1 if problems else 0
 
