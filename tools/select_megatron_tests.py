@@ -203,23 +203,41 @@ def _cover(entries: dict[str, dict]) -> list[str]:
     return [*chosen, *(n for n, e in entries.items() if e["exit"] != 0 and n not in chosen)]
 
 
+def _split_cover(entries: dict[str, dict], cache: str) -> tuple[list[str], dict[str, dict]]:
+    """The cover, with every file it picks for fewer than ``SPLIT_BELOW`` lines (or whose
+    measurement failed) replaced by its tests, until no pick is such a file (a pick can
+    add fewer lines once cheaper tests are picked before it); and the tests measured."""
+    candidates, tests = dict(entries), {}
+    while True:
+        chosen = _cover(candidates)
+        split = [
+            n
+            for n in chosen
+            if n in entries and (entries[n]["exit"] or entries[n]["adds"] < SPLIT_BELOW)
+        ]
+        if not split:
+            break
+        for path in split:
+            del candidates[path]
+        for test in marked_tests(*split):
+            tests[test] = candidates[test] = _measured(test, cache)
+    for path in {t.split("::")[0] for t in tests}:  # a file whose tests are all chosen
+        of_file = [t for t in tests if t.split("::")[0] == path]
+        if set(of_file) <= set(chosen):
+            chosen = [c for c in chosen if c not in of_file] + [path]
+            entries[path]["adds"] = sum(tests[t]["adds"] for t in of_file)
+    return chosen, tests
+
+
 def measure(cache: str, files: list[str]) -> dict:
     """Each of ``files`` measured (a low pick test by test), the cover, and the record."""
     os.makedirs(cache, exist_ok=True)
     entries = {path: _measured(path, cache) for path in files}
-    picked = set(_cover(entries))
-    split = [
-        p for p in files if entries[p]["exit"] or (p in picked and entries[p]["adds"] < SPLIT_BELOW)
-    ]
-    tests = {test: _measured(test, cache) for test in (marked_tests(*split) if split else [])}
-    for entry in entries.values():
-        entry.pop("adds", None)
-    candidates = {**{p: e for p, e in entries.items() if p not in split}, **tests}
-    chosen = _cover(candidates)
-    for path in split:  # a file all of whose tests are chosen runs as the file
-        of_file = [t for t in tests if t.split("::")[0] == path]
-        if set(of_file) <= set(chosen):
-            chosen = [c for c in chosen if c not in of_file] + [path]
+    chosen, tests = _split_cover(entries, cache)
+    for path in files:  # a split file's "adds" are its tests'
+        if any(t.split("::")[0] == path for t in tests) and path not in chosen:
+            entries[path].pop("adds", None)
+    candidates = {**entries, **tests}
 
     def summary(entry: dict) -> dict:
         return {**entry, "lines": len(entry["lines"])}

@@ -124,3 +124,37 @@ def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch)
 )
 def test_the_greedy_cover_reaches_every_line(lines, seconds, chosen):
     assert select.greedy_cover(lines, seconds) == chosen
+
+
+def test_a_pick_that_adds_few_lines_once_cheaper_tests_come_first_is_split_too(
+    monkeypatch, tmp_path
+):
+    """``e`` adds 4 lines in the files' cover, 1 once ``b``'s quick test reaches three of
+    them: it is split in a second round, and its test for that line runs instead."""
+    lines = {
+        "a": (range(0, 100), 10),
+        "b": ([100, 200, 201, 202], 100),
+        "b::t1": ([100, 200, 201, 202], 2),
+        "b::t2": ([], 98),
+        "e": ([200, 201, 202, 203], 4),
+        "e::t1": ([203], 1),
+        "e::t2": ([200, 201, 202], 3),
+    }
+    monkeypatch.setattr(
+        select,
+        "_measured",
+        lambda target, cache: {
+            "seconds": lines[target][1],
+            "exit": 0,
+            "lines": [*lines[target][0]],
+        },
+    )
+    monkeypatch.setattr(select, "version", lambda name: "0.19.2")
+    monkeypatch.setattr(select, "SPLIT_BELOW", 3)
+    monkeypatch.setattr(
+        select,
+        "marked_tests",
+        lambda *paths: [t for t in lines if t.partition("::")[0] in paths and "::" in t],
+    )
+    record = select.measure(str(tmp_path), ["a", "b", "e"])
+    assert record["selected"] == ["a", "b::t1", "e::t1"]
