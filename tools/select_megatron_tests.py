@@ -198,8 +198,10 @@ def _cover(entries: dict[str, dict]) -> list[str]:
     """The cover of ``entries``' lines, with every entry whose measurement failed."""
     lines = {n: set(e["lines"]) for n, e in entries.items()}
     chosen = greedy_cover(lines, {n: e["seconds"] for n, e in entries.items()})
-    for name, new in chosen.items():
-        entries[name]["adds"] = new
+    for name, entry in entries.items():  # "adds": only a pick's, of this cover
+        entry.pop("adds", None)
+        if name in chosen:
+            entry["adds"] = chosen[name]
     return [*chosen, *(n for n, e in entries.items() if e["exit"] != 0 and n not in chosen)]
 
 
@@ -219,13 +221,14 @@ def _split_cover(entries: dict[str, dict], cache: str) -> tuple[list[str], dict[
             break
         for path in split:
             del candidates[path]
+            entries[path].pop("adds", None)  # its tests' now
         for test in marked_tests(*split):
             tests[test] = candidates[test] = _measured(test, cache)
     for path in {t.split("::")[0] for t in tests}:  # a file whose tests are all chosen
         of_file = [t for t in tests if t.split("::")[0] == path]
         if set(of_file) <= set(chosen):
             chosen = [c for c in chosen if c not in of_file] + [path]
-            entries[path]["adds"] = sum(tests[t]["adds"] for t in of_file)
+            entries[path]["adds"] = sum(tests[t].get("adds", 0) for t in of_file)
     return chosen, tests
 
 
@@ -234,9 +237,6 @@ def measure(cache: str, files: list[str]) -> dict:
     os.makedirs(cache, exist_ok=True)
     entries = {path: _measured(path, cache) for path in files}
     chosen, tests = _split_cover(entries, cache)
-    for path in files:  # a split file's "adds" are its tests'
-        if any(t.split("::")[0] == path for t in tests) and path not in chosen:
-            entries[path].pop("adds", None)
     candidates = {**entries, **tests}
 
     def summary(entry: dict) -> dict:

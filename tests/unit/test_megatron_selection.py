@@ -67,7 +67,8 @@ def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeyp
     """``a`` reaches most lines; ``b`` adds one line (below ``SPLIT_BELOW``), which only its
     quick test ``b::t1`` reaches: CI runs ``a`` and ``b::t1``. ``c``'s measurement failed,
     and so did one of its tests: that test runs, its passing sibling (no new line) does not.
-    ``d`` adds one line too, which both of its tests need between them: it runs whole."""
+    ``d`` adds one line too, which both of its tests need between them: it runs whole, as
+    does ``f``, whose one test reaching its line runs beside its other, failed, one."""
     lines = {
         "a": (range(0, 100), 10),
         "b": (range(50, 101), 50),
@@ -79,8 +80,11 @@ def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeyp
         "d": ([101, 102], 5),
         "d::t1": ([101], 2),
         "d::t2": ([102], 2),
+        "f": ([103], 5),
+        "f::t1": ([103], 2),
+        "f::t2": ([], 1),
     }
-    failed = {"c", "c::t1"}
+    failed = {"c", "c::t1", "f::t2"}
 
     def measured(target, cache):
         found, seconds = lines[target]
@@ -93,10 +97,21 @@ def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeyp
         "marked_tests",
         lambda *paths: [t for t in lines if t.partition("::")[0] in paths and "::" in t],
     )
-    record = select.measure(str(tmp_path), ["a", "b", "c", "d"])
-    assert record["selected"] == ["a", "b::t1", "c::t1", "d"]
-    assert set(record["tests"]) == {"b::t1", "b::t2", "c::t1", "c::t2", "d::t1", "d::t2"}
-    assert record["lines"] == 103 and record["files"]["b"]["lines"] == 51
+    record = select.measure(str(tmp_path), ["a", "b", "c", "d", "f"])
+    assert record["selected"] == ["a", "b::t1", "c::t1", "d", "f"]
+    assert set(record["tests"]) == {
+        "b::t1",
+        "b::t2",
+        "c::t1",
+        "c::t2",
+        "d::t1",
+        "d::t2",
+        "f::t1",
+        "f::t2",
+    }
+    assert record["lines"] == 104 and record["files"]["b"]["lines"] == 51
+    assert "adds" not in record["files"]["b"] and "adds" not in record["tests"]["b::t2"]
+    assert record["files"]["d"]["adds"] == 2
 
 
 def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch):
