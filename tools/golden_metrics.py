@@ -132,9 +132,9 @@ def read_golden() -> tuple[dict[str, str], list[dict]] | None:
     return header["versions"], rows
 
 
-def not_comparable() -> str | None:
-    """Why this machine's run is not compared with a golden file (None: it is)."""
-    golden = read_golden()
+def not_comparable(golden: tuple[dict[str, str], list[dict]] | None) -> str | None:
+    """Why this machine's run is not compared with ``golden`` (``read_golden()``; None: it
+    is)."""
     if golden is None:
         return (
             f"no golden metrics for CPUs with {cpu_kernels()} kernels "
@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
         print(f"wrote {golden_path()}: {len(fresh)} steps, {versions()}")
         return 0
-    why = not_comparable()
+    golden = read_golden()
+    why = not_comparable(golden)
     if why is not None:
         print(f"{why}: not compared")
         return 0
-    problems = differences(read_golden()[1], fresh, args.rtol)
+    problems = differences(golden[1], fresh, args.rtol)
     print("\n".join(problems) or f"{len(fresh)} steps equal the golden file")
     return 1 if problems else 0
 

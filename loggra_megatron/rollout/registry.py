@@ -57,12 +57,17 @@ def select_engine(
         return engine, None
     reasons = []
     for engine in _auto_ranking():
-        reason = engine.refusal(target) if planning else engine.unavailable(target)
+        reason = _why_not(engine, target, planning)
         if reason is None:
             why = "; ".join(reasons) or "the first choice, and it runs here"
             return engine, f"--rollout-engine auto: {engine.name} ({why})"
         reasons.append(f"not {engine.name}: {reason}")
     raise RuntimeError(f"--rollout-engine auto: no engine can run here ({'; '.join(reasons)})")
+
+
+def _why_not(engine: RolloutEngine, target: EngineTarget, planning: bool) -> str | None:
+    """Why ``engine`` cannot run on ``target`` (by the settings alone when ``planning``)."""
+    return engine.refusal(target) if planning else engine.unavailable(target)
 
 
 def _auto_ranking() -> list[RolloutEngine]:
@@ -78,6 +83,5 @@ def passed_over(engine: RolloutEngine, target: EngineTarget, planning: bool = Fa
     for other in _auto_ranking():
         if other is engine:
             break
-        reason = other.refusal(target) if planning else other.unavailable(target)
-        reasons.append(f"not {other.name}: {reason}")
+        reasons.append(f"not {other.name}: {_why_not(other, target, planning)}")
     return reasons
