@@ -302,7 +302,8 @@ def _sketched_and_rest(model: TransformerShape, plan: StepPlan, tp: int):
     )
     params = stage_parameters(model, layout, 0)
     sketched = sketched_params(params, plan)
-    return sketched, [s for s in params if s not in sketched]
+    chosen = {id(s) for s in sketched}  # by identity: equality compares whole specs
+    return sketched, [s for s in params if id(s) not in chosen]
 
 
 def _shadow_bytes(model: TransformerShape, plan: StepPlan) -> int:

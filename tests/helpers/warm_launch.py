@@ -10,7 +10,9 @@ ended it). Interpreter exit is kept: non-daemon threads are joined, then ``atexi
 ``torchrun`` is followed where the scripts can tell: every rank gets its ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and one
 intra-op thread, all ranks write to the same stdout and stderr, and when a rank fails the
-others get SIGTERM, then SIGKILL after ``TERM_GRACE_S``, and the launch exits 1.
+others get SIGTERM, then SIGKILL after ``TERM_GRACE_S``, and the launch exits 1. ``run``
+waits for the end; ``Launch`` hands back a running launch, for the tests that signal or kill
+one of its ranks part way (each rank's pid, the output line by line as it comes).
 
 What it cannot reproduce, and the tests that need it launch real processes instead: the
 warnings a library prints while it is imported (imported once, in the server), a package tree
@@ -53,31 +55,111 @@ def run(
     --standalone script argv``; the finished process, as ``subprocess.run(...,
     capture_output=True, text=True)`` gives it (``subprocess.TimeoutExpired`` past
     ``timeout``, after killing every process)."""
-    script = os.path.abspath(os.path.join(cwd, script))
-    if not script.startswith(ROOT + os.sep):
-        raise ValueError(f"{script}: only this repository's scripts run warm")
-    env = dict(os.environ if env is None else env)
-    ctx = forkserver_context()
-    with tempfile.TemporaryDirectory(prefix="warm_launch_") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    with Launch(script, argv, nproc=nproc, env=env, cwd=cwd, timeout=timeout) as launch:
+        code = launch.wait(timeout)
+        return subprocess.CompletedProcess(
+            [script, *argv], code, launch.output(), _read(launch.err)
+        )
+
+
+class Launch:
+    """A launch while it runs, as ``subprocess.Popen(..., stdout=PIPE, stderr=STDOUT)`` gives
+    one (``merge_stderr=True``; otherwise stderr is kept apart, as ``run`` keeps it): its
+    output line by line, each process's pid by rank, its exit code. As a context manager it
+    kills what is left of it on exit and removes its output files.
+
+    The launch is watched by a thread from its start, as torchrun watches its workers: once a
+    rank fails the others are stopped (``_wait``), whether or not anyone reads its output."""
+
+    def __init__(
+        self, script, argv, *, nproc=None, env=None, cwd=ROOT, timeout=600.0, merge_stderr=False
+    ):
+        script = os.path.abspath(os.path.join(cwd, script))
+        if not script.startswith(ROOT + os.sep):
+            raise ValueError(f"{script}: only this repository's scripts run warm")
+        env = dict(os.environ if env is None else env)
+        self._tmp = tempfile.TemporaryDirectory(prefix="warm_launch_")
+        self.out = os.path.join(self._tmp.name, "stdout")
+        self.err = self.out if merge_stderr else os.path.join(self._tmp.name, "stderr")
+        open(self.out, "w").close()  # noqa: SIM115 (readable before a process writes)
+        ctx = forkserver_context()
         ranks = _rank_envs(nproc) if nproc else [{}]
-        procs = [
-            ctx.Process(
-                target=_main, args=(script, argv, {**env, **r}, cwd, out, err), daemon=False
-            )
+        args = (script, list(map(str, argv)))
+        self._procs = [
+            ctx.Process(target=_main, args=(*args, {**env, **r}, cwd, self.out, self.err))
             for r in ranks
         ]
-        for p in procs:
+        for p in self._procs:
             p.start()
+        self._code: int | None = None
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch, args=(timeout, nproc is not None), daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(self, timeout: float, torchrun: bool) -> None:
         try:
-            code = _wait(procs, timeout, torchrun=nproc is not None)
+            self._code = _wait(self._procs, timeout, torchrun, self._stop)
         except subprocess.TimeoutExpired:
-            for p in procs:
+            for p in self._procs:
                 _kill_group(p, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(
-                [script, *argv], timeout, _read(out), _read(err)
-            ) from None
-        return subprocess.CompletedProcess([script, *argv], code, _read(out), _read(err))
+
+    def pid(self, rank: int = 0) -> int:
+        """The process of ``rank`` (the one process without ``nproc``)."""
+        return self._procs[rank].pid
+
+    def lines(self):
+        """The output, line by line as it is written, until every process has ended."""
+        with open(self.out, errors="replace") as f:
+            pending = ""
+            while True:
+                running = self._watcher.is_alive()
+                pending += f.readline()
+                if pending.endswith("\n"):
+                    yield pending
+                    pending = ""
+                elif not running:
+                    rest = pending + f.read()
+                    if rest:
+                        yield rest
+                    return
+                else:
+                    time.sleep(0.02)
+
+    def first_line(self, predicate) -> str:
+        """The first output line ``predicate`` holds for, once it is written
+        (``AssertionError`` with the output if the launch ends without one)."""
+        for line in self.lines():
+            if predicate(line):
+                return line
+        raise AssertionError(f"exit {self._code} before the line awaited:\n{self.output()[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        """The exit code (``subprocess.TimeoutExpired`` past ``timeout`` seconds, or past the
+        launch's own timeout, after killing every process)."""
+        self._watcher.join(timeout)
+        late = self._watcher.is_alive()
+        self.kill()
+        if late or self._code is None:
+            raise subprocess.TimeoutExpired(self._procs[0].name, timeout, self.output())
+        return self._code
+
+    def output(self) -> str:
+        """Everything written to stdout so far (and stderr, merged)."""
+        return _read(self.out)
+
+    def kill(self) -> None:
+        """SIGKILL to every process group still running; returns once they have ended."""
+        self._stop.set()
+        self._watcher.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+        self._tmp.cleanup()
 
 
 def _rank_envs(nproc: int) -> list[dict]:
@@ -86,13 +168,18 @@ def _rank_envs(nproc: int) -> list[dict]:
     return [{**rank_environment(r, nproc, port), **extra} for r in range(nproc)]
 
 
-def _wait(procs, timeout: float, torchrun: bool) -> int:
+def _wait(procs, timeout: float, torchrun: bool, stop: threading.Event) -> int:
     """The launch's exit code: the one process's, or torchrun's (0, or 1 once a rank failed,
-    the others stopped as torchrun stops them)."""
+    the others stopped as torchrun stops them). Once ``stop`` is set, every process gets
+    SIGKILL. Only this function polls the processes (a second poller could take an exit
+    status from it)."""
     deadline, failed_at = time.monotonic() + timeout, None
     while any(p.exitcode is None for p in procs):
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired("", timeout)
+        if stop.is_set():
+            for p in procs:
+                _kill_group(p, signal.SIGKILL)
         if torchrun and failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = time.monotonic()
             for p in procs:

@@ -3,12 +3,11 @@ in about a second with a message naming the field, never a traceback or a table.
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 ROOT = str(Path(__file__).resolve().parents[2])
 with open(os.path.join(ROOT, "tools", "configs", "llama-style-27b.json")) as _f:
@@ -19,13 +18,8 @@ FLAGS = ["--world-size", "8", "--tensor-model-parallel-size", "8"]
 def _estimate(tmp_path, config_text: str, *extra):
     path = tmp_path / "config.json"
     path.write_text(config_text)
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "estimate_memory.py")]
-    return subprocess.run(
-        [*cmd, "--hf-config", str(path), *FLAGS, *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    argv = ["--hf-config", str(path), *FLAGS, *extra]
+    return warm_launch.run("tools/estimate_memory.py", argv, timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -11,15 +11,13 @@ Other layouts and the policy lag: ``test_generation_ranks_layouts.py``.
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI, load_hf_dir
-from rl_runs import ENV, ROOT, tiny_argv, torchrun
+from rl_runs import ENV, tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
 
@@ -43,13 +41,8 @@ VOLATILE = ("time/", "throughput/", "memory/peak")
 
 
 def _export(run, out) -> dict:
-    subprocess.run(
-        [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(run)]
-        + ["--save", str(out)],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
+    done = warm_launch.run(CLI, ["--direction", "megatron-to-hf", "--load", run, "--save", out])
+    assert done.returncode == 0, done.stderr[-3000:]
     return load_hf_dir(out)
 
 
@@ -87,30 +80,13 @@ def _signal_generation_rank(tokenizer, tmp_path, signum) -> tuple[int, float, st
     argv = tiny_argv(
         tokenizer, **{**LOCKSTEP, "train-iters": 200, "generation-ranks": 1}, save=tmp_path
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--standalone"]
-    proc = subprocess.Popen(
-        [*cmd, os.path.join(ROOT, "pretrain_rl.py"), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(r"step +2/200", line):
-            break
-    assert proc.poll() is None, "".join(lines)[-3000:]
-    victim = next(
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if p.environ().get("RANK") == "2"
-    )
-    victim.send_signal(signum)
-    signalled = time.monotonic()
-    out, _ = proc.communicate(timeout=120)
-    return proc.returncode, time.monotonic() - signalled, "".join(lines) + out
+    launch = warm_launch.Launch("pretrain_rl.py", argv, nproc=3, env=ENV, merge_stderr=True)
+    with launch:
+        launch.first_line(lambda line: re.search(r"step +2/200", line))
+        os.kill(launch.pid(2), signum)
+        signalled = time.monotonic()
+        code = launch.wait(120)
+        return code, time.monotonic() - signalled, launch.output()
 
 
 def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):

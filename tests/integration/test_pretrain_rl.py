@@ -5,12 +5,12 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import psutil
 import pytest
+import warm_launch
 from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
@@ -371,24 +371,18 @@ def test_a_reward_holding_the_gil_is_counted_and_signals_still_save_and_exit(tok
         "train-iters": 1000,
         "save": save,
     }
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *tiny_argv(tokenizer, **flags)]
     env = {**ENV, "REWARD_MARKER": str(marker)}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
-    )
-    deadline = time.time() + 240
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    workers = [
-        c.pid
-        for c in psutil.Process(proc.pid).children()
-        if "reward_workers" in " ".join(c.cmdline())
-    ]
-    for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
-        os.killpg(proc.pid, signum)
-        time.sleep(0.2)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
+    with warm_launch.Launch("pretrain_rl.py", tiny_argv(tokenizer, **flags), env=env) as run:
+        rank = psutil.Process(run.pid())  # the leader of its own process group
+        deadline = time.time() + 240
+        while not marker.exists() and rank.is_running() and time.time() < deadline:
+            time.sleep(0.05)
+        workers = [c.pid for c in rank.children() if "reward_workers" in " ".join(c.cmdline())]
+        for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+            os.killpg(run.pid(), signum)
+            time.sleep(0.2)
+        code, out = run.wait(120), run.output()
+    assert code == 0, out[-3000:]
     assert "SIGINT on rank 0" in out and "saved checkpoint" in out
     assert "1 of 16 rewards failed" in out and "did not return within --reward-timeout 2 s" in out
     assert read_metrics(save)[0]["reward/errors"] == 1
@@ -458,21 +452,9 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
     )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-            "--direction",
-            "hf-to-megatron",
-            "--load",
-            str(tmp_path / "hf"),
-            "--save",
-            str(tmp_path / "ckpt"),
-        ],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-    )
+    argv = ["--direction", "hf-to-megatron", "--load", tmp_path / "hf"]
+    converted = warm_launch.run("tools/convert_checkpoint.py", [*argv, "--save", tmp_path / "ckpt"])
+    assert converted.returncode == 0, converted.stderr[-3000:]
     out = tmp_path / "run"
     flags = {
         "load": tmp_path / "ckpt",
@@ -490,18 +472,14 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
 
 def test_sigterm_saves_a_checkpoint_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "pretrain_rl.py"),
-        *tiny_argv(tokenizer, **{"train-iters": 1000, "save": save}),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    for line in proc.stdout:  # wait for the first step, then ask the job to stop
-        if line.startswith(" step"):
-            proc.terminate()
-            break
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})
+    with warm_launch.Launch("pretrain_rl.py", argv, env=ENV) as run:
+        for line in run.lines():  # wait for the first step, then ask the job to stop
+            if line.startswith(" step"):
+                os.kill(run.pid(), signal.SIGTERM)
+                break
+        code, out = run.wait(300), run.output()
+    assert code == 0, out
     assert "SIGTERM" in out and "saved checkpoint" in out
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= steps < 1000 and len(read_metrics(save)) == steps

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import warm_launch
 from rl_runs import ENV, REWARD, ROOT, refused, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
@@ -124,58 +125,30 @@ def test_an_extended_cosine_run_follows_the_new_horizon(tokenizer, saved, tmp_pa
     assert rows[-1]["lr"] > 0
 
 
-def _workers(proc) -> dict[int, psutil.Process]:
-    """torchrun's worker processes by RANK (its direct children: a worker's own children,
-    e.g. a checkpoint writer, inherit RANK too)."""
-    out = {}
-    for child in psutil.Process(proc.pid).children(recursive=False):
-        try:
-            rank = child.environ().get("RANK")
-        except psutil.Error:
-            continue
-        if rank is not None and "pretrain_rl.py" in " ".join(child.cmdline()):
-            out[int(rank)] = child
-    return out
-
-
-def _launch(argv):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--standalone",
-        os.path.join(ROOT, "pretrain_rl.py"),
-        *argv,
-    ]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT
+def _launch(argv) -> warm_launch.Launch:
+    """``torchrun --nproc-per-node 2 pretrain_rl.py argv``, running (its ranks fork warm;
+    stdout and stderr in one stream)."""
+    return warm_launch.Launch(
+        "pretrain_rl.py", argv, nproc=2, env=ENV, timeout=300, merge_stderr=True
     )
 
 
-def _sigterm_one_rank_when(proc, prefix: str, rank: int, signum=signal.SIGTERM) -> str:
-    """Send SIGTERM (or ``signum``) to one worker once a line starting with ``prefix``
-    appears; all output."""
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            for _ in range(50):
-                workers = _workers(proc)
-                if rank in workers:
-                    break
-                time.sleep(0.1)
-            workers[rank].send_signal(signum)
-            break
-    out, _ = proc.communicate(timeout=300)
-    return "".join(lines) + out
+def _signal_rank_when(argv, prefix: str, rank: int, signum=signal.SIGTERM) -> tuple[int, str]:
+    """Launch ``argv``; send SIGTERM (or ``signum``) to one rank once a line starting with
+    ``prefix`` appears; the exit code and all output."""
+    with _launch(argv) as launch:
+        for line in launch.lines():
+            if line.startswith(prefix):
+                os.kill(launch.pid(rank), signum)
+                break
+        return launch.wait(300), launch.output()
 
 
 def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
-    proc = _launch(tiny_argv(tokenizer, **{"train-iters": 1000, "save": save}))
-    log = _sigterm_one_rank_when(proc, " step", rank=1)
-    assert proc.returncode == 0, log[-3000:]
+    argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})
+    code, log = _signal_rank_when(argv, " step", rank=1)
+    assert code == 0, log[-3000:]
     assert "SIGTERM on rank 1" in log and "SIGTERM or SIGINT on another rank" in log
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert 1 <= steps < 1000 and [r["step"] for r in read_metrics(save)] == list(
@@ -188,10 +161,9 @@ def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer
     in the writer start and hang the other rank in a collective; SIGINT is now SIGTERM's
     agreed save and exit. Every step saves here, so the signal lands in or near a save."""
     save = tmp_path / "ckpt"
-    flags = {"train-iters": 1000, "save": save, "save-interval": 1}
-    proc = _launch(tiny_argv(tokenizer, **flags))
-    log = _sigterm_one_rank_when(proc, " saved checkpoint", rank=1, signum=signal.SIGINT)
-    assert proc.returncode == 0, log[-3000:]
+    argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save, "save-interval": 1})
+    code, log = _signal_rank_when(argv, " saved checkpoint", rank=1, signum=signal.SIGINT)
+    assert code == 0, log[-3000:]
     assert "SIGINT on rank 1: saving at the next step boundary" in log
     assert "SIGTERM or SIGINT on another rank" in log
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
@@ -203,9 +175,8 @@ def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer
 def test_sigterm_during_the_warm_up_saves_and_the_resume_finishes_it(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
     flags = {"sft-iters": 60, "train-iters": 2, "save": save, "lr": 1e-3}
-    proc = _launch(tiny_argv(tokenizer, **flags))
-    log = _sigterm_one_rank_when(proc, " sft", rank=0)
-    assert proc.returncode == 0, log[-3000:]
+    code, log = _signal_rank_when(tiny_argv(tokenizer, **flags), " sft", rank=0)
+    assert code == 0, log[-3000:]
     assert "saved checkpoint" in log and "(warm-up step" in log
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 0
     assert not (save / "metrics.jsonl").exists() or read_metrics(save) == []
@@ -237,14 +208,7 @@ def test_prompts_over_the_budget_are_dropped_and_text_answers_train(tokenizer, t
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 29517))  # the port single-process runs used to hard-code
         taken.listen()
-        proc = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *argv],
-            capture_output=True,
-            text=True,
-            env=ENV,
-            cwd=ROOT,
-            timeout=300,
-        )
+        proc = warm_launch.run("pretrain_rl.py", argv, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropped 1 of 5 prompts longer than 52 tokens" in proc.stdout
     (row,) = read_metrics(out)
@@ -284,27 +248,26 @@ def test_kill_9_on_one_rank_then_the_same_command_resumes(tokenizer, tmp_path):
     metrics.jsonl holds every step once."""
     save = tmp_path / "ckpt"
     flags = {"train-iters": 6, "save": save, "load": save, "save-interval": 1}
-    proc = _launch(tiny_argv(tokenizer, **flags))
-    for line in proc.stdout:
-        if line.startswith(" saved checkpoint") and "at step 2" in line:
-            _workers(proc)[1].send_signal(signal.SIGKILL)
-            break
-    proc.communicate(timeout=300)
-    assert proc.returncode != 0
+    with _launch(tiny_argv(tokenizer, **flags)) as launch:
+        for line in launch.lines():
+            if line.startswith(" saved checkpoint") and "at step 2" in line:
+                os.kill(launch.pid(1), signal.SIGKILL)
+                break
+        assert launch.wait(300) != 0
     resumed = torchrun(tiny_argv(tokenizer, **flags))
     assert " resumed from " in resumed.stdout
     assert [r["step"] for r in read_metrics(save)] == list(range(1, 7))
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 6
 
 
-def _kill_rank0_when(proc, save, names: tuple[str, ...]) -> list[psutil.Process]:
+def _kill_rank0_when(launch, save, names: tuple[str, ...]) -> list[psutil.Process]:
     """SIGKILL rank 0 as soon as every file of ``names`` is in the save being written; its
     descendants (the checkpoint writers among them) at that moment."""
     deadline = time.time() + 300
+    rank0 = psutil.Process(launch.pid(0))
     while not all(list(save.glob(f"iter_*.tmp/{name}")) for name in names):
-        assert proc.poll() is None and time.time() < deadline, "no save was written"
+        assert rank0.is_running() and time.time() < deadline, "no save was written"
         time.sleep(0.001)
-    rank0 = _workers(proc)[0]
     descendants = rank0.children(recursive=True)
     rank0.send_signal(signal.SIGKILL)
     return descendants
@@ -321,10 +284,9 @@ def test_kill_9_during_a_save_leaves_no_writer_and_the_same_command_resumes(
     save = tmp_path / "ckpt"
     flags = {"train-iters": 3, "save": save, "load": save, "save-interval": 1}
     flags.update({"hidden-size": 256, "num-layers": 4})
-    proc = _launch(tiny_argv(tokenizer, **flags))
-    descendants = _kill_rank0_when(proc, save, names)
-    proc.wait(timeout=300)  # not its output: an orphan writer would hold that pipe open
-    proc.stdout.close()
+    with _launch(tiny_argv(tokenizer, **flags)) as launch:
+        descendants = _kill_rank0_when(launch, save, names)
+        launch.wait(300)
     _, alive = psutil.wait_procs(descendants, timeout=30)
     left = [" ".join(p.cmdline()) for p in alive]
     for p in alive:
@@ -366,8 +328,7 @@ def test_a_crafted_pickle_is_refused_in_one_line_and_never_runs(tokenizer, saved
         ["tools/convert_checkpoint.py", "--direction", "megatron-to-hf", "--load", ckpt]
         + ["--save", hf],
     ):
-        cmd = [sys.executable, os.path.join(ROOT, argv[0]), *map(str, argv[1:])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+        proc = warm_launch.run(argv[0], list(map(str, argv[1:])), env=ENV)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         needle = f"refusing to load {ckpt / 'iter_0000004' / name}"
         opener = f"{io.open.__module__}.{io.open.__qualname__}"  # _io.open on Python 3.12
@@ -387,21 +348,16 @@ def test_a_second_live_run_in_the_same_directory_isrefused(tokenizer, tmp_path, 
     interrupted.mkdir(parents=True)
     (interrupted / "__0_0.distcp").write_bytes(b"\0" * 2**20)  # no manifest: killed mid-save
     flags = {"train-iters": 1000, "save": save, "load": save}
-    proc = _launch(tiny_argv(tokenizer, **flags))
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(" step"):
-            break
-    with pytest.raises(SystemExit) as second:
-        pretrain_rl.main(tiny_argv(tokenizer, **flags))
-    err = capsys.readouterr().err
-    assert second.value.code == 2 and "is in use by another live run" in err, err
-    assert f'"pid": {_workers(proc)[0].pid}' in err
-    _workers(proc)[0].send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    log = "".join(lines) + out
-    assert proc.returncode == 0, log[-3000:]
+    with _launch(tiny_argv(tokenizer, **flags)) as launch:
+        launch.first_line(lambda line: line.startswith(" step"))
+        with pytest.raises(SystemExit) as second:
+            pretrain_rl.main(tiny_argv(tokenizer, **flags))
+        err = capsys.readouterr().err
+        assert second.value.code == 2 and "is in use by another live run" in err, err
+        assert f'"pid": {launch.pid(0)}' in err
+        os.kill(launch.pid(0), signal.SIGTERM)
+        code, log = launch.wait(300), launch.output()
+    assert code == 0, log[-3000:]
     assert f"removed the interrupted save {interrupted}" in log and not interrupted.exists()
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
     assert [r["step"] for r in read_metrics(save)] == list(range(1, steps + 1))
