@@ -11,10 +11,12 @@ import importlib.util
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launch
 
 from loggra_megatron.testing import run_distributed
 
@@ -24,6 +26,14 @@ ROOT = str(Path(__file__).resolve().parents[2])
 BENCH = os.path.join(ROOT, "benchmarks", "memory_rl.py")
 sys.path.insert(0, os.path.dirname(BENCH))  # the benchmarks import tiny_example as scripts do
 GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu", "h200_check.sh")
+
+
+def _warm(cmd: list) -> subprocess.CompletedProcess:
+    """``cmd`` (``[python, script, *args]``) forked from the harness's warm server
+    (``warm_launch``); the finished process, which must have exited 0."""
+    proc = warm_launch.run(cmd[1], list(map(str, cmd[2:])), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def _memory_rl():
@@ -98,7 +108,6 @@ def test_bench_rollout_smoke(tmp_path):
     tokens): both variants in the JSON, positive rates, the budget halves the KV cache and
     the chunked greedy tokens equal the whole batch's."""
     import json
-    import subprocess
     import sys
 
     out = tmp_path / "rollout.json"
@@ -124,7 +133,7 @@ def test_bench_rollout_smoke(tmp_path):
         "--json",
         str(out),
     ]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    _warm(cmd)
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {"old", "new 1/2"}
     for r in results.values():
@@ -272,7 +281,6 @@ def test_rollout_prefill_benchmark_shares_the_prefill(tmp_path):
     and one prefill per prompt runs 1/G of the prefill tokens (docs/results.md quotes its
     times)."""
     import json
-    import subprocess
 
     out = tmp_path / "prefill.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "rollout_prefill.py")]
@@ -291,7 +299,7 @@ def test_rollout_prefill_benchmark_shares_the_prefill(tmp_path):
         "4",
     ]
     cmd += ["--prompt-tokens", "32", "--new-tokens", "3", "--repeats", "1", "--json", str(out)]
-    subprocess.run(cmd, check=True, timeout=600, capture_output=True, cwd=ROOT)
+    _warm(cmd)
     result = json.loads(out.read_text())
     assert result["tokens_equal"]
     assert result["every row"]["prefill_tokens"] == 8 * 32
@@ -304,15 +312,12 @@ def test_decode_step_benchmark_measures_the_kv_cache(tmp_path):
     and floor, and the KV cache's bytes measured on the engine's buffers equal to the
     formula (h200_check.sh's ``decode`` section runs it on a GPU)."""
     import json
-    import subprocess
 
     out = tmp_path / "decode.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "decode_step.py")]
     cmd += shlex.split("--layers 1 --hidden 64 --heads 4 --groups 2 --vocab 128 --ffn 128")
     cmd += shlex.split("--prompt-tokens 8 --new-tokens 4 --batches 2 4 --repeats 1 --json")
-    proc = subprocess.run(
-        [*cmd, str(out)], check=True, timeout=600, capture_output=True, text=True, cwd=ROOT
-    )
+    proc = _warm([*cmd, str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [2, 4]
     printed = re.findall(r"^\| (\d+) \| ", proc.stdout, re.M)  # a row per batch size

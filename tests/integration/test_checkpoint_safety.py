@@ -129,15 +129,23 @@ def _resave_with_crash(rank, root, crash_at):
     }
 
 
+def _resave_crashing_at_each_point(rank, root):
+    """``_resave_with_crash`` without a crash, then crashing at each ``os.replace`` of that
+    re-save in turn, each in a directory of its own: the results in that order."""
+    clean = _resave_with_crash(rank, os.path.join(root, "clean"), None)
+    crashes = range(1, clean["calls"] + 1)
+    return [clean] + [_resave_with_crash(rank, os.path.join(root, f"crash{k}"), k) for k in crashes]
+
+
 def test_every_crash_point_of_a_resave_leaves_a_loadable_complete_checkpoint(tmp_path):
     """os.replace calls of a re-save: the manifest, iter_N -> .old, .tmp -> iter_N, the
     tracker. A crash before each one leaves the old or the new state, whole."""
-    (clean,) = run_distributed(_resave_with_crash, 1, str(tmp_path / "clean"), None)
+    ((clean, *crashed),) = run_distributed(_resave_crashing_at_each_point, 1, str(tmp_path))
     assert not clean["crashed"] and clean["version"] == "B"
     assert all(torch.equal(clean["loaded"][k], clean["b"][k]) for k in clean["b"])
+    assert len(crashed) == clean["calls"] >= 4  # the manifest, two renames, the tracker
     seen = set()
-    for k in range(1, clean["calls"] + 1):
-        (r,) = run_distributed(_resave_with_crash, 1, str(tmp_path / f"crash{k}"), k)
+    for k, r in enumerate(crashed, 1):
         assert r["crashed"], k
         expected = r["a"] if r["version"] == "A" else r["b"]
         assert all(torch.equal(r["loaded"][n], expected[n]) for n in expected), (k, r["version"])

@@ -11,13 +11,12 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI
-from rl_runs import ROOT, tiny_argv, torchrun
+from rl_runs import tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
 
@@ -66,9 +65,9 @@ def _hand_importance_weights(run, records: list[dict], step: int, out) -> list[f
     tokens; checked against the engine's and the trainer's log-probs on the way."""
     policies = {}
     for it in (step - 1, step):
-        cmd = [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(run)]
-        cmd += ["--ckpt-step", str(it), "--save", str(out / f"hf{it}")]
-        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+        argv = ["--direction", "megatron-to-hf", "--load", run, "--ckpt-step", it]
+        done = warm_launch.run(CLI, [*map(str, argv), "--save", str(out / f"hf{it}")])
+        assert done.returncode == 0, done.stderr[-3000:]
         policies[it] = out / f"hf{it}"
     means = []
     for rank_records in records:

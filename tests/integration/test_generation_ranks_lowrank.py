@@ -11,13 +11,11 @@ every sync (a checksum at every sync, ``--weight-sync-check-interval 1``).
   and a resume, whose first sync is a full one again.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
+import warm_launch
 from convert_cli import CLI, load_hf_dir
-from rl_runs import ROOT, tiny_argv, torchrun
+from rl_runs import tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
 
@@ -38,8 +36,8 @@ VOLATILE = ("time/", "throughput/", "memory/peak", "sync/")
 
 
 def _export(run, out) -> dict:
-    cmd = [sys.executable, CLI, "--direction", "megatron-to-hf", "--load", str(run)]
-    subprocess.run([*cmd, "--save", str(out)], check=True, capture_output=True, cwd=ROOT)
+    done = warm_launch.run(CLI, ["--direction", "megatron-to-hf", "--load", run, "--save", out])
+    assert done.returncode == 0, done.stderr[-3000:]
     return load_hf_dir(out)
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 import pytest
+import warm_launch
 from launch_flags import (
     CONFIG_27B,
     ROOT,
@@ -621,23 +622,8 @@ def test_gpu_benchmarks_take_a_device_and_run_on_cpu(script, flags):
     text = _read(path)
     assert "initialize_megatron(" in text and "device=args.device" in text
     assert "tokens.to(device)" in text  # inputs live where the model is
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            path,
-            "--device",
-            "cpu",
-            *flags.split(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    argv = ["--device", "cpu", *flags.split()]
+    proc = warm_launch.run(f"benchmarks/{script}", argv, nproc=1, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("# bench"))
     assert header.endswith(", cpu")
