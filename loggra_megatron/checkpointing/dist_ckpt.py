@@ -26,8 +26,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from dataclasses import replace
 from multiprocessing.managers import SyncManager
@@ -56,6 +54,7 @@ from loggra_megatron.checkpointing.layout import (
     select_checkpoint,
     write_atomically,
 )
+from loggra_megatron.checkpointing.parent_watch import exit_with_parent
 from loggra_megatron.checkpointing.pickles import check_pickles
 from loggra_megatron.optim.megatron import optimizer_state
 
@@ -112,28 +111,17 @@ def _fresh_buffers(sharded_state_dict: dict) -> dict:
     return sharded_state_dict
 
 
-def _exit_with_parent() -> None:
-    """Manager-process initializer: a watchdog thread that ends the process once its parent
-    (the training rank) is gone, even after a SIGKILL."""
-
-    def watch(ppid: int) -> None:
-        while os.getppid() == ppid:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, args=(os.getppid(),), daemon=True).start()
-
-
 def _orphan_safe_writer_queue() -> None:
     """Megatron's ``torch_dist`` writer reports through a queue of a ``multiprocessing``
     Manager it spawns on first use (``filesystem_async._results_queue``, megatron-core
     0.16-0.19). That process outlives a killed rank forever; start it here with a watchdog
-    instead, so that kill -9 of a rank leaves no process behind."""
+    instead, so that kill -9 of a rank leaves no process behind. The watchdog's module
+    imports neither torch nor Megatron-Core (``parent_watch``), so neither does that process."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=_exit_with_parent)
+        manager.start(initializer=exit_with_parent)
         filesystem_async._results_queue = manager.Queue()
 
 

@@ -76,6 +76,36 @@ def test_a_nonfinite_weight_on_one_rank_refuses_the_save_everywhere(tmp_path):
     assert latest_iteration(root) == 1
 
 
+# ---------------------------------------------------------------- helper processes of a save
+def _writer_queue_servers(rank, root):
+    """The torch libraries loaded by the writer-queue server as it starts (Megatron-Core makes
+    one per process, on the first save), then the processes this rank started that still run
+    after a save."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from loggra_megatron.checkpointing import dist_ckpt, save_checkpoint
+
+    assert filesystem_async._results_queue is None  # no save in this process yet
+    dist_ckpt._orphan_safe_writer_queue()
+    (server,) = psutil.Process().children()
+    libraries = {os.path.basename(m.path) for m in server.memory_maps()}
+    ddp, opt = _build()
+    save_checkpoint(root, 1, [ddp], opt, common={"step": 1})
+    after = [" ".join(p.cmdline()) for p in psutil.Process().children()]
+    return sorted(n for n in libraries if n.startswith(("libtorch", "libc10"))), after
+
+
+def test_the_writer_queue_server_starts_without_torch(tmp_path):
+    """Megatron's writer results queue lives in a server process started with ``spawn``,
+    which imports its initializer's module first: with the watchdog beside the checkpoint
+    code, that was torch and Megatron-Core, seconds of CPU before the first save could go
+    on. The save uses that server and leaves it the only process running."""
+    ((libraries, after),) = run_distributed(_writer_queue_servers, 1, str(tmp_path / "ckpt"))
+    assert libraries == []
+    assert len(after) == 1 and "multiprocessing" in after[0], after
+
+
 # ---------------------------------------------------------------- crash points of a re-save
 class _Crash(Exception):
     pass
