@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
@@ -54,8 +52,8 @@ from loggra_megatron.checkpointing.layout import (
     select_checkpoint,
     write_atomically,
 )
-from loggra_megatron.checkpointing.parent_watch import exit_with_parent
 from loggra_megatron.checkpointing.pickles import check_pickles
+from loggra_megatron.checkpointing.writer_queue import install_writer_queue
 from loggra_megatron.optim.megatron import optimizer_state
 
 MANIFEST_FORMAT = 1
@@ -109,20 +107,6 @@ def _fresh_buffers(sharded_state_dict: dict) -> dict:
 
     dict_list_map_inplace(fresh, sharded_state_dict)
     return sharded_state_dict
-
-
-def _orphan_safe_writer_queue() -> None:
-    """Megatron's ``torch_dist`` writer reports through a queue of a ``multiprocessing``
-    Manager it spawns on first use (``filesystem_async._results_queue``, megatron-core
-    0.16-0.19). That process outlives a killed rank forever; start it here with a watchdog
-    instead, so that kill -9 of a rank leaves no process behind. The watchdog's module
-    imports neither torch nor Megatron-Core (``parent_watch``), so neither does that process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=exit_with_parent)
-        filesystem_async._results_queue = manager.Queue()
 
 
 _saving_pid: int | None = None
@@ -240,7 +224,7 @@ def write_checkpoint_dir(
     ending with ``keeps`` (what is still there)."""
     try:
         _on_rank0(lambda: (shutil.rmtree(tmp, ignore_errors=True), os.makedirs(tmp)))
-        _orphan_safe_writer_queue()
+        install_writer_queue()
         with _writers_die_with_this_process():
             dist_checkpointing.save(state, tmp)
         _on_rank0(lambda: _write_files(tmp, files or {}))
