@@ -55,6 +55,14 @@ VERSION_SENSITIVE = (
 )
 """Inputs whose change makes CI run every megatron-marked test on the newest line: the pin
 (in ``pyproject.toml``) and the modules that tell Megatron-Core releases apart."""
+RELEASE_DEPENDENT = (
+    # megatron-core 0.19 replaces torch.storage._load_from_bytes at import: a pickled tensor
+    # storage names Megatron's loader there, which reaches no Megatron-Core line
+    "tests/integration/test_checkpoint_safety.py::"
+    "test_transformer_engine_extra_state_is_checked_before_te_unpickles_it",
+)
+"""Tests the newest line runs besides the selection: their outcome depends on what a
+Megatron-Core release does (a function it replaces at import), not on the lines they reach."""
 COVERAGE_RC = """\
 [run]
 core = sysmon
@@ -257,7 +265,7 @@ def plan(record: dict) -> list[str]:
     """``pytest`` arguments for the newest line (module docstring)."""
     if record["inputs_sha256"] != inputs_digest():
         return ["-m", MARK, "tests"]
-    return ["-m", MARK, *record["selected"]]
+    return ["-m", MARK, *record["selected"], *RELEASE_DEPENDENT]
 
 
 def main() -> None:

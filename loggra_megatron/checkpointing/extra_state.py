@@ -13,7 +13,10 @@ only the names TE's state holds may appear (``EXTRA_STATE_ALLOWED``: the recipe 
 ``transformer_engine.common.recipe``, CPU tensors, ``OrderedDict``), and a tensor's storage,
 pickled as a nested ``torch.save`` archive (``torch.storage._load_from_bytes``, which torch
 reads without ``weights_only``; torch's legacy format there), has each of its pickles checked
-the same way. Anything else refuses
+the same way. Megatron-Core 0.19 replaces that function at import by
+``megatron.core.safe_globals.safe_load_from_bytes`` (the same archive read with
+``weights_only``), so a storage pickled where it is imported names that one: it is the same
+nested archive, checked the same way. Anything else refuses
 the checkpoint with ``UnsafeCheckpointError`` naming the key and the class, before TE reads
 it. Megatron's local layers save ``None`` there (nothing to check).
 """
@@ -55,9 +58,15 @@ EXTRA_STATE_ALLOWED: dict[str, frozenset[str]] = {
     ),
 }
 """``{module: names}`` TE's FP8 extra state may import (TE 1.x-2.x), besides the checkpoint
-allowlist's; ``torch.storage._load_from_bytes`` is checked apart (a nested archive)."""
+allowlist's; a storage's loader (``NESTED_ARCHIVES``) is checked apart (a nested archive)."""
 
-_NESTED_ARCHIVE = ("torch.storage", "_load_from_bytes")
+NESTED_ARCHIVES = frozenset(
+    {
+        ("torch.storage", "_load_from_bytes"),
+        ("megatron.core.safe_globals", "safe_load_from_bytes"),  # 0.19+: replaces torch's
+    }
+)
+"""The functions a pickled tensor storage names to load its ``torch.save`` archive."""
 
 
 LEGACY_PICKLES = 5
@@ -86,7 +95,7 @@ class ExtraStateUnpickler(RestrictedUnpickler):
         super().__init__(file, inert=True)
 
     def find_class(self, module, name):
-        if (module, name) == _NESTED_ARCHIVE:
+        if (module, name) in NESTED_ARCHIVES:
             return _check_nested_archive
         if name in EXTRA_STATE_ALLOWED.get(module, ()):
             return Inert

@@ -63,6 +63,13 @@ def test_every_selected_file_and_test_exists_and_the_selection_is_smaller():
     assert len(files) < len(record["files"])
 
 
+def test_the_release_dependent_tests_exist():
+    for name in select.RELEASE_DEPENDENT:
+        path, _, test = name.partition("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert f"def {test.split('[')[0]}(" in f.read(), name
+
+
 def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeypatch, tmp_path):
     """``a`` reaches most lines; ``b`` adds one line (below ``SPLIT_BELOW``), which only its
     quick test ``b::t1`` reaches: CI runs ``a`` and ``b::t1``. ``c``'s measurement failed,
@@ -116,7 +123,8 @@ def test_a_file_picked_for_few_lines_runs_only_the_tests_that_reach_them(monkeyp
 
 def test_a_changed_version_sensitive_input_runs_every_megatron_test(monkeypatch):
     record = {**_record(), "inputs_sha256": select.inputs_digest()}
-    assert select.plan(record) == ["-m", select.MARK, *record["selected"]]
+    planned = [*record["selected"], *select.RELEASE_DEPENDENT]
+    assert select.plan(record) == ["-m", select.MARK, *planned]
     for path in select.VERSION_SENSITIVE:
         assert os.path.exists(os.path.join(ROOT, path)), path
     monkeypatch.setattr(select, "inputs_digest", lambda: "changed")

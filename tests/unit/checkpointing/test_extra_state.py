@@ -16,6 +16,7 @@ import torch
 from crafted_pickles import OPEN, Opens
 
 from loggra_megatron.checkpointing.extra_state import (
+    NESTED_ARCHIVES,
     TE_RECIPES,
     check_extra_state,
     check_extra_states,
@@ -85,21 +86,45 @@ def test_a_crafted_state_is_refused_and_never_run(tmp_path):
     assert marker.exists()
 
 
+def _storage_loader(monkeypatch, module: str, name: str):
+    """A function that pickles as ``module.name``, the loader a tensor storage names."""
+
+    def load(data: bytes):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    load.__module__, load.__qualname__ = module, name
+    if module not in sys.modules:  # megatron-core before 0.19 has no safe_globals
+        monkeypatch.setitem(sys.modules, module, types.ModuleType(module))
+    monkeypatch.setattr(sys.modules[module], name, load, raising=False)
+    return load
+
+
+class _Storage:
+    def __init__(self, loader, data: bytes):
+        self.loader, self.data = loader, data
+
+    def __reduce__(self):
+        return (self.loader, (self.data,))
+
+
+@pytest.mark.parametrize("loader", sorted(NESTED_ARCHIVES), ids=lambda m_n: m_n[0])
 @pytest.mark.parametrize("zipped", [False, True], ids=["legacy", "zip"])
-def test_a_crafted_tensor_storage_inside_the_state_is_refused(tmp_path, zipped):
+def test_a_tensor_storage_inside_the_state_is_checked_as_an_archive(
+    tmp_path, monkeypatch, zipped, loader
+):
     """A tensor in the state pickles its storage as a nested torch.save archive (torch's
-    legacy format), which torch loads without weights_only: a crafted archive there is
-    checked as a checkpoint's is."""
+    legacy format), loaded by ``torch.storage._load_from_bytes`` without weights_only, or,
+    once megatron-core 0.19 is imported (it replaces that function), by its
+    ``safe_load_from_bytes``: a real storage passes, a crafted archive is refused as a
+    checkpoint's is."""
+    load = _storage_loader(monkeypatch, *loader)
     marker = tmp_path / "ran"
-    archive = io.BytesIO()
-    torch.save(Opens(marker), archive, _use_new_zipfile_serialization=zipped)
-
-    class _Storage:
-        def __reduce__(self):
-            return (torch.storage._load_from_bytes, (archive.getvalue(),))
-
+    good, bad = io.BytesIO(), io.BytesIO()
+    torch.save(torch.ones(3), good, _use_new_zipfile_serialization=zipped)
+    torch.save(Opens(marker), bad, _use_new_zipfile_serialization=zipped)
+    check_extra_state(_te_state({"scale_fwd": _Storage(load, good.getvalue())}), "k")
     with pytest.raises(UnsafeCheckpointError, match=f"its pickle names {OPEN}"):
-        check_extra_state(_te_state({"scale_fwd": _Storage()}), "k")
+        check_extra_state(_te_state({"scale_fwd": _Storage(load, bad.getvalue())}), "k")
     assert not marker.exists()
 
 
