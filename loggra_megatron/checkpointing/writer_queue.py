@@ -84,8 +84,13 @@ def _start_server() -> SyncManager:
     in the new process first. Its authkey is this process's, as a spawned server's would be
     (the processes that inherit it can use the queue)."""
     authkey = bytes(mp.current_process().authkey)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     server = subprocess.Popen(
-        [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-m", __name__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": path},  # this package, installed or not
     )
     server.stdin.write(authkey)
     server.stdin.close()
