@@ -57,9 +57,7 @@ def run(
     ``timeout``, after killing every process)."""
     with Launch(script, argv, nproc=nproc, env=env, cwd=cwd, timeout=timeout) as launch:
         code = launch.wait(timeout)
-        return subprocess.CompletedProcess(
-            [script, *argv], code, launch.output(), _read(launch.err)
-        )
+        return subprocess.CompletedProcess(launch.args, code, launch.output(), _read(launch.err))
 
 
 class Launch:
@@ -84,9 +82,11 @@ class Launch:
         open(self.out, "w").close()  # noqa: SIM115 (readable before a process writes)
         ctx = forkserver_context()
         ranks = _rank_envs(nproc) if nproc else [{}]
-        args = (script, list(map(str, argv)))
+        self.args = [script, *map(str, argv)]
         self._procs = [
-            ctx.Process(target=_main, args=(*args, {**env, **r}, cwd, self.out, self.err))
+            ctx.Process(
+                target=_main, args=(script, self.args[1:], {**env, **r}, cwd, self.out, self.err)
+            )
             for r in ranks
         ]
         for p in self._procs:
@@ -142,7 +142,7 @@ class Launch:
         late = self._watcher.is_alive()
         self.kill()
         if late or self._code is None:
-            raise subprocess.TimeoutExpired(self._procs[0].name, timeout, self.output())
+            raise subprocess.TimeoutExpired(self.args, timeout, self.output())
         return self._code
 
     def output(self) -> str:
