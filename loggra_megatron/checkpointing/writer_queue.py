@@ -36,8 +36,8 @@ POLL_S = 1.0
 
 
 def exit_with_parent() -> None:
-    """Process initializer: a daemon thread that ends this process once its parent (the
-    training rank) is gone, even after a SIGKILL."""
+    """A daemon thread that ends this process (the server) once its parent (the training
+    rank) is gone, even after a SIGKILL."""
 
     def watch(ppid: int) -> None:
         while os.getppid() == ppid:
@@ -49,8 +49,8 @@ def exit_with_parent() -> None:
 
 class PickledQueue:
     """A Manager's queue that carries pickled bytes: ``put`` pickles in the writer process,
-    ``get``/``get_nowait`` unpickle in the rank, so the server stores bytes it never
-    unpickles. It has the methods Megatron's writers and its save finalization call."""
+    ``get_nowait`` unpickles in the rank, so the server stores bytes it never unpickles.
+    These two are what Megatron's writers and its save finalization call (0.16-0.19)."""
 
     def __init__(self, queue) -> None:
         self._queue = queue
@@ -58,14 +58,8 @@ class PickledQueue:
     def put(self, item, *args, **kwargs) -> None:
         self._queue.put(pickle.dumps(item), *args, **kwargs)
 
-    def get(self, *args, **kwargs):
-        return pickle.loads(self._queue.get(*args, **kwargs))  # noqa: S301 (our own writers')
-
     def get_nowait(self):
         return pickle.loads(self._queue.get_nowait())  # noqa: S301 (our own writers')
-
-    def empty(self) -> bool:
-        return self._queue.empty()
 
 
 def install_writer_queue() -> None:

@@ -19,6 +19,17 @@ def cli_main(argv) -> int:
     return module.main(argv)
 
 
+def export_hf(run, out, *flags) -> dict:
+    """``convert_checkpoint.py --direction megatron-to-hf --load run --save out flags``, forked
+    warm (``warm_launch``); the tensors it wrote (``load_hf_dir``)."""
+    import warm_launch
+
+    argv = ["--direction", "megatron-to-hf", "--load", run, "--save", out, *flags]
+    done = warm_launch.run(CLI, [str(a) for a in argv])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_hf_dir(out)
+
+
 def load_hf_dir(path) -> dict:
     """``{name: tensor}`` of every ``*.safetensors`` file in ``path``."""
     out = {}

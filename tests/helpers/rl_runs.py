@@ -1,8 +1,10 @@
 """Tiny ``pretrain_rl.py`` runs for the tests: the flags of a 2-layer policy, and torchrun."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import warm_launch
@@ -102,6 +104,22 @@ def torchrun(argv, nproc=2, check=True, timeout=600, script="pretrain_rl.py", wa
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def signal_rank_when(
+    argv, awaited, rank: int = 0, signum=signal.SIGTERM, nproc: int | None = 2, timeout=300
+) -> tuple[int, float, str]:
+    """``pretrain_rl.py argv`` on ``nproc`` ranks (None: one process, no torchrun), forked
+    warm; once it prints a line ``awaited(line)`` holds for, ``signum`` to ``rank``. The exit
+    code, the seconds from the signal to the end, and all it printed (stdout and stderr)."""
+    with warm_launch.Launch(
+        "pretrain_rl.py", argv, nproc=nproc, env=ENV, timeout=timeout, merge_stderr=True
+    ) as launch:
+        launch.first_line(awaited)
+        os.kill(launch.pid(rank), signum)
+        signalled = time.monotonic()
+        code = launch.wait(timeout)
+        return code, time.monotonic() - signalled, launch.output()
 
 
 def refused(argv, capsys, *needles) -> str:

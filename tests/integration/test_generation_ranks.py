@@ -8,16 +8,13 @@
 Other layouts and the policy lag: ``test_generation_ranks_layouts.py``.
 """
 
-import os
 import re
 import signal
-import time
 
 import pytest
 import torch
-import warm_launch
-from convert_cli import CLI, load_hf_dir
-from rl_runs import ENV, tiny_argv, torchrun
+from convert_cli import export_hf
+from rl_runs import signal_rank_when, tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
 
@@ -38,12 +35,6 @@ PLACEMENT_KEYS = (
     "rollout/policy_lag",
 )
 VOLATILE = ("time/", "throughput/", "memory/peak")
-
-
-def _export(run, out) -> dict:
-    done = warm_launch.run(CLI, ["--direction", "megatron-to-hf", "--load", run, "--save", out])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_hf_dir(out)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +59,7 @@ def test_lockstep_generation_ranks_equal_the_colocated_run(lockstep, tmp_path):
         assert b["sync/checksum_ok"] == 1.0 and b["sync/bytes"] > 0
         assert b["time/training_idle_s"] > 0 and b["time/generation_idle_s"] > 0
     assert any(r["kl/step_scale"] < 1 for r in colocated)  # KL control shrank a step
-    ours, theirs = (_export(lockstep / n, tmp_path / n) for n in ("colocated", "split"))
+    ours, theirs = (export_hf(lockstep / n, tmp_path / n) for n in ("colocated", "split"))
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
@@ -80,13 +71,9 @@ def _signal_generation_rank(tokenizer, tmp_path, signum) -> tuple[int, float, st
     argv = tiny_argv(
         tokenizer, **{**LOCKSTEP, "train-iters": 200, "generation-ranks": 1}, save=tmp_path
     )
-    launch = warm_launch.Launch("pretrain_rl.py", argv, nproc=3, env=ENV, merge_stderr=True)
-    with launch:
-        launch.first_line(lambda line: re.search(r"step +2/200", line))
-        os.kill(launch.pid(2), signum)
-        signalled = time.monotonic()
-        code = launch.wait(120)
-        return code, time.monotonic() - signalled, launch.output()
+    return signal_rank_when(
+        argv, lambda line: re.search(r"step +2/200", line), 2, signum, nproc=3, timeout=120
+    )
 
 
 def test_a_killed_generation_rank_ends_the_run_naming_it(tokenizer, tmp_path):

@@ -14,8 +14,7 @@ import math
 
 import pytest
 import torch
-import warm_launch
-from convert_cli import CLI
+from convert_cli import export_hf
 from rl_runs import tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
@@ -65,9 +64,7 @@ def _hand_importance_weights(run, records: list[dict], step: int, out) -> list[f
     tokens; checked against the engine's and the trainer's log-probs on the way."""
     policies = {}
     for it in (step - 1, step):
-        argv = ["--direction", "megatron-to-hf", "--load", run, "--ckpt-step", it]
-        done = warm_launch.run(CLI, [*map(str, argv), "--save", str(out / f"hf{it}")])
-        assert done.returncode == 0, done.stderr[-3000:]
+        export_hf(run, out / f"hf{it}", "--ckpt-step", it)
         policies[it] = out / f"hf{it}"
     means = []
     for rank_records in records:

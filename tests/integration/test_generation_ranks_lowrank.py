@@ -13,8 +13,7 @@ every sync (a checksum at every sync, ``--weight-sync-check-interval 1``).
 
 import pytest
 import torch
-import warm_launch
-from convert_cli import CLI, load_hf_dir
+from convert_cli import export_hf
 from rl_runs import tiny_argv, torchrun
 
 from loggra_megatron.metrics import read_metrics
@@ -33,12 +32,6 @@ BASE = {
     "weight-sync-check-interval": 1,
 }
 VOLATILE = ("time/", "throughput/", "memory/peak", "sync/")
-
-
-def _export(run, out) -> dict:
-    done = warm_launch.run(CLI, ["--direction", "megatron-to-hf", "--load", run, "--save", out])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return load_hf_dir(out)
 
 
 def test_lowrank_sync_equals_the_full_sync_bit_for_bit(tokenizer, tmp_path):
@@ -60,8 +53,8 @@ def test_lowrank_sync_equals_the_full_sync_bit_for_bit(tokenizer, tmp_path):
     # after a step that changed nothing (the syncs of steps 2 and 3), no row update travels
     assert max(low[s]["sync/bytes"] for s in (2, 3)) < min(low[s]["sync/bytes"] for s in (1, 4))
     ours, theirs = (
-        _export(tmp_path / "full", tmp_path / "a"),
-        _export(tmp_path / "lowrank", tmp_path / "b"),
+        export_hf(tmp_path / "full", tmp_path / "a"),
+        export_hf(tmp_path / "lowrank", tmp_path / "b"),
     )
     assert ours.keys() == theirs.keys()
     for name in ours:

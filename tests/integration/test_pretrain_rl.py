@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import warm_launch
-from rl_runs import ENV, REWARD, ROOT, tiny_argv, torchrun
+from rl_runs import ENV, REWARD, ROOT, signal_rank_when, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.convert.hf_config import gpt_args_from_hf
@@ -473,12 +473,7 @@ def test_training_starts_from_a_converted_hugging_face_model(tokenizer, tmp_path
 def test_sigterm_saves_a_checkpoint_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
     argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})
-    with warm_launch.Launch("pretrain_rl.py", argv, env=ENV) as run:
-        for line in run.lines():  # wait for the first step, then ask the job to stop
-            if line.startswith(" step"):
-                os.kill(run.pid(), signal.SIGTERM)
-                break
-        code, out = run.wait(300), run.output()
+    code, _, out = signal_rank_when(argv, lambda line: line.startswith(" step"), nproc=None)
     assert code == 0, out
     assert "SIGTERM" in out and "saved checkpoint" in out
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 import warm_launch
-from rl_runs import ENV, REWARD, ROOT, refused, tiny_argv, torchrun
+from rl_runs import ENV, REWARD, ROOT, refused, signal_rank_when, tiny_argv, torchrun
 
 from loggra_megatron.arguments import parse_args
 from loggra_megatron.metrics import read_metrics
@@ -133,21 +133,10 @@ def _launch(argv) -> warm_launch.Launch:
     )
 
 
-def _signal_rank_when(argv, prefix: str, rank: int, signum=signal.SIGTERM) -> tuple[int, str]:
-    """Launch ``argv``; send SIGTERM (or ``signum``) to one rank once a line starting with
-    ``prefix`` appears; the exit code and all output."""
-    with _launch(argv) as launch:
-        for line in launch.lines():
-            if line.startswith(prefix):
-                os.kill(launch.pid(rank), signum)
-                break
-        return launch.wait(300), launch.output()
-
-
 def test_sigterm_on_one_rank_saves_on_every_rank_and_exits(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
     argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save})
-    code, log = _signal_rank_when(argv, " step", rank=1)
+    code, _, log = signal_rank_when(argv, lambda line: line.startswith(" step"), rank=1)
     assert code == 0, log[-3000:]
     assert "SIGTERM on rank 1" in log and "SIGTERM or SIGINT on another rank" in log
     steps = int((save / "latest_checkpointed_iteration.txt").read_text())
@@ -162,7 +151,8 @@ def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer
     agreed save and exit. Every step saves here, so the signal lands in or near a save."""
     save = tmp_path / "ckpt"
     argv = tiny_argv(tokenizer, **{"train-iters": 1000, "save": save, "save-interval": 1})
-    code, log = _signal_rank_when(argv, " saved checkpoint", rank=1, signum=signal.SIGINT)
+    saved = lambda line: line.startswith(" saved checkpoint")  # noqa: E731
+    code, _, log = signal_rank_when(argv, saved, rank=1, signum=signal.SIGINT)
     assert code == 0, log[-3000:]
     assert "SIGINT on rank 1: saving at the next step boundary" in log
     assert "SIGTERM or SIGINT on another rank" in log
@@ -175,7 +165,9 @@ def test_sigint_on_one_rank_during_saves_saves_on_every_rank_and_exits(tokenizer
 def test_sigterm_during_the_warm_up_saves_and_the_resume_finishes_it(tokenizer, tmp_path):
     save = tmp_path / "ckpt"
     flags = {"sft-iters": 60, "train-iters": 2, "save": save, "lr": 1e-3}
-    code, log = _signal_rank_when(tiny_argv(tokenizer, **flags), " sft", rank=0)
+    code, _, log = signal_rank_when(
+        tiny_argv(tokenizer, **flags), lambda line: line.startswith(" sft")
+    )
     assert code == 0, log[-3000:]
     assert "saved checkpoint" in log and "(warm-up step" in log
     assert int((save / "latest_checkpointed_iteration.txt").read_text()) == 0
