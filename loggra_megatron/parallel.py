@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -41,22 +40,16 @@ class ParallelConfig:
         return self.device == "cuda" or (self.device == "auto" and cuda_visible)
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def single_process_env() -> None:
-    """Outside torchrun (no ``RANK``): a one-process world on 127.0.0.1 and a free port, as
-    torchrun --standalone picks one, so that two such runs on a machine never collide."""
+    """Outside torchrun (no ``RANK``): a one-process world on 127.0.0.1. Its store listens on
+    port 0, a port the kernel picks as it binds (no other rank needs to know it), so two such
+    runs on a machine never collide, not even in the moment between choosing a port and
+    listening on it."""
     if "RANK" in os.environ:
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("MASTER_PORT", "0")
 
 
 def initialize_megatron(

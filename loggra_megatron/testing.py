@@ -16,11 +16,13 @@ Details (costs, what travels back, the model's architecture): docs/cpu.md#the-te
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -32,12 +34,12 @@ import torch
 
 from loggra_megatron.model.build import wrap_ddp
 from loggra_megatron.model.forward import positions_like
-from loggra_megatron.parallel import free_port, initialize_megatron
+from loggra_megatron.parallel import initialize_megatron
 
 __all__ = [
     "forkserver_context",
-    "free_port",
     "rank_environment",
+    "rendezvous_port",
     "run_distributed",
     "tensor_bytes_left_in_cycles",
     "tiny_gpt_model",
@@ -83,6 +85,37 @@ def _exit_when_orphaned(ppid: int) -> None:
     while os.getppid() == ppid:  # the forkserver dies with the caller; spawn's parent is it
         time.sleep(1.0)
     os._exit(1)
+
+
+RENDEZVOUS_PORTS = range(20000, 32000)
+"""The ports the test launches rendezvous on (``MASTER_PORT``): below Linux's ephemeral range
+(32768-60999 by default), from which the kernel numbers the sockets it picks a port for
+(gloo's connections of a test running beside, any client). A port the kernel handed out, on
+the contrary, could be taken between its choice and rank 0's listen. Each pytest-xdist worker
+draws from its own share."""
+
+_share_walk: collections.deque[int] = collections.deque()
+
+
+def rendezvous_port() -> int:
+    """A port of this process's share of ``RENDEZVOUS_PORTS`` that nothing listens on now:
+    successive calls walk the share (from a point set by the pid, for a second test session
+    beside), skipping ports that are in use."""
+    if not _share_walk:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        _share_walk.extend(RENDEZVOUS_PORTS[worker % workers :: workers])
+        _share_walk.rotate(-(os.getpid() % len(_share_walk)))
+    for _ in range(len(_share_walk)):
+        port = _share_walk[0]
+        _share_walk.rotate(-1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"every port of {RENDEZVOUS_PORTS} is in use")
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -170,8 +203,8 @@ def _collect(procs, status_q, timeout: float) -> tuple[set[int], dict[int, str]]
 
 
 PORT_ATTEMPTS = 3
-"""Launches tried when the rendezvous port was taken between ``free_port`` and the
-bind (another process on the machine, e.g. a second test session): nothing ran yet."""
+"""Launches tried when the rendezvous port was taken between ``rendezvous_port`` and the
+bind (a process that chose the same port, e.g. in a second test session): nothing ran yet."""
 
 
 class _PortTaken(RuntimeError):
@@ -214,7 +247,7 @@ def _launch(fn, world_size, args, tp, pp, seed, timeout, start_method, kwargs) -
     ctx = _mp_context(start_method)
     status_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="loggra_dist_") as out_dir:
-        port = free_port()
+        port = rendezvous_port()
         procs = [
             ctx.Process(
                 target=_worker,

@@ -34,8 +34,7 @@ import threading
 import time
 import warnings
 
-from loggra_megatron.parallel import free_port
-from loggra_megatron.testing import forkserver_context, rank_environment
+from loggra_megatron.testing import forkserver_context, rank_environment, rendezvous_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TERM_GRACE_S = 30.0
@@ -163,7 +162,7 @@ class Launch:
 
 
 def _rank_envs(nproc: int) -> list[dict]:
-    port = free_port()
+    port = rendezvous_port()
     extra = {"GROUP_RANK": "0", "OMP_NUM_THREADS": "1"}
     return [{**rank_environment(r, nproc, port), **extra} for r in range(nproc)]
 

@@ -304,17 +304,16 @@ def _rank_of_world(rank):
 
 
 def test_run_distributed_retries_a_taken_rendezvous_port(monkeypatch):
-    """The rendezvous port taken between free_port() and the bind (another test session on
-    the machine) is a fresh launch, not a failed test."""
+    """The rendezvous port taken between rendezvous_port() and the bind (a second test session
+    on the machine that chose the same port) is a fresh launch, not a failed test."""
     import socket
 
     from loggra_megatron import testing
-    from loggra_megatron.parallel import free_port
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        ports = iter([held.getsockname()[1], free_port()])
-        monkeypatch.setattr(testing, "free_port", lambda: next(ports))
+        ports = iter([held.getsockname()[1], testing.rendezvous_port()])
+        monkeypatch.setattr(testing, "rendezvous_port", lambda: next(ports))
         assert run_distributed(_rank_of_world, 2) == [(0, 2), (1, 2)]
         assert next(ports, None) is None  # the second launch took the second port

@@ -72,9 +72,9 @@ print(audit.violations)
 def test_the_audit_flags_what_a_gpu_would_reject():
     """The audit is not vacuous: a module left on the host, an op mixing devices and a host
     tensor in a collective are each flagged; moved and device tensors are not."""
-    from loggra_megatron.parallel import free_port
+    from loggra_megatron.testing import rendezvous_port
 
-    code = _SELF_TEST.format(port=free_port())
+    code = _SELF_TEST.format(port=rendezvous_port())
     env = {**ENV, "PYTHONPATH": os.path.join(ROOT, "tests", "helpers")}
     out = subprocess.run(
         [sys.executable, "-c", code],
