@@ -99,7 +99,7 @@ _share_walk: collections.deque[int] = collections.deque()
 
 def rendezvous_port() -> int:
     """A port of this process's share of ``RENDEZVOUS_PORTS`` that nothing listens on now:
-    successive calls walk the share (from a point set by the pid, for a second test session
+    successive calls walk the share (from a point set by the pid, for a second pytest run
     beside), skipping ports that are in use."""
     if not _share_walk:
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -204,7 +204,7 @@ def _collect(procs, status_q, timeout: float) -> tuple[set[int], dict[int, str]]
 
 PORT_ATTEMPTS = 3
 """Launches tried when the rendezvous port was taken between ``rendezvous_port`` and the
-bind (a process that chose the same port, e.g. in a second test session): nothing ran yet."""
+bind (a process that chose the same port, e.g. in a second pytest run): nothing ran yet."""
 
 
 class _PortTaken(RuntimeError):

@@ -304,7 +304,7 @@ def _rank_of_world(rank):
 
 
 def test_run_distributed_retries_a_taken_rendezvous_port(monkeypatch):
-    """The rendezvous port taken between rendezvous_port() and the bind (a second test session
+    """The rendezvous port taken between rendezvous_port() and the bind (a second pytest run
     on the machine that chose the same port) is a fresh launch, not a failed test."""
     import socket
 
